@@ -1,0 +1,175 @@
+"""linear_logprobs(): per-token log-probs (and entropy) straight from hidden states and the LM head.
+
+One autograd Function serves every backend; the backend only supplies ``forward`` and
+``backward`` functions with the same signature (see torch_chunked.py for the math).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import torch_chunked
+from .checks import BACKENDS, check_choice, check_linear_inputs, check_targets_in_range, check_temperature
+from .reference import naive_linear_logprobs
+
+
+def _triton_module():
+    """Import the Triton kernels, or raise a ValueError that says how to fix the set-up."""
+    try:
+        from . import triton as triton_kernels
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ValueError(
+            "backend='triton' needs the triton package (pip install triton); "
+            f"it could not be imported ({exc}). Use backend='torch' instead."
+        ) from exc
+    return triton_kernels
+
+
+def _resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    check_choice("backend", backend, BACKENDS)
+    if backend == "auto":
+        if device.type == "cuda" and dtype != torch.float64:
+            try:
+                _triton_module()
+                return "triton"
+            except ValueError:
+                return "torch"
+        return "torch"
+    if backend == "triton":
+        kernels = _triton_module()
+        if device.type != "cuda" and not kernels.INTERPRETED:
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors, got tensors on {device}. Use backend='torch' "
+                "on this device, or set TRITON_INTERPRET=1 before importing pacs_kernels to run the "
+                "Triton kernels in the (slow) interpreter"
+                + (" (TRITON_INTERPRET=1 is set now, but was not when triton was first imported)"
+                   if os.environ.get("TRITON_INTERPRET") == "1" else "")
+            )
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(
+                f"backend='triton' takes hidden and weight in float16, bfloat16 or float32, got {dtype}; "
+                "use backend='torch' for float64"
+            )
+    return backend
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, backend, with_entropy, options):
+        impl = _triton_module() if backend == "triton" else None
+        if impl is not None:
+            logp, entropy, lse = impl.logprob_forward(
+                hidden, weight, targets, bias, temperature, with_entropy,
+                vocab_splits=options.get("vocab_splits"))
+        else:
+            logp, entropy, lse = torch_chunked.forward(
+                hidden, weight, targets, bias, temperature, with_entropy, **_chunk(options))
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.temperature, ctx.backend, ctx.options = temperature, backend, options
+        if entropy is None:
+            return logp.float(), None
+        return logp.float(), entropy.float()
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])
+        if entropy is None:
+            grad_entropy = None
+        if ctx.backend == "triton":
+            d_hidden, d_weight, d_bias = _triton_module().logprob_backward(
+                hidden, weight, targets, bias, ctx.temperature, lse, entropy, grad_logp, grad_entropy,
+                needs=needs, filter_eps=ctx.options.get("filter_eps"),
+                vocab_splits=ctx.options.get("vocab_splits"))
+        else:
+            d_hidden, d_weight, d_bias = torch_chunked.backward(
+                hidden, weight, targets, bias, ctx.temperature, lse, entropy, grad_logp, grad_entropy,
+                needs=needs, **_chunk(ctx.options))
+        return d_hidden, d_weight, d_bias, None, None, None, None, None
+
+
+def _chunk(options: dict) -> dict:
+    return {"chunk_elements": options["chunk_elements"]} if options.get("chunk_elements") else {}
+
+
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    bias: torch.Tensor | None = None,
+    return_entropy: bool = False,
+    backend: str = "auto",
+    filter_eps: float | None = None,
+    chunk_elements: int | None = None,
+    vocab_splits: int | None = None,
+):
+    """Log-prob of ``targets`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
+
+    Args:
+        hidden: (..., d) float16/bfloat16/float32 (float64 on the torch and naive backends).
+        weight: (V, d), same dtype as hidden (the LM-head weight; may be the tied embedding).
+        targets: (...) integer token ids in [0, V).
+        temperature: > 0, the sampling temperature the logits are divided by.
+        bias: optional (V,) LM-head bias.
+        return_entropy: also return the entropy of each token's distribution.
+        backend: "auto" (triton on CUDA, torch otherwise) | "triton" | "torch" | "naive".
+        filter_eps: triton only, opt-in: skip backward tiles whose every |dlogit| < filter_eps
+            (approximate; None means exact).
+        chunk_elements: torch backend: logits per chunk (default 4M, 16 MiB in float32).
+        vocab_splits: triton: vocabulary slices per token block (default: enough to fill the GPU).
+
+    Returns:
+        logp (...) float32, or (logp, entropy) with ``return_entropy=True``. Differentiable with
+        respect to hidden, weight and bias for any upstream gradient on either output;
+        gradients come back in the input dtypes. Nothing of size N x V is allocated (except by
+        the "naive" backend); under ``torch.no_grad()`` nothing is saved for backward.
+    """
+    check_linear_inputs(hidden, weight, targets, bias)
+    temperature = check_temperature(temperature)
+    if filter_eps is not None and not (isinstance(filter_eps, (int, float)) and filter_eps >= 0):
+        raise ValueError(f"filter_eps must be None or a number >= 0, got {filter_eps!r}")
+    if chunk_elements is not None and not (isinstance(chunk_elements, int) and chunk_elements > 0):
+        raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
+    if vocab_splits is not None and not (isinstance(vocab_splits, int) and vocab_splits > 0):
+        raise ValueError(f"vocab_splits must be a positive int, got {vocab_splits!r}")
+    backend = _resolve_backend(backend, hidden.device, hidden.dtype)
+    vocab, width = weight.shape
+    check_targets_in_range(targets, vocab)
+
+    lead_shape = hidden.shape[:-1]
+    if backend == "naive":
+        logp, entropy = naive_linear_logprobs(hidden, weight, targets, temperature=temperature, bias=bias)
+        logp, entropy = logp.float(), entropy.float()
+        return (logp, entropy) if return_entropy else logp
+
+    hidden_2d = hidden.reshape(-1, width)
+    targets_1d = targets.reshape(-1)
+    if backend == "triton":
+        # the kernels take any strides for hidden and weight; targets and bias are read densely
+        targets_1d = targets_1d.contiguous()
+        bias = bias.contiguous() if bias is not None else None
+    options = {"filter_eps": filter_eps, "chunk_elements": chunk_elements, "vocab_splits": vocab_splits}
+
+    needs_grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    if needs_grad:
+        logp, entropy = _LinearLogprobs.apply(
+            hidden_2d, weight, bias, targets_1d, temperature, backend, return_entropy, options)
+    else:  # old-policy / reference log-probs: save nothing
+        if backend == "triton":
+            logp, entropy, _ = _triton_module().logprob_forward(
+                hidden_2d, weight, targets_1d, bias, temperature, return_entropy, vocab_splits=vocab_splits)
+        else:
+            logp, entropy, _ = torch_chunked.forward(
+                hidden_2d, weight, targets_1d, bias, temperature, return_entropy, **_chunk(options))
+        logp = logp.float()
+        entropy = entropy.float() if entropy is not None else None
+
+    logp = logp.reshape(lead_shape)
+    if return_entropy:
+        return logp, entropy.reshape(lead_shape)
+    return logp

@@ -1,0 +1,170 @@
+"""Portable chunked backend: the fused log-prob math in plain PyTorch.
+
+Runs on any device (the CPU path, and the fallback where Triton cannot run). It walks the
+(tokens x vocabulary) plane in chunks of at most ``chunk_elements`` logits, so memory grows
+with the chunk, never with N x V. What it keeps for backward is O(N): the log-sum-exp (and
+the entropy, when asked for) per token.
+
+Math (z = (h @ W.T + b) / tau are the logits of one token, p = softmax(z)):
+
+    logp    = z[y] - lse,                lse = log sum_v exp(z_v)
+    entropy = -sum_v p_v log p_v
+
+Per vocabulary chunk c we keep its own log-sum-exp ``lse_c`` and
+``B_c = sum_{v in c} softmax_c(z)_v * (z_v - lse_c)`` (its negative entropy). With
+``w_c = exp(lse_c - lse)`` the chunks combine without cancellation:
+
+    lse = logsumexp_c(lse_c),    entropy = -sum_c w_c * (B_c + log w_c)
+
+Gradient, for upstream gradients g_l on logp and g_H on the entropy:
+
+    dlogp/dz_k = onehot(y)_k - p_k
+    dH/dz_k    = -p_k * (log p_k + H)
+    dz_k       = g_l * onehot(y)_k - p_k * (g_l + g_H * (log p_k + H))
+    dlogits = dz / tau;  dh = dlogits @ W;  dW = dlogits.T @ h;  dbias = sum_tokens dlogits
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_CHUNK_ELEMENTS = 1 << 22  # 4M logits: 16 MiB in float32 per chunk
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunk_sizes(n_tokens: int, vocab: int, chunk_elements: int) -> tuple[int, int]:
+    """Token and vocabulary chunk sizes whose product stays under ``chunk_elements``."""
+    min_token_chunk = 64
+    if vocab * min_token_chunk <= chunk_elements:
+        vocab_chunk = vocab
+        token_chunk = max(1, chunk_elements // vocab)
+    else:
+        vocab_chunk = max(1, chunk_elements // min_token_chunk)
+        token_chunk = min_token_chunk
+    return max(1, min(token_chunk, n_tokens)), vocab_chunk
+
+
+def combine_vocab_chunks(
+    lse_parts: torch.Tensor, negent_parts: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Merge per-chunk (lse_c, B_c) of shape (N, C) into the full (lse, entropy) of shape (N,)."""
+    lse = torch.logsumexp(lse_parts, dim=-1)
+    if negent_parts is None:
+        return lse, None
+    log_w = lse_parts - lse.unsqueeze(-1)
+    w = log_w.exp()
+    # chunks with w == 0 contribute nothing (avoid 0 * -inf)
+    entropy = -(w * (negent_parts + torch.where(w > 0, log_w, torch.zeros_like(log_w)))).sum(-1)
+    return lse, entropy
+
+
+def _logits(h, weight, bias, v0, v1, inv_tau, cdt):
+    z = h @ weight[v0:v1].to(cdt).T
+    if bias is not None:
+        z = z + bias[v0:v1].to(cdt)
+    return z * inv_tau
+
+
+def forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    with_entropy: bool,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """hidden (N, d), weight (V, d), targets (N,) -> (logp, entropy or None, lse), each (N,)."""
+    n_tokens, vocab = hidden.shape[0], weight.shape[0]
+    cdt = _compute_dtype(hidden.dtype)
+    inv_tau = 1.0 / temperature
+    logp = torch.empty(n_tokens, dtype=cdt, device=hidden.device)
+    lse = torch.empty_like(logp)
+    entropy = torch.empty_like(logp) if with_entropy else None
+    token_chunk, vocab_chunk = _chunk_sizes(n_tokens, vocab, chunk_elements)
+    starts = range(0, vocab, vocab_chunk)
+    for n0 in range(0, n_tokens, token_chunk):
+        n1 = min(n0 + token_chunk, n_tokens)
+        h = hidden[n0:n1].to(cdt)
+        y = targets[n0:n1].long()
+        lse_parts, negent_parts = [], []
+        target_logit = torch.zeros(n1 - n0, dtype=cdt, device=hidden.device)
+        for v0 in starts:
+            v1 = min(v0 + vocab_chunk, vocab)
+            z = _logits(h, weight, bias, v0, v1, inv_tau, cdt)
+            lse_c = torch.logsumexp(z, dim=-1)
+            lse_parts.append(lse_c)
+            if with_entropy:
+                logp_c = z - lse_c.unsqueeze(-1)
+                negent_parts.append((logp_c.exp() * logp_c).sum(-1))
+            inside = (y >= v0) & (y < v1)
+            local = (y - v0).clamp(0, v1 - v0 - 1)
+            target_logit += torch.where(inside, z.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
+        lse_c, ent_c = combine_vocab_chunks(
+            torch.stack(lse_parts, -1), torch.stack(negent_parts, -1) if with_entropy else None
+        )
+        lse[n0:n1] = lse_c
+        logp[n0:n1] = target_logit - lse_c
+        if with_entropy:
+            entropy[n0:n1] = ent_c
+    return logp, entropy, lse
+
+
+def backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    needs: tuple[bool, bool, bool] = (True, True, True),
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients (dhidden, dweight, dbias) in the input dtypes; accumulation in float32 (or 64)."""
+    n_tokens, vocab = hidden.shape[0], weight.shape[0]
+    cdt = _compute_dtype(hidden.dtype)
+    inv_tau = 1.0 / temperature
+    need_h, need_w, need_b = needs
+    need_b = need_b and bias is not None
+    dev = hidden.device
+    g_l = grad_logp.to(cdt) if grad_logp is not None else torch.zeros(n_tokens, dtype=cdt, device=dev)
+    g_h = grad_entropy.to(cdt) if grad_entropy is not None else None
+    d_hidden = torch.zeros(hidden.shape, dtype=cdt, device=dev) if need_h else None
+    d_weight = torch.zeros(weight.shape, dtype=cdt, device=dev) if need_w else None
+    d_bias = torch.zeros(vocab, dtype=cdt, device=dev) if need_b else None
+    token_chunk, vocab_chunk = _chunk_sizes(n_tokens, vocab, chunk_elements)
+    for n0 in range(0, n_tokens, token_chunk):
+        n1 = min(n0 + token_chunk, n_tokens)
+        h = hidden[n0:n1].to(cdt)
+        y = targets[n0:n1].long()
+        gl = g_l[n0:n1].unsqueeze(-1)
+        lse_c = lse[n0:n1].to(cdt).unsqueeze(-1)
+        for v0 in range(0, vocab, vocab_chunk):
+            v1 = min(v0 + vocab_chunk, vocab)
+            logp_tile = _logits(h, weight, bias, v0, v1, inv_tau, cdt) - lse_c
+            p = logp_tile.exp()
+            coef = gl
+            if g_h is not None:
+                coef = coef + g_h[n0:n1].unsqueeze(-1) * (logp_tile + entropy[n0:n1].to(cdt).unsqueeze(-1))
+            dz = -p * coef
+            inside = (y >= v0) & (y < v1)
+            rows = inside.nonzero().squeeze(-1)
+            dz[rows, y[rows] - v0] += gl[rows, 0]
+            dz = dz * inv_tau
+            if need_h:
+                d_hidden[n0:n1] += dz @ weight[v0:v1].to(cdt)
+            if need_w:
+                d_weight[v0:v1] += dz.T @ h
+            if need_b:
+                d_bias[v0:v1] += dz.sum(0)
+    return (
+        d_hidden.to(hidden.dtype) if need_h else None,
+        d_weight.to(weight.dtype) if need_w else None,
+        d_bias.to(bias.dtype) if need_b else None,
+    )
