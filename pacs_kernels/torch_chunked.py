@@ -95,14 +95,15 @@ def forward(
         for v0 in starts:
             v1 = min(v0 + vocab_chunk, vocab)
             z = _logits(h, weight, bias, v0, v1, inv_tau, cdt)
-            lse_c = torch.logsumexp(z, dim=-1)
-            lse_parts.append(lse_c)
-            if with_entropy:
-                logp_c = z - lse_c.unsqueeze(-1)
-                negent_parts.append((logp_c.exp() * logp_c).sum(-1))
             inside = (y >= v0) & (y < v1)
             local = (y - v0).clamp(0, v1 - v0 - 1)
             target_logit += torch.where(inside, z.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
+            lse_c = torch.logsumexp(z, dim=-1)
+            lse_parts.append(lse_c)
+            if with_entropy:  # in place: at most two chunk-sized buffers live at once
+                log_p = z.sub_(lse_c.unsqueeze(-1))
+                negent_parts.append((log_p.exp() * log_p).sum(-1))
+            del z
         lse_c, ent_c = combine_vocab_chunks(
             torch.stack(lse_parts, -1), torch.stack(negent_parts, -1) if with_entropy else None
         )
@@ -147,16 +148,20 @@ def backward(
         lse_c = lse[n0:n1].to(cdt).unsqueeze(-1)
         for v0 in range(0, vocab, vocab_chunk):
             v1 = min(v0 + vocab_chunk, vocab)
-            logp_tile = _logits(h, weight, bias, v0, v1, inv_tau, cdt) - lse_c
-            p = logp_tile.exp()
-            coef = gl
+            # in place throughout: two chunk-sized buffers (log p, then dz) live at once
+            log_p = _logits(h, weight, bias, v0, v1, inv_tau, cdt).sub_(lse_c)
+            dz = log_p.exp()
             if g_h is not None:
-                coef = coef + g_h[n0:n1].unsqueeze(-1) * (logp_tile + entropy[n0:n1].to(cdt).unsqueeze(-1))
-            dz = -p * coef
+                coef = log_p.add_(entropy[n0:n1].to(cdt).unsqueeze(-1)).mul_(g_h[n0:n1].unsqueeze(-1)).add_(gl)
+            else:
+                coef = gl
+            del log_p
+            dz.mul_(coef).neg_()
+            del coef
             inside = (y >= v0) & (y < v1)
             rows = inside.nonzero().squeeze(-1)
             dz[rows, y[rows] - v0] += gl[rows, 0]
-            dz = dz * inv_tau
+            dz.mul_(inv_tau)
             if need_h:
                 d_hidden[n0:n1] += dz @ weight[v0:v1].to(cdt)
             if need_w:

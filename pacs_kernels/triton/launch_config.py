@@ -65,3 +65,9 @@ def vocab_split(n_tokens: int, vocab: int, cfg: TileConfig, device: torch.device
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 inputs get exact fp32 products (no TF32): a log-prob kernel must not be approximate."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def upcast_dots(dtype: torch.dtype) -> bool:
+    """Triton 3.9's interpreter returns garbage for tl.dot on bfloat16 tiles; there (and only
+    there) the kernels round through bfloat16 exactly as on the GPU and multiply in float32."""
+    return INTERPRETED and dtype == torch.bfloat16

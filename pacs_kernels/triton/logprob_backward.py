@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch_config import dot_precision, tile_config, vocab_split
+from .launch_config import dot_precision, tile_config, upcast_dots, vocab_split
 
 
 @triton.jit
@@ -43,6 +43,7 @@ def _logprob_backward_kernel(
     NEED_D_BIAS: tl.constexpr,
     FILTER: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -73,6 +74,8 @@ def _logprob_backward_kernel(
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(weight_ptr + cols[:, None] * stride_wv + ks[None, :] * stride_wd,
                         mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if UPCAST_DOTS:
+                h, w = h.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -91,18 +94,24 @@ def _logprob_backward_kernel(
             skip = (tl.max(tl.abs(dz)) < filter_eps) & (tl.sum(is_target.to(tl.int32)) == 0)
         if not skip:
             dz_in = dz.to(hidden_ptr.dtype.element_ty)
+            if UPCAST_DOTS:
+                dz_in = dz_in.to(tl.float32)
             for k0 in range(0, width, BLOCK_D):
                 ks = k0 + tl.arange(0, BLOCK_D)
                 k_ok = ks < width
                 if NEED_D_HIDDEN:
                     w = tl.load(weight_ptr + cols[:, None] * stride_wv + ks[None, :] * stride_wd,
                                 mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                    if UPCAST_DOTS:
+                        w = w.to(tl.float32)
                     part = tl.dot(dz_in, w, input_precision=DOT_PRECISION)
                     tl.atomic_add(d_hidden_ptr + rows[:, None] * width + ks[None, :], part,
                                   mask=row_ok[:, None] & k_ok[None, :])
                 if NEED_D_WEIGHT:
                     h = tl.load(hidden_ptr + rows[:, None] * stride_hn + ks[None, :] * stride_hd,
                                 mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                    if UPCAST_DOTS:
+                        h = h.to(tl.float32)
                     part = tl.dot(tl.trans(dz_in), h, input_precision=DOT_PRECISION)
                     tl.atomic_add(d_weight_ptr + cols[:, None] * width + ks[None, :], part,
                                   mask=col_ok[:, None] & k_ok[None, :])
@@ -154,6 +163,7 @@ def logprob_backward(
             NEED_D_HIDDEN=need_h, NEED_D_WEIGHT=need_w, NEED_D_BIAS=need_b,
             FILTER=filter_eps is not None and filter_eps > 0,
             DOT_PRECISION=dot_precision(hidden.dtype),
+            UPCAST_DOTS=upcast_dots(hidden.dtype),
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..torch_chunked import combine_vocab_chunks
-from .launch_config import dot_precision, tile_config, vocab_split
+from .launch_config import dot_precision, tile_config, upcast_dots, vocab_split
 
 
 @triton.jit
@@ -34,6 +34,7 @@ def _logprob_forward_kernel(
     HAS_BIAS: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -62,6 +63,8 @@ def _logprob_forward_kernel(
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(weight_ptr + cols[:, None] * stride_wv + ks[None, :] * stride_wd,
                         mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if UPCAST_DOTS:
+                h, w = h.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -114,6 +117,7 @@ def logprob_forward(
             HAS_BIAS=bias is not None,
             WITH_ENTROPY=with_entropy,
             DOT_PRECISION=dot_precision(hidden.dtype),
+            UPCAST_DOTS=upcast_dots(hidden.dtype),
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )

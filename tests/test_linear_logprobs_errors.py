@@ -1,0 +1,92 @@
+"""Every bad input to linear_logprobs raises the documented error, naming the argument."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pacs_kernels import linear_logprobs
+
+N, D, V = 6, 8, 20
+
+
+def _ok():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(N, D, generator=g), torch.randn(V, D, generator=g), torch.randint(0, V, (N,), generator=g)
+
+
+@pytest.mark.parametrize(
+    "mutate,exc,match",
+    [
+        (lambda h, w, y: (h, w, y + V), ValueError, r"targets must lie in \[0, 20\)"),
+        (lambda h, w, y: (h, w, y - V), ValueError, r"targets must lie in \[0, 20\)"),
+        (lambda h, w, y: (h, w, y.float()), TypeError, "targets must have dtype"),
+        (lambda h, w, y: (h[:, :5], w, y), ValueError, "hidden's last dimension must equal weight.shape"),
+        (lambda h, w, y: (h, w, y[:4]), ValueError, "targets must have shape"),
+        (lambda h, w, y: (h, w[None], y), ValueError, "weight must be 2-dimensional"),
+        (lambda h, w, y: (h.double(), w, y), TypeError, "hidden and weight must share a dtype"),
+        (lambda h, w, y: (h.int(), w, y), TypeError, "hidden must have dtype"),
+        (lambda h, w, y: (h.numpy(), w, y), TypeError, "hidden must be a torch.Tensor"),
+        (lambda h, w, y: (h, w.to("meta"), y), ValueError, "all tensors must be on one device"),
+    ],
+)
+def test_bad_tensors(mutate, exc, match):
+    h, w, y = mutate(*_ok())
+    with pytest.raises(exc, match=match):
+        linear_logprobs(h, w, y)
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0, float("nan"), float("inf")])
+def test_bad_temperature_value(temperature):
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+        linear_logprobs(*_ok(), temperature=temperature)
+
+
+@pytest.mark.parametrize("temperature", ["1.0", None, True])
+def test_bad_temperature_type(temperature):
+    with pytest.raises(TypeError, match="temperature must be a positive number"):
+        linear_logprobs(*_ok(), temperature=temperature)
+
+
+def test_bad_bias():
+    h, w, y = _ok()
+    with pytest.raises(ValueError, match=r"bias must have shape \(V,\) = \(20,\)"):
+        linear_logprobs(h, w, y, bias=torch.zeros(V + 1))
+    with pytest.raises(ValueError, match="all tensors must be on one device"):
+        linear_logprobs(h, w, y, bias=torch.zeros(V, device="meta"))
+
+
+def test_unknown_backend_and_bad_options():
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'triton', 'torch', 'naive'; got 'cuda'"):
+        linear_logprobs(*_ok(), backend="cuda")
+    with pytest.raises(ValueError, match="filter_eps"):
+        linear_logprobs(*_ok(), filter_eps=-1.0)
+    with pytest.raises(ValueError, match="chunk_elements"):
+        linear_logprobs(*_ok(), chunk_elements=0)
+    with pytest.raises(ValueError, match="vocab_splits"):
+        linear_logprobs(*_ok(), vocab_splits=0)
+
+
+def test_triton_float64_is_refused_with_advice():
+    h, w, y = _ok()
+    with pytest.raises(TypeError, match="use backend='torch' for float64"):
+        linear_logprobs(h.double(), w.double(), y, backend="triton")
+
+
+def test_triton_on_cpu_without_interpreter_says_how_to_fix():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (
+        "import torch; from pacs_kernels import linear_logprobs\n"
+        "try:\n"
+        "    linear_logprobs(torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2]), backend='triton')\n"
+        "except ValueError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert "ERR backend='triton' needs CUDA tensors" in out.stdout, out.stdout + out.stderr
+    assert "TRITON_INTERPRET=1" in out.stdout
