@@ -68,12 +68,11 @@ class _LinearLogprobs(torch.autograd.Function):
                 hidden, weight, targets, bias, temperature, with_entropy, **_chunk(options))
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature, ctx.backend, ctx.options = temperature, backend, options
-        if entropy is None:
-            return logp.float(), None
-        return logp.float(), entropy.float()
+        ctx.mark_non_differentiable(lse)
+        return logp.float(), None if entropy is None else entropy.float(), lse
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(ctx, grad_logp, grad_entropy, _grad_lse):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])
         if entropy is None:
@@ -106,6 +105,7 @@ def linear_logprobs(
     filter_eps: float | None = None,
     chunk_elements: int | None = None,
     vocab_splits: int | None = None,
+    return_lse: bool = False,
 ):
     """Log-prob of ``targets`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
@@ -121,9 +121,12 @@ def linear_logprobs(
             (approximate; None means exact).
         chunk_elements: torch backend: logits per chunk (default 4M, 16 MiB in float32).
         vocab_splits: triton: vocabulary slices per token block (default: enough to fill the GPU).
+        return_lse: also return each token's log-sum-exp of the tempered logits (float32,
+            detached), the input of the known-gradient fast path (known_grad.py).
 
     Returns:
-        logp (...) float32, or (logp, entropy) with ``return_entropy=True``. Differentiable with
+        logp (...) float32, or (logp, entropy) with ``return_entropy=True``, with lse appended
+        when ``return_lse=True``. Differentiable with
         respect to hidden, weight and bias for any upstream gradient on either output;
         gradients come back in the input dtypes. Nothing of size N x V is allocated (except by
         the "naive" backend); under ``torch.no_grad()`` nothing is saved for backward.
@@ -143,8 +146,12 @@ def linear_logprobs(
     lead_shape = hidden.shape[:-1]
     if backend == "naive":
         logp, entropy = naive_linear_logprobs(hidden, weight, targets, temperature=temperature, bias=bias)
-        logp, entropy = logp.float(), entropy.float()
-        return (logp, entropy) if return_entropy else logp
+        outputs = [logp.float()] + ([entropy.float()] if return_entropy else [])
+        if return_lse:
+            with torch.no_grad():
+                logits = hidden.float() @ weight.float().T + (0 if bias is None else bias.float())
+                outputs.append(torch.logsumexp(logits / temperature, -1))
+        return tuple(outputs) if len(outputs) > 1 else outputs[0]
 
     hidden_2d = hidden.reshape(-1, width)
     targets_1d = targets.reshape(-1)
@@ -157,19 +164,21 @@ def linear_logprobs(
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     if needs_grad:
-        logp, entropy = _LinearLogprobs.apply(
+        logp, entropy, lse = _LinearLogprobs.apply(
             hidden_2d, weight, bias, targets_1d, temperature, backend, return_entropy, options)
     else:  # old-policy / reference log-probs: save nothing
         if backend == "triton":
-            logp, entropy, _ = _triton_module().logprob_forward(
+            logp, entropy, lse = _triton_module().logprob_forward(
                 hidden_2d, weight, targets_1d, bias, temperature, return_entropy, vocab_splits=vocab_splits)
         else:
-            logp, entropy, _ = torch_chunked.forward(
+            logp, entropy, lse = torch_chunked.forward(
                 hidden_2d, weight, targets_1d, bias, temperature, return_entropy, **_chunk(options))
         logp = logp.float()
         entropy = entropy.float() if entropy is not None else None
 
-    logp = logp.reshape(lead_shape)
+    outputs = [logp.reshape(lead_shape)]
     if return_entropy:
-        return logp, entropy.reshape(lead_shape)
-    return logp
+        outputs.append(entropy.reshape(lead_shape))
+    if return_lse:
+        outputs.append(lse.detach().float().reshape(lead_shape))
+    return tuple(outputs) if len(outputs) > 1 else outputs[0]

@@ -126,8 +126,13 @@ def backward(
     grad_entropy: torch.Tensor | None,
     needs: tuple[bool, bool, bool] = (True, True, True),
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    logp_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Gradients (dhidden, dweight, dbias) in the input dtypes; accumulation in float32 (or 64)."""
+    """Gradients (dhidden, dweight, dbias) in the input dtypes; accumulation in float32 (or 64).
+
+    With ``logp_out`` ((N,)) it also writes each token's log-prob, read off the same logits chunks
+    (the known-gradient fast path: forward and backward in one sweep).
+    """
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
     cdt = _compute_dtype(hidden.dtype)
     inv_tau = 1.0 / temperature
@@ -150,6 +155,10 @@ def backward(
             v1 = min(v0 + vocab_chunk, vocab)
             # in place throughout: two chunk-sized buffers (log p, then dz) live at once
             log_p = _logits(h, weight, bias, v0, v1, inv_tau, cdt).sub_(lse_c)
+            inside = (y >= v0) & (y < v1)
+            rows = inside.nonzero().squeeze(-1)
+            if logp_out is not None:
+                logp_out[n0 + rows] = log_p[rows, y[rows] - v0].to(logp_out.dtype)
             dz = log_p.exp()
             if g_h is not None:
                 coef = log_p.add_(entropy[n0:n1].to(cdt).unsqueeze(-1)).mul_(g_h[n0:n1].unsqueeze(-1)).add_(gl)
@@ -158,8 +167,6 @@ def backward(
             del log_p
             dz.mul_(coef).neg_()
             del coef
-            inside = (y >= v0) & (y < v1)
-            rows = inside.nonzero().squeeze(-1)
             dz[rows, y[rows] - v0] += gl[rows, 0]
             dz.mul_(inv_tau)
             if need_h:

@@ -31,7 +31,7 @@ from .launch_config import dot_precision, tile_config, upcast_dots, vocab_split
 def _logprob_backward_kernel(
     hidden_ptr, weight_ptr, bias_ptr, targets_ptr,
     lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
-    d_hidden_ptr, d_weight_ptr, d_bias_ptr,
+    d_hidden_ptr, d_weight_ptr, d_bias_ptr, logp_out_ptr,
     n_tokens, vocab, width,
     stride_hn, stride_hd, stride_wv, stride_wd,
     inv_tau, tiles_per_split, filter_eps,
@@ -42,6 +42,7 @@ def _logprob_backward_kernel(
     NEED_D_WEIGHT: tl.constexpr,
     NEED_D_BIAS: tl.constexpr,
     FILTER: tl.constexpr,
+    WRITE_LOGP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -86,6 +87,9 @@ def _logprob_backward_kernel(
         if HAS_GRAD_ENTROPY:
             coef = coef + g_h[:, None] * (log_p + ent[:, None])
         is_target = (cols[None, :] == y[:, None]) & valid
+        if WRITE_LOGP:  # known-gradient fast path: the forward's log-prob falls out of the same tile
+            in_tile = row_ok & (y >= split_start + tile * BLOCK_V) & (y < split_start + (tile + 1) * BLOCK_V)
+            tl.store(logp_out_ptr + rows, tl.sum(tl.where(is_target, log_p, 0.0), axis=1), mask=in_tile)
         dz = tl.where(is_target, g_l[:, None], 0.0) - p * coef
         dz = dz * inv_tau
 
@@ -132,8 +136,13 @@ def logprob_backward(
     needs: tuple[bool, bool, bool] = (True, True, True),
     filter_eps: float | None = None,
     vocab_splits: int | None = None,
+    logp_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Gradients (dhidden, dweight, dbias) in the input dtypes, accumulated in float32."""
+    """Gradients (dhidden, dweight, dbias) in the input dtypes, accumulated in float32.
+
+    With ``logp_out`` (float32, (N,)) the kernel also writes each token's log-prob z_y - lse,
+    from the same logits tiles (the known-gradient fast path).
+    """
     n_tokens, width = hidden.shape
     vocab = weight.shape[0]
     need_h, need_w, need_b = needs
@@ -145,7 +154,8 @@ def logprob_backward(
     d_weight = torch.zeros((vocab, width), dtype=torch.float32, device=dev) if need_w else None
     d_bias = torch.zeros(vocab, dtype=torch.float32, device=dev) if need_b else None
     has_grad_entropy = grad_entropy is not None and entropy is not None
-    if n_tokens > 0 and (need_h or need_w or need_b) and (grad_logp is not None or has_grad_entropy):
+    if n_tokens > 0 and (need_h or need_w or need_b or logp_out is not None) and (
+            grad_logp is not None or has_grad_entropy or logp_out is not None):
         dummy = lse
         grid = (triton.cdiv(n_tokens, cfg.block_n), n_splits)
         _logprob_backward_kernel[grid](
@@ -154,6 +164,7 @@ def logprob_backward(
             grad_logp.contiguous() if grad_logp is not None else dummy,
             grad_entropy.contiguous() if has_grad_entropy else dummy,
             d_hidden if need_h else dummy, d_weight if need_w else dummy, d_bias if need_b else dummy,
+            logp_out if logp_out is not None else dummy,
             n_tokens, vocab, width,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
             1.0 / temperature, tiles_per_split, float(filter_eps or 0.0),
@@ -162,6 +173,7 @@ def logprob_backward(
             HAS_GRAD_ENTROPY=has_grad_entropy,
             NEED_D_HIDDEN=need_h, NEED_D_WEIGHT=need_w, NEED_D_BIAS=need_b,
             FILTER=filter_eps is not None and filter_eps > 0,
+            WRITE_LOGP=logp_out is not None,
             DOT_PRECISION=dot_precision(hidden.dtype),
             UPCAST_DOTS=upcast_dots(hidden.dtype),
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
