@@ -65,11 +65,17 @@ def _check_fused_tensors(hidden, targets, mask, old_logp, cu_seqlens):
 
 def selected_logprobs(hidden, weight, targets, mask, *, temperature, bias, backend, logprob_options):
     """Log-probs of the mask == 1 tokens only: (hidden (N, d), targets (N,), mask bool (N,)) ->
-    (logp (N_sel,) float32, selected token indices (N_sel,) int64)."""
+    (logp (N_sel,) float32, selected token indices (N_sel,) int64, or None when every token is
+    selected: then hidden is used as it is, without a copy)."""
+    options = {k: v for k, v in logprob_options.items() if v is not None}
+    if bool(mask.all()):
+        logp = linear_logprobs(hidden, weight, targets, temperature=temperature, bias=bias, backend=backend,
+                               **options)
+        return logp, None
     index = mask.nonzero().squeeze(1)
     logp = linear_logprobs(
         hidden.index_select(0, index), weight, targets.index_select(0, index), temperature=temperature,
-        bias=bias, backend=backend, **{k: v for k, v in logprob_options.items() if v is not None})
+        bias=bias, backend=backend, **options)
     return logp, index
 
 
@@ -133,7 +139,7 @@ def fused_linear_pacs_loss(
     logp, index = selected_logprobs(
         hidden_2d, weight, targets_1d, mask_1d, temperature=temperature, bias=bias, backend=backend,
         logprob_options=dict(filter_eps=filter_eps, chunk_elements=chunk_elements, vocab_splits=vocab_splits))
-    old_selected = old_1d.index_select(0, index)
+    old_selected = old_1d if index is None else old_1d.index_select(0, index)
     offsets = torch.zeros(n_responses + 1, dtype=torch.int64, device=hidden.device)
     torch.cumsum(counts, 0, out=offsets[1:])
     layout = ResponseLayout(n_responses, None, offsets, int(counts.max()) if n_responses else 0)

@@ -187,7 +187,10 @@ def fused_linear_grpo_loss(
     logp_selected, index = selected_logprobs(
         hidden_2d, weight, targets_1d, mask_1d, temperature=temperature, bias=bias, backend=backend,
         logprob_options={})
-    logp = logp_selected.new_zeros(mask_1d.shape[0]).index_put((index,), logp_selected)
+    if index is None:
+        logp = logp_selected
+    else:
+        logp = logp_selected.new_zeros(mask_1d.shape[0]).index_put((index,), logp_selected)
     shape = tuple(hidden.shape[:-1])
     return grpo_loss(
         logp.reshape(shape), old_logp, rewards, mask, group_size=group_size, clip_eps=clip_eps,

@@ -251,3 +251,19 @@ def test_fused_bad_inputs():
 def test_module_bad_config(kwargs, error, match):
     with pytest.raises(error, match=match):
         PACSLoss(**kwargs)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_all_tokens_selected(backend):
+    """A full mask skips the gather; the result is the same as the naive computation."""
+    hidden, weight, _, targets, mask, old, rewards = make_batch(seed=7)
+    full = torch.ones_like(mask)
+    targets = targets.clamp(min=0)
+    opts = dict(group_size=4, score="mean_logp", advantage="rloo", weighting="balanced")
+    expected, e_grads = grads_of(lambda h, w: naive_loss(h, w, None, targets, full, old, rewards, **opts),
+                                 (hidden, weight))
+    loss, got = grads_of(lambda h, w: fused_linear_pacs_loss(h, w, targets, full.float(), old, rewards,
+                                                             backend=backend, **opts), (hidden, weight))
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
+    for g, e in zip(got, e_grads):
+        torch.testing.assert_close(g, e.float(), rtol=1e-4, atol=1e-6)

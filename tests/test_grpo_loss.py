@@ -119,3 +119,17 @@ def test_empty_responses():
         grpo_loss(logp, old_logp, rewards, mask, group_size=4, aggregation="seq_mean")
     with pytest.raises(ValueError, match="mask"):
         grpo_loss(logp, old_logp, rewards, torch.zeros_like(mask), group_size=4)
+
+
+def test_fused_full_mask():
+    gen = torch.Generator().manual_seed(6)
+    hidden = torch.randn(4, 5, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = 0.3 * torch.randn(30, 8, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, 30, (4, 5), generator=gen)
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    old = -3.4 + 0.1 * torch.randn(4, 5, generator=gen, dtype=torch.float64)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    loss = fused_linear_grpo_loss(hidden, weight, targets, mask, old, rewards, group_size=2, backend="torch")
+    logp, _ = naive_linear_logprobs(hidden, weight, targets)
+    expected = reference_grpo_loss(logp, old, rewards, mask, group_size=2)
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-7)  # logp comes back float32
