@@ -72,6 +72,32 @@ def test_triton_group_kernel_matches_reference(score, advantage, weighting):
     assert bool((grad[~mask] == 0).all())
 
 
+@pytest.mark.parametrize("shape", [(1, 2, 5), (2, 16, 3), (2, 5, 40)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("score,advantage,weighting", [
+    ("log_ratio", "rloo", "balanced"), ("mean_logp", "grpo", "balanced"), ("log_ratio", "naive", "none")])
+def test_triton_group_kernel_shapes(shape, score, advantage, weighting):
+    """G = 2 and G = 16 (one tile of responses), short and tiled T, one group and several."""
+    logp, old_logp, rewards, mask = make_inputs(*shape, seed=sum(shape), dtype=torch.float32)
+    opts = dict(group_size=shape[1], score=score, advantage=advantage, weighting=weighting)
+    lp_ref = logp.double().requires_grad_()
+    expected, _ = reference_pacs_loss(lp_ref, old_logp.double(), rewards, mask, **opts)
+    (expected_grad,) = torch.autograd.grad(expected, lp_ref)
+    lp = logp.clone().requires_grad_()
+    loss = pacs_loss(lp, old_logp, rewards, mask, backend="triton", **opts)
+    (grad,) = torch.autograd.grad(loss, lp)
+    torch.testing.assert_close(loss.double(), expected, rtol=2e-5, atol=2e-6)
+    # (with G = 2, grpo's psi is +-1/sqrt(2) whatever the scores: its true gradient is ~0 and the
+    # float32 result is cancellation noise, hence the small absolute floor)
+    torch.testing.assert_close(grad.double(), expected_grad, rtol=1e-4,
+                               atol=5e-5 * expected_grad.abs().max().item() + 1e-8)
+
+
+def test_triton_backend_rejects_float64():
+    logp, old_logp, rewards, mask = make_inputs(1, 2, 4, seed=0)
+    with pytest.raises(TypeError, match="float64"):
+        pacs_loss(logp, old_logp, rewards, mask, group_size=2, backend="triton")
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("score", SCORES)
 def test_score_function_term(backend, score):
