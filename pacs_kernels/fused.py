@@ -23,7 +23,13 @@ from .checks import FLOAT_DTYPES, INT_DTYPES, check_choice, check_same_device, c
 from .logprobs import linear_logprobs
 from .loss import _pacs_on_layout
 from .loss_inputs import (
-    MASK_DTYPES, ResponseLayout, check_beta, check_cu_seqlens, check_group_size, check_mask_values, check_options,
+    MASK_DTYPES,
+    ResponseLayout,
+    check_beta,
+    check_cu_seqlens,
+    check_group_size,
+    check_mask_values,
+    check_options,
 )
 
 FUSED_BACKENDS = ("auto", "triton", "torch", "naive")

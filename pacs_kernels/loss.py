@@ -25,11 +25,19 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .loss_inputs import (
-    LOSS_BACKENDS, ResponseLayout, check_beta, check_group_ids, check_group_size, check_nonempty_responses,
-    check_options, check_rewards, check_token_tensors, response_token_counts,
-)
 from .checks import check_choice
+from .loss_inputs import (
+    LOSS_BACKENDS,
+    ResponseLayout,
+    check_beta,
+    check_group_ids,
+    check_group_size,
+    check_nonempty_responses,
+    check_options,
+    check_rewards,
+    check_token_tensors,
+    response_token_counts,
+)
 
 GRPO_STD_EPS = 1e-6  # the public code's epsilon in (r - mean) / (std + eps)
 

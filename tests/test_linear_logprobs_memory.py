@@ -1,10 +1,11 @@
 """The torch backend never holds the N x V logits: measured in fresh processes by peak RSS.
 
 N=4096, V=65536, d=64: the float32 logits alone would be 1 GiB. Each measurement runs in its own
-process; after the inputs exist and a tiny warm-up call has paged in the code it runs, the kernel's peak-RSS counter is reset (clear_refs = 5) and the
-increase of VmHWM over the RSS at that point is the memory the computation added (glibc's
-mmap threshold is fixed so that freed large buffers leave the RSS at once). The naive
-backend is measured the same way, which proves the measurement sees a materialized N x V.
+process; once the inputs exist and a tiny warm-up call has paged in the code it runs, the
+kernel's peak-RSS counter is reset (clear_refs = 5) and the increase of VmHWM over the RSS at
+that point is the memory the computation added (glibc's mmap threshold is fixed so that freed
+large buffers leave the RSS at once). The naive backend is measured the same way, which proves
+the measurement sees a materialized N x V.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch
 import triton
-
 from triton.runtime.interpreter import InterpretedFunction
 
 
