@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .checks import FLOAT_DTYPES, INT_DTYPES, check_choice, check_same_device, check_temperature, check_tensor
+from .known_grad import linear_logprobs_known_grad
 from .logprobs import linear_logprobs
 from .loss import _pacs_on_layout
 from .loss_inputs import (
@@ -108,6 +109,7 @@ def fused_linear_pacs_loss(
     filter_eps: float | None = None,
     chunk_elements: int | None = None,
     vocab_splits: int | None = None,
+    old_lse: torch.Tensor | None = None,
 ):
     """PACS loss straight from final hidden states and the LM head (``linear_logprobs`` + ``pacs_loss``).
 
@@ -128,6 +130,13 @@ def fused_linear_pacs_loss(
         backend: "auto" | "triton" | "torch" | "naive" for the log-probs; the group loss uses
             triton for "triton" (and "auto" on CUDA), torch otherwise.
         filter_eps, chunk_elements, vocab_splits: passed to ``linear_logprobs``.
+        old_lse: optional, same shape as old_logp: the log-sum-exp from the old-policy pass
+            (``linear_logprobs(..., return_lse=True)``). Pass it ONLY while the weights are still
+            those that produced old_logp (the first optimizer step after a rollout): then logp ==
+            old_logp, the per-token gradient is known before the forward, and one sweep over the
+            vocabulary (3 matmuls instead of 4) gives the loss and its gradients
+            (``linear_logprobs_known_grad``). A stale old_lse is detected (the recomputed log-probs
+            differ from old_logp) and raises a ValueError.
 
     Returns:
         0-d float32 loss (or ``(loss, PACSStats)``), differentiable in hidden, weight and bias.
@@ -142,19 +151,58 @@ def fused_linear_pacs_loss(
     check_group_size(group_size, n_responses, advantage)
     if rewards.dim() != 1 or rewards.shape[0] != n_responses:
         raise ValueError(f"rewards must have shape (B,) = ({n_responses},), got {tuple(rewards.shape)}")
+    offsets = torch.zeros(n_responses + 1, dtype=torch.int64, device=hidden.device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    layout = ResponseLayout(n_responses, None, offsets, int(counts.max()) if n_responses else 0)
+    loss_options = dict(group_size=group_size, beta=beta, score=score, advantage=advantage, weighting=weighting,
+                        score_function_term=score_function_term, return_stats=return_stats, group_ids=group_ids,
+                        backend="torch" if backend == "naive" else backend, counts=counts, mask_is_full=True)
+    if old_lse is not None:
+        return _first_step_after_rollout(hidden_2d, weight, targets_1d, mask_1d, old_1d, old_lse, rewards, layout,
+                                         temperature=temperature, bias=bias, logprob_backend=backend,
+                                         **loss_options)
     logp, index = selected_logprobs(
         hidden_2d, weight, targets_1d, mask_1d, temperature=temperature, bias=bias, backend=backend,
         logprob_options=dict(filter_eps=filter_eps, chunk_elements=chunk_elements, vocab_splits=vocab_splits))
     old_selected = old_1d if index is None else old_1d.index_select(0, index)
-    offsets = torch.zeros(n_responses + 1, dtype=torch.int64, device=hidden.device)
-    torch.cumsum(counts, 0, out=offsets[1:])
-    layout = ResponseLayout(n_responses, None, offsets, int(counts.max()) if n_responses else 0)
     full_mask = torch.ones_like(logp, dtype=torch.bool)
-    return _pacs_on_layout(
-        logp, old_selected, full_mask, rewards, layout, group_size=group_size, beta=beta, score=score,
-        advantage=advantage, weighting=weighting, score_function_term=score_function_term,
-        return_stats=return_stats, group_ids=group_ids, backend="torch" if backend == "naive" else backend,
-        counts=counts, mask_is_full=True)
+    return _pacs_on_layout(logp, old_selected, full_mask, rewards, layout, **loss_options)
+
+
+def _first_step_after_rollout(hidden, weight, targets, mask, old_logp, old_lse, rewards, layout, *, temperature,
+                              bias, logprob_backend, **loss_options):
+    """The loss and its exact gradient in one vocabulary sweep, while logp == old_logp.
+
+    The loss is a function of the log-probs alone, so its value and its per-token gradient g
+    follow from pacs_loss at logp = old_logp; the sweep then rebuilds each logits tile once and
+    forms dh, dW from g and old_lse (known_grad.py). The returned tensor has the loss's value and
+    the sweep's gradients: loss + (surrogate - surrogate.detach()).
+    """
+    check_tensor("old_lse", old_lse, dtypes=FLOAT_DTYPES)
+    if old_lse.numel() != old_logp.numel():
+        raise ValueError(f"old_lse must have the shape of old_logp ({old_logp.numel()} entries), "
+                         f"got shape {tuple(old_lse.shape)}")
+    if logprob_backend == "naive":
+        raise ValueError("old_lse (the one-sweep first step) needs backend 'auto', 'torch' or 'triton', got 'naive'")
+    index = None if bool(mask.all()) else mask.nonzero().squeeze(1)
+    pick = (lambda t: t) if index is None else (lambda t: t.index_select(0, index))
+    old_selected = pick(old_logp).detach()
+    at_old = old_selected.float().clone().requires_grad_()
+    full_mask = torch.ones_like(at_old, dtype=torch.bool)
+    with torch.enable_grad():
+        result = _pacs_on_layout(at_old, old_selected, full_mask, rewards, layout, **loss_options)
+        loss = result[0] if isinstance(result, tuple) else result
+        (grad_logp,) = torch.autograd.grad(loss, at_old)
+    surrogate, logp = linear_logprobs_known_grad(
+        pick(hidden), weight, pick(targets), grad_logp, pick(old_lse.reshape(-1)), temperature=temperature,
+        bias=bias, backend=logprob_backend)
+    drift = (logp - old_selected.float()).abs().max().item() if logp.numel() else 0.0
+    if not drift <= 1e-3 * (1.0 + old_selected.abs().max().item()):
+        raise ValueError(
+            f"old_lse does not belong to these weights: the recomputed log-probs differ from old_logp by up to "
+            f"{drift:.3g}. Pass old_lse only on the first optimizer step after the rollout that produced it.")
+    total = loss.detach() + (surrogate - surrogate.detach())
+    return (total, result[1]) if isinstance(result, tuple) else total
 
 
 class PACSLoss(nn.Module):
@@ -203,12 +251,14 @@ class PACSLoss(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         return_stats: bool = False,
         group_ids: torch.Tensor | None = None,
+        old_lse: torch.Tensor | None = None,
     ):
+        """Arguments as in :func:`fused_linear_pacs_loss` (``old_lse``: the one-sweep first step)."""
         return fused_linear_pacs_loss(
             hidden, lm_head_weight, targets, mask, old_logp, rewards, group_size=self.group_size,
             temperature=self.temperature, bias=bias, cu_seqlens=cu_seqlens, beta=self.beta, score=self.score,
             advantage=self.advantage, weighting=self.weighting, score_function_term=self.score_function_term,
-            return_stats=return_stats, group_ids=group_ids, backend=self.backend)
+            return_stats=return_stats, group_ids=group_ids, backend=self.backend, old_lse=old_lse)
 
     def extra_repr(self) -> str:
         return (f"group_size={self.group_size}, beta={self.beta}, score={self.score!r}, "
