@@ -5,6 +5,7 @@ next to it, which also checks that engines can live side by side and be closed a
 in one process.
 """
 
+import json
 import random
 import sys
 
@@ -312,3 +313,36 @@ def test_close_last_engine_then_recreate(tied):
     ) as again:
         assert vllm_greedy(again, PROMPTS, 8) == [[r] for r in hf_greedy(model, PROMPTS, 8)]
     assert rollout_vllm._ProcessWideState.live_engines == 0
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_each_run_an_engine(tmp_path):
+    """Two CPU ranks under torchrun (gloo): each rank's engine serves its own prompts, takes new
+    weights, and closing it leaves the trainer's process group intact."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    model = tiny_qwen2(seed=4, tie_word_embeddings=True)
+    new_model = tiny_qwen2(seed=5, tie_word_embeddings=True)
+    model.save_pretrained(tmp_path / "model")
+    new_weights = tmp_path / "new.safetensors"
+    parameters = new_model.named_parameters()  # the tied LM head appears once
+    save_file({name: p.detach().contiguous() for name, p in parameters}, str(new_weights))
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(root / "tests" / "vllm_torchrun_worker.py"),
+        str(tmp_path / "model"), str(new_weights), str(tmp_path),
+    ]  # fmt: skip
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        prompts = result["prompts"]
+        assert result["before"] == [[r] for r in hf_greedy(model, prompts, 8)]
+        assert result["after"] == [[r] for r in hf_greedy(new_model, prompts, 8)]
+        assert result["all_reduce"] == 3.0
