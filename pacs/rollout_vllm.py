@@ -125,6 +125,23 @@ def _process_state_kept() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _torch_threads(count: int | None) -> Iterator[None]:
+    """Run the block with ``count`` torch intra-op threads (None: leave them), then restore.
+
+    vLLM runs its CPU engine with one thread (small decode GEMMs gain nothing from more, and
+    OpenMP spin-waits cost a lot on a busy machine: 1.5x to 6x slower with 2 threads on this
+    project's 2-core CI machine); the trainer keeps its own setting for the update phase."""
+    previous = torch.get_num_threads()
+    if count is not None and count != previous:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != previous:
+            torch.set_num_threads(previous)
+
+
+@contextlib.contextmanager
 def _environ(**values: str | None) -> Iterator[None]:
     """Set (or, for None, remove) environment variables for the duration of the block."""
     saved = {key: os.environ.get(key) for key in values}
@@ -152,8 +169,10 @@ class VLLMRolloutEngine:
         max_model_len: longest prompt + response, in tokens; at most the model's
             ``max_position_embeddings``.
         seed: engine seed (used for requests sampled without a per-call seed).
-        dtype: weights and activations dtype: "auto" (the checkpoint's), "float32",
-            "bfloat16" or "float16".
+        dtype: weights and activations dtype: "float32", "bfloat16", "float16" or "auto":
+            float32 on CPU (the CPU policy's dtype; vLLM's own "auto" would downcast a float32
+            checkpoint to bfloat16), vLLM's choice on GPU (the checkpoint's dtype, float32
+            checkpoints downcast to bfloat16).
         kv_cache_gib: KV-cache size on CPU, in GiB (the CPU backend reserves it up front).
         gpu_memory_utilization: fraction of the GPU's memory the engine may take (weights, KV
             cache, activations). Ignored on CPU.
@@ -223,7 +242,7 @@ class VLLMRolloutEngine:
             "skip_tokenizer_init": True,
             "max_model_len": max_model_len,
             "seed": seed,
-            "dtype": dtype,
+            "dtype": "float32" if dtype == "auto" and not self.on_gpu else dtype,
             "enforce_eager": enforce_eager,
             "tensor_parallel_size": 1,
             # stop only at the caller's stop_token_ids, not at generation_config.json's eos
@@ -314,7 +333,8 @@ class VLLMRolloutEngine:
             for prompt_seed in prompt_seeds
         ]
         requests = [{"prompt_token_ids": [int(token) for token in prompt]} for prompt in prompts]
-        outputs = self._llm.generate(requests, sampling_params, use_tqdm=False)
+        with _torch_threads(1 if not self.on_gpu else None):
+            outputs = self._llm.generate(requests, sampling_params, use_tqdm=False)
         if greedy:
             return [[list(output.outputs[0].token_ids) for _ in range(n)] for output in outputs]
         return [[list(completion.token_ids) for completion in output.outputs] for output in outputs]

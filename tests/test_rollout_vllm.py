@@ -214,6 +214,7 @@ def test_untied_model_second_engine_sync_and_close(tied, tmp_path):
     assert torch.set_num_threads is set_num_threads
 
     assert vllm_greedy(engine, PROMPTS, 10) == [[r] for r in hf_greedy(model, PROMPTS, 10)]
+    assert torch.get_num_threads() == threads  # generation's own thread setting is undone
     new_model = tiny_qwen2(seed=3, tie_word_embeddings=False)
     engine.sync_weights(new_model.named_parameters())
     assert vllm_greedy(engine, PROMPTS, 10) == [[r] for r in hf_greedy(new_model, PROMPTS, 10)]
@@ -308,9 +309,10 @@ def test_close_last_engine_then_recreate(tied):
     assert rollout_vllm._ProcessWideState.live_engines == 0
     if owned:  # vLLM created the process group, so it is gone with the last engine
         assert not dist.is_initialized()
-    with VLLMRolloutEngine(
-        str(model_dir), max_model_len=MAX_LEN, dtype="float32", kv_cache_gib=0.05
-    ) as again:
+    # dtype "auto" means float32 on CPU, like the CPU policy (vLLM alone would pick bfloat16)
+    with VLLMRolloutEngine(str(model_dir), max_model_len=MAX_LEN, kv_cache_gib=0.05) as again:
+        if not torch.cuda.is_available():
+            assert again._llm.llm_engine.model_config.dtype == torch.float32
         assert vllm_greedy(again, PROMPTS, 8) == [[r] for r in hf_greedy(model, PROMPTS, 8)]
     assert rollout_vllm._ProcessWideState.live_engines == 0
 
