@@ -20,9 +20,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 import os
 import random
-import tempfile
 import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -139,6 +139,24 @@ def _torch_threads(count: int | None) -> Iterator[None]:
     finally:
         if torch.get_num_threads() != previous:
             torch.set_num_threads(previous)
+
+
+class _DropChatTemplateWarmupFailure(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Chat template warmup failed")
+
+
+@contextlib.contextmanager
+def _chat_template_warmup_quiet() -> Iterator[None]:
+    """vLLM's LLM() warms up chat templating even with skip_tokenizer_init=True and logs the
+    resulting "no tokenizer" error with a full traceback; token-id prompts never use it."""
+    renderer_logger = logging.getLogger("vllm.renderers.base")
+    quiet = _DropChatTemplateWarmupFailure()
+    renderer_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        renderer_logger.removeFilter(quiet)
 
 
 @contextlib.contextmanager
@@ -260,14 +278,24 @@ class VLLMRolloutEngine:
         with (
             _environ(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=None),
             _process_state_kept(),
+            _chat_template_warmup_quiet(),
         ):
             self._llm = vllm.LLM(**engine_args)
         _ProcessWideState.live_engines += 1
+        from vllm.v1.engine.core_client import InprocClient
+
         client = self._llm.llm_engine.engine_core
-        if self._in_process():
-            # vLLM's own finalizer would tear down torch.distributed for the whole process,
-            # including a trainer's process group; ours releases only what is safe to release.
-            client._finalizer.detach()
+        if not isinstance(client, InprocClient):  # a vLLM that ignores the setting above
+            client.shutdown()
+            _ProcessWideState.live_engines -= 1
+            raise RuntimeError(  # noqa: TRY004 - a wrong environment, not a wrong argument
+                f"VLLMRolloutEngine needs vLLM's in-process engine core "
+                f"(VLLM_ENABLE_V1_MULTIPROCESSING=0); vLLM {vllm.__version__} started "
+                f"{type(client).__name__} instead"
+            )
+        # vLLM's own finalizer would tear down torch.distributed for the whole process,
+        # including a trainer's process group; ours releases only what is safe to release.
+        client._finalizer.detach()
         self._release = weakref.finalize(self, _release_engine, self._llm)
         self._sampling_params_cls = vllm.SamplingParams
         self.vocab_size = int(self._llm.llm_engine.model_config.get_vocab_size())
@@ -361,16 +389,8 @@ class VLLMRolloutEngine:
                     )
                 yield _strip_wrapper_prefixes(name), tensor.detach()
 
-        if self._in_process():
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
-        else:
-            # engine core in another process: hand the weights over through a safetensors file
-            from safetensors.torch import save_file
-
-            with tempfile.TemporaryDirectory(prefix="pacs-sync-") as directory:
-                tensors = {name: t.to("cpu").contiguous() for name, t in weights()}
-                save_file(tensors, os.path.join(directory, "model.safetensors"))
-                self._llm.collective_rpc("reload_weights", kwargs={"weights_path": directory})
+        # in-process engine core: the worker consumes the iterator directly, no copy via disk
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
         self._llm.collective_rpc(_refresh_tied_lm_head)
         # cached prompt KV blocks were computed with the old weights
         self._llm.reset_prefix_cache()
@@ -392,11 +412,6 @@ class VLLMRolloutEngine:
         self.close()
 
     # ------------------------------------------------------------------------------------------
-    def _in_process(self) -> bool:
-        from vllm.v1.engine.core_client import InprocClient
-
-        return isinstance(self._llm.llm_engine.engine_core, InprocClient)
-
     def _check_open(self) -> None:
         if getattr(self, "_llm", None) is None:
             raise RuntimeError("VLLMRolloutEngine is closed")
@@ -454,19 +469,13 @@ class VLLMRolloutEngine:
 
 def _release_engine(llm: Any) -> None:
     """Shut an engine down (see VLLMRolloutEngine.close)."""
-    from vllm.v1.engine.core_client import InprocClient
-
-    client = llm.llm_engine.engine_core
-    if isinstance(client, InprocClient):
-        # EngineCore.shutdown() minus its process-wide distributed clean-up
-        core = client.engine_core
-        with contextlib.suppress(Exception):
-            core.model_executor.shutdown()
-        with contextlib.suppress(Exception):
-            core.scheduler.shutdown()
-        gc.unfreeze()  # vLLM gc.freeze()s what it allocates at start-up
-    else:
-        client.shutdown()
+    # EngineCore.shutdown() minus its process-wide distributed clean-up
+    core = llm.llm_engine.engine_core.engine_core
+    with contextlib.suppress(Exception):
+        core.model_executor.shutdown()
+    with contextlib.suppress(Exception):
+        core.scheduler.shutdown()
+    gc.unfreeze()  # vLLM gc.freeze()s what it allocates at start-up
     _ProcessWideState.live_engines -= 1
     if _ProcessWideState.live_engines == 0 and _ProcessWideState.owns_process_group:
         from vllm.distributed import parallel_state
