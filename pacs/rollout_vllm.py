@@ -297,6 +297,7 @@ class VLLMRolloutEngine:
         # including a trainer's process group; ours releases only what is safe to release.
         client._finalizer.detach()
         self._release = weakref.finalize(self, _release_engine, self._llm)
+        self._weights_stale = False
         self._sampling_params_cls = vllm.SamplingParams
         self.vocab_size = int(self._llm.llm_engine.model_config.get_vocab_size())
 
@@ -333,6 +334,11 @@ class VLLMRolloutEngine:
             prompt 1's, ...
         """
         self._check_open()
+        if self._weights_stale:
+            raise RuntimeError(
+                "VLLMRolloutEngine: the last sync_weights failed half-way, so the engine holds "
+                "a mix of old and new weights; sync a complete set of weights before generating"
+            )
         self._check_generate_args(
             prompts, n, temperature, top_p, max_new_tokens, stop_token_ids, seed
         )
@@ -379,6 +385,7 @@ class VLLMRolloutEngine:
                 Tied LM heads may be given or left out.
         """
         self._check_open()
+        last: list[tuple[str, tuple[int, ...]]] = []  # the tensor vLLM was loading when it failed
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in named_tensors:
@@ -387,11 +394,27 @@ class VLLMRolloutEngine:
                         f"named_tensors must yield (str, torch.Tensor) pairs; got "
                         f"{type(tensor).__name__} for {name!r}"
                     )
+                last[:] = [(name, tuple(tensor.shape))]
                 yield _strip_wrapper_prefixes(name), tensor.detach()
 
-        # in-process engine core: the worker consumes the iterator directly, no copy via disk
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        try:
+            # in-process engine core: the worker consumes the iterator, no copy via disk
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        except Exception as error:
+            # Layers not yet reloaded were left empty (on the meta device); put their previous
+            # weights back. Until a sync succeeds the weights mix old and new layers.
+            self._llm.collective_rpc(_undo_partial_reload)
+            self._weights_stale = True
+            if isinstance(error, TypeError) and "named_tensors" in str(error):
+                raise
+            name, shape = last[0] if last else ("<none>", ())
+            raise ValueError(
+                f"named_tensors: vLLM could not load {name!r} (shape {shape}) into the engine's "
+                f"model ({type(error).__name__}: {error}); are these the Hugging Face names and "
+                f"shapes of the model the engine serves?"
+            ) from error
         self._llm.collective_rpc(_refresh_tied_lm_head)
+        self._weights_stale = False
         # cached prompt KV blocks were computed with the old weights
         self._llm.reset_prefix_cache()
 
@@ -485,6 +508,28 @@ def _release_engine(llm: Any) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _undo_partial_reload(worker: Any) -> None:
+    """Runs on the vLLM worker after ``reload_weights`` raised half-way.
+
+    vLLM's layerwise reload moves every layer to the meta device first and refills each one
+    when all its weights have arrived; layers still waiting would stay empty (and modules such
+    as the rotary embedding are shared by every engine of the process). Put the weights they
+    had back and clear the reload's bookkeeping, so that the next reload starts afresh.
+    """
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    model = worker.model_runner.get_model()
+    for layer in model.modules():
+        info = layerwise.LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load():
+            continue
+        if info.kernel_tensors is not None:
+            layerwise._place_kernel_tensors(layer, info)
+        info.reset()
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
 
 
 def _refresh_tied_lm_head(worker: Any) -> None:

@@ -219,6 +219,16 @@ def test_untied_model_second_engine_sync_and_close(tied, tmp_path):
     engine.sync_weights(new_model.named_parameters())
     assert vllm_greedy(engine, PROMPTS, 10) == [[r] for r in hf_greedy(new_model, PROMPTS, 10)]
 
+    # a name the model does not have, half-way through: a clear error; the engine refuses to
+    # generate with its mix of old and new layers until a complete sync succeeds
+    partial = list(model.named_parameters())[:7] + [("model.bogus.weight", torch.randn(3, 3))]
+    with pytest.raises(ValueError, match="could not load 'model.bogus.weight'"):
+        engine.sync_weights(partial)
+    with pytest.raises(RuntimeError, match="sync_weights failed half-way"):
+        vllm_greedy(engine, PROMPTS, 2)
+    engine.sync_weights(model.named_parameters())
+    assert vllm_greedy(engine, PROMPTS, 10) == [[r] for r in hf_greedy(model, PROMPTS, 10)]
+
     engine.close()
     engine.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
@@ -254,12 +264,6 @@ def test_generate_rejects_bad_input(tied, kwargs, message):
     prompts = arguments.pop("prompts")
     with pytest.raises(ValueError, match=message):
         engine.generate(prompts, **arguments)
-
-
-def test_sync_weights_rejects_non_tensors(tied):
-    engine, _, _ = tied
-    with pytest.raises(TypeError, match="named_tensors"):
-        engine.sync_weights([("model.norm.weight", [1.0, 2.0])])
 
 
 def test_constructor_rejects_bad_input(tmp_path):
@@ -314,6 +318,8 @@ def test_close_last_engine_then_recreate(tied):
         if not torch.cuda.is_available():
             assert again._llm.llm_engine.model_config.dtype == torch.float32
         assert vllm_greedy(again, PROMPTS, 8) == [[r] for r in hf_greedy(model, PROMPTS, 8)]
+        with pytest.raises(TypeError, match="named_tensors"):
+            again.sync_weights([("model.norm.weight", [1.0, 2.0])])
     assert rollout_vllm._ProcessWideState.live_engines == 0
 
 
