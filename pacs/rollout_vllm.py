@@ -11,8 +11,8 @@ that new weights reach it as tensors, without a copy through disk or a socket:
   This branch uses the same public calls but is not exercised by the CPU test-suite.
 
 No tokenizer is loaded: prompts and responses are token ids, and generation stops only at the
-caller's ``stop_token_ids`` (the model's ``generation_config.json`` is ignored) or at
-``max_new_tokens``.
+caller's ``stop_token_ids`` (the model's own ``eos_token_id`` and ``generation_config.json`` are
+ignored) or at ``max_new_tokens``.
 """
 
 from __future__ import annotations
@@ -361,6 +361,8 @@ class VLLMRolloutEngine:
                 top_p=1.0 if greedy else float(top_p),
                 max_tokens=max_new_tokens,
                 stop_token_ids=list(stop_token_ids),
+                # the model's eos (config.json / generation_config.json) is not a stop token here
+                ignore_eos=True,
                 seed=prompt_seed,
                 detokenize=False,
             )

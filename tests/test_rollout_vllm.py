@@ -48,6 +48,24 @@ def tiny_qwen2(seed: int, tie_word_embeddings: bool) -> "transformers.Qwen2ForCa
     return transformers.Qwen2ForCausalLM(config).eval()
 
 
+def tiny_llama(seed: int) -> "transformers.LlamaForCausalLM":
+    """A 2-layer Llama with untied LM head, otherwise like tiny_qwen2."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=MAX_LEN,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
 def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     responses = []
     for prompt in prompts:
@@ -196,10 +214,15 @@ def test_sync_weights_changes_the_policy(tied):
     assert vllm_greedy(engine, PROMPTS, 10) == [[r] for r in old_responses]
 
 
-def test_untied_model_second_engine_sync_and_close(tied, tmp_path):
+def test_llama_untied_second_engine_sync_and_close(tied, tmp_path):
     engine_a, model_a, _ = tied
-    model = tiny_qwen2(seed=2, tie_word_embeddings=False)
+    model = tiny_llama(seed=2)
+    # the model's eos is a token its greedy output contains: only stop_token_ids may stop
+    # a response, so vLLM must not stop there (Hugging Face's reference below ignores eos)
+    eos = hf_greedy(model, PROMPTS, 10)[1][2]
+    model.config.eos_token_id = model.generation_config.eos_token_id = eos
     model.save_pretrained(tmp_path, safe_serialization=True)
+    model.generation_config.eos_token_id = None
 
     threads = torch.get_num_threads()
     set_num_threads = torch.set_num_threads
@@ -215,7 +238,8 @@ def test_untied_model_second_engine_sync_and_close(tied, tmp_path):
 
     assert vllm_greedy(engine, PROMPTS, 10) == [[r] for r in hf_greedy(model, PROMPTS, 10)]
     assert torch.get_num_threads() == threads  # generation's own thread setting is undone
-    new_model = tiny_qwen2(seed=3, tie_word_embeddings=False)
+    new_model = tiny_llama(seed=3)
+    new_model.generation_config.eos_token_id = None
     engine.sync_weights(new_model.named_parameters())
     assert vllm_greedy(engine, PROMPTS, 10) == [[r] for r in hf_greedy(new_model, PROMPTS, 10)]
 
