@@ -125,6 +125,20 @@ def _process_state_kept() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _torch_rng_kept() -> Iterator[None]:
+    """Restore torch's global generators after the block (vLLM draws from them even for
+    requests that carry their own seed)."""
+    cpu_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+@contextlib.contextmanager
 def _torch_threads(count: int | None) -> Iterator[None]:
     """Run the block with ``count`` torch intra-op threads (None: leave them), then restore.
 
@@ -186,7 +200,8 @@ class VLLMRolloutEngine:
             LM that vLLM supports (Qwen2, Llama, ...).
         max_model_len: longest prompt + response, in tokens; at most the model's
             ``max_position_embeddings``.
-        seed: engine seed (used for requests sampled without a per-call seed).
+        seed: vLLM's engine seed (vLLM reseeds torch's global generator with it at start-up;
+            this class restores the caller's RNG states afterwards).
         dtype: weights and activations dtype: "float32", "bfloat16", "float16" or "auto":
             float32 on CPU (the CPU policy's dtype; vLLM's own "auto" would downcast a float32
             checkpoint to bfloat16), vLLM's choice on GPU (the checkpoint's dtype, float32
@@ -324,9 +339,10 @@ class VLLMRolloutEngine:
                 exceed max_model_len.
             stop_token_ids: generation of a response ends after it samples one of these; that
                 token is the last one of the response.
-            seed: with a seed the samples are reproducible (prompt i's responses use their own
-                seeds derived from (seed, i)); without one they come from the engine's global
-                generator.
+            seed: with a seed the samples are reproducible and leave every global RNG alone
+                (prompt i's responses use their own generators, seeded from (seed, i)); without
+                one they are drawn from torch's global generator, which the in-process engine
+                shares with the caller.
 
         Returns:
             ``result[i][j]``: response j of prompt i, a list of token ids of length between 1
@@ -369,7 +385,10 @@ class VLLMRolloutEngine:
             for prompt_seed in prompt_seeds
         ]
         requests = [{"prompt_token_ids": [int(token) for token in prompt]} for prompt in prompts]
-        with _torch_threads(1 if not self.on_gpu else None):
+        with (
+            _torch_threads(1 if not self.on_gpu else None),
+            _torch_rng_kept() if seed is not None else contextlib.nullcontext(),
+        ):
             outputs = self._llm.generate(requests, sampling_params, use_tqdm=False)
         if greedy:
             return [[list(output.outputs[0].token_ids) for _ in range(n)] for output in outputs]

@@ -163,7 +163,9 @@ def test_same_seed_same_samples(tied):
         )
 
     torch.manual_seed(1)
+    rng_state = torch.get_rng_state()
     first = sample(7)
+    assert torch.equal(torch.get_rng_state(), rng_state)  # seeded sampling leaves it alone
     torch.manual_seed(2)  # the global RNG must not matter when a seed is given
     assert sample(7) == first
     assert sample(8) != first
