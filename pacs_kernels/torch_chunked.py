@@ -36,15 +36,17 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _chunk_sizes(n_tokens: int, vocab: int, chunk_elements: int) -> tuple[int, int]:
-    """Token and vocabulary chunk sizes whose product stays under ``chunk_elements``."""
-    min_token_chunk = 64
-    if vocab * min_token_chunk <= chunk_elements:
-        vocab_chunk = vocab
-        token_chunk = max(1, chunk_elements // vocab)
-    else:
-        vocab_chunk = max(1, chunk_elements // min_token_chunk)
-        token_chunk = min_token_chunk
-    return max(1, min(token_chunk, n_tokens)), vocab_chunk
+    """Token and vocabulary chunk sizes whose product stays under ``chunk_elements``.
+
+    Token chunks are kept large (up to 2048): the backward adds each chunk's share into the whole
+    (V, d) weight gradient, so few wide token chunks beat many thin ones; the vocabulary is cut
+    to fit the budget instead.
+    """
+    max_token_chunk = 2048
+    token_chunk = max(1, min(n_tokens, max_token_chunk))
+    if vocab * token_chunk <= chunk_elements:
+        return max(1, min(n_tokens, chunk_elements // vocab)), vocab
+    return token_chunk, max(1, min(vocab, chunk_elements // token_chunk))
 
 
 def combine_vocab_chunks(
