@@ -11,6 +11,7 @@ Three operations, each on N tokens with hidden width d and vocabulary V:
 Implementations ("impls"):
 
     naive          pacs_kernels reference: materializes the N x V logits in float32
+                   (for the loss op: fused_linear_pacs_loss(backend="naive"))
     torch          pacs_kernels chunked PyTorch backend (any device)
     triton         pacs_kernels Triton kernels (CUDA only; the CPU interpreter is never timed)
     cce            Apple Cut Cross-Entropy, linear_cross_entropy(reduction="none") = -logp, with
@@ -24,7 +25,9 @@ Implementations ("impls"):
                    PyTorch, custom backward that recomputes the logits)
 
 For the loss op every impl that only gives log-probs gets the same PACS loss on top:
-``pacs_kernels.pacs_loss`` (torch backend) on its (B, T) log-probs. Liger's GRPO loss itself
+``pacs_kernels.pacs_loss`` (torch backend) on its (B, T) log-probs. Like
+``fused_linear_pacs_loss``, it computes log-probs of the masked-in tokens only (their hidden
+rows gathered first), so every impl does the same work. Liger's GRPO loss itself
 cannot be used: it reduces each chunk of sequences on its own, while PACS couples the G
 responses of a group (RLOO baseline, class weights) before any gradient exists.
 """
@@ -111,7 +114,20 @@ class Case:
         return getattr(torch, self.dtype)
 
     def flops(self) -> float:
-        return float(FLOP_FACTOR[self.op]) * self.n * self.v * self.d
+        return float(FLOP_FACTOR[self.op]) * selected_tokens(self) * self.v * self.d
+
+
+def response_lengths(t: int) -> torch.Tensor:
+    """The (B,) response lengths of the loss op: spread evenly over [T/2, T] (about 3/4 of N in all)."""
+    b = LOSS_RESPONSES
+    return torch.tensor([t - (t // 2) * i // (b - 1) for i in range(b)])
+
+
+def selected_tokens(case: "Case") -> int:
+    """Tokens whose log-prob the op computes: all N, or the masked-in ones for the loss op."""
+    if case.op == "pacs_loss_fwd_bwd":
+        return int(response_lengths(case.n // LOSS_RESPONSES).sum())
+    return case.n
 
 
 def make_inputs(case: Case, generator_seed: int) -> dict:
@@ -130,7 +146,7 @@ def make_inputs(case: Case, generator_seed: int) -> dict:
         b, t = LOSS_RESPONSES, case.n // LOSS_RESPONSES
         hidden = randn(b, t, case.d).requires_grad_(True)
         targets = torch.randint(0, case.v, (b, t), generator=gen).to(device)
-        lengths = torch.randint(max(1, t // 2), t + 1, (b,), generator=gen)
+        lengths = response_lengths(t)[torch.randperm(b, generator=gen)]
         mask = (torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)).to(device)
         old_logp = (-torch.rand(b, t, generator=gen) * 4.0 - 6.0).to(device)  # log(1/V)-ish
         rewards = torch.tensor([1.0, 0.0] * (b // 2))[torch.randperm(b, generator=gen)].to(device)
@@ -189,7 +205,7 @@ def logprob_function(impl: str) -> Callable[[torch.Tensor, torch.Tensor, torch.T
 def runner(case: Case) -> Callable[[dict], torch.Tensor]:
     """A function that runs the case once on its inputs and returns what it produced."""
     logp_fn = logprob_function(case.impl) if case.op != "pacs_loss_fwd_bwd" or case.impl not in (
-        "torch", "triton") else None
+        OUR_IMPLS) else None
 
     if case.op == "logprobs_nograd":
         def run(inputs):
@@ -208,7 +224,7 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
 
     options = dict(group_size=LOSS_GROUP_SIZE, beta=LOSS_BETA, score="log_ratio", advantage="rloo",
                    weighting="balanced")
-    if case.impl in ("torch", "triton"):
+    if case.impl in OUR_IMPLS:
         def run(inputs):
             loss = pacs_kernels.fused_linear_pacs_loss(
                 inputs["hidden"], inputs["weight"], inputs["targets"], inputs["mask"], inputs["old_logp"],
@@ -218,8 +234,14 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
         return run
 
     def run(inputs):
-        logp = logp_fn(inputs["hidden"], inputs["weight"], inputs["targets"])
-        loss = pacs_kernels.pacs_loss(logp, inputs["old_logp"], inputs["rewards"], inputs["mask"],
+        # like fused_linear_pacs_loss, compute log-probs of the masked-in tokens only
+        mask = inputs["mask"]
+        index = mask.reshape(-1).nonzero().squeeze(-1)
+        hidden = inputs["hidden"].reshape(-1, inputs["hidden"].shape[-1]).index_select(0, index)
+        selected = logp_fn(hidden, inputs["weight"], inputs["targets"].reshape(-1).index_select(0, index))
+        logp = torch.zeros(mask.numel(), device=selected.device, dtype=selected.dtype).index_put(
+            (index,), selected).reshape(mask.shape)
+        loss = pacs_kernels.pacs_loss(logp, inputs["old_logp"], inputs["rewards"], mask,
                                       backend="torch", **options)
         loss.backward()
         return loss.detach()
