@@ -33,11 +33,15 @@ from benchmarks.ops import IMPLS, OPS, Case, impl_unavailable_reason
 SETS = {
     "cpu": {"device": "cpu", "dtype": "float32",
             "shapes": [(256, 8192, [512, 1024, 2048, 4096]), (512, 32768, [512, 1024, 2048])]},
+    # sized for one ~3-minute slot of benchmarks/gpu.sh
     "gpu": {"device": "cuda", "dtype": "bfloat16",
-            "shapes": [(3584, 152064, [4096, 8192, 16384, 32768, 65536]),
-                       (2048, 151936, [4096, 16384, 65536])]},
+            "shapes": [(3584, 152064, [4096, 16384, 65536]), (2048, 151936, [4096, 65536])]},
     "gpu-quick": {"device": "cuda", "dtype": "bfloat16",
-                  "shapes": [(3584, 152064, [4096, 16384, 65536])]},
+                  "shapes": [(3584, 152064, [4096, 65536])]},
+    # every power of two from 4k to 128k tokens: needs about 15 minutes
+    "gpu-full": {"device": "cuda", "dtype": "bfloat16",
+                 "shapes": [(3584, 152064, [4096, 8192, 16384, 32768, 65536, 131072]),
+                            (2048, 151936, [4096, 8192, 16384, 32768, 65536, 131072])]},
 }
 STOP_STATUSES = ("oom", "timeout")  # no larger N is tried for that (op, impl, shape)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -139,7 +143,7 @@ def main(argv=None) -> int:
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     dev_name = device_name(device)
     rate = matmul_tflops(device, torch.bfloat16 if device == "cuda" else torch.float32)
-    print(f"[bench] {name}: {dev_name}, {dtype}; matmul rate {rate:.1f} TFLOP/s "
+    print(f"[bench] {name}: {dev_name}, {dtype}; matmul rate {rate:.3g} TFLOP/s "
           f"({'bf16' if device == 'cuda' else 'fp32'})", flush=True)
 
     impls = []

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# One prepared GPU run (one GPU, no network), about 5 minutes, hard limit about 6:
+#   1. correctness of the Triton kernels at real shapes against a float32 chunked reference
+#   2. the GPU benchmark set, with the peers (Cut Cross-Entropy, Liger-Kernel) when importable
+#   3. the long-context sweep (largest N within 40 GiB, naive vs Triton)
+# Usage: bash benchmarks/gpu.sh OUT_DIR        (run from anywhere; writes CSV, PNG, Markdown, log)
+# Peers: wheels in .whl/ (see benchmarks/README.md) are installed into /tmp/site when present.
+# Environment knobs: PACS_BENCH_SET (gpu | gpu-quick, default gpu), PYTHON (default python3).
+set -uo pipefail
+
+if [ $# -ne 1 ]; then
+    echo "usage: bash benchmarks/gpu.sh OUT_DIR" >&2
+    exit 2
+fi
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+mkdir -p "$1"
+out="$(cd "$1" && pwd)"
+log="$out/log.txt"
+py="${PYTHON:-python3}"
+bench_set="${PACS_BENCH_SET:-gpu}"
+cd "$root"
+exec > >(tee -a "$log") 2>&1
+
+started=$(date +%s)
+stamp() { echo "=== [$(( $(date +%s) - started ))s] $*"; }
+status=0
+
+stamp "pacs GPU run, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>/dev/null || true
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+    stamp "installing peer wheels from .whl/ into /tmp/site"
+    "$py" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || echo "wheel install failed; peers will be skipped"
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+"$py" - <<'EOF'
+import importlib, torch
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}")
+for name in ("triton", "cut_cross_entropy", "liger_kernel"):
+    try:
+        module = importlib.import_module(name)
+        print(f"{name}: {getattr(module, '__version__', 'importable')}")
+    except Exception as exc:
+        print(f"{name}: not importable ({type(exc).__name__}: {exc})")
+EOF
+
+stamp "1/3 correctness at real shapes (limit 90s)"
+timeout 90 "$py" benchmarks/check_gpu_correctness.py --device cuda
+rc=$?
+if [ $rc -ne 0 ]; then
+    echo "!!! CORRECTNESS CHECK FAILED OR TIMED OUT (exit $rc): the benchmark numbers below are not trustworthy"
+    status=1
+fi
+
+stamp "2/3 benchmark set '$bench_set' with peers (budget 160s, limit 200s)"
+timeout 200 "$py" benchmarks/run.py --set "$bench_set" --device cuda --out "$out" --name gpu \
+    --warmup 1 --repeats 3 --max-seconds 2 --time-budget 160 \
+    --note "one H200 lent for a single prepared run; peers: wheels installed without network" \
+    || { echo "!!! benchmark exited with $?"; status=1; }
+
+stamp "3/3 long-context sweep, 40 GiB budget (limit 75s)"
+timeout 75 "$py" benchmarks/long_context.py --device cuda --budget-gib 40 --n-start 8192 --n-max 1048576 \
+    --time-budget 30 --out "$out" \
+    || { echo "!!! long-context sweep exited with $?"; status=1; }
+
+stamp "done (exit $status); files in $out:"
+ls -la "$out" "$out"/plots_gpu 2>/dev/null
+exit $status
