@@ -5,7 +5,8 @@
 #   3. the long-context sweep (largest N within 40 GiB, naive vs Triton)
 # Usage: bash benchmarks/gpu.sh OUT_DIR        (run from anywhere; writes CSV, PNG, Markdown, log)
 # Peers: wheels in .whl/ (see benchmarks/README.md) are installed into /tmp/site when present.
-# Environment knobs: PACS_BENCH_SET (gpu | gpu-quick, default gpu), PYTHON (default python3).
+# Environment knobs: PACS_BENCH_SET (gpu | gpu-quick | gpu-full, default gpu), PYTHON (default python3),
+# PACS_GPU_DRY_RUN=1: the same three steps on the CPU at tiny shapes (checks this script's plumbing).
 set -uo pipefail
 
 if [ $# -ne 1 ]; then
@@ -18,6 +19,7 @@ out="$(cd "$1" && pwd)"
 log="$out/log.txt"
 py="${PYTHON:-python3}"
 bench_set="${PACS_BENCH_SET:-gpu}"
+site="${PACS_PEER_SITE:-/tmp/site}"
 cd "$root"
 exec > >(tee -a "$log") 2>&1
 
@@ -29,9 +31,9 @@ stamp "pacs GPU run, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>/dev/null || true
 
 if compgen -G ".whl/*.whl" > /dev/null; then
-    stamp "installing peer wheels from .whl/ into /tmp/site"
-    "$py" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || echo "wheel install failed; peers will be skipped"
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    stamp "installing peer wheels from .whl/ into $site"
+    "$py" -m pip install -q --no-index --no-deps --target "$site" .whl/*.whl || echo "wheel install failed; peers will be skipped"
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 "$py" - <<'EOF'
@@ -45,8 +47,19 @@ for name in ("triton", "cut_cross_entropy", "liger_kernel"):
         print(f"{name}: not importable ({type(exc).__name__}: {exc})")
 EOF
 
+# the CPU dry run swaps in tiny shapes; everything else is the same
+if [ "${PACS_GPU_DRY_RUN:-0}" = "1" ]; then
+    check_args=(--device cpu --small)
+    bench_args=(--set cpu --device cpu --d 32 --v 512 --n 64 128)
+    long_args=(--device cpu --d 32 --v 512 --budget-mib 24 --n-start 256 --n-max 4096)
+else
+    check_args=(--device cuda)
+    bench_args=(--set "$bench_set" --device cuda)
+    long_args=(--device cuda --budget-gib 40 --n-start 8192 --n-max 1048576)
+fi
+
 stamp "1/3 correctness at real shapes (limit 90s)"
-timeout 90 "$py" benchmarks/check_gpu_correctness.py --device cuda
+timeout 90 "$py" benchmarks/check_gpu_correctness.py "${check_args[@]}"
 rc=$?
 if [ $rc -ne 0 ]; then
     echo "!!! CORRECTNESS CHECK FAILED OR TIMED OUT (exit $rc): the benchmark numbers below are not trustworthy"
@@ -54,14 +67,13 @@ if [ $rc -ne 0 ]; then
 fi
 
 stamp "2/3 benchmark set '$bench_set' with peers (budget 160s, limit 200s)"
-timeout 200 "$py" benchmarks/run.py --set "$bench_set" --device cuda --out "$out" --name gpu \
+timeout 200 "$py" benchmarks/run.py "${bench_args[@]}" --out "$out" --name gpu \
     --warmup 1 --repeats 3 --max-seconds 2 --time-budget 160 \
     --note "one H200 lent for a single prepared run; peers: wheels installed without network" \
     || { echo "!!! benchmark exited with $?"; status=1; }
 
 stamp "3/3 long-context sweep, 40 GiB budget (limit 75s)"
-timeout 75 "$py" benchmarks/long_context.py --device cuda --budget-gib 40 --n-start 8192 --n-max 1048576 \
-    --time-budget 30 --out "$out" \
+timeout 75 "$py" benchmarks/long_context.py "${long_args[@]}" --time-budget 30 --out "$out" \
     || { echo "!!! long-context sweep exited with $?"; status=1; }
 
 stamp "done (exit $status); files in $out:"
