@@ -16,16 +16,16 @@ REQUIRED = {"device", "op", "impl", "N", "d", "V", "dtype", "median_ms", "peak_m
 def test_cpu_benchmark_writes_csv_markdown_and_plots(tmp_path):
     n, d, v = 512, 16, 2048
     rc = run.main(["--set", "cpu", "--d", str(d), "--v", str(v), "--n", str(n), "--out", str(tmp_path),
-                   "--ops", "logprobs_fwd_bwd", "logprobs_nograd", "pacs_loss_fwd_bwd",
-                   "--impls", "naive", "torch", "triton", "--warmup", "1", "--repeats", "1", "--name", "tiny"])
+                   "--ops", "logprobs_fwd_bwd", "pacs_loss_fwd_bwd",
+                   "--impls", "naive", "torch", "triton", "--warmup", "0", "--repeats", "1", "--name", "tiny"])
     assert rc == 0
     with open(tmp_path / "tiny.csv", newline="") as handle:
         reader = csv.DictReader(handle)
         assert REQUIRED <= set(reader.fieldnames) and tuple(reader.fieldnames) == COLUMNS
         rows = list(reader)
-    # triton never runs on the CPU: 3 ops x (naive, torch)
+    # triton never runs on the CPU: 2 ops x (naive, torch)
     assert sorted((r["op"], r["impl"]) for r in rows) == sorted(
-        (op, impl) for op in ("logprobs_fwd_bwd", "logprobs_nograd", "pacs_loss_fwd_bwd")
+        (op, impl) for op in ("logprobs_fwd_bwd", "pacs_loss_fwd_bwd")
         for impl in ("naive", "torch"))
     for row in rows:
         assert row["status"] == "ok", row
@@ -39,20 +39,19 @@ def test_cpu_benchmark_writes_csv_markdown_and_plots(tmp_path):
     table = (tmp_path / "tiny.md").read_text()
     assert "| N | naive | torch |" in table and "Device:" in table
     plots = sorted(p.name for p in (tmp_path / "plots_tiny").glob("*.png"))
-    assert plots == [f"{op}_d{d}_V{v}_float32.png" for op in
-                     ("logprobs_fwd_bwd", "logprobs_nograd", "pacs_loss_fwd_bwd")]
+    assert plots == [f"{op}_d{d}_V{v}_float32.png" for op in ("logprobs_fwd_bwd", "pacs_loss_fwd_bwd")]
     assert all((tmp_path / "plots_tiny" / p).stat().st_size > 5000 for p in plots)
 
 
 def test_long_context_sweep_finds_the_edge_and_plots(tmp_path):
     rc = long_context.main(["--device", "cpu", "--d", "16", "--v", "512", "--budget-mib", "1024",
-                            "--n-start", "256", "--n-max", "512", "--out", str(tmp_path)])
+                            "--n-start", "256", "--n-max", "512", "--impls", "torch", "--out", str(tmp_path)])
     assert rc == 0
     with open(tmp_path / "long_context_cpu.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     # a budget far above these sizes: every trial fits, the answer is ">= n_max"
-    assert [(r["impl"], int(r["N"]), r["fits"]) for r in rows] == [
-        ("naive", 256, "True"), ("naive", 512, "True"), ("torch", 256, "True"), ("torch", 512, "True")]
+    assert [(r["impl"], int(r["N"]), r["fits"]) for r in rows] == [("torch", 256, "True"), ("torch", 512, "True")]
+    assert all(0 < float(r["footprint_mib"]) < 1024 for r in rows)
     assert ">= 512" in (tmp_path / "long_context_cpu.md").read_text()
     assert (tmp_path / "long_context_cpu.png").stat().st_size > 5000
 
