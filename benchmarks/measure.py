@@ -89,24 +89,17 @@ def _release(inputs: dict, produced) -> None:
 def measure_in_process(case: Case, *, warmup: int, repeats: int, max_seconds: float | None = None) -> dict:
     """Time and peak memory of ``case`` in this process. Returns a dict of results.
 
-    ``max_seconds`` caps the timed runs: when the warm-up shows that ``repeats`` runs would take
-    longer, fewer are made (at least one). The returned ``repeats`` says how many were made.
+    ``max_seconds`` caps the timed runs: no further run starts once the timed runs so far add up
+    to more than that (at least one is made). The returned ``repeats`` says how many were made.
     """
     run = runner(case)
     on_cuda = case.device == "cuda"
     seed = case.seed * 1_000_003
-    warm_times = []
     for i in range(max(warmup, 0)):
         inputs = make_inputs(case, seed + i)
-        _sync(case.device)
-        start = time.perf_counter()
         produced = run(inputs)
         _sync(case.device)
-        warm_times.append(time.perf_counter() - start)
         _release(inputs, produced)
-    if max_seconds is not None and warm_times:
-        affordable = int(max_seconds / max(warm_times[-1], 1e-9))
-        repeats = max(1, min(repeats, affordable))
 
     times_ms, peaks_mib = [], []
     for i in range(repeats):
@@ -132,6 +125,8 @@ def measure_in_process(case: Case, *, warmup: int, repeats: int, max_seconds: fl
             if base is not None:  # memory from the first timed run, right after the reset
                 peaks_mib.append(peak_rss_mib() - base)
         _release(inputs, produced)
+        if max_seconds is not None and sum(times_ms) / 1e3 > max_seconds:
+            break
     return {
         "median_ms": statistics.median(times_ms),
         "min_ms": min(times_ms),
@@ -174,14 +169,13 @@ def measure_case(case: Case, *, warmup: int, repeats: int, timeout_s: float = 60
     try:
         return measure_in_process(case, warmup=warmup, repeats=repeats, max_seconds=max_seconds)
     except torch.OutOfMemoryError as exc:
-        gc.collect()
-        torch.cuda.empty_cache()
-        return {"status": "oom", "note": str(exc).splitlines()[0][:200]}
+        failure = {"status": "oom", "note": (str(exc).splitlines() or [""])[0][:200]}
     except Exception as exc:  # a peer failing must not stop the whole benchmark
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return {"status": "error", "note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
+        failure = {"status": "error", "note": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"}
+    # outside the except block: the traceback (and the tensors its frames hold) is gone now
+    gc.collect()
+    torch.cuda.empty_cache()
+    return failure
 
 
 def _worker(argv: list[str]) -> None:

@@ -112,6 +112,8 @@ def parse_args(argv):
     parser.add_argument("--name", default=None, help="file name stem (default: the set name)")
     parser.add_argument("--note", action="append", default=[], help="a line for the Markdown header")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--report-only", action="store_true",
+                        help="measure nothing: rebuild the Markdown and plots from OUT/<name>.csv")
     args = parser.parse_args(argv)
     for name in ("warmup", "repeats"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
@@ -135,11 +137,14 @@ def plan(args) -> tuple[str, str, list[tuple[int, int, list[int]]]]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    name = args.name or args.size_set
+    if args.report_only:
+        write_report(args, name, report.read_csv(args.out / f"{name}.csv"))
+        return 0
     device, dtype, shapes = plan(args)
     if device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: CUDA is not available here", file=sys.stderr)
         return 2
-    name = args.name or args.size_set
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     dev_name = device_name(device)
     rate = matmul_tflops(device, torch.bfloat16 if device == "cuda" else torch.float32)
@@ -155,6 +160,8 @@ def main(argv=None) -> int:
             impls.append(impl)
 
     rows, stopped = [], set()
+    args.out.mkdir(parents=True, exist_ok=True)
+    csv_path = args.out / f"{name}.csv"
     started = time.perf_counter()
     for d, v, n_values in shapes:
         for n in n_values:
@@ -183,21 +190,24 @@ def main(argv=None) -> int:
                             row["flop_fraction"] = row["tflops"] / rate
                     rows.append(row)
                     _print_row(row)
+                    report.write_csv(rows, csv_path)  # after every case: a killed run keeps its rows
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    csv_path = args.out / f"{name}.csv"
-    report.write_csv(rows, csv_path)
-    csv_rows = report.read_csv(csv_path)
+    written = write_report(args, name, report.read_csv(csv_path))
+    print(f"[bench] done in {time.perf_counter() - started:.0f}s; wrote " + ", ".join(str(p) for p in written),
+          flush=True)
+    return 0
+
+
+def write_report(args, name: str, csv_rows: list[dict]) -> list[Path]:
+    """The Markdown table and the plots from the CSV rows; returns the paths written."""
     notes = [f"torch {torch.__version__}, python {platform.python_version()}; warm-up {args.warmup}, "
              f"median of up to {args.repeats} runs on fresh random inputs"] + list(args.note)
     md_path = args.out / f"{name}.md"
     md_path.write_text(report.markdown(csv_rows, title=f"Benchmark `{name}`", notes=notes))
-    written = [csv_path, md_path]
+    written = [args.out / f"{name}.csv", md_path]
     if not args.no_plots:
         written += report.plot(csv_rows, args.out / f"plots_{name}")
-    print(f"[bench] done in {time.perf_counter() - started:.0f}s; wrote " + ", ".join(str(p) for p in written),
-          flush=True)
-    return 0
+    return written
 
 
 def _print_row(row: dict) -> None:
