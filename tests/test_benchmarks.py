@@ -31,7 +31,8 @@ def test_cpu_benchmark_writes_csv_markdown_and_plots(tmp_path):
         assert row["status"] == "ok", row
         assert (row["device"], row["dtype"], int(row["N"]), int(row["d"]), int(row["V"])) == (
             "cpu", "float32", n, d, v)
-        assert float(row["median_ms"]) > 0 and float(row["flop_fraction"]) > 0
+        assert float(row["median_ms"]) > 0 and float(row["tflops"]) > 0
+        assert row["flop_fraction"] == ""  # the matmul floor is measured on the GPU only
         assert row["date"] and row["device_name"]
     # the naive backward holds at least one N x V float32 buffer: the RSS method must see it
     naive = next(r for r in rows if r["op"] == "logprobs_fwd_bwd" and r["impl"] == "naive")
