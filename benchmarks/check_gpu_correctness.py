@@ -46,6 +46,8 @@ def parse_args(argv):
     parser.add_argument("--small", action="store_true", help="small shapes (the CPU dry run)")
     parser.add_argument("--chunk", type=int, default=512, help="reference: tokens per chunk")
     parser.add_argument("--cases", nargs="+", default=None, help="names of the cases to run (default: all)")
+    parser.add_argument("--no-peers", action="store_true",
+                        help="skip the (informational) check of the peers' log-probs on the first case")
     return parser.parse_args(argv)
 
 
@@ -101,6 +103,8 @@ def main(argv=None) -> int:
         del h, w, logp, entropy, ref
         if has_loss and n >= LOSS_RESPONSES:
             errors.update(check_loss(pacs_kernels, hidden, weight, targets, tau, gen, args.chunk, atol, rtol))
+        if tau == 1.0 and not args.no_peers and case_name == cases[0][0]:
+            check_peers(hidden, weight, targets, grad_logp, args.chunk, args.device)
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
@@ -148,6 +152,35 @@ def reference(hidden, weight, targets, tau, grad_logp, grad_entropy, chunk):
         dw += dz.T @ h32
         del log_p, p, dz
     return {"logp": logp, "entropy": entropy, "dh": dh, "dW": dw}
+
+
+def check_peers(hidden, weight, targets, grad_logp, chunk, device) -> None:
+    """Print how far each importable peer's log-probs and gradients are from the reference.
+
+    Informational (the peers are not ours to fix): it shows that the benchmark times the same
+    computation for every impl, and surfaces a broken peer install before the benchmark runs.
+    """
+    import torch
+
+    from benchmarks.ops import PEER_IMPLS, impl_unavailable_reason, logprob_function
+
+    ref = None
+    for impl in PEER_IMPLS:
+        reason = impl_unavailable_reason("logprobs_fwd_bwd", impl, device)
+        if reason:
+            print(f"          peer {impl:13s} not checked: {reason}")
+            continue
+        if ref is None:
+            ref = reference(hidden, weight, targets, 1.0, grad_logp, torch.zeros_like(grad_logp), chunk)
+        try:
+            h = hidden.clone().requires_grad_(True)
+            w = weight.clone().requires_grad_(True)
+            logp = logprob_function(impl)(h, w, targets)
+            logp.backward(grad_logp)
+            print(f"          peer {impl:13s} logp {_abs_err(logp, ref['logp']):.3e}  dh {_rel_err(h.grad, ref['dh']):.3e}"
+                  f"  dW {_rel_err(w.grad, ref['dW']):.3e}")
+        except Exception as exc:  # report, do not fail: the benchmark records the peer's error too
+            print(f"          peer {impl:13s} FAILED to run: {type(exc).__name__}: {str(exc)[:200]}")
 
 
 def check_loss(pacs_kernels, hidden, weight, targets, tau, gen, chunk, atol, rtol) -> dict:
