@@ -78,12 +78,13 @@ def main(argv=None) -> int:
     for case_name, n, d, v, dtype_name, tau in cases:
         dtype = getattr(torch, dtype_name)
         atol, rtol = TOLERANCE[dtype_name]
-        gen = torch.Generator(device="cpu").manual_seed(1234)
-        hidden = torch.randn(n, d, generator=gen).to(device, dtype)
-        weight = (torch.randn(v, d, generator=gen) * d ** -0.5 * 2.0).to(device, dtype)
-        targets = torch.randint(0, v, (n,), generator=gen).to(device)
-        grad_logp = torch.randn(n, generator=gen).to(device)
-        grad_entropy = torch.randn(n, generator=gen).to(device)
+        gen = torch.Generator(device="cpu").manual_seed(1234)  # small choices
+        dgen = torch.Generator(device=device).manual_seed(1234)  # big tensors, made on the device
+        hidden = torch.randn(n, d, generator=dgen, device=device).to(dtype)
+        weight = (torch.randn(v, d, generator=dgen, device=device) * (d ** -0.5 * 2.0)).to(dtype)
+        targets = torch.randint(0, v, (n,), generator=dgen, device=device)
+        grad_logp = torch.randn(n, generator=dgen, device=device)
+        grad_entropy = torch.randn(n, generator=dgen, device=device)
 
         start = time.perf_counter()
         ref = reference(hidden, weight, targets, tau, grad_logp, grad_entropy, args.chunk)

@@ -133,10 +133,13 @@ def selected_tokens(case: "Case") -> int:
 def make_inputs(case: Case, generator_seed: int) -> dict:
     """Fresh random inputs for one run (never zeros). Logits have a standard deviation near 1."""
     device, dtype = torch.device(case.device), case.torch_dtype
-    gen = torch.Generator(device="cpu").manual_seed(generator_seed)
+    # random numbers are made where they are used (a CPU generator would spend seconds on the
+    # 0.5 G weight entries of a real LM head); the few (B,)-sized choices use a CPU generator
+    gen = torch.Generator(device=device).manual_seed(generator_seed)
+    small = torch.Generator(device="cpu").manual_seed(generator_seed)
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype).mul_(scale)
 
     grad = case.op != "logprobs_nograd"
     weight = randn(case.v, case.d, scale=case.d ** -0.5).requires_grad_(grad)
@@ -145,18 +148,18 @@ def make_inputs(case: Case, generator_seed: int) -> dict:
             raise ValueError(f"N must be a multiple of {LOSS_RESPONSES} for the loss op, got {case.n}")
         b, t = LOSS_RESPONSES, case.n // LOSS_RESPONSES
         hidden = randn(b, t, case.d).requires_grad_(True)
-        targets = torch.randint(0, case.v, (b, t), generator=gen).to(device)
-        lengths = response_lengths(t)[torch.randperm(b, generator=gen)]
+        targets = torch.randint(0, case.v, (b, t), generator=gen, device=device)
+        lengths = response_lengths(t)[torch.randperm(b, generator=small)]
         mask = (torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)).to(device)
-        old_logp = (-torch.rand(b, t, generator=gen) * 4.0 - 6.0).to(device)  # log(1/V)-ish
-        rewards = torch.tensor([1.0, 0.0] * (b // 2))[torch.randperm(b, generator=gen)].to(device)
+        old_logp = torch.rand(b, t, generator=gen, device=device).mul_(-4.0).sub_(6.0)  # log(1/V)-ish
+        rewards = torch.tensor([1.0, 0.0] * (b // 2))[torch.randperm(b, generator=small)].to(device)
         return {"hidden": hidden, "weight": weight, "targets": targets, "mask": mask,
                 "old_logp": old_logp, "rewards": rewards}
     hidden = randn(case.n, case.d).requires_grad_(grad)
-    targets = torch.randint(0, case.v, (case.n,), generator=gen).to(device)
+    targets = torch.randint(0, case.v, (case.n,), generator=gen, device=device)
     inputs = {"hidden": hidden, "weight": weight, "targets": targets}
     if grad:
-        inputs["grad_logp"] = torch.randn(case.n, generator=gen).to(device)
+        inputs["grad_logp"] = torch.randn(case.n, generator=gen, device=device)
     return inputs
 
 
