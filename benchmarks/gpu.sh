@@ -32,7 +32,16 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 
 if compgen -G ".whl/*.whl" > /dev/null; then
     stamp "installing peer wheels from .whl/ into $site"
-    "$py" -m pip install -q --no-index --no-deps --target "$site" .whl/*.whl || echo "wheel install failed; peers will be skipped"
+    wheels=(.whl/*.whl)
+    # packaging (needed by liger-kernel) only when the machine lacks it: never shadow its own copy
+    if "$py" -c "import packaging" 2>/dev/null; then
+        wheels=($(printf '%s\n' "${wheels[@]}" | grep -v '/packaging-'))
+    fi
+    # pure-Python wheels: unzipping them is an install too, for a machine without pip
+    "$py" -m pip install -q --no-index --no-deps --target "$site" "${wheels[@]}" \
+        || "$py" -c "import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]" \
+            "$site" "${wheels[@]}" \
+        || echo "wheel install failed; peers will be skipped"
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
