@@ -44,7 +44,7 @@ def test_cpu_benchmark_writes_csv_markdown_and_plots(tmp_path):
     assert all((tmp_path / "plots_tiny" / p).stat().st_size > 5000 for p in plots)
 
 
-def test_long_context_sweep_finds_the_edge_and_plots(tmp_path):
+def test_long_context_sweep_writes_csv_markdown_and_plot(tmp_path):
     rc = long_context.main(["--device", "cpu", "--d", "16", "--v", "512", "--budget-mib", "1024",
                             "--n-start", "256", "--n-max", "512", "--impls", "torch", "--out", str(tmp_path)])
     assert rc == 0
@@ -55,6 +55,27 @@ def test_long_context_sweep_finds_the_edge_and_plots(tmp_path):
     assert all(0 < float(r["footprint_mib"]) < 1024 for r in rows)
     assert ">= 512" in (tmp_path / "long_context_cpu.md").read_text()
     assert (tmp_path / "long_context_cpu.png").stat().st_size > 5000
+
+
+@pytest.mark.parametrize("edge", [300, 1000, 5000, 70_000])
+def test_long_context_search_brackets_the_largest_fitting_n(monkeypatch, edge):
+    """Doubling then bisection, with a fake step that fits exactly when N <= edge."""
+    calls = []
+
+    def fake_trial(case, budget_mib, timeout_s):
+        calls.append(case.n)
+        return {"fits": case.n <= edge, "footprint_mib": case.n / 100, "seconds": 0.0}
+
+    monkeypatch.setattr(long_context, "trial", fake_trial)
+    args = long_context.parse_args(["--device", "cpu", "--n-start", "256", "--n-max", "65536"])
+    lo, hi, trials = long_context.largest_fitting("torch", args, "cpu", lambda line: None)
+    assert len(trials) == len(calls) == len(set(calls))  # no size is tried twice
+    if edge >= 65536:
+        assert (lo, hi) == (65536, None)  # everything up to n_max fits
+        return
+    assert lo <= edge < hi
+    assert hi - lo <= max(256, lo // 8)
+    assert all(n % 256 == 0 for n in calls)
 
 
 @pytest.mark.parametrize("op", ["logprobs_fwd_bwd", "logprobs_nograd", "pacs_loss_fwd_bwd"])
