@@ -11,12 +11,14 @@ closed form (z = h W^T / tau, p = softmax z, H the entropy, g_l and g_H upstream
 
     dz = g_l * (onehot(y) - p) - g_H * p * (log p + H),   dh = dz W / tau,   dW = dz^T h / tau
 
-Errors: logp, entropy, loss: max |ours - ref|. dh, dW: max |ours - ref| / max |ref|.
+Errors: logp, entropy, loss: max |ours - ref|. dh, dW: max |ours - ref| / max |ref|. Where
+pacs_kernels has it, the one-sweep first step after a rollout (``old_lse=``) is checked too.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import time
@@ -225,10 +227,45 @@ def check_loss(pacs_kernels, hidden, weight, targets, tau, gen, chunk, atol, rto
     loss = pacs_kernels.fused_linear_pacs_loss(hh, ww, y, mask, old_logp, rewards, backend="triton", **options)
     loss.backward()
     scale = max(1.0, abs(ref_loss.item()))
-    return {
+    errors = {
         "loss": (abs(loss.item() - ref_loss.item()) / scale, atol * 10),
         "loss_dh": (_rel_err(hh.grad.reshape(used, d), grads["dh"]), rtol),
         "loss_dW": (_rel_err(ww.grad, grads["dW"]), rtol),
+    }
+    del hh, ww, loss, grads
+    if "old_lse" in inspect.signature(pacs_kernels.fused_linear_pacs_loss).parameters:
+        errors.update(check_first_step(pacs_kernels, h, weight, y, mask, rewards, options, ref, chunk, atol, rtol))
+    return errors
+
+
+def check_first_step(pacs_kernels, h, weight, y, mask, rewards, options, ref, chunk, atol, rtol) -> dict:
+    """The one-sweep first step after a rollout (old_lse given, logp == old_logp) vs the reference."""
+    import torch
+
+    from pacs_kernels import linear_logprobs
+
+    b, t, d = h.shape
+    used = b * t
+    with torch.no_grad():  # the rollout policy's pass, by our kernels: the step must accept its output
+        old_logp, old_lse = linear_logprobs(h, weight, y, temperature=options["temperature"], return_lse=True,
+                                            backend="triton")
+    ref_logp = ref["logp"].reshape(b, t).clone().requires_grad_(True)
+    loss_options = {k: v for k, v in options.items() if k != "temperature"}
+    ref_loss = pacs_kernels.pacs_loss(ref_logp, ref["logp"].reshape(b, t), rewards, mask, backend="torch",
+                                      **loss_options)
+    ref_loss.backward()
+    grads = reference(h.reshape(used, d), weight, y.reshape(used), options["temperature"],
+                      ref_logp.grad.reshape(used), torch.zeros(used, device=h.device), chunk)
+    hh = h.clone().requires_grad_(True)
+    ww = weight.clone().requires_grad_(True)
+    loss = pacs_kernels.fused_linear_pacs_loss(hh, ww, y, mask, old_logp, rewards, backend="triton",
+                                               old_lse=old_lse, **options)
+    loss.backward()
+    scale = max(1.0, abs(ref_loss.item()))
+    return {
+        "first_step_loss": (abs(loss.item() - ref_loss.item()) / scale, atol * 10),
+        "first_step_dh": (_rel_err(hh.grad.reshape(used, d), grads["dh"]), rtol),
+        "first_step_dW": (_rel_err(ww.grad, grads["dW"]), rtol),
     }
 
 

@@ -7,6 +7,10 @@ Three operations, each on N tokens with hidden width d and vocabulary V:
     logprobs_nograd    old-policy log-probs under torch.no_grad() (nothing kept for backward)
     pacs_loss_fwd_bwd  the whole PACS loss (log-ratio score, RLOO, balanced weights), forward
                        and backward, on B = 16 responses of T = N / 16 tokens, groups of 8
+    pacs_loss_first_step  the same loss on the first optimizer step after a rollout, where
+                       logp == old_logp: fused_linear_pacs_loss(old_lse=...) computes the loss and
+                       its gradients in one vocabulary sweep (ours only, where pacs_kernels has
+                       it; every other impl computes that step as pacs_loss_fwd_bwd does)
 
 Implementations ("impls"):
 
@@ -40,7 +44,8 @@ from typing import Callable
 
 import torch
 
-OPS = ("logprobs_fwd_bwd", "logprobs_nograd", "pacs_loss_fwd_bwd")
+OPS = ("logprobs_fwd_bwd", "logprobs_nograd", "pacs_loss_fwd_bwd", "pacs_loss_first_step")
+LOSS_OPS = ("pacs_loss_fwd_bwd", "pacs_loss_first_step")
 OUR_IMPLS = ("naive", "torch", "triton")
 PEER_IMPLS = ("cce", "cce_exact", "liger_flce", "liger_chunked")
 IMPLS = OUR_IMPLS + PEER_IMPLS
@@ -51,7 +56,8 @@ LOSS_BETA = 1.0
 
 # matmul FLOPs the design must do: forward 2NVd; backward recomputes the logits (2NVd) and
 # forms dh and dW (4NVd)
-FLOP_FACTOR = {"logprobs_fwd_bwd": 8, "logprobs_nograd": 2, "pacs_loss_fwd_bwd": 8}
+# (the one-sweep first step needs 6NVd: the logits once, then dh and dW)
+FLOP_FACTOR = {"logprobs_fwd_bwd": 8, "logprobs_nograd": 2, "pacs_loss_fwd_bwd": 8, "pacs_loss_first_step": 6}
 
 
 def _importable(module: str) -> bool:
@@ -68,14 +74,28 @@ def loss_available() -> bool:
     return hasattr(pacs_kernels, "fused_linear_pacs_loss") and hasattr(pacs_kernels, "pacs_loss")
 
 
+def first_step_available() -> bool:
+    """True when fused_linear_pacs_loss takes old_lse (the one-sweep first step after a rollout)."""
+    import inspect
+
+    import pacs_kernels
+
+    return loss_available() and "old_lse" in inspect.signature(pacs_kernels.fused_linear_pacs_loss).parameters
+
+
 def impl_unavailable_reason(op: str, impl: str, device: str) -> str | None:
     """None when (op, impl) can run for real on ``device``; otherwise why not (one line)."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if op == "pacs_loss_fwd_bwd" and not loss_available():
+    if op in LOSS_OPS and not loss_available():
         return "pacs_kernels has no fused_linear_pacs_loss yet"
+    if op == "pacs_loss_first_step":
+        if impl not in ("torch", "triton"):
+            return "the one-sweep first step is pacs_kernels' own path (others: see pacs_loss_fwd_bwd)"
+        if not first_step_available():
+            return "pacs_kernels' fused_linear_pacs_loss has no old_lse (one-sweep first step) yet"
     if impl == "triton":
         if device != "cuda":
             return "Triton runs for real only on CUDA (the CPU interpreter is not timed)"
@@ -125,7 +145,7 @@ def response_lengths(t: int) -> torch.Tensor:
 
 def selected_tokens(case: "Case") -> int:
     """Tokens whose log-prob the op computes: all N, or the masked-in ones for the loss op."""
-    if case.op == "pacs_loss_fwd_bwd":
+    if case.op in LOSS_OPS:
         return int(response_lengths(case.n // LOSS_RESPONSES).sum())
     return case.n
 
@@ -143,7 +163,7 @@ def make_inputs(case: Case, generator_seed: int) -> dict:
 
     grad = case.op != "logprobs_nograd"
     weight = randn(case.v, case.d, scale=case.d ** -0.5).requires_grad_(grad)
-    if case.op == "pacs_loss_fwd_bwd":
+    if case.op in LOSS_OPS:
         if case.n % LOSS_RESPONSES:
             raise ValueError(f"N must be a multiple of {LOSS_RESPONSES} for the loss op, got {case.n}")
         b, t = LOSS_RESPONSES, case.n // LOSS_RESPONSES
@@ -153,8 +173,15 @@ def make_inputs(case: Case, generator_seed: int) -> dict:
         mask = (torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)).to(device)
         old_logp = torch.rand(b, t, generator=gen, device=device).mul_(-4.0).sub_(6.0)  # log(1/V)-ish
         rewards = torch.tensor([1.0, 0.0] * (b // 2))[torch.randperm(b, generator=small)].to(device)
-        return {"hidden": hidden, "weight": weight, "targets": targets, "mask": mask,
-                "old_logp": old_logp, "rewards": rewards}
+        inputs = {"hidden": hidden, "weight": weight, "targets": targets, "mask": mask,
+                  "old_logp": old_logp, "rewards": rewards}
+        if case.op == "pacs_loss_first_step":  # the rollout policy is the current one
+            from pacs_kernels import linear_logprobs
+
+            with torch.no_grad():
+                inputs["old_logp"], inputs["old_lse"] = linear_logprobs(
+                    hidden, weight, targets, return_lse=True, backend=case.impl)
+        return inputs
     hidden = randn(case.n, case.d).requires_grad_(grad)
     targets = torch.randint(0, case.v, (case.n,), generator=gen, device=device)
     inputs = {"hidden": hidden, "weight": weight, "targets": targets}
@@ -207,8 +234,7 @@ def logprob_function(impl: str) -> Callable[[torch.Tensor, torch.Tensor, torch.T
 
 def runner(case: Case) -> Callable[[dict], torch.Tensor]:
     """A function that runs the case once on its inputs and returns what it produced."""
-    logp_fn = logprob_function(case.impl) if case.op != "pacs_loss_fwd_bwd" or case.impl not in (
-        OUR_IMPLS) else None
+    logp_fn = logprob_function(case.impl) if case.op not in LOSS_OPS or case.impl not in OUR_IMPLS else None
 
     if case.op == "logprobs_nograd":
         def run(inputs):
@@ -228,10 +254,13 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
     options = dict(group_size=LOSS_GROUP_SIZE, beta=LOSS_BETA, score="log_ratio", advantage="rloo",
                    weighting="balanced")
     if case.impl in OUR_IMPLS:
+        first_step = case.op == "pacs_loss_first_step"
+
         def run(inputs):
+            extra = {"old_lse": inputs["old_lse"]} if first_step else {}
             loss = pacs_kernels.fused_linear_pacs_loss(
                 inputs["hidden"], inputs["weight"], inputs["targets"], inputs["mask"], inputs["old_logp"],
-                inputs["rewards"], backend=case.impl, **options)
+                inputs["rewards"], backend=case.impl, **options, **extra)
             loss.backward()
             return loss.detach()
         return run

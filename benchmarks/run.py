@@ -195,6 +195,7 @@ def main(argv=None) -> int:
                     _print_row(row)
                     report.write_csv(rows, csv_path)  # after every case: a killed run keeps its rows
 
+    report.write_csv(rows, csv_path)  # also when nothing could run (a header only)
     written = write_report(args, name, report.read_csv(csv_path))
     print(f"[bench] done in {time.perf_counter() - started:.0f}s; wrote " + ", ".join(str(p) for p in written),
           flush=True)
@@ -214,7 +215,7 @@ def write_report(args, name: str, csv_rows: list[dict]) -> list[Path]:
 
 
 def _print_row(row: dict) -> None:
-    head = f"[bench] {row['op']:18s} {row['impl']:13s} N={row['N']:<6d} d={row['d']} V={row['V']}"
+    head = f"[bench] {row['op']:20s} {row['impl']:13s} N={row['N']:<6d} d={row['d']} V={row['V']}"
     if row["status"] == "ok":
         extra = f"  {row['flop_fraction']:.0%} of matmul" if row.get("flop_fraction") is not None else ""
         print(f"{head}: {row['median_ms']:9.1f} ms  {row['peak_mem_mib']:9.1f} MiB  "

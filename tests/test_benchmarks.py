@@ -7,7 +7,7 @@ import csv
 import pytest
 
 from benchmarks import long_context, run
-from benchmarks.ops import Case, impl_unavailable_reason, make_inputs, runner
+from benchmarks.ops import Case, first_step_available, impl_unavailable_reason, make_inputs, runner
 from benchmarks.report import COLUMNS
 
 REQUIRED = {"device", "op", "impl", "N", "d", "V", "dtype", "median_ms", "peak_mem_mib"}
@@ -78,8 +78,10 @@ def test_long_context_search_brackets_the_largest_fitting_n(monkeypatch, edge):
     assert all(n % 256 == 0 for n in calls)
 
 
-@pytest.mark.parametrize("op", ["logprobs_fwd_bwd", "logprobs_nograd", "pacs_loss_fwd_bwd"])
+@pytest.mark.parametrize("op", ["logprobs_fwd_bwd", "logprobs_nograd", "pacs_loss_fwd_bwd", "pacs_loss_first_step"])
 def test_every_op_runs_on_fresh_inputs(op):
+    if op == "pacs_loss_first_step" and not first_step_available():
+        pytest.skip("this pacs_kernels has no one-sweep first step (fused_linear_pacs_loss(old_lse=...))")
     case = Case(op=op, impl="torch", n=64, d=8, v=32, dtype="float32", device="cpu")
     first, second = make_inputs(case, 1), make_inputs(case, 2)
     assert not (first["hidden"] == second["hidden"]).all()
