@@ -78,9 +78,9 @@ stamp "1b/3 peers' log-probs against the same reference, informational (limit 40
 timeout 40 "$py" benchmarks/check_gpu_correctness.py "${check_args[@]}" --peers only \
     || echo "(peer check exited with $?; the benchmark records each peer's own status)"
 
-stamp "2/3 benchmark set '$bench_set' with peers (budget 150s, limit 185s)"
-timeout 185 "$py" benchmarks/run.py "${bench_args[@]}" --out "$out" --name gpu \
-    --warmup 1 --repeats 3 --max-seconds 1.5 --time-budget 150 \
+stamp "2/3 benchmark set '$bench_set' with peers (budget 140s, limit 175s)"
+timeout 175 "$py" benchmarks/run.py "${bench_args[@]}" --out "$out" --name gpu \
+    --warmup 1 --repeats 3 --max-seconds 1.5 --time-budget 140 \
     --note "one GPU lent for a single prepared run; peers installed from wheels without network"
 rc=$?
 if [ $rc -ne 0 ]; then
@@ -89,8 +89,8 @@ if [ $rc -ne 0 ]; then
     status=1
 fi
 
-stamp "3/3 long-context sweep, 40 GiB budget (limit 50s)"
-timeout 50 "$py" benchmarks/long_context.py "${long_args[@]}" --time-budget 22 --out "$out" \
+stamp "3/3 long-context sweep, 40 GiB budget (30s of trials, limit 60s)"
+timeout 60 "$py" benchmarks/long_context.py "${long_args[@]}" --time-budget 30 --out "$out" \
     || { echo "!!! long-context sweep exited with $?"; status=1; }
 
 stamp "done (exit $status); files in $out:"

@@ -99,24 +99,32 @@ def trial(case: Case, budget_mib: float, timeout_s: float) -> dict:
     return json.loads(lines[-1])
 
 
-def largest_fitting(impl: str, args, device: str, log) -> tuple[int | None, int | None, list[dict]]:
-    """Doubling then bisection. Returns (largest N that fit, smallest N that did not, trials)."""
+def largest_fitting(impl: str, args, device: str, log, *, deadline: float | None = None,
+                    on_trial=None) -> tuple[int | None, int | None, list[dict]]:
+    """Doubling then bisection. Returns (largest N that fit, smallest N that did not, trials).
+
+    No trial starts after ``deadline`` (a time.perf_counter() value; default: now plus
+    ``args.time_budget``). ``on_trial(result)`` is called after every trial.
+    """
     step = LOSS_RESPONSES * 16 if args.op == "pacs_loss_fwd_bwd" else 256
     trials = []
-    started = time.perf_counter()
+    if deadline is None and args.time_budget is not None:
+        deadline = time.perf_counter() + args.time_budget
 
     def run(n):
         case = Case(op=args.op, impl=impl, n=n, d=args.d, v=args.v, dtype=args.dtype, device=device)
         result = trial(case, args.budget_mib, args.timeout)
         result.update(impl=impl, N=n)
         trials.append(result)
+        if on_trial is not None:
+            on_trial(result)
         footprint = "n/a" if result["footprint_mib"] is None else f"{result['footprint_mib']:.0f} MiB"
         log(f"[long] {impl:7s} N={n:<8d} {'fits' if result['fits'] else 'does not fit'} ({footprint}, "
             f"{result['seconds']:.1f}s)")
         return result["fits"]
 
     def out_of_time():
-        return args.time_budget is not None and time.perf_counter() - started > args.time_budget
+        return deadline is not None and time.perf_counter() > deadline
 
     lo, hi, n = None, None, args.n_start
     while n <= args.n_max:
@@ -153,7 +161,8 @@ def parse_args(argv):
     parser.add_argument("--budget-gib", type=float, default=None)
     parser.add_argument("--n-start", type=int, default=None)
     parser.add_argument("--n-max", type=int, default=None)
-    parser.add_argument("--time-budget", type=float, default=None, help="seconds per impl")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds for the whole sweep: no trial starts after that")
     parser.add_argument("--timeout", type=float, default=300.0, help="CPU: seconds per trial")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--note", action="append", default=[])
@@ -195,23 +204,22 @@ def main(argv=None) -> int:
     print(f"[long] {device_name}; {args.op}, d={args.d}, V={args.v}, {args.dtype}, budget {args.budget_mib:.0f} MiB",
           flush=True)
 
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"long_context_{device}"
     rows, summary = [], []
+    deadline = None if args.time_budget is None else time.perf_counter() + args.time_budget
     for impl in args.impls:
-        lo, hi, trials = largest_fitting(impl, args, device, lambda line: print(line, flush=True))
-        summary.append((impl, lo, hi))
-        for t in trials:
+        def record(t, impl=impl):  # the CSV after every trial: a killed sweep keeps its rows
             rows.append({"date": date, "device": device, "device_name": device_name, "op": args.op, "impl": impl,
                          "N": t["N"], "d": args.d, "V": args.v, "dtype": args.dtype,
                          "budget_mib": args.budget_mib, "fits": t["fits"],
                          "footprint_mib": t["footprint_mib"], "seconds": t["seconds"]})
+            _write_csv(rows, stem.with_suffix(".csv"))
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"long_context_{device}"
-    columns = list(rows[0]) if rows else []
-    with open(stem.with_suffix(".csv"), "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
+        lo, hi, _ = largest_fitting(impl, args, device, lambda line: print(line, flush=True), deadline=deadline,
+                                    on_trial=record)
+        summary.append((impl, lo, hi))
+    _write_csv(rows, stem.with_suffix(".csv"))
     lines = [f"## Long-context sweep ({device})", "",
              f"Device: {device_name}; date: {date}. Step: `{args.op}`, d={args.d}, V={args.v}, {args.dtype}; "
              f"memory budget {args.budget_mib:.0f} MiB for the inputs plus the step's peak.", ""]
@@ -228,6 +236,15 @@ def main(argv=None) -> int:
     plot(rows, summary, args, device_name, date, stem.with_suffix(".png"))
     print(f"[long] wrote {stem}.csv, .md, .png", flush=True)
     return 0
+
+
+def _write_csv(rows: list[dict], path: Path) -> None:
+    columns = ["date", "device", "device_name", "op", "impl", "N", "d", "V", "dtype", "budget_mib", "fits",
+               "footprint_mib", "seconds"]
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def plot(rows, summary, args, device_name, date, path) -> None:
