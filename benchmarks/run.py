@@ -31,7 +31,9 @@ from benchmarks.ops import IMPLS, OPS, Case, impl_unavailable_reason
 # (d, V, [N...]) per set; the GPU shapes are Qwen2.5-7B's (d=3584, V=152064) and a 2048-wide
 # model with V=151936 (Qwen2.5-3B-like width)
 SETS = {
-    "cpu": {"device": "cpu", "dtype": "float32",
+    # about 8 minutes on 2 quiet cores (25 on a busy shared VM); max_seconds: the default cap on
+    # the timed runs of one case
+    "cpu": {"device": "cpu", "dtype": "float32", "max_seconds": 10.0,
             "shapes": [(256, 8192, [512, 1024, 2048, 4096]), (512, 32768, [512, 1024, 2048])]},
     # sized for one ~3-minute slot of benchmarks/gpu.sh
     "gpu": {"device": "cuda", "dtype": "bfloat16",
@@ -102,7 +104,8 @@ def parse_args(argv):
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-seconds", type=float, default=None,
-                        help="cap on the timed runs of one case (fewer repeats when slow)")
+                        help="cap on the timed runs of one case: no further run starts once they add up to "
+                             "more (default: 10 on the CPU set, none on the GPU sets)")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds for the whole run; cases not started by then are recorded as 'budget'")
     parser.add_argument("--timeout", type=float, default=600.0, help="CPU: seconds per case subprocess")
@@ -142,6 +145,8 @@ def main(argv=None) -> int:
         write_report(args, name, report.read_csv(args.out / f"{name}.csv"))
         return 0
     device, dtype, shapes = plan(args)
+    if args.max_seconds is None:
+        args.max_seconds = SETS[args.size_set].get("max_seconds")
     if device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: CUDA is not available here", file=sys.stderr)
         return 2
