@@ -68,12 +68,14 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
                             for r in group if r["impl"] == impl and r["status"] == "ok")
             if not points:
                 continue
-            n_values = [p[0] for p in points]
-            ax_time.plot(n_values, [p[1] for p in points], marker="o", label=impl)
-            ax_mem.plot(n_values, [p[2] for p in points], marker="o", label=impl)
+            ax_time.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=impl)
+            # a log axis cannot show 0 MiB (tiny sizes, below the page granularity of RSS)
+            mem_points = [p for p in points if p[2] is not None and p[2] > 0]
+            ax_mem.plot([p[0] for p in mem_points], [p[2] for p in mem_points], marker="o", label=impl)
         for ax, label in ((ax_time, "median time (ms)"), (ax_mem, "peak memory over inputs (MiB)")):
             ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
+            if any(len(line.get_ydata()) for line in ax.get_lines()):
+                ax.set_yscale("log")
             ax.set_xlabel("N (tokens)")
             ax.set_ylabel(label)
             ax.grid(True, which="both", alpha=0.3)
