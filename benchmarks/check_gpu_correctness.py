@@ -187,8 +187,8 @@ def check_peers(hidden, weight, targets, grad_logp, chunk, device) -> None:
             w = weight.clone().requires_grad_(True)
             logp = logprob_function(impl)(h, w, targets)
             logp.backward(grad_logp)
-            print(f"          peer {impl:13s} logp {_abs_err(logp, ref['logp']):.3e}  dh {_rel_err(h.grad, ref['dh']):.3e}"
-                  f"  dW {_rel_err(w.grad, ref['dW']):.3e}")
+            print(f"          peer {impl:13s} logp {_abs_err(logp, ref['logp']):.3e}"
+                  f"  dh {_rel_err(h.grad, ref['dh']):.3e}  dW {_rel_err(w.grad, ref['dW']):.3e}")
         except Exception as exc:  # report, do not fail: the benchmark records the peer's error too
             print(f"          peer {impl:13s} FAILED to run: {type(exc).__name__}: {str(exc)[:200]}")
 
