@@ -1,0 +1,191 @@
+"""How it is measured: time and peak memory of one benchmark case.
+
+Time: ``warmup`` untimed runs, then the median of ``repeats`` timed runs, each on fresh random
+inputs made outside the timed region. CUDA: CUDA events around the run. CPU: perf_counter.
+
+Peak memory, as the increase over the inputs (the inputs exist before measuring starts; what
+the run leaves behind, e.g. dh and dW, is part of its peak):
+  * CUDA: reset_peak_memory_stats once the inputs exist, then max_memory_allocated minus the
+    memory allocated right before the run; the largest value over the timed runs.
+  * CPU: every case runs in a fresh subprocess (``python -m benchmarks.measure CASE_JSON``).
+    Once the inputs exist, "5" is written to /proc/self/clear_refs, which resets the kernel's
+    high-water mark of the resident set (VmHWM) to the current resident set; after the run,
+    VmHWM minus VmRSS-at-reset is the peak increase. The subprocess sets
+    MALLOC_MMAP_THRESHOLD_=131072 so that glibc serves every block >= 128 KiB with mmap and
+    returns it to the kernel on free: memory freed by the warm-up run cannot be silently reused
+    by the measured run, and the resident set tracks the live tensors. Caveats: RSS counts pages
+    touched, not bytes requested (allocations round up to pages, untouched pages of an
+    allocation do not count); small blocks (< 128 KiB) can still come from the heap; one-time
+    buffers of the BLAS library are counted in the first measured run only if the warm-up did
+    not create them already. These errors are a few MiB at most, the same for every impl, and
+    far below the differences being measured (MiB to GiB).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .ops import Case, make_inputs, runner
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+
+
+# ----------------------------------------------------------------------------- CPU memory
+
+
+def _proc_status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field} line")
+
+
+def rss_mib() -> float:
+    """Current resident set of this process, MiB."""
+    return _proc_status_kib("VmRSS") / 1024.0
+
+
+def reset_peak_rss() -> float:
+    """Reset VmHWM to the current resident set; returns that resident set, MiB."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+    return rss_mib()
+
+
+def peak_rss_mib() -> float:
+    """High-water mark of the resident set since the last reset, MiB."""
+    return _proc_status_kib("VmHWM") / 1024.0
+
+
+# ----------------------------------------------------------------------------- one case
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _release(inputs: dict, produced) -> None:
+    for tensor in inputs.values():
+        if isinstance(tensor, torch.Tensor):
+            tensor.grad = None
+    del produced
+    inputs.clear()
+    gc.collect()
+
+
+def measure_in_process(case: Case, *, warmup: int, repeats: int, max_seconds: float | None = None) -> dict:
+    """Time and peak memory of ``case`` in this process. Returns a dict of results.
+
+    ``max_seconds`` caps the timed runs: no further run starts once the timed runs so far add up
+    to more than that (at least one is made). The returned ``repeats`` says how many were made.
+    """
+    run = runner(case)
+    on_cuda = case.device == "cuda"
+    seed = case.seed * 1_000_003
+    for i in range(max(warmup, 0)):
+        inputs = make_inputs(case, seed + i)
+        produced = run(inputs)
+        _sync(case.device)
+        _release(inputs, produced)
+
+    times_ms, peaks_mib = [], []
+    for i in range(repeats):
+        inputs = make_inputs(case, seed + 1000 + i)
+        gc.collect()
+        if on_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            start_event = torch.cuda.Event(enable_timing=True)
+            end_event = torch.cuda.Event(enable_timing=True)
+            start_event.record()
+            produced = run(inputs)
+            end_event.record()
+            torch.cuda.synchronize()
+            times_ms.append(start_event.elapsed_time(end_event))
+            peaks_mib.append((torch.cuda.max_memory_allocated() - base) / 2**20)
+        else:
+            base = reset_peak_rss() if i == 0 else None
+            start = time.perf_counter()
+            produced = run(inputs)
+            times_ms.append((time.perf_counter() - start) * 1e3)
+            if base is not None:  # memory from the first timed run, right after the reset
+                peaks_mib.append(peak_rss_mib() - base)
+        _release(inputs, produced)
+        if max_seconds is not None and sum(times_ms) / 1e3 > max_seconds:
+            break
+    return {
+        "median_ms": statistics.median(times_ms),
+        "min_ms": min(times_ms),
+        "repeats": len(times_ms),
+        "peak_mem_mib": max(peaks_mib),
+        "status": "ok",
+    }
+
+
+def measure_in_subprocess(case: Case, *, warmup: int, repeats: int, timeout_s: float,
+                          max_seconds: float | None = None) -> dict:
+    """Run ``measure_in_process`` in a fresh Python process (the CPU memory method)."""
+    payload = json.dumps({"case": asdict(case), "warmup": warmup, "repeats": repeats,
+                          "max_seconds": max_seconds})
+    env = dict(os.environ)
+    env.update(WORKER_ENV)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
+    try:
+        done = subprocess.run([sys.executable, "-m", "benchmarks.measure", payload], cwd=REPO_ROOT,
+                              env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "note": f"over {timeout_s:.0f}s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        status = "oom" if done.returncode in (-9, 137) or "MemoryError" in done.stderr else "error"
+        return {"status": status, "note": f"exit {done.returncode}: {tail[0][:200]}"}
+    return json.loads(lines[-1])
+
+
+def measure_case(case: Case, *, warmup: int, repeats: int, timeout_s: float = 600.0,
+                 max_seconds: float | None = None) -> dict:
+    """The benchmark's method for ``case``: in-process on CUDA, a fresh subprocess on CPU.
+
+    Out-of-memory on CUDA is reported as status "oom" (the allocator is emptied afterwards).
+    """
+    if case.device == "cpu":
+        return measure_in_subprocess(case, warmup=warmup, repeats=repeats, timeout_s=timeout_s,
+                                     max_seconds=max_seconds)
+    try:
+        return measure_in_process(case, warmup=warmup, repeats=repeats, max_seconds=max_seconds)
+    except torch.OutOfMemoryError as exc:
+        failure = {"status": "oom", "note": (str(exc).splitlines() or [""])[0][:200]}
+    except Exception as exc:  # a peer failing must not stop the whole benchmark
+        failure = {"status": "error", "note": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"}
+    # outside the except block: the traceback (and the tensors its frames hold) is gone now
+    gc.collect()
+    torch.cuda.empty_cache()
+    return failure
+
+
+def _worker(argv: list[str]) -> None:
+    """Subprocess entry: measure the case given as JSON and print the result as one JSON line."""
+    request = json.loads(argv[0])
+    case = Case(**request["case"])
+    result = measure_in_process(case, warmup=request["warmup"], repeats=request["repeats"],
+                                max_seconds=request.get("max_seconds"))
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1:])

@@ -1,0 +1,280 @@
+"""What is measured: the benchmark operations, their inputs, and every implementation of them.
+
+Three operations, each on N tokens with hidden width d and vocabulary V:
+
+    logprobs_fwd_bwd   policy log-probs: logp = log softmax(h @ W.T)[y], then backward of
+                       sum(logp * g) for a random upstream gradient g (dh and dW are produced)
+    logprobs_nograd    old-policy log-probs under torch.no_grad() (nothing kept for backward)
+    pacs_loss_fwd_bwd  the whole PACS loss (log-ratio score, RLOO, balanced weights), forward
+                       and backward, on B = 16 responses of T = N / 16 tokens, groups of 8
+    pacs_loss_first_step  the same loss on the first optimizer step after a rollout, where
+                       logp == old_logp: fused_linear_pacs_loss(old_lse=...) computes the loss and
+                       its gradients in one vocabulary sweep (ours only, where pacs_kernels has
+                       it; every other impl computes that step as pacs_loss_fwd_bwd does)
+
+Implementations ("impls"):
+
+    naive          pacs_kernels reference: materializes the N x V logits in float32
+                   (for the loss op: fused_linear_pacs_loss(backend="naive"))
+    torch          pacs_kernels chunked PyTorch backend (any device)
+    triton         pacs_kernels Triton kernels (CUDA only; the CPU interpreter is never timed)
+    cce            Apple Cut Cross-Entropy, linear_cross_entropy(reduction="none") = -logp, with
+                   its default gradient filter (filter_eps="high": skips tiny softmax entries)
+    cce_exact      the same with filter_eps=None (exact gradient, like ours)
+    liger_flce     Liger-Kernel fused linear cross-entropy, reduction="none" = -logp per token
+                   (its Triton path; in 0.8.x the backward recomputes chunks and folds the
+                   per-token upstream gradient in), dW accumulated in float32 like ours
+    liger_chunked  Liger-Kernel's chunked GRPO/PPO log-prob step,
+                   LigerFusedLinearPPOBase.chunk_forward (sequence x vocabulary chunks in
+                   PyTorch, custom backward that recomputes the logits)
+
+For the loss op every impl that only gives log-probs gets the same PACS loss on top:
+``pacs_kernels.pacs_loss`` (torch backend) on its (B, T) log-probs. Like
+``fused_linear_pacs_loss``, it computes log-probs of the masked-in tokens only (their hidden
+rows gathered first), so every impl does the same work. Liger's GRPO loss itself
+cannot be used: it reduces each chunk of sequences on its own, while PACS couples the G
+responses of a group (RLOO baseline, class weights) before any gradient exists.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+OPS = ("logprobs_fwd_bwd", "logprobs_nograd", "pacs_loss_fwd_bwd", "pacs_loss_first_step")
+LOSS_OPS = ("pacs_loss_fwd_bwd", "pacs_loss_first_step")
+OUR_IMPLS = ("naive", "torch", "triton")
+PEER_IMPLS = ("cce", "cce_exact", "liger_flce", "liger_chunked")
+IMPLS = OUR_IMPLS + PEER_IMPLS
+
+LOSS_RESPONSES = 16  # B: responses per micro-batch in the loss op (two groups)
+LOSS_GROUP_SIZE = 8  # G, as in the PACS paper's runs
+LOSS_BETA = 1.0
+
+# matmul FLOPs the design must do: forward 2NVd; backward recomputes the logits (2NVd) and
+# forms dh and dW (4NVd)
+# (the one-sweep first step needs 6NVd: the logits once, then dh and dW)
+FLOP_FACTOR = {"logprobs_fwd_bwd": 8, "logprobs_nograd": 2, "pacs_loss_fwd_bwd": 8, "pacs_loss_first_step": 6}
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def loss_available() -> bool:
+    """True when pacs_kernels provides the fused PACS loss (pacs_loss and fused_linear_pacs_loss)."""
+    import pacs_kernels
+
+    return hasattr(pacs_kernels, "fused_linear_pacs_loss") and hasattr(pacs_kernels, "pacs_loss")
+
+
+def first_step_available() -> bool:
+    """True when fused_linear_pacs_loss takes old_lse (the one-sweep first step after a rollout)."""
+    import inspect
+
+    import pacs_kernels
+
+    return loss_available() and "old_lse" in inspect.signature(pacs_kernels.fused_linear_pacs_loss).parameters
+
+
+def impl_unavailable_reason(op: str, impl: str, device: str) -> str | None:
+    """None when (op, impl) can run for real on ``device``; otherwise why not (one line)."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if op in LOSS_OPS and not loss_available():
+        return "pacs_kernels has no fused_linear_pacs_loss yet"
+    if op == "pacs_loss_first_step":
+        if impl not in ("torch", "triton"):
+            return "the one-sweep first step is pacs_kernels' own path (others: see pacs_loss_fwd_bwd)"
+        if not first_step_available():
+            return "pacs_kernels' fused_linear_pacs_loss has no old_lse (one-sweep first step) yet"
+    if impl == "triton":
+        if device != "cuda":
+            return "Triton runs for real only on CUDA (the CPU interpreter is not timed)"
+        if not _importable("triton"):
+            return "triton is not installed"
+    if impl in ("cce", "cce_exact"):
+        if not _importable("cut_cross_entropy"):
+            return "cut-cross-entropy is not installed"
+        if device != "cuda":
+            return "Cut Cross-Entropy's cce kernels need CUDA"
+    if impl == "liger_flce":
+        if not _importable("liger_kernel"):
+            return "liger-kernel is not installed"
+        if device != "cuda":
+            return "Liger's fused linear cross-entropy is a Triton kernel (CUDA)"
+    if impl == "liger_chunked" and not _importable("liger_kernel"):
+        return "liger-kernel is not installed"
+    return None
+
+
+@dataclass
+class Case:
+    """One measurement: an operation, an implementation and a size."""
+
+    op: str
+    impl: str
+    n: int
+    d: int
+    v: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    device: str  # "cpu" | "cuda"
+    seed: int = 0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def flops(self) -> float:
+        return float(FLOP_FACTOR[self.op]) * selected_tokens(self) * self.v * self.d
+
+
+def response_lengths(t: int) -> torch.Tensor:
+    """The (B,) response lengths of the loss op: spread evenly over [T/2, T] (about 3/4 of N in all)."""
+    b = LOSS_RESPONSES
+    return torch.tensor([t - (t // 2) * i // (b - 1) for i in range(b)])
+
+
+def selected_tokens(case: "Case") -> int:
+    """Tokens whose log-prob the op computes: all N, or the masked-in ones for the loss op."""
+    if case.op in LOSS_OPS:
+        return int(response_lengths(case.n // LOSS_RESPONSES).sum())
+    return case.n
+
+
+def make_inputs(case: Case, generator_seed: int) -> dict:
+    """Fresh random inputs for one run (never zeros). Logits have a standard deviation near 1."""
+    device, dtype = torch.device(case.device), case.torch_dtype
+    # random numbers are made where they are used (a CPU generator would spend seconds on the
+    # 0.5 G weight entries of a real LM head); the few (B,)-sized choices use a CPU generator
+    gen = torch.Generator(device=device).manual_seed(generator_seed)
+    small = torch.Generator(device="cpu").manual_seed(generator_seed)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype).mul_(scale)
+
+    grad = case.op != "logprobs_nograd"
+    weight = randn(case.v, case.d, scale=case.d ** -0.5).requires_grad_(grad)
+    if case.op in LOSS_OPS:
+        if case.n % LOSS_RESPONSES:
+            raise ValueError(f"N must be a multiple of {LOSS_RESPONSES} for the loss op, got {case.n}")
+        b, t = LOSS_RESPONSES, case.n // LOSS_RESPONSES
+        hidden = randn(b, t, case.d).requires_grad_(True)
+        targets = torch.randint(0, case.v, (b, t), generator=gen, device=device)
+        lengths = response_lengths(t)[torch.randperm(b, generator=small)]
+        mask = (torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)).to(device)
+        old_logp = torch.rand(b, t, generator=gen, device=device).mul_(-4.0).sub_(6.0)  # log(1/V)-ish
+        rewards = torch.tensor([1.0, 0.0] * (b // 2))[torch.randperm(b, generator=small)].to(device)
+        inputs = {"hidden": hidden, "weight": weight, "targets": targets, "mask": mask,
+                  "old_logp": old_logp, "rewards": rewards}
+        if case.op == "pacs_loss_first_step":  # the rollout policy is the current one
+            from pacs_kernels import linear_logprobs
+
+            with torch.no_grad():
+                inputs["old_logp"], inputs["old_lse"] = linear_logprobs(
+                    hidden, weight, targets, return_lse=True, backend=case.impl)
+        return inputs
+    hidden = randn(case.n, case.d).requires_grad_(grad)
+    targets = torch.randint(0, case.v, (case.n,), generator=gen, device=device)
+    inputs = {"hidden": hidden, "weight": weight, "targets": targets}
+    if grad:
+        inputs["grad_logp"] = torch.randn(case.n, generator=gen, device=device)
+    return inputs
+
+
+# ----------------------------------------------------------------------------- log-prob functions
+
+
+def logprob_function(impl: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """f(hidden (..., d), weight (V, d), targets (...)) -> float32 logp (...), differentiable."""
+    if impl in OUR_IMPLS:
+        from pacs_kernels import linear_logprobs
+
+        return lambda h, w, y: linear_logprobs(h, w, y, backend=impl)
+    if impl in ("cce", "cce_exact"):
+        from cut_cross_entropy import linear_cross_entropy
+
+        filter_eps = "high" if impl == "cce" else None
+
+        def cce_logp(h, w, y):
+            nll = linear_cross_entropy(h, w, y, reduction="none", filter_eps=filter_eps)
+            return -nll.float()
+
+        return cce_logp
+    if impl == "liger_flce":
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        def liger_flce_logp(h, w, y):
+            nll = liger_fused_linear_cross_entropy(
+                h.reshape(-1, h.shape[-1]), w, y.reshape(-1), reduction="none", accum_dtype=torch.float32)
+            return -nll.float().reshape(y.shape)
+
+        return liger_flce_logp
+    if impl == "liger_chunked":
+        from liger_kernel.chunked_loss.fused_linear_ppo import LigerFusedLinearPPOBase
+
+        def liger_chunked_logp(h, w, y):
+            # chunk_forward takes (B, T, d) and (B, T)
+            h3 = h if h.dim() == 3 else h.unsqueeze(0)
+            y2 = y if y.dim() == 2 else y.unsqueeze(0)
+            logp = LigerFusedLinearPPOBase.chunk_forward(h3, w, y2, None, 1.0)
+            return logp.float().reshape(y.shape)
+
+        return liger_chunked_logp
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def runner(case: Case) -> Callable[[dict], torch.Tensor]:
+    """A function that runs the case once on its inputs and returns what it produced."""
+    logp_fn = logprob_function(case.impl) if case.op not in LOSS_OPS or case.impl not in OUR_IMPLS else None
+
+    if case.op == "logprobs_nograd":
+        def run(inputs):
+            with torch.no_grad():
+                return logp_fn(inputs["hidden"], inputs["weight"], inputs["targets"])
+        return run
+
+    if case.op == "logprobs_fwd_bwd":
+        def run(inputs):
+            logp = logp_fn(inputs["hidden"], inputs["weight"], inputs["targets"])
+            logp.backward(inputs["grad_logp"])
+            return logp.detach()
+        return run
+
+    import pacs_kernels
+
+    options = dict(group_size=LOSS_GROUP_SIZE, beta=LOSS_BETA, score="log_ratio", advantage="rloo",
+                   weighting="balanced")
+    if case.impl in OUR_IMPLS:
+        first_step = case.op == "pacs_loss_first_step"
+
+        def run(inputs):
+            extra = {"old_lse": inputs["old_lse"]} if first_step else {}
+            loss = pacs_kernels.fused_linear_pacs_loss(
+                inputs["hidden"], inputs["weight"], inputs["targets"], inputs["mask"], inputs["old_logp"],
+                inputs["rewards"], backend=case.impl, **options, **extra)
+            loss.backward()
+            return loss.detach()
+        return run
+
+    def run(inputs):
+        # like fused_linear_pacs_loss, compute log-probs of the masked-in tokens only
+        mask = inputs["mask"]
+        index = mask.reshape(-1).nonzero().squeeze(-1)
+        hidden = inputs["hidden"].reshape(-1, inputs["hidden"].shape[-1]).index_select(0, index)
+        selected = logp_fn(hidden, inputs["weight"], inputs["targets"].reshape(-1).index_select(0, index))
+        logp = torch.zeros(mask.numel(), device=selected.device, dtype=selected.dtype).index_put(
+            (index,), selected).reshape(mask.shape)
+        loss = pacs_kernels.pacs_loss(logp, inputs["old_logp"], inputs["rewards"], mask,
+                                      backend="torch", **options)
+        loss.backward()
+        return loss.detach()
+    return run

@@ -1,0 +1,100 @@
+"""The benchmark harness end to end at tiny sizes: files, columns, plots (its plumbing, not speed)."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from benchmarks import long_context, run
+from benchmarks.ops import Case, first_step_available, impl_unavailable_reason, make_inputs, runner
+from benchmarks.report import COLUMNS
+
+REQUIRED = {"device", "op", "impl", "N", "d", "V", "dtype", "median_ms", "peak_mem_mib"}
+
+
+def test_cpu_benchmark_writes_csv_markdown_and_plots(tmp_path):
+    n, d, v = 512, 16, 2048
+    rc = run.main(["--set", "cpu", "--d", str(d), "--v", str(v), "--n", str(n), "--out", str(tmp_path),
+                   "--ops", "logprobs_fwd_bwd", "pacs_loss_fwd_bwd",
+                   "--impls", "naive", "torch", "triton", "--warmup", "0", "--repeats", "1", "--name", "tiny"])
+    assert rc == 0
+    with open(tmp_path / "tiny.csv", newline="") as handle:
+        reader = csv.DictReader(handle)
+        assert REQUIRED <= set(reader.fieldnames) and tuple(reader.fieldnames) == COLUMNS
+        rows = list(reader)
+    # triton never runs on the CPU: 2 ops x (naive, torch)
+    assert sorted((r["op"], r["impl"]) for r in rows) == sorted(
+        (op, impl) for op in ("logprobs_fwd_bwd", "pacs_loss_fwd_bwd")
+        for impl in ("naive", "torch"))
+    for row in rows:
+        assert row["status"] == "ok", row
+        assert (row["device"], row["dtype"], int(row["N"]), int(row["d"]), int(row["V"])) == (
+            "cpu", "float32", n, d, v)
+        assert float(row["median_ms"]) > 0 and float(row["tflops"]) > 0
+        assert row["flop_fraction"] == ""  # the matmul floor is measured on the GPU only
+        assert row["date"] and row["device_name"]
+    # the naive backward holds at least one N x V float32 buffer: the RSS method must see it
+    naive = next(r for r in rows if r["op"] == "logprobs_fwd_bwd" and r["impl"] == "naive")
+    assert float(naive["peak_mem_mib"]) >= n * v * 4 / 2**20
+    table = (tmp_path / "tiny.md").read_text()
+    assert "| N | naive | torch |" in table and "Device:" in table
+    plots = sorted(p.name for p in (tmp_path / "plots_tiny").glob("*.png"))
+    assert plots == [f"{op}_d{d}_V{v}_float32.png" for op in ("logprobs_fwd_bwd", "pacs_loss_fwd_bwd")]
+    assert all((tmp_path / "plots_tiny" / p).stat().st_size > 5000 for p in plots)
+
+
+def test_long_context_sweep_writes_csv_markdown_and_plot(tmp_path):
+    rc = long_context.main(["--device", "cpu", "--d", "16", "--v", "512", "--budget-mib", "1024",
+                            "--n-start", "256", "--n-max", "512", "--impls", "torch", "--out", str(tmp_path)])
+    assert rc == 0
+    with open(tmp_path / "long_context_cpu.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    # a budget far above these sizes: every trial fits, the answer is ">= n_max"
+    assert [(r["impl"], int(r["N"]), r["fits"]) for r in rows] == [("torch", 256, "True"), ("torch", 512, "True")]
+    assert all(0 < float(r["footprint_mib"]) < 1024 for r in rows)
+    assert ">= 512" in (tmp_path / "long_context_cpu.md").read_text()
+    assert (tmp_path / "long_context_cpu.png").stat().st_size > 5000
+
+
+@pytest.mark.parametrize("edge", [300, 1000, 5000, 70_000])
+def test_long_context_search_brackets_the_largest_fitting_n(monkeypatch, edge):
+    """Doubling then bisection, with a fake step that fits exactly when N <= edge."""
+    calls = []
+
+    def fake_trial(case, budget_mib, timeout_s):
+        calls.append(case.n)
+        return {"fits": case.n <= edge, "footprint_mib": case.n / 100, "seconds": 0.0}
+
+    monkeypatch.setattr(long_context, "trial", fake_trial)
+    args = long_context.parse_args(["--device", "cpu", "--n-start", "256", "--n-max", "65536"])
+    lo, hi, trials = long_context.largest_fitting("torch", args, "cpu", lambda line: None)
+    assert len(trials) == len(calls) == len(set(calls))  # no size is tried twice
+    if edge >= 65536:
+        assert (lo, hi) == (65536, None)  # everything up to n_max fits
+        return
+    assert lo <= edge < hi
+    assert hi - lo <= max(256, lo // 8)
+    assert all(n % 256 == 0 for n in calls)
+
+
+@pytest.mark.parametrize("op", ["logprobs_fwd_bwd", "logprobs_nograd", "pacs_loss_fwd_bwd", "pacs_loss_first_step"])
+def test_every_op_runs_on_fresh_inputs(op):
+    if op == "pacs_loss_first_step" and not first_step_available():
+        pytest.skip("this pacs_kernels has no one-sweep first step (fused_linear_pacs_loss(old_lse=...))")
+    case = Case(op=op, impl="torch", n=64, d=8, v=32, dtype="float32", device="cpu")
+    first, second = make_inputs(case, 1), make_inputs(case, 2)
+    assert not (first["hidden"] == second["hidden"]).all()
+    assert (first["hidden"] != 0).all()
+    produced = runner(case)(first)
+    assert produced.isfinite().all()
+    if op != "logprobs_nograd":
+        assert first["hidden"].grad is not None and first["weight"].grad is not None
+
+
+def test_unavailable_impls_say_why_and_bad_names_raise():
+    assert "CUDA" in impl_unavailable_reason("logprobs_fwd_bwd", "triton", "cpu")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        impl_unavailable_reason("logprobs_fwd_bwd", "fast", "cpu")
+    with pytest.raises(ValueError, match="op must be one of"):
+        impl_unavailable_reason("softmax", "naive", "cpu")
