@@ -1,0 +1,293 @@
+"""pacs_loss(): the PACS objective on per-token log-probs (semantics: docs/pacs-algorithm.md).
+
+For B = n_groups * G responses (each group's G responses contiguous), with the response mask m:
+
+    sum_logp[i] = sum_t m[i,t] logp[i,t]      sum_old[i] = sum_t m[i,t] old_logp[i,t]
+    score r[i]  = beta * (sum_logp[i] - sum_old[i])             ("log_ratio")
+                | beta * sum_logp[i] / sum_t m[i,t]             ("mean_logp")
+    psi[i]      = r[i] - mean_{j in group, j != i} r[j]         ("rloo")
+                | (r[i] - mean_group r) / (std_group(r, unbiased) + 1e-6)   ("grpo")
+                | r[i]                                          ("naive")
+    w[i]        = G / (2 * #{j in group: R[j] = R[i]}) in groups holding both labels, else 1
+                                                                ("balanced"; "none": 1;
+                                                                 "positive_only": R; "negative_only": 1 - R)
+    l[i]        = softplus(psi[i]) - R[i] psi[i]                (BCE with logits)
+    loss        = (1/B) sum_i w[i] l[i]                         (BCEWithLogitsLoss(weight=w), mean over B)
+
+The gradient with respect to logp is one scalar per response times the mask,
+dloss/dlogp[j,t] = m[j,t] * c[j] (derivation in triton/group_loss.py). The torch path gets it
+by autograd; the Triton path computes c in its forward kernel and broadcasts it in backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .loss_inputs import (
+    LOSS_BACKENDS, ResponseLayout, check_beta, check_group_ids, check_group_size, check_nonempty_responses,
+    check_options, check_rewards, check_token_tensors, response_token_counts,
+)
+from .checks import check_choice
+
+GRPO_STD_EPS = 1e-6  # the public code's epsilon in (r - mean) / (std + eps)
+
+
+@dataclass(frozen=True)
+class PACSStats:
+    """What a trainer logs about one PACS loss evaluation (plain floats; one device sync to build).
+
+    psi_mean / psi_std: the implicit advantage logits (std over the batch, population).
+    sigmoid_psi_mean vs reward_mean: the implicit critic's calibration (predicted vs actual success).
+    score_mean: mean reward proxy r (the beta-scaled log-ratio or mean log-prob).
+    weight_mean / weight_min / weight_max: the class weights used.
+    frac_single_label_groups: groups whose responses all carry the same label.
+    """
+
+    loss: float
+    psi_mean: float
+    psi_std: float
+    sigmoid_psi_mean: float
+    reward_mean: float
+    score_mean: float
+    weight_mean: float
+    weight_min: float
+    weight_max: float
+    frac_single_label_groups: float
+
+    def as_dict(self, prefix: str = "") -> dict[str, float]:
+        return {prefix + key: value for key, value in asdict(self).items()}
+
+
+# ----------------------------------------------------------------------------- torch math
+
+
+def class_weights(rewards: torch.Tensor, group_size: int, weighting: str) -> torch.Tensor:
+    """(B,) per-response weights (float, rewards' dtype); rewards hold 0/1 labels (or [0,1] for 'none')."""
+    if weighting == "none":
+        return torch.ones_like(rewards)
+    if weighting == "positive_only":
+        return rewards.clone()
+    if weighting == "negative_only":
+        return 1.0 - rewards
+    labels = rewards.reshape(-1, group_size)
+    n_pos = labels.sum(1, keepdim=True)
+    n_neg = group_size - n_pos
+    own_count = torch.where(labels == 1, n_pos, n_neg).clamp(min=1)
+    mixed = (n_pos > 0) & (n_neg > 0)
+    weights = torch.where(mixed, group_size / (2.0 * own_count), torch.ones_like(labels))
+    return weights.reshape(-1)
+
+
+def group_advantage(score: torch.Tensor, group_size: int, advantage: str) -> torch.Tensor:
+    """(B,) psi from (B,) scores, within contiguous groups of group_size."""
+    if advantage == "naive":
+        return score
+    grouped = score.reshape(-1, group_size)
+    if advantage == "rloo":
+        others_mean = (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)
+        return (grouped - others_mean).reshape(-1)
+    centred = grouped - grouped.mean(1, keepdim=True)
+    return (centred / (grouped.std(1, keepdim=True) + GRPO_STD_EPS)).reshape(-1)
+
+
+def bce_with_logits(psi: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-element softplus(psi) - labels * psi (BCEWithLogitsLoss, reduction='none')."""
+    return torch.nn.functional.softplus(psi) - labels * psi
+
+
+def response_sums(values: torch.Tensor, mask: torch.Tensor, layout: ResponseLayout) -> torch.Tensor:
+    """(B,) sum of ``values`` over each response's masked tokens (differentiable)."""
+    masked = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    if not layout.packed:
+        return masked.sum(-1)
+    sums = torch.zeros(layout.n_responses, dtype=values.dtype, device=values.device)
+    return sums.index_add(0, layout.segment_ids(), masked)
+
+
+def _pacs_torch(logp, old_logp, mask, counts, rewards, layout, *, group_size, beta, score, advantage,
+                weighting, score_function_term):
+    cdt = torch.float64 if logp.dtype == torch.float64 else torch.float32
+    sum_logp = response_sums(logp.to(cdt), mask, layout)
+    rewards = rewards.to(cdt)
+    if score == "log_ratio":
+        sum_old = response_sums(old_logp.detach().to(cdt), mask, layout)
+        proxy = beta * (sum_logp - sum_old)
+    else:
+        proxy = beta * sum_logp / counts.to(cdt)
+    psi = group_advantage(proxy, group_size, advantage)
+    weights = class_weights(rewards, group_size, weighting)
+    bce = bce_with_logits(psi, rewards)
+    n = layout.n_responses
+    loss = (weights * bce).sum() / n
+    if score_function_term:
+        # Eq. 6's l[j] * grad log pi(o_j): a surrogate whose value is exactly 0 and whose
+        # gradient is m[j,t] * w[j] * l[j] / B.
+        surrogate = (sum_logp * (weights * bce).detach()).sum() / n
+        loss = loss + (surrogate - surrogate.detach())
+    return loss, (proxy.detach(), psi.detach(), weights, bce.detach())
+
+
+# ----------------------------------------------------------------------------- triton path
+
+
+def _group_loss_module():
+    from .logprobs import _triton_module
+
+    _triton_module()  # raises the ValueError that explains a missing triton
+    from .triton import group_loss
+
+    return group_loss
+
+
+class _TritonGroupLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logp, old_logp, mask, offsets, rewards, options):
+        kernels = _group_loss_module()
+        loss, per_response = kernels.group_loss_forward(logp, old_logp, mask, offsets, rewards, **options)
+        ctx.save_for_backward(per_response[4], mask, offsets)
+        ctx.n_tokens, ctx.max_len, ctx.dtype = logp.shape[0], options["max_len"], logp.dtype
+        ctx.mark_non_differentiable(per_response)
+        return loss, per_response
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_per_response):
+        coef, mask, offsets = ctx.saved_tensors
+        grad = _group_loss_module().group_loss_backward(
+            grad_loss.reshape(1).float().contiguous(), coef, mask, offsets, ctx.n_tokens, ctx.max_len)
+        return grad.to(ctx.dtype), None, None, None, None, None
+
+
+def _pacs_triton(logp, old_logp, mask, rewards, layout, *, group_size, beta, score, advantage, weighting,
+                 score_function_term, mask_is_full=False):
+    flat_logp = logp.reshape(-1).contiguous()
+    flat_old = old_logp.detach().reshape(-1).contiguous()
+    flat_mask = None if mask_is_full else mask.reshape(-1).contiguous().view(torch.uint8)
+    offsets = layout.offsets(logp.device).contiguous()
+    options = dict(group_size=group_size, max_len=layout.max_len, beta=beta, score=score,
+                   advantage=advantage, weighting=weighting, score_function_term=score_function_term)
+    loss, per_response = _TritonGroupLoss.apply(
+        flat_logp, flat_old, flat_mask, offsets, rewards.float().contiguous(), options)
+    return loss, tuple(per_response[:4])
+
+
+def resolve_loss_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """'auto' -> 'triton' on CUDA (not float64) when triton imports, else 'torch'."""
+    check_choice("backend", backend, LOSS_BACKENDS)
+    if backend == "auto":
+        if device.type == "cuda" and dtype != torch.float64:
+            try:
+                _group_loss_module()
+                return "triton"
+            except ValueError:
+                return "torch"
+        return "torch"
+    if backend == "triton":
+        kernels = _group_loss_module()
+        if device.type != "cuda" and not kernels.INTERPRETED:
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors, got tensors on {device}. Use backend='torch' "
+                "on this device, or set TRITON_INTERPRET=1 before importing pacs_kernels to run the "
+                "Triton kernels in the (slow) interpreter")
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(
+                f"backend='triton' takes logp in float16, bfloat16 or float32, got {dtype}; "
+                "use backend='torch' for float64")
+    return backend
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def compute_stats(loss, per_response, rewards, group_size) -> PACSStats:
+    proxy, psi, weights, _ = (t.double() for t in per_response)
+    labels = rewards.double().reshape(-1, group_size)
+    single = (labels == labels[:, :1]).all(1).double().mean()
+    values = torch.stack([
+        loss.detach().double().reshape(()), psi.mean(), psi.std(unbiased=False), torch.sigmoid(psi).mean(),
+        rewards.double().mean(), proxy.mean(), weights.mean(), weights.min(), weights.max(), single,
+    ]).tolist()
+    return PACSStats(*values)
+
+
+def _pacs_on_layout(logp, old_logp, mask, rewards, layout, *, group_size, beta, score, advantage, weighting,
+                    score_function_term, return_stats, group_ids, backend, counts=None, mask_is_full=False):
+    """Checked options, checked layout; shared by pacs_loss and fused_linear_pacs_loss."""
+    check_group_size(group_size, layout.n_responses, advantage)
+    beta = check_beta(beta)
+    if not isinstance(score_function_term, bool):
+        raise TypeError(f"score_function_term must be a bool, got {score_function_term!r}")
+    if rewards.device != logp.device:
+        raise ValueError(f"rewards must be on the device of logp ({logp.device}), got {rewards.device}")
+    rewards = check_rewards(rewards, layout.n_responses, weighting)
+    check_group_ids(group_ids, layout.n_responses, group_size, logp.device)
+    if score == "mean_logp":
+        counts = response_token_counts(mask, layout) if counts is None else counts
+        check_nonempty_responses(counts, "score='mean_logp' (it divides by the response length)")
+    backend = resolve_loss_backend(backend, logp.device, logp.dtype)
+    options = dict(group_size=group_size, beta=beta, score=score, advantage=advantage, weighting=weighting,
+                   score_function_term=score_function_term)
+    if backend == "triton":
+        loss, per_response = _pacs_triton(logp, old_logp, mask, rewards, layout, mask_is_full=mask_is_full,
+                                          **options)
+    else:
+        loss, per_response = _pacs_torch(logp, old_logp, mask, counts, rewards, layout, **options)
+    if return_stats:
+        return loss, compute_stats(loss, per_response, rewards, group_size)
+    return loss
+
+
+def pacs_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    group_size: int,
+    beta: float = 1.0,
+    score: str = "log_ratio",
+    advantage: str = "rloo",
+    weighting: str = "balanced",
+    score_function_term: bool = False,
+    return_stats: bool = False,
+    group_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str = "auto",
+):
+    """The PACS loss (BCE of the group-relative score against the 0/1 reward) from per-token log-probs.
+
+    Args:
+        logp: (B, T) float, differentiable: the policy's log-prob of each sampled token.
+            Packed layout: (N,) or (1, N) with ``cu_seqlens``.
+        old_logp: like logp, the rollout policy's log-probs (treated as a constant: detached).
+        rewards: (B,) 0/1 labels (bool/int/float; any value in [0, 1] with weighting="none").
+            Each group's ``group_size`` responses are contiguous.
+        mask: like logp, bool/int/float 0/1, 1 on response tokens. Always applied (the public
+            code's one deliberate difference): padding and prompt tokens never enter the loss.
+        group_size: G, responses per prompt (>= 2 for "rloo"/"grpo").
+        beta: scale of the score.
+        score: "log_ratio" (beta * sum of masked log-ratios) | "mean_logp" (beta * mean masked logp).
+        advantage: "rloo" | "grpo" (std unbiased, + 1e-6) | "naive".
+        weighting: "balanced" (sklearn's balanced class weights per group) | "none" |
+            "positive_only" | "negative_only".
+        score_function_term: add the paper's Eq. 6 term: dloss/dlogp[j,t] += m[j,t] w[j] l[j] / B
+            (l the detached per-response BCE). The returned loss VALUE is unchanged.
+        return_stats: also return a :class:`PACSStats` (costs one device sync).
+        group_ids: optional (B,) int group id of each response, checked for contiguous whole groups.
+        cu_seqlens: optional (B + 1,) int response offsets: selects the packed layout.
+        backend: "auto" (triton on CUDA, torch otherwise) | "triton" | "torch".
+
+    Returns:
+        0-d loss (float32; float64 for float64 logp on the torch path), or ``(loss, PACSStats)``.
+        Differentiable with respect to logp only. On the "grpo" advantage, where a group's scores
+        are all equal (std 0), the std's own gradient is taken as 0 (as torch.std does).
+    """
+    check_options(score, advantage, weighting)
+    logp, old_logp, mask, layout = check_token_tensors(logp, old_logp, mask, cu_seqlens)
+    if not isinstance(rewards, torch.Tensor):
+        raise TypeError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
+    return _pacs_on_layout(
+        logp, old_logp, mask, rewards, layout, group_size=group_size, beta=beta, score=score,
+        advantage=advantage, weighting=weighting, score_function_term=score_function_term,
+        return_stats=return_stats, group_ids=group_ids, backend=backend)
