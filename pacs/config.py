@@ -12,10 +12,13 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 @dataclass
@@ -102,7 +105,6 @@ class Config:
     checkpoint_every: int = 10
     resume: bool = False
     max_consecutive_nan: int = 3
-    log_every: int = 1
     plot: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -128,6 +130,8 @@ def _coerce(name: str, value: Any, current: Any, type_hint: Any) -> Any:
         text = value.strip()
         if text.lower() in ("none", "null", "~"):
             value = None
+        elif hint.startswith("float") and _FLOAT.fullmatch(text):
+            value = float(text)  # YAML 1.1 reads "2e-4" as a string
         else:
             try:
                 value = yaml.safe_load(text)
@@ -152,6 +156,8 @@ def _coerce(name: str, value: Any, current: Any, type_hint: Any) -> Any:
             raise TypeError(f"{name} must be an integer, got {value!r}")
         return value
     if hint.startswith("float"):
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{name} must be a number, got {value!r}")
         return float(value)
@@ -196,7 +202,10 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
         if not os.path.isfile(path):
             raise ValueError(f"--config: no such file {path!r}")
         with open(path) as fh:
-            data = yaml.safe_load(fh) or {}
+            try:
+                data = yaml.safe_load(fh) or {}
+            except yaml.YAMLError as exc:
+                raise ValueError(f"--config: {path!r} is not valid YAML ({exc})") from exc
         apply_dict(cfg, data)
     for assignment in overrides or []:
         apply_override(cfg, assignment)
