@@ -36,6 +36,33 @@ def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtyp
     return getattr(torch, dtype)
 
 
+class _GumbelNoise:
+    """Logits processor adding Gumbel(0, 1) noise drawn from one generator per row.
+
+    argmax(logits + Gumbel) is an exact sample of softmax(logits); with one seeded generator per row,
+    a row's sample depends only on its seed, not on which other rows share the batch (so each rank
+    of a multi-process run samples what a single process would).
+    """
+
+    def __init__(self, seeds: list[int]):
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        uniform = torch.stack([torch.rand(scores.shape[1], generator=g, dtype=torch.float64)
+                               for g in self.generators]).to(scores.device)
+        gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-300)))
+        return (scores.double() + gumbel).to(scores.dtype)
+
+
+def _row_seeded_sampler(temperature: float, top_p: float, seeds: list[int]):
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+    processors = [TemperatureLogitsWarper(temperature)]
+    if top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p))
+    return LogitsProcessorList(processors + [_GumbelNoise(seeds)])
+
+
 class HFGenerateEngine:
     """Rollouts with ``transformers``' ``generate`` on a private copy of the policy.
 
@@ -43,6 +70,9 @@ class HFGenerateEngine:
         model_dir: HF-format model directory (or hub id) the copy is loaded from.
         max_model_len: prompt + response tokens must fit in this.
         seed: base seed; call ``k`` without an explicit seed samples with ``seed + k``.
+
+    Sampling: row ``j`` of a call (prompt ``j // n``, sample ``j % n``) draws from its own generator
+    seeded with ``seed + j``, so results do not depend on batch composition.
         dtype: "auto" (bfloat16 on GPU, float32 on CPU) or a torch dtype name.
         device: default: the current CUDA device if any, else CPU.
     """
@@ -81,15 +111,13 @@ class HFGenerateEngine:
         for i, row in enumerate(rows):  # left padding: generation continues every row at the end
             ids[i, longest - len(row):] = torch.tensor(row)
             attention[i, longest - len(row):] = 1
-        sample = temperature > 0
-        options = dict(do_sample=sample, temperature=temperature, top_p=top_p, top_k=0) if sample else dict(
-            do_sample=False)
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(seed)
-            out = self.model.generate(
-                input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
-                max_new_tokens=max_new_tokens, eos_token_id=list(stop_token_ids),
-                pad_token_id=self.pad_token_id, **options)
+        processors = None
+        if temperature > 0:  # exact sampling as greedy decoding over Gumbel-perturbed logits
+            processors = _row_seeded_sampler(temperature, top_p, [seed + k for k in range(len(rows))])
+        out = self.model.generate(
+            input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
+            max_new_tokens=max_new_tokens, eos_token_id=list(stop_token_ids), pad_token_id=self.pad_token_id,
+            do_sample=False, logits_processor=processors)
         new_tokens = out[:, longest:].tolist()
         stops = set(stop_token_ids)
         responses = []

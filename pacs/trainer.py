@@ -35,6 +35,16 @@ from .rollout import check_vllm_available, make_rollout_engine
 from .tasks import make_task
 
 
+@dataclass
+class TrainResult:
+    """What :func:`train` returns: the last metrics row and the trained policy (still sharded
+    under FSDP; :func:`pacs.policy.full_named_tensors` gathers it)."""
+
+    metrics: dict
+    policy: torch.nn.Module
+    output_dir: str
+
+
 class TrainingStopped(RuntimeError):
     """Raised when repeated NaN losses/gradients stop a run (the last good checkpoint is kept)."""
 
@@ -117,10 +127,13 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """Sampling seed of rollout ``step`` on ``rank``: a function of (seed, step, rank) only, so a
-    resumed run samples exactly what the uninterrupted run did."""
-    return (seed * 1_000_003 + step * 7919 + rank * 104_729) % (2**31 - 1)
+def step_seed(seed: int, step: int, first_row: int = 0) -> int:
+    """Sampling seed of rollout ``step`` for a call whose first response is global row ``first_row``.
+
+    A function of (seed, step, row) only: a resumed run samples exactly what the uninterrupted run
+    did, and engines that seed row j with ``seed + j`` sample the same rows on any number of ranks.
+    """
+    return (seed * 1_000_003 + step * 7_919_993) % (2**31 - 1) + first_row
 
 
 @torch.no_grad()
@@ -162,13 +175,16 @@ def policy_loss(cfg: Config, policy, part: Batch, old_logp: torch.Tensor):
 def evaluate_policy(cfg: Config, engine, task, tokenizer, stop_ids, dist_info: DistInfo, step: int) -> dict:
     """Held-out accuracy (and pass@k) with the rollout engine; each rank scores its share."""
     e = cfg.eval
-    problems = task.eval_problems(e.num_problems)[dist_info.rank::dist_info.world_size]
+    every = task.eval_problems(e.num_problems)
+    share = math.ceil(len(every) / dist_info.world_size)
+    first = dist_info.rank * share
+    problems = every[first:first + share]
     prompts = [encode_prompt(tokenizer, p, template=cfg.task.prompt_template,
                              use_chat_template=cfg.task.use_chat_template)[-cfg.rollout.max_prompt_len:]
                for p in problems]
     outputs = engine.generate(prompts, e.n_samples, temperature=e.temperature, top_p=1.0,
                               max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=stop_ids,
-                              seed=step_seed(cfg.seed + 1, step, dist_info.rank)) if prompts else []
+                              seed=step_seed(cfg.seed + 1, step, first * e.n_samples)) if prompts else []
     counts = [int(sum(task.reward(decode_response(tokenizer, r), p) for r in rs))
               for p, rs in zip(problems, outputs)]
     sums = [float(sum(counts)), float(len(counts))]
@@ -183,8 +199,8 @@ def evaluate_policy(cfg: Config, engine, task, tokenizer, stop_ids, dist_info: D
     return result
 
 
-def train(cfg: Config) -> dict:
-    """Run (or resume) training as configured; returns the last metrics row."""
+def train(cfg: Config) -> TrainResult:
+    """Run (or resume) training as configured."""
     dist_info = setup_distributed()
     say = print if dist_info.is_main else (lambda *a, **k: None)
 
@@ -271,7 +287,7 @@ def train(cfg: Config) -> dict:
                    for p in problems]
         outputs = engine.generate(prompts, group, temperature=r.temperature, top_p=r.top_p,
                                   max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids,
-                                  seed=step_seed(seed, step, dist_info.rank))
+                                  seed=step_seed(seed, step, dist_info.rank * per_rank * group))
         rollout_time = time.time() - step_start
 
         # 2. verifiable rewards
@@ -374,4 +390,4 @@ def train(cfg: Config) -> dict:
         png = plot_metrics(metrics_path, os.path.join(cfg.output_dir, "metrics.png"),
                            title=f"{cfg.optim.algo} on {cfg.task.name} ({cfg.output_dir})")
         say(f"[train] metrics: {metrics_path}; curves: {png}")
-    return row
+    return TrainResult(metrics=row, policy=policy, output_dir=cfg.output_dir)
