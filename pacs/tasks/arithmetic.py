@@ -9,13 +9,14 @@ from .base import Problem, Task
 
 
 def addition_problem(rng: random.Random, digits: int, reverse: bool = True) -> Problem:
-    """``a+b=`` with a, b drawn uniformly from [0, 10**digits); the answer is ``a+b`` in decimal,
-    written least-significant digit first when ``reverse`` (the order in which a carry-propagating
-    left-to-right decoder can compute it; Lee et al. 2023, "Teaching arithmetic to small
-    transformers")."""
+    """``a+b=`` with a, b drawn uniformly from [0, 10**digits), zero-padded to ``digits`` digits; the
+    answer is ``a+b`` zero-padded to ``digits + 1`` digits and, when ``reverse``, written least
+    significant digit first: the order in which a left-to-right decoder can propagate carries
+    (Lee et al. 2023, "Teaching arithmetic to small transformers"). Example (3 digits):
+    ``007+095=`` -> ``2010`` (102 reversed, padded)."""
     a, b = rng.randrange(10 ** digits), rng.randrange(10 ** digits)
-    answer = str(a + b)
-    return Problem(prompt=f"{a}+{b}=", answer=answer[::-1] if reverse else answer)
+    answer = f"{a + b:0{digits + 1}d}"
+    return Problem(prompt=f"{a:0{digits}d}+{b:0{digits}d}=", answer=answer[::-1] if reverse else answer)
 
 
 class AdditionTask(Task):
