@@ -261,7 +261,8 @@ def train(cfg: Config) -> TrainResult:
     metrics = MetricsLog(metrics_path, truncate_after=state["step"] if ckpt is not None else None,
                          enabled=dist_info.is_main)
     if ckpt is None:
-        row = {"step": 0, **evaluate_policy(cfg, engine, task, tokenizer, stop_ids, dist_info, 0)}
+        row = {"step": 0, "rollout_engine": type(engine).__name__,
+               **evaluate_policy(cfg, engine, task, tokenizer, stop_ids, dist_info, 0)}
         metrics.write(row)
         say(f"[eval] step 0: held-out accuracy {row['eval_accuracy']:.3f}")
 
