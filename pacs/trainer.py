@@ -29,8 +29,15 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, check_lengths, micro_batch_groups, save_config, validate
 from .evaluate import decode_response, encode_prompt, mean_pass_at_k
 from .metrics import MetricsLog, plot_metrics
-from .policy import (DistInfo, check_model_path, export_hf, full_named_tensors, load_policy, max_positions,
-                     setup_distributed)
+from .policy import (
+    DistInfo,
+    check_model_path,
+    export_hf,
+    full_named_tensors,
+    load_policy,
+    max_positions,
+    setup_distributed,
+)
 from .rollout import check_vllm_available, make_rollout_engine
 from .tasks import make_task
 

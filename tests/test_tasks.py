@@ -20,7 +20,7 @@ def test_addition_stream_is_deterministic_and_disjoint_from_eval():
     held_out = {p.prompt for p in task.eval_problems()}
     assert len(held_out) == 50 and not held_out & {p.prompt for p in train}
     for p in train[:50]:
-        a, b = (int(x) for x in p.prompt[:-1].split("+"))
+        a, b = (int(x[::-1]) for x in p.prompt[:-1].split("+"))  # little-endian operands
         assert len(p.prompt) == 6 and p.answer == f"{a + b:03d}"[::-1]  # fixed width, reversed
     assert AdditionTask(digits=2, seed=4).train_batch(0, 20) != train[:20]
     assert task.reward(train[0].answer, train[0]) == 1.0

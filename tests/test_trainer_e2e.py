@@ -8,13 +8,12 @@ import sys
 
 import pytest
 import torch
+from trainer_helpers import comparable, repo_root, tiny_config
 
 import pacs.trainer as trainer
 from pacs.checkpoint import latest_checkpoint
 from pacs.metrics import read_metrics
 from pacs.trainer import TrainingStopped, train
-
-from trainer_helpers import comparable, repo_root, tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from trainer_helpers import TINY, comparable, repo_root
 
 STEPS = ["max_steps=2", "rollout.engine=hf", "eval.every=1", "checkpoint_every=0"]

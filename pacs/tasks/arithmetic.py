@@ -8,15 +8,24 @@ from ..rewards import exact_match
 from .base import Problem, Task
 
 
+def _digits(value: int, width: int, little_endian: bool) -> str:
+    text = f"{value:0{width}d}"
+    return text[::-1] if little_endian else text
+
+
 def addition_problem(rng: random.Random, digits: int, reverse: bool = True) -> Problem:
-    """``a+b=`` with a, b drawn uniformly from [0, 10**digits), zero-padded to ``digits`` digits; the
-    answer is ``a+b`` zero-padded to ``digits + 1`` digits and, when ``reverse``, written least
-    significant digit first: the order in which a left-to-right decoder can propagate carries
-    (Lee et al. 2023, "Teaching arithmetic to small transformers"). Example (3 digits):
-    ``007+095=`` -> ``2010`` (102 reversed, padded)."""
+    """``a+b=`` with a, b drawn uniformly from [0, 10**digits): operands zero-padded to ``digits``
+    digits, the answer to ``digits + 1``.
+
+    With ``reverse`` (the default) every number is written least-significant digit first, so the
+    i-th answer digit sits at a fixed distance from the i-th digits of both operands and a
+    left-to-right decoder meets the carries in the order it needs them (Lee et al. 2023, "Teaching
+    arithmetic to small transformers"). Example, 3 digits: 7 + 95 = 102 reads ``700+590=`` ->
+    ``2010``.
+    """
     a, b = rng.randrange(10 ** digits), rng.randrange(10 ** digits)
-    answer = f"{a + b:0{digits + 1}d}"
-    return Problem(prompt=f"{a:0{digits}d}+{b:0{digits}d}=", answer=answer[::-1] if reverse else answer)
+    return Problem(prompt=f"{_digits(a, digits, reverse)}+{_digits(b, digits, reverse)}=",
+                   answer=_digits(a + b, digits + 1, reverse))
 
 
 class AdditionTask(Task):
