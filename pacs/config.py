@@ -39,14 +39,16 @@ class TaskConfig:
     use_chat_template: bool = False
     # embedded task: multi-digit addition "a+b=" -> "c"
     digits: int = 3
+    reverse: bool = True            # numbers written least-significant digit first
     cache_dir: str | None = None    # warm-up cache; default $PACS_CACHE_DIR or ~/.cache/pacs
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 2              # head_dim = hidden_size / num_heads (>= 32 for vLLM CPU)
     intermediate_size: int = 256
-    warmup_steps: int = 150         # supervised steps on the task's format (cached)
+    warmup_steps: int = 3000        # at most this many supervised steps (the warm-up is cached)
+    warmup_target_accuracy: float = 0.1  # ... stopping once validation accuracy reaches this
     warmup_batch_size: int = 64
-    warmup_lr: float = 3e-3
+    warmup_lr: float = 1e-3
 
 
 @dataclass
@@ -56,7 +58,7 @@ class RolloutConfig:
     prompts_per_step: int = 32      # prompts per rollout step (all ranks together)
     temperature: float = 1.0
     top_p: float = 1.0
-    max_new_tokens: int = 8
+    max_new_tokens: int = 6
     max_prompt_len: int = 32
     gpu_memory_utilization: float = 0.3
     kv_cache_gib: float = 1.0
@@ -292,6 +294,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ValueError("task.name='math' needs task.data_path (a .jsonl or .parquet file)")
     if t.name == "embedded":
         _positive("task.digits", t.digits)
+        if e.num_problems > t.eval_size:
+            raise ValueError(
+                f"eval.num_problems ({e.num_problems}) must be <= task.eval_size ({t.eval_size}), the "
+                "held-out set the training stream excludes")
         if t.hidden_size % t.num_heads:
             raise ValueError(
                 f"task.hidden_size ({t.hidden_size}) must be divisible by task.num_heads ({t.num_heads})")

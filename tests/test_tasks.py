@@ -74,6 +74,15 @@ def test_warmup_is_cached(tmp_path):
     assert prepare_embedded_model(other, seed=0, log=logs.append) != path
 
 
+def test_warmup_stops_at_target_accuracy(tmp_path):
+    """With a reachable target the warm-up stops at the first validation check that meets it."""
+    cfg = TaskConfig(cache_dir=str(tmp_path), warmup_steps=60, warmup_batch_size=8, digits=1,
+                     warmup_target_accuracy=0.0)
+    path = prepare_embedded_model(cfg, seed=0, log=lambda *_: None)
+    summary = json.loads(open(f"{path}/warmup.json").read())
+    assert summary["steps"] == 25 and summary["validation_accuracy"] >= 0.0
+
+
 def test_math_loader_jsonl(tmp_path):
     path = tmp_path / "data.jsonl"
     rows = [{"prompt": "What is 2+2?", "answer": "4"},

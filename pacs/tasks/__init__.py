@@ -12,7 +12,8 @@ def make_task(cfg: Config) -> Task:
     """The task named by ``cfg.task.name``."""
     t = cfg.task
     if t.name == "embedded":
-        return AdditionTask(t.digits, seed=cfg.seed, eval_size=max(t.eval_size, cfg.eval.num_problems))
+        return AdditionTask(t.digits, seed=cfg.seed, eval_size=t.eval_size,
+                            reverse=t.reverse)
     if t.name == "math":
         return MathTask(t.data_path, eval_path=t.eval_path, eval_size=t.eval_size, seed=cfg.seed)
     raise ValueError(f"task.name must be 'embedded' or 'math', got {t.name!r}")

@@ -7,11 +7,12 @@ accuracy. Everything here is deterministic in the config, so the cache key is a 
 
 from __future__ import annotations
 
-import math
+import json
 import os
 import random
 import shutil
 import tempfile
+import time
 
 import torch
 
@@ -61,9 +62,9 @@ def cache_root(cfg: TaskConfig) -> str:
 
 def warmup_key(cfg: TaskConfig, seed: int) -> str:
     fields = {k: getattr(cfg, k) for k in (
-        "digits", "hidden_size", "num_layers", "num_heads", "intermediate_size", "warmup_steps",
-        "warmup_batch_size", "warmup_lr")}
-    fields.update(seed=seed, version=1, vocab="".join(SPECIAL_TOKENS + CHARACTERS))
+        "digits", "reverse", "hidden_size", "num_layers", "num_heads", "intermediate_size", "warmup_steps",
+        "warmup_batch_size", "warmup_lr", "warmup_target_accuracy")}
+    fields.update(seed=seed, version=2, vocab="".join(SPECIAL_TOKENS + CHARACTERS))
     return config_hash(fields)
 
 
@@ -87,15 +88,34 @@ def _sft_batch(task: AdditionTask, tokenizer, rng: random.Random, size: int):
     return ids, attention, loss_mask
 
 
-def supervised_warmup(model, tokenizer, task: AdditionTask, cfg: TaskConfig, seed: int, log=print) -> None:
-    """``cfg.warmup_steps`` AdamW steps of cross-entropy on the answer tokens, cosine-decayed lr."""
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, problems) -> float:
+    """Exact-match accuracy of greedy answers (HF generate, left-padded batch)."""
+    prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        attention[i, width - len(p):] = 1
+    longest_answer = max(len(p.answer) for p in problems) + 1
+    out = model.generate(input_ids=ids, attention_mask=attention, max_new_tokens=longest_answer, do_sample=False,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    return sum(t.strip() == p.answer for t, p in zip(texts, problems)) / len(problems)
+
+
+def supervised_warmup(model, tokenizer, task: AdditionTask, cfg: TaskConfig, seed: int, log=print) -> dict:
+    """Cross-entropy on the answer tokens (AdamW, constant lr) until greedy accuracy on a validation
+    set (training-stream problems, never the held-out ones) reaches ``cfg.warmup_target_accuracy``,
+    or for at most ``cfg.warmup_steps`` steps. Stopping at a target, not a step count, leaves the
+    task equally far from solved whatever the seed. Returns a summary."""
     rng = random.Random(f"warmup-{seed}")
+    validation = task.train_batch(10**9, 200)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, weight_decay=0.0)
-    model.train()
-    for step in range(cfg.warmup_steps):
-        lr = cfg.warmup_lr * 0.5 * (1 + math.cos(math.pi * step / max(cfg.warmup_steps, 1)))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    accuracy, step = 0.0, 0
+    for step in range(1, cfg.warmup_steps + 1):
+        model.train()
         ids, attention, loss_mask = _sft_batch(task, tokenizer, rng, cfg.warmup_batch_size)
         logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
         targets, mask = ids[:, 1:], loss_mask[:, 1:]
@@ -104,9 +124,15 @@ def supervised_warmup(model, tokenizer, task: AdditionTask, cfg: TaskConfig, see
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        if (step + 1) % 50 == 0 or step + 1 == cfg.warmup_steps:
-            log(f"[warm-up] step {step + 1}/{cfg.warmup_steps} loss {loss.item():.3f}")
+        if step % 25 == 0 or step == cfg.warmup_steps:
+            model.eval()
+            accuracy = greedy_accuracy(model, tokenizer, validation)
+            if step % 250 == 0 or accuracy >= cfg.warmup_target_accuracy:
+                log(f"[warm-up] step {step}: loss {loss.item():.3f}, validation accuracy {accuracy:.3f}")
+            if accuracy >= cfg.warmup_target_accuracy:
+                break
     model.eval()
+    return {"steps": step, "validation_accuracy": accuracy}
 
 
 def prepare_embedded_model(cfg: TaskConfig, seed: int, log=print) -> str:
@@ -115,18 +141,23 @@ def prepare_embedded_model(cfg: TaskConfig, seed: int, log=print) -> str:
     if os.path.isfile(os.path.join(path, "config.json")):
         log(f"[warm-up] using cached model {path}")
         return path
-    log(f"[warm-up] building the tiny model and running {cfg.warmup_steps} supervised steps "
-        f"(cached at {path})")
+    log(f"[warm-up] building the tiny model; supervised steps until validation accuracy "
+        f">= {cfg.warmup_target_accuracy} (at most {cfg.warmup_steps}); cached at {path}")
     tokenizer = build_tokenizer()
-    task = AdditionTask(cfg.digits, seed=seed, eval_size=cfg.eval_size)
+    task = AdditionTask(cfg.digits, seed=seed, eval_size=cfg.eval_size, reverse=cfg.reverse)
+    start = time.time()
     with torch.random.fork_rng(devices=[]):
         model = build_model(cfg, len(tokenizer), seed)
         torch.manual_seed(seed)
-        supervised_warmup(model, tokenizer, task, cfg, seed, log=log)
+        summary = supervised_warmup(model, tokenizer, task, cfg, seed, log=log)
+    summary["seconds"] = round(time.time() - start, 1)
+    log(f"[warm-up] done in {summary['seconds']} s ({summary['steps']} steps)")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(path))
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    with open(os.path.join(tmp, "warmup.json"), "w") as fh:
+        json.dump(summary, fh)
     try:
         os.rename(tmp, path)
     except OSError:  # another process finished first: keep theirs
