@@ -56,6 +56,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
     from transformers import AutoTokenizer
 
     from .config import check_lengths, validate
@@ -76,6 +77,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     validate(cfg)
     if cfg.rollout.engine == "vllm":
         check_vllm_available()
+    from .trainer import apply_torch_threads
+
+    apply_torch_threads(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     model_dir = cfg.model.path
     if model_dir == "embedded":
         from .tasks.embedded import prepare_embedded_model

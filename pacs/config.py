@@ -107,6 +107,8 @@ class Config:
     checkpoint_every: int = 10
     resume: bool = False
     max_consecutive_nan: int = 3
+    torch_threads: int | None = None  # None: 1 on CPU for the embedded model (tiny ops; more threads
+                                      # only spin, 20x slower on a busy 2-core machine), else torch's
     plot: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)

@@ -206,6 +206,15 @@ def evaluate_policy(cfg: Config, engine, task, tokenizer, stop_ids, dist_info: D
     return result
 
 
+def apply_torch_threads(cfg: Config, device: torch.device) -> None:
+    """Intra-op CPU threads: ``cfg.torch_threads``, or 1 for the tiny embedded model on CPU."""
+    threads = cfg.torch_threads
+    if threads is None and cfg.model.path == "embedded" and device.type == "cpu":
+        threads = 1
+    if threads:
+        torch.set_num_threads(threads)
+
+
 def train(cfg: Config) -> TrainResult:
     """Run (or resume) training as configured."""
     dist_info = setup_distributed()
@@ -222,6 +231,7 @@ def train(cfg: Config) -> TrainResult:
         say(f"[resume] no checkpoint under {cfg.output_dir}/checkpoints: starting from scratch")
 
     # ---- task, model, tokenizer, optimizer
+    apply_torch_threads(cfg, dist_info.device)
     seed = cfg.seed
     random.seed(seed)
     torch.manual_seed(seed)
