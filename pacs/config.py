@@ -68,10 +68,10 @@ class RolloutConfig:
 @dataclass
 class OptimConfig:
     algo: str = "pacs"              # pacs | grpo
-    lr: float = 1e-3
+    lr: float = 2e-4
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
-    lr_schedule: str = "constant"   # constant | cosine | linear
+    lr_schedule: str = "cosine"     # constant | cosine | linear (decays to 0 at max_steps)
     lr_warmup_steps: int = 0        # optimizer steps
     mini_batches_per_step: int = 2  # optimizer steps per rollout step (whole groups each)
     micro_batch_groups: int = 4     # groups per micro-batch (gradient accumulation)
@@ -91,7 +91,7 @@ class OptimConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = 10                 # rollout steps between held-out evaluations (0: start and end only)
+    every: int = 25                 # rollout steps between held-out evaluations (0: start and end only)
     num_problems: int = 200
     n_samples: int = 1              # > 1 with temperature > 0 gives pass@k
     temperature: float = 0.0        # 0: greedy
@@ -102,9 +102,9 @@ class EvalConfig:
 class Config:
     seed: int = 0
     output_dir: str = "runs/embedded"
-    max_steps: int = 60             # rollout steps
+    max_steps: int = 600            # rollout steps
     max_minutes: float | None = None  # stop (and checkpoint) after this wall time
-    checkpoint_every: int = 10
+    checkpoint_every: int = 50
     resume: bool = False
     max_consecutive_nan: int = 3
     torch_threads: int | None = None  # None: 1 on CPU for the embedded model (tiny ops; more threads
