@@ -119,6 +119,7 @@ def cmd_bench(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs every weight push at INFO
     if argv and argv[0] == "bench":
         return cmd_bench(argv[1:])
     parser = argparse.ArgumentParser(prog="pacs", description=__doc__)

@@ -226,6 +226,10 @@ def train(cfg: Config) -> TrainResult:
         check_vllm_available()
     if cfg.model.path != "embedded":
         check_lengths(cfg, max_positions(check_model_path(cfg.model.path, cfg.model.trust_remote_code)))
+    else:
+        from .tasks.embedded import MAX_POSITIONS
+
+        check_lengths(cfg, MAX_POSITIONS)
     ckpt = latest_checkpoint(cfg.output_dir) if cfg.resume else None
     if cfg.resume and ckpt is None:
         say(f"[resume] no checkpoint under {cfg.output_dir}/checkpoints: starting from scratch")

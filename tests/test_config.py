@@ -90,6 +90,9 @@ def test_cli_errors_before_work(tmp_path, capsys):
     assert "group_size must be >= 2" in capsys.readouterr().err
     assert main(["train", "--model", str(tmp_path / "no_model"), "--output-dir", str(tmp_path / "o")]) == 2
     assert "not a model directory" in capsys.readouterr().err
+    out = str(tmp_path / "o")
+    assert main(["train", "--output-dir", out, "rollout.max_prompt_len=60", "rollout.max_new_tokens=10"]) == 2
+    assert "exceeds the model's max_position_embeddings (64)" in capsys.readouterr().err
     assert not (tmp_path / "o" / "metrics.jsonl").exists()
 
 

@@ -50,9 +50,9 @@ def test_smoke_train_eval_export(tmp_path, cache_dir):
     trained = result.policy.causal_lm.state_dict()
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, trained[name], msg=name)
-    # `pacs eval` serves the export
+    # `pacs eval` serves the export (with vLLM when it is installed)
     out = subprocess.run(
-        [sys.executable, "-m", "pacs", "eval", "--model", export, "--rollout", "hf", "task.digits=2",
+        [sys.executable, "-m", "pacs", "eval", "--model", export, "task.digits=2",
          "eval.num_problems=8", "rollout.max_new_tokens=4"],
         cwd=repo_root(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]

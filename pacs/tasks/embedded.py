@@ -21,6 +21,7 @@ from .arithmetic import AdditionTask
 
 CHARACTERS = list("0123456789+-*=")
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
+MAX_POSITIONS = 64
 
 
 def build_tokenizer():
@@ -47,7 +48,7 @@ def build_model(cfg: TaskConfig, vocab_size: int, seed: int):
     config = Qwen2Config(
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_heads, head_dim=head_dim, max_position_embeddings=64,
+        num_key_value_heads=cfg.num_heads, head_dim=head_dim, max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         use_sliding_window=False, torch_dtype="float32")
     with torch.random.fork_rng(devices=[]):
