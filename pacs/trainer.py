@@ -305,8 +305,12 @@ def train(cfg: Config) -> TrainResult:
         problems = task.train_batch(first, per_rank)
         state["data_position"] += r.prompts_per_step
         prompts = [encode_prompt(tokenizer, p, template=cfg.task.prompt_template,
-                                 use_chat_template=cfg.task.use_chat_template)[-r.max_prompt_len:]
-                   for p in problems]
+                                 use_chat_template=cfg.task.use_chat_template) for p in problems]
+        if any(len(p) > r.max_prompt_len for p in prompts) and not state.get("warned_truncation"):
+            state["warned_truncation"] = True
+            say(f"[warning] prompts longer than rollout.max_prompt_len={r.max_prompt_len} tokens are "
+                "cut to their last max_prompt_len tokens")
+        prompts = [p[-r.max_prompt_len:] for p in prompts]
         outputs = engine.generate(prompts, group, temperature=r.temperature, top_p=r.top_p,
                                   max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids,
                                   seed=step_seed(seed, step, dist_info.rank * per_rank * group))
