@@ -11,11 +11,11 @@ from trainer_helpers import TINY, comparable, repo_root
 STEPS = ["max_steps=2", "rollout.engine=hf", "eval.every=1", "checkpoint_every=0"]
 
 
-def run_worker(out_dir, cache_dir, nproc: int) -> None:
+def run_worker(out_dir, cache_dir, nproc: int, *extra: str) -> None:
     worker = os.path.join(repo_root(), "tests", "trainer_sync_worker.py")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd = (launcher if nproc > 1 else [sys.executable]) + [worker, str(out_dir), *TINY,
-                                                             f"task.cache_dir={cache_dir}", *STEPS]
+                                                             f"task.cache_dir={cache_dir}", *STEPS, *extra]
     env = {**os.environ, "PYTHONPATH": repo_root(), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=repo_root(), env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-5000:])
@@ -48,3 +48,20 @@ def test_two_cpu_ranks_stay_in_sync_and_match_one_process(tmp_path):
     assert m_two["eval_accuracy"] == m_one["eval_accuracy"]
     assert m_two["response_length"] == pytest.approx(m_one["response_length"])
     assert m_two["loss"] == pytest.approx(m_one["loss"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_two_cpu_ranks_resume_from_a_sharded_checkpoint(tmp_path):
+    """A 2-rank run checkpointed at step 2 and resumed (2 ranks) to step 3 ends where one
+    uninterrupted process does after 3 steps."""
+    cache = tmp_path / "cache"
+    run_worker(tmp_path / "two", cache, 2)  # max_steps=2: the last step is checkpointed
+    run_worker(tmp_path / "two", cache, 2, "max_steps=3", "resume=true")
+    run_worker(tmp_path / "one", cache, 1, "max_steps=3")
+    resumed = [json.loads((tmp_path / "two" / f"sync_rank{r}.json").read_text()) for r in (0, 1)]
+    one = json.loads((tmp_path / "one" / "sync_rank0.json").read_text())
+    assert resumed[0]["metrics"]["step"] == 3 and resumed[0]["final"] == resumed[1]["final"]
+    # it did resume: one push of the restored weights, then one for step 3 (a fresh run pushes 3)
+    assert len(resumed[0]["pushes"]) == 2 and len(one["pushes"]) == 3
+    assert close(resumed[0]["final"], one["final"])
+    assert resumed[0]["metrics"]["reward_mean"] == one["metrics"]["reward_mean"]
