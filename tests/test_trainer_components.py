@@ -142,3 +142,16 @@ def test_unknown_model_path_is_a_clear_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="cannot load a model config"):
         check_model_path(str(tmp_path / "empty"))
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir):
+    ids = torch.randint(3, 17, (2, 9))
+    attention = torch.ones_like(ids)
+    grads = []
+    for checkpointing in (False, True):
+        policy = load_policy(tiny_model_dir, gradient_checkpointing=checkpointing)
+        hidden, weight, _ = policy(ids, attention)
+        (hidden @ weight.T).logsumexp(-1).sum().backward()
+        grads.append([p.grad.clone() for p in policy.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -39,6 +39,7 @@ def test_smoke_train_eval_export(tmp_path, cache_dir):
         assert 0.0 <= row["reward_mean"] <= 1.0 and row["response_length"] >= 1
         assert row["prompts_seen"] == 4 * row["step"]
     assert result.metrics["step"] == 3
+    assert any(0 < r["reward_mean"] < 1 for r in rows[1:]) and any(r["grad_norm"] > 0 for r in rows[1:])
     assert os.path.getsize(os.path.join(cfg.output_dir, "metrics.png")) > 1000
     assert latest_checkpoint(cfg.output_dir).endswith("step_000003")
     # the export is a Hugging Face model + tokenizer that matches the trained policy
@@ -66,6 +67,30 @@ def test_grpo_runs(tmp_path, cache_dir):
     train(cfg)
     rows = read_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"))
     assert all(math.isfinite(r["loss"]) and "clip_frac" in r for r in rows[1:])
+
+
+@pytest.mark.slow
+def test_train_any_hf_model_directory(tmp_path, cache_dir):
+    """--model takes a Hugging Face directory (here: the exported warm-up model, untied copy)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pacs.tasks.embedded import prepare_embedded_model
+
+    base = tiny_config(tmp_path / "unused", cache_dir)
+    source = prepare_embedded_model(base.task, seed=0, log=lambda *_: None)
+    model = AutoModelForCausalLM.from_pretrained(source)
+    model.config.tie_word_embeddings = False  # an untied head: a separate LM-head weight
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    model_dir = tmp_path / "hf_model"
+    model.save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(source).save_pretrained(model_dir)
+    cfg = tiny_config(tmp_path / "run", cache_dir, "max_steps=2", "rollout.engine=hf", "torch_threads=1")
+    cfg.model.path = str(model_dir)
+    result = train(cfg)
+    assert result.metrics["step"] == 2 and math.isfinite(result.metrics["loss"])
+    trained = result.policy.causal_lm
+    assert trained.lm_head.weight is not trained.model.embed_tokens.weight
+    assert not torch.equal(trained.lm_head.weight, model.lm_head.weight)  # the head was trained
 
 
 CRASH_SCRIPT = """
@@ -108,6 +133,8 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path, cache_dir):
     got = comparable(read_metrics(str(run_dir / "metrics.jsonl")))
     assert [r["step"] for r in got] == [0, 1, 2, 3, 4, 5]
     assert got == expected
+    # the comparison is not vacuous: the steps after the crash really changed the weights
+    assert all(r["grad_norm"] > 0 for r in got[3:]) and len({r["loss"] for r in got[1:]}) > 1
 
 
 @pytest.mark.slow

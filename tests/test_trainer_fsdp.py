@@ -8,7 +8,10 @@ import sys
 import pytest
 from trainer_helpers import TINY, comparable, repo_root
 
-STEPS = ["max_steps=2", "rollout.engine=hf", "eval.every=1", "checkpoint_every=0"]
+# One mini-batch per rollout step: a data-parallel mini-batch is the union of every rank's chunk,
+# so only then do 2 ranks and 1 process group the same responses into each optimizer step.
+STEPS = ["max_steps=2", "rollout.engine=hf", "eval.every=1", "checkpoint_every=0",
+         "optim.mini_batches_per_step=1", "optim.lr_schedule=constant"]  # resume extends max_steps
 
 
 def run_worker(out_dir, cache_dir, nproc: int, *extra: str) -> None:
@@ -37,6 +40,7 @@ def test_two_cpu_ranks_stay_in_sync_and_match_one_process(tmp_path):
     # every weight push reached both ranks' engines identically (bitwise: both gathered the same shards)
     assert len(ranks[0]["pushes"]) == len(ranks[1]["pushes"]) == len(one["pushes"]) == 2
     assert ranks[0]["pushes"] == ranks[1]["pushes"]
+    assert ranks[0]["pushes"][0] != ranks[0]["pushes"][1], "training must change the weights"
     assert ranks[0]["final"] == ranks[1]["final"]
     # and the sharded run trained the same model as one process (up to float reduction order)
     for pushed_two, pushed_one in zip(ranks[0]["pushes"], one["pushes"]):
