@@ -11,8 +11,8 @@ that new weights reach it as tensors, without a copy through disk or a socket:
   This branch uses the same public calls but is not exercised by the CPU test-suite.
 
 No tokenizer is loaded: prompts and responses are token ids, and generation stops only at the
-caller's ``stop_token_ids`` (the model's ``generation_config.json`` is ignored) or at
-``max_new_tokens``.
+caller's ``stop_token_ids`` (the model's own ``eos_token_id`` and ``generation_config.json`` are
+ignored) or at ``max_new_tokens``.
 """
 
 from __future__ import annotations
@@ -125,6 +125,20 @@ def _process_state_kept() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _torch_rng_kept() -> Iterator[None]:
+    """Restore torch's global generators after the block (vLLM draws from them even for
+    requests that carry their own seed)."""
+    cpu_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+@contextlib.contextmanager
 def _torch_threads(count: int | None) -> Iterator[None]:
     """Run the block with ``count`` torch intra-op threads (None: leave them), then restore.
 
@@ -186,7 +200,8 @@ class VLLMRolloutEngine:
             LM that vLLM supports (Qwen2, Llama, ...).
         max_model_len: longest prompt + response, in tokens; at most the model's
             ``max_position_embeddings``.
-        seed: engine seed (used for requests sampled without a per-call seed).
+        seed: vLLM's engine seed (vLLM reseeds torch's global generator with it at start-up;
+            this class restores the caller's RNG states afterwards).
         dtype: weights and activations dtype: "float32", "bfloat16", "float16" or "auto":
             float32 on CPU (the CPU policy's dtype; vLLM's own "auto" would downcast a float32
             checkpoint to bfloat16), vLLM's choice on GPU (the checkpoint's dtype, float32
@@ -297,6 +312,7 @@ class VLLMRolloutEngine:
         # including a trainer's process group; ours releases only what is safe to release.
         client._finalizer.detach()
         self._release = weakref.finalize(self, _release_engine, self._llm)
+        self._weights_stale = False
         self._sampling_params_cls = vllm.SamplingParams
         self.vocab_size = int(self._llm.llm_engine.model_config.get_vocab_size())
 
@@ -323,9 +339,10 @@ class VLLMRolloutEngine:
                 exceed max_model_len.
             stop_token_ids: generation of a response ends after it samples one of these; that
                 token is the last one of the response.
-            seed: with a seed the samples are reproducible (prompt i's responses use their own
-                seeds derived from (seed, i)); without one they come from the engine's global
-                generator.
+            seed: with a seed the samples are reproducible and leave every global RNG alone
+                (prompt i's responses use their own generators, seeded from (seed, i)); without
+                one they are drawn from torch's global generator, which the in-process engine
+                shares with the caller.
 
         Returns:
             ``result[i][j]``: response j of prompt i, a list of token ids of length between 1
@@ -333,6 +350,11 @@ class VLLMRolloutEngine:
             prompt 1's, ...
         """
         self._check_open()
+        if self._weights_stale:
+            raise RuntimeError(
+                "VLLMRolloutEngine: the last sync_weights failed half-way, so the engine holds "
+                "a mix of old and new weights; sync a complete set of weights before generating"
+            )
         self._check_generate_args(
             prompts, n, temperature, top_p, max_new_tokens, stop_token_ids, seed
         )
@@ -355,13 +377,18 @@ class VLLMRolloutEngine:
                 top_p=1.0 if greedy else float(top_p),
                 max_tokens=max_new_tokens,
                 stop_token_ids=list(stop_token_ids),
+                # the model's eos (config.json / generation_config.json) is not a stop token here
+                ignore_eos=True,
                 seed=prompt_seed,
                 detokenize=False,
             )
             for prompt_seed in prompt_seeds
         ]
         requests = [{"prompt_token_ids": [int(token) for token in prompt]} for prompt in prompts]
-        with _torch_threads(1 if not self.on_gpu else None):
+        with (
+            _torch_threads(1 if not self.on_gpu else None),
+            _torch_rng_kept() if seed is not None else contextlib.nullcontext(),
+        ):
             outputs = self._llm.generate(requests, sampling_params, use_tqdm=False)
         if greedy:
             return [[list(output.outputs[0].token_ids) for _ in range(n)] for output in outputs]
@@ -379,6 +406,7 @@ class VLLMRolloutEngine:
                 Tied LM heads may be given or left out.
         """
         self._check_open()
+        last: list[tuple[str, tuple[int, ...]]] = []  # the tensor vLLM was loading when it failed
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in named_tensors:
@@ -387,11 +415,27 @@ class VLLMRolloutEngine:
                         f"named_tensors must yield (str, torch.Tensor) pairs; got "
                         f"{type(tensor).__name__} for {name!r}"
                     )
+                last[:] = [(name, tuple(tensor.shape))]
                 yield _strip_wrapper_prefixes(name), tensor.detach()
 
-        # in-process engine core: the worker consumes the iterator directly, no copy via disk
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        try:
+            # in-process engine core: the worker consumes the iterator, no copy via disk
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        except Exception as error:
+            # Layers not yet reloaded were left empty (on the meta device); put their previous
+            # weights back. Until a sync succeeds the weights mix old and new layers.
+            self._llm.collective_rpc(_undo_partial_reload)
+            self._weights_stale = True
+            if isinstance(error, TypeError) and "named_tensors" in str(error):
+                raise
+            name, shape = last[0] if last else ("<none>", ())
+            raise ValueError(
+                f"named_tensors: vLLM could not load {name!r} (shape {shape}) into the engine's "
+                f"model ({type(error).__name__}: {error}); are these the Hugging Face names and "
+                f"shapes of the model the engine serves?"
+            ) from error
         self._llm.collective_rpc(_refresh_tied_lm_head)
+        self._weights_stale = False
         # cached prompt KV blocks were computed with the old weights
         self._llm.reset_prefix_cache()
 
@@ -485,6 +529,28 @@ def _release_engine(llm: Any) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _undo_partial_reload(worker: Any) -> None:
+    """Runs on the vLLM worker after ``reload_weights`` raised half-way.
+
+    vLLM's layerwise reload moves every layer to the meta device first and refills each one
+    when all its weights have arrived; layers still waiting would stay empty (and modules such
+    as the rotary embedding are shared by every engine of the process). Put the weights they
+    had back and clear the reload's bookkeeping, so that the next reload starts afresh.
+    """
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    model = worker.model_runner.get_model()
+    for layer in model.modules():
+        info = layerwise.LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load():
+            continue
+        if info.kernel_tensors is not None:
+            layerwise._place_kernel_tensors(layer, info)
+        info.reset()
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
 
 
 def _refresh_tied_lm_head(worker: Any) -> None:

@@ -48,6 +48,24 @@ def tiny_qwen2(seed: int, tie_word_embeddings: bool) -> "transformers.Qwen2ForCa
     return transformers.Qwen2ForCausalLM(config).eval()
 
 
+def tiny_llama(seed: int) -> "transformers.LlamaForCausalLM":
+    """A 2-layer Llama with untied LM head, otherwise like tiny_qwen2."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=MAX_LEN,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
 def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     responses = []
     for prompt in prompts:
@@ -145,7 +163,9 @@ def test_same_seed_same_samples(tied):
         )
 
     torch.manual_seed(1)
+    rng_state = torch.get_rng_state()
     first = sample(7)
+    assert torch.equal(torch.get_rng_state(), rng_state)  # seeded sampling leaves it alone
     torch.manual_seed(2)  # the global RNG must not matter when a seed is given
     assert sample(7) == first
     assert sample(8) != first
@@ -196,10 +216,15 @@ def test_sync_weights_changes_the_policy(tied):
     assert vllm_greedy(engine, PROMPTS, 10) == [[r] for r in old_responses]
 
 
-def test_untied_model_second_engine_sync_and_close(tied, tmp_path):
+def test_llama_untied_second_engine_sync_and_close(tied, tmp_path):
     engine_a, model_a, _ = tied
-    model = tiny_qwen2(seed=2, tie_word_embeddings=False)
+    model = tiny_llama(seed=2)
+    # the model's eos is a token its greedy output contains: only stop_token_ids may stop
+    # a response, so vLLM must not stop there (Hugging Face's reference below ignores eos)
+    eos = hf_greedy(model, PROMPTS, 10)[1][2]
+    model.config.eos_token_id = model.generation_config.eos_token_id = eos
     model.save_pretrained(tmp_path, safe_serialization=True)
+    model.generation_config.eos_token_id = None
 
     threads = torch.get_num_threads()
     set_num_threads = torch.set_num_threads
@@ -215,9 +240,20 @@ def test_untied_model_second_engine_sync_and_close(tied, tmp_path):
 
     assert vllm_greedy(engine, PROMPTS, 10) == [[r] for r in hf_greedy(model, PROMPTS, 10)]
     assert torch.get_num_threads() == threads  # generation's own thread setting is undone
-    new_model = tiny_qwen2(seed=3, tie_word_embeddings=False)
+    new_model = tiny_llama(seed=3)
+    new_model.generation_config.eos_token_id = None
     engine.sync_weights(new_model.named_parameters())
     assert vllm_greedy(engine, PROMPTS, 10) == [[r] for r in hf_greedy(new_model, PROMPTS, 10)]
+
+    # a name the model does not have, half-way through: a clear error; the engine refuses to
+    # generate with its mix of old and new layers until a complete sync succeeds
+    partial = list(model.named_parameters())[:7] + [("model.bogus.weight", torch.randn(3, 3))]
+    with pytest.raises(ValueError, match="could not load 'model.bogus.weight'"):
+        engine.sync_weights(partial)
+    with pytest.raises(RuntimeError, match="sync_weights failed half-way"):
+        vllm_greedy(engine, PROMPTS, 2)
+    engine.sync_weights(model.named_parameters())
+    assert vllm_greedy(engine, PROMPTS, 10) == [[r] for r in hf_greedy(model, PROMPTS, 10)]
 
     engine.close()
     engine.close()  # idempotent
@@ -254,12 +290,6 @@ def test_generate_rejects_bad_input(tied, kwargs, message):
     prompts = arguments.pop("prompts")
     with pytest.raises(ValueError, match=message):
         engine.generate(prompts, **arguments)
-
-
-def test_sync_weights_rejects_non_tensors(tied):
-    engine, _, _ = tied
-    with pytest.raises(TypeError, match="named_tensors"):
-        engine.sync_weights([("model.norm.weight", [1.0, 2.0])])
 
 
 def test_constructor_rejects_bad_input(tmp_path):
@@ -314,6 +344,8 @@ def test_close_last_engine_then_recreate(tied):
         if not torch.cuda.is_available():
             assert again._llm.llm_engine.model_config.dtype == torch.float32
         assert vllm_greedy(again, PROMPTS, 8) == [[r] for r in hf_greedy(model, PROMPTS, 8)]
+        with pytest.raises(TypeError, match="named_tensors"):
+            again.sync_weights([("model.norm.weight", [1.0, 2.0])])
     assert rollout_vllm._ProcessWideState.live_engines == 0
 
 
