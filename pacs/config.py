@@ -1,0 +1,316 @@
+"""One dataclass tree for every setting of a run; YAML files and command-line overrides fill it.
+
+Precedence (later wins): the dataclass defaults (which reproduce the built-in "embedded" run),
+the YAML file given with ``--config``, ``key.path=value`` overrides, then the named flags
+(``--model``, ``--max-steps``, ...). :func:`validate` rejects configs that cannot work before any
+work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+@dataclass
+class ModelConfig:
+    path: str = "embedded"          # "embedded" (the task builds a tiny model) or an HF dir / hub id
+    dtype: str = "auto"             # auto: bfloat16 on GPU, float32 on CPU | float32 | bfloat16 | float16
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+
+
+@dataclass
+class TaskConfig:
+    name: str = "embedded"          # embedded | math (jsonl/parquet with prompt/problem + answer)
+    data_path: str | None = None    # math: training file
+    eval_path: str | None = None    # math: held-out file (default: the last eval_size rows of data_path)
+    eval_size: int = 200            # held-out problems
+    prompt_template: str = "{prompt}"
+    use_chat_template: bool = False
+    # embedded task: multi-digit addition "a+b=" -> "c"
+    digits: int = 3
+    reverse: bool = True            # numbers written least-significant digit first
+    cache_dir: str | None = None    # warm-up cache; default $PACS_CACHE_DIR or ~/.cache/pacs
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 2              # head_dim = hidden_size / num_heads (>= 32 for vLLM CPU)
+    intermediate_size: int = 256
+    warmup_steps: int = 3000        # at most this many supervised steps (the warm-up is cached)
+    warmup_target_accuracy: float = 0.1  # ... stopping once validation accuracy reaches this
+    warmup_batch_size: int = 64
+    warmup_lr: float = 1e-3
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "auto"            # auto (vLLM if importable, else HF generate) | vllm | hf
+    group_size: int = 8             # responses per prompt (G >= 2)
+    prompts_per_step: int = 32      # prompts per rollout step (all ranks together)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 6
+    max_prompt_len: int = 32
+    gpu_memory_utilization: float = 0.3
+    kv_cache_gib: float = 1.0
+    enforce_eager: bool = True
+
+
+@dataclass
+class OptimConfig:
+    algo: str = "pacs"              # pacs | grpo
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    lr_schedule: str = "cosine"     # constant | cosine | linear (decays to 0 at max_steps)
+    lr_warmup_steps: int = 0        # optimizer steps
+    mini_batches_per_step: int = 2  # optimizer steps per rollout step (whole groups each)
+    micro_batch_groups: int = 4     # groups per micro-batch (gradient accumulation)
+    micro_batch_responses: int | None = None  # alternative to micro_batch_groups; must be a multiple of G
+    max_grad_norm: float = 1.0
+    # PACS
+    beta: float = 1.0
+    score: str = "log_ratio"
+    advantage: str = "rloo"
+    weighting: str = "balanced"
+    score_function_term: bool = False
+    # GRPO baseline
+    clip_eps: float = 0.2
+    aggregation: str = "token_mean"
+    logprob_backend: str = "auto"
+
+
+@dataclass
+class EvalConfig:
+    every: int = 25                 # rollout steps between held-out evaluations (0: start and end only)
+    num_problems: int = 200
+    n_samples: int = 1              # > 1 with temperature > 0 gives pass@k
+    temperature: float = 0.0        # 0: greedy
+    ks: tuple[int, ...] = (1,)
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    output_dir: str = "runs/embedded"
+    max_steps: int = 600            # rollout steps
+    max_minutes: float | None = None  # stop (and checkpoint) after this wall time
+    checkpoint_every: int = 50
+    resume: bool = False
+    max_consecutive_nan: int = 3
+    torch_threads: int | None = None  # None: 1 on CPU for the embedded model (tiny ops; more threads
+                                      # only spin, 20x slower on a busy 2-core machine), else torch's
+    plot: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def to_dict(cfg: Any) -> dict:
+    """Plain nested dict (tuples become lists) for YAML/JSON."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def config_hash(obj: Any, length: int = 12) -> str:
+    data = obj if isinstance(obj, dict) else to_dict(obj)
+    return hashlib.sha1(json.dumps(data, sort_keys=True).encode()).hexdigest()[:length]
+
+
+def _coerce(name: str, value: Any, current: Any, type_hint: Any) -> Any:
+    """Turn a YAML/CLI value into the type of the field it sets."""
+    hint = str(type_hint)
+    if isinstance(value, str) and not hint.startswith("str"):
+        text = value.strip()
+        if text.lower() in ("none", "null", "~"):
+            value = None
+        elif hint.startswith("float") and _FLOAT.fullmatch(text):
+            value = float(text)  # YAML 1.1 reads "2e-4" as a string
+        else:
+            try:
+                value = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                raise ValueError(f"{name}: cannot parse {value!r} ({exc})") from exc
+    if value is None:
+        if "None" in hint:
+            return None
+        raise ValueError(f"{name} cannot be None (expected {hint})")
+    if hint.startswith("tuple"):
+        if isinstance(value, (int, float)):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"{name} must be a list, got {value!r}")
+        return tuple(value)
+    if hint == "bool" or isinstance(current, bool) and "bool" in hint:
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be true or false, got {value!r}")
+        return value
+    if hint.startswith("int"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an integer, got {value!r}")
+        return value
+    if hint.startswith("float"):
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            value = float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {value!r}")
+        return float(value)
+    if hint.startswith("str"):
+        return str(value)
+    return value
+
+
+def apply_dict(cfg: Any, data: dict, prefix: str = "") -> Any:
+    """Set fields of the dataclass ``cfg`` from a nested dict; unknown keys are errors."""
+    if not isinstance(data, dict):
+        raise TypeError(f"{prefix or 'config'} must be a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            raise ValueError(f"unknown config key {name!r}; known: {', '.join(sorted(fields))}")
+        current = getattr(cfg, key)
+        if dataclasses.is_dataclass(current):
+            apply_dict(current, value, prefix=f"{name}.")
+        else:
+            setattr(cfg, key, _coerce(name, value, current, fields[key].type))
+    return cfg
+
+
+def apply_override(cfg: Config, assignment: str) -> Config:
+    """Apply one ``a.b.c=value`` override."""
+    if "=" not in assignment:
+        raise ValueError(f"override must look like key.path=value, got {assignment!r}")
+    path, value = assignment.split("=", 1)
+    keys = path.strip().split(".")
+    nested: Any = value
+    for key in reversed(keys):
+        nested = {key: nested}
+    return apply_dict(cfg, nested)
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the YAML file at ``path``, then ``key=value`` overrides."""
+    cfg = Config()
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ValueError(f"--config: no such file {path!r}")
+        with open(path) as fh:
+            try:
+                data = yaml.safe_load(fh) or {}
+            except yaml.YAMLError as exc:
+                raise ValueError(f"--config: {path!r} is not valid YAML ({exc})") from exc
+        apply_dict(cfg, data)
+    for assignment in overrides or []:
+        apply_override(cfg, assignment)
+    return cfg
+
+
+def save_config(cfg: Config, path: str) -> None:
+    with open(path, "w") as fh:
+        yaml.safe_dump(to_dict(cfg), fh, sort_keys=False)
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _positive(name: str, value, allow_zero: bool = False) -> None:
+    if value is None or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def micro_batch_groups(cfg: Config) -> int:
+    """Groups per micro-batch, from micro_batch_groups or micro_batch_responses."""
+    group = cfg.rollout.group_size
+    if cfg.optim.micro_batch_responses is not None:
+        return cfg.optim.micro_batch_responses // group
+    return cfg.optim.micro_batch_groups
+
+
+def validate(cfg: Config, world_size: int = 1) -> None:
+    """Reject configs that cannot work, with the offending setting named. No model needed."""
+    r, o, e, t = cfg.rollout, cfg.optim, cfg.eval, cfg.task
+    _choice("optim.algo (--algo)", o.algo, ("pacs", "grpo"))
+    _choice("rollout.engine (--rollout)", r.engine, ("auto", "vllm", "hf"))
+    _choice("task.name", t.name, ("embedded", "math"))
+    _choice("model.dtype", cfg.model.dtype, ("auto", "float32", "bfloat16", "float16"))
+    _choice("optim.lr_schedule", o.lr_schedule, ("constant", "cosine", "linear"))
+    if r.group_size < 2:
+        raise ValueError(
+            f"rollout.group_size must be >= 2 (PACS and GRPO compare responses within a group), "
+            f"got {r.group_size}")
+    _positive("rollout.prompts_per_step", r.prompts_per_step)
+    _positive("rollout.max_new_tokens", r.max_new_tokens)
+    _positive("rollout.max_prompt_len", r.max_prompt_len)
+    if not r.temperature > 0:
+        raise ValueError(f"rollout.temperature must be > 0 for training rollouts, got {r.temperature}")
+    if not 0 < r.top_p <= 1:
+        raise ValueError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    if r.prompts_per_step % world_size:
+        raise ValueError(
+            f"rollout.prompts_per_step ({r.prompts_per_step}) must be divisible by the number of "
+            f"processes ({world_size})")
+    per_rank = r.prompts_per_step // world_size
+    _positive("optim.mini_batches_per_step", o.mini_batches_per_step)
+    if per_rank % o.mini_batches_per_step:
+        raise ValueError(
+            f"optim.mini_batches_per_step ({o.mini_batches_per_step}) must divide the prompts per "
+            f"rank and step ({per_rank}) so that every mini-batch holds whole groups")
+    if o.micro_batch_responses is not None and o.micro_batch_responses % r.group_size:
+        raise ValueError(
+            f"optim.micro_batch_responses ({o.micro_batch_responses}) splits groups: it must be a "
+            f"multiple of rollout.group_size ({r.group_size})")
+    groups = micro_batch_groups(cfg)
+    _positive("optim.micro_batch_groups", groups)
+    mini = per_rank // o.mini_batches_per_step
+    if mini % groups:
+        raise ValueError(
+            f"optim.micro_batch_groups ({groups}) must divide the groups per mini-batch ({mini}); "
+            "micro-batches hold whole groups")
+    _positive("optim.lr", o.lr)
+    _positive("optim.max_grad_norm", o.max_grad_norm)
+    _positive("max_steps (--max-steps)", cfg.max_steps, allow_zero=True)
+    _positive("checkpoint_every", cfg.checkpoint_every, allow_zero=True)
+    _positive("max_consecutive_nan", cfg.max_consecutive_nan)
+    _positive("eval.every", e.every, allow_zero=True)
+    _positive("eval.n_samples", e.n_samples)
+    _positive("eval.num_problems", e.num_problems)
+    for k in e.ks:
+        if not 1 <= k <= e.n_samples:
+            raise ValueError(f"eval.ks entries must be in [1, eval.n_samples={e.n_samples}], got {k}")
+    if e.n_samples > 1 and e.temperature == 0:
+        raise ValueError("eval.n_samples > 1 needs eval.temperature > 0 (greedy samples are identical)")
+    if t.name == "math" and not t.data_path:
+        raise ValueError("task.name='math' needs task.data_path (a .jsonl or .parquet file)")
+    if t.name == "embedded":
+        _positive("task.digits", t.digits)
+        if e.num_problems > t.eval_size:
+            raise ValueError(
+                f"eval.num_problems ({e.num_problems}) must be <= task.eval_size ({t.eval_size}), the "
+                "held-out set the training stream excludes")
+        if t.hidden_size % t.num_heads:
+            raise ValueError(
+                f"task.hidden_size ({t.hidden_size}) must be divisible by task.num_heads ({t.num_heads})")
+        if t.num_layers < 1:
+            raise ValueError(f"task.num_layers must be >= 1, got {t.num_layers}")
+
+
+def check_lengths(cfg: Config, max_positions: int | None) -> None:
+    """Prompt + response must fit the model's positions (checked once the model config is known)."""
+    need = cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens
+    if max_positions is not None and need > max_positions:
+        raise ValueError(
+            f"rollout.max_prompt_len + rollout.max_new_tokens = {need} exceeds the model's "
+            f"max_position_embeddings ({max_positions})")

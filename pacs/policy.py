@@ -1,0 +1,178 @@
+"""The policy: any Hugging Face causal LM, optionally sharded with FSDP2, whose forward returns
+the backbone's final hidden states together with the LM-head weight.
+
+Handing the LM-head weight out of ``forward`` (instead of reading ``lm_head.weight`` outside) is
+what makes the fused loss work under FSDP2: the root module's parameters (embeddings, final norm,
+LM head) are gathered by FSDP's pre-forward hook, so the tensor returned here is the full,
+unsharded weight, and its gradient flows back into FSDP's reduce-scatter. Tied embeddings are the
+same tensor as the input embedding, which lives in the same (root) FSDP unit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    mesh: object | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed() -> DistInfo:
+    """Join the process group that ``torchrun`` describes (NCCL on GPU, gloo on CPU).
+
+    A single process (no ``WORLD_SIZE`` > 1 in the environment) gets a DistInfo without any group.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world_size <= 1:
+        return DistInfo(device=device)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    mesh = init_device_mesh(device.type, (world_size,))
+    return DistInfo(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank, device=device,
+                    mesh=mesh)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto" is bfloat16 on GPU and float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def check_model_path(path: str, trust_remote_code: bool = False):
+    """Load the model's config (no weights) or raise a ValueError naming the path.
+
+    Runs before any work starts: an unknown local path, or a hub id that cannot be fetched, fails
+    here instead of after a warm-up or an engine start.
+    """
+    from transformers import AutoConfig
+
+    looks_local = path.startswith((".", "/", "~")) or os.path.exists(path) or path.count("/") != 1
+    if looks_local and not os.path.isdir(os.path.expanduser(path)):
+        raise ValueError(f"--model: {path!r} is not a model directory (no such directory) and not a hub id")
+    try:
+        return AutoConfig.from_pretrained(os.path.expanduser(path), trust_remote_code=trust_remote_code)
+    except Exception as exc:  # transformers raises OSError/ValueError/HTTP errors here
+        raise ValueError(f"--model: cannot load a model config from {path!r}: {exc}") from exc
+
+
+def max_positions(model_config) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(model_config, key, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+class Policy(nn.Module):
+    """Wraps a causal LM; ``forward`` returns ``(hidden, lm_head_weight, lm_head_bias)``.
+
+    hidden: (B, T, d) final hidden states after the backbone's last norm, in the model dtype;
+    lm_head_weight: (V, d); lm_head_bias: (V,) or None.
+    """
+
+    def __init__(self, causal_lm: nn.Module):
+        super().__init__()
+        self.causal_lm = causal_lm
+
+    @property
+    def backbone(self) -> nn.Module:
+        return self.causal_lm.get_decoder()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        head = self.causal_lm.get_output_embeddings()
+        return out.last_hidden_state, head.weight, getattr(head, "bias", None)
+
+
+def decoder_layers(causal_lm: nn.Module) -> list[nn.Module]:
+    """The repeated decoder blocks (FSDP units), found as the backbone's largest ModuleList."""
+    lists = [m for m in causal_lm.get_decoder().modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"cannot find the decoder layers of {type(causal_lm).__name__} for FSDP")
+    return list(max(lists, key=len))
+
+
+def load_policy(path: str, *, dtype: str = "auto", gradient_checkpointing: bool = False,
+                dist_info: DistInfo | None = None, trust_remote_code: bool = False) -> Policy:
+    """Load ``path`` as a :class:`Policy` on this rank's device, FSDP2-sharded when world_size > 1.
+
+    Dropout is switched off: the old-policy log-probs and the training forward must agree.
+    """
+    from transformers import AutoModelForCausalLM
+
+    dist_info = dist_info or DistInfo()
+    torch_dtype = resolve_dtype(dtype, dist_info.device)
+    causal_lm = AutoModelForCausalLM.from_pretrained(
+        os.path.expanduser(path), dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    causal_lm.config.use_cache = False
+    for module in causal_lm.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    if gradient_checkpointing:
+        causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = Policy(causal_lm).to(dist_info.device)
+    policy.train()
+    if dist_info.world_size > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in decoder_layers(causal_lm):
+            fully_shard(layer, mesh=dist_info.mesh)
+        fully_shard(policy, mesh=dist_info.mesh)
+    return policy
+
+
+def full_named_tensors(policy: Policy) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) pairs of the policy, one tensor gathered at a time under FSDP.
+
+    Every rank must consume the iterator completely (each DTensor is an all-gather).
+    """
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in policy.causal_lm.state_dict().items():
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        yield name, tensor.detach()
+
+
+def export_hf(policy: Policy, tokenizer, out_dir: str, dist_info: DistInfo | None = None) -> None:
+    """Save the policy in Hugging Face format (config, safetensors, tokenizer); rank 0 writes.
+
+    Written to a temporary directory and renamed, so that a reader never sees half an export.
+    """
+    import shutil
+
+    dist_info = dist_info or DistInfo()
+    state = {name: t.cpu() for name, t in full_named_tensors(policy)}
+    if not dist_info.is_main:
+        return
+    tmp = out_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.causal_lm.save_pretrained(tmp, state_dict=state)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)
+    os.rename(tmp, out_dir)

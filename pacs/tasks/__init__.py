@@ -1,0 +1,22 @@
+"""Tasks: the built-in addition task ("embedded") and math datasets (jsonl / parquet)."""
+
+from __future__ import annotations
+
+from ..config import Config
+from .arithmetic import AdditionTask
+from .base import Problem, Task
+from .math_data import MathTask, load_problems
+
+
+def make_task(cfg: Config) -> Task:
+    """The task named by ``cfg.task.name``."""
+    t = cfg.task
+    if t.name == "embedded":
+        return AdditionTask(t.digits, seed=cfg.seed, eval_size=t.eval_size,
+                            reverse=t.reverse)
+    if t.name == "math":
+        return MathTask(t.data_path, eval_path=t.eval_path, eval_size=t.eval_size, seed=cfg.seed)
+    raise ValueError(f"task.name must be 'embedded' or 'math', got {t.name!r}")
+
+
+__all__ = ["AdditionTask", "MathTask", "Problem", "Task", "load_problems", "make_task"]

@@ -1,0 +1,35 @@
+"""What the trainer needs from a task: a prompt stream, a held-out set and a verifiable reward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str   # text given to the model (before the tokenizer's BOS / chat template)
+    answer: str   # reference answer the reward checks against
+
+
+class Task:
+    """A deterministic, indexable prompt stream plus a reward.
+
+    ``train_problem(i)`` is a pure function of the task's seed and ``i``: the trainer's data
+    position is just the next index, so a resumed run sees exactly the prompts it would have seen.
+    """
+
+    name: str = "task"
+    reward_fn: Callable[[str, str], float]
+
+    def train_problem(self, index: int) -> Problem:
+        raise NotImplementedError
+
+    def eval_problems(self, limit: int | None = None) -> list[Problem]:
+        raise NotImplementedError
+
+    def reward(self, response_text: str, problem: Problem) -> float:
+        return float(self.reward_fn(response_text, problem.answer))
+
+    def train_batch(self, start: int, count: int) -> list[Problem]:
+        return [self.train_problem(start + i) for i in range(count)]

