@@ -87,6 +87,9 @@ class OptimConfig:
     clip_eps: float = 0.2
     aggregation: str = "token_mean"
     logprob_backend: str = "auto"
+    # PACS only: on the first mini-batch after each rollout (weights unchanged since the old-policy
+    # pass), get loss and gradients in one vocabulary sweep (fused_linear_pacs_loss(old_lse=...))
+    one_sweep_first_step: bool = True
 
 
 @dataclass
@@ -247,6 +250,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _choice("task.name", t.name, ("embedded", "math"))
     _choice("model.dtype", cfg.model.dtype, ("auto", "float32", "bfloat16", "float16"))
     _choice("optim.lr_schedule", o.lr_schedule, ("constant", "cosine", "linear"))
+    if o.one_sweep_first_step and o.logprob_backend == "naive":
+        raise ValueError("optim.one_sweep_first_step needs optim.logprob_backend 'auto', 'torch' or 'triton', "
+                         "got 'naive'; set optim.one_sweep_first_step=false to use the naive backend")
     if r.group_size < 2:
         raise ValueError(
             f"rollout.group_size must be >= 2 (PACS and GRPO compare responses within a group), "

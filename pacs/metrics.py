@@ -12,7 +12,7 @@ CURVES = (
     ("loss", "loss"),
     ("entropy", "entropy (nats/token)"),
     ("response_length", "response length (tokens)"),
-    ("sigmoid_psi_mean", "sigmoid(psi) mean (critic calibration)"),
+    ("sigmoid_psi_correct_mean", "mean sigmoid(psi): correct vs incorrect (critic)"),
     ("grad_norm", "grad norm"),
     ("tokens_per_s", "tokens/s"),
 )
@@ -64,10 +64,12 @@ def plot_metrics(metrics_path: str, out_png: str, title: str | None = None) -> s
         ax.plot(xs, ys, marker="o" if key == "eval_accuracy" else None, markersize=3)
         if key == "eval_accuracy" or key == "reward_mean":
             ax.set_ylim(-0.02, 1.02)
-        if key == "sigmoid_psi_mean":
-            rew = [(r["step"], r["reward_mean"]) for r in rows if r.get("reward_mean") is not None]
-            if rew:
-                ax.plot(*zip(*rew), alpha=0.5, label="reward_mean")
+        if key == "sigmoid_psi_correct_mean":
+            wrong = [(r["step"], r["sigmoid_psi_incorrect_mean"]) for r in rows
+                     if r.get("sigmoid_psi_incorrect_mean") is not None]
+            if wrong:
+                ax.lines[-1].set_label("correct")
+                ax.plot(*zip(*wrong), alpha=0.7, label="incorrect")
                 ax.legend(fontsize=7)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("rollout step", fontsize=8)

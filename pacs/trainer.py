@@ -145,24 +145,29 @@ def step_seed(seed: int, step: int, first_row: int = 0) -> int:
 
 @torch.no_grad()
 def old_policy_logprobs(policy, batch: Batch, rows_per_pass: int, temperature: float, backend: str):
-    """(B, L) log-probs of the targets under the current policy (0 off the mask), and the mean entropy
-    of the policy over response tokens. One no-grad pass, ``rows_per_pass`` rows at a time."""
+    """(B, L) log-probs of the targets under the current policy (0 off the mask), their (B, L)
+    log-sum-exp (for the one-sweep first step), and the mean entropy of the policy over response
+    tokens. One no-grad pass, ``rows_per_pass`` rows at a time."""
     old_logp = torch.zeros(batch.targets.shape, dtype=torch.float32, device=batch.targets.device)
+    old_lse = torch.zeros_like(old_logp)
     entropy_sum, tokens = 0.0, 0
     for start in range(0, batch.targets.shape[0], rows_per_pass):
         part = batch.rows(start, min(start + rows_per_pass, batch.targets.shape[0]))
         hidden, weight, bias = policy(part.input_ids, part.attention_mask)
-        logp, entropy = linear_logprobs(hidden[part.mask], weight, part.targets[part.mask], bias=bias,
-                                        temperature=temperature, return_entropy=True, backend=backend)
+        logp, entropy, lse = linear_logprobs(hidden[part.mask], weight, part.targets[part.mask], bias=bias,
+                                             temperature=temperature, return_entropy=True, return_lse=True,
+                                             backend=backend)
         width = part.targets.shape[1]
         old_logp[start:start + part.targets.shape[0], :width][part.mask] = logp
+        old_lse[start:start + part.targets.shape[0], :width][part.mask] = lse
         entropy_sum += float(entropy.sum())
         tokens += int(part.mask.sum())
-    return old_logp, entropy_sum / max(tokens, 1)
+    return old_logp, old_lse, entropy_sum / max(tokens, 1)
 
 
-def policy_loss(cfg: Config, policy, part: Batch, old_logp: torch.Tensor):
-    """The configured loss (PACS or GRPO) of one micro-batch, straight from hidden states."""
+def policy_loss(cfg: Config, policy, part: Batch, old_logp: torch.Tensor, old_lse: torch.Tensor | None = None):
+    """The configured loss (PACS or GRPO) of one micro-batch, straight from hidden states.
+    ``old_lse`` (PACS, weights unchanged since the old-policy pass): the one-sweep first step."""
     hidden, weight, bias = policy(part.input_ids, part.attention_mask)
     o, group = cfg.optim, cfg.rollout.group_size
     common = dict(group_size=group, temperature=cfg.rollout.temperature, bias=bias, return_stats=True,
@@ -171,7 +176,7 @@ def policy_loss(cfg: Config, policy, part: Batch, old_logp: torch.Tensor):
         loss, stats = fused_linear_pacs_loss(
             hidden, weight, part.targets, part.mask, old_logp, part.rewards, beta=o.beta, score=o.score,
             advantage=o.advantage, weighting=o.weighting, score_function_term=o.score_function_term,
-            **common)
+            old_lse=old_lse, **common)
     else:
         loss, stats = fused_linear_grpo_loss(
             hidden, weight, part.targets, part.mask, old_logp, part.rewards, clip_eps=o.clip_eps,
@@ -325,23 +330,29 @@ def train(cfg: Config) -> TrainResult:
 
         # 3. old-policy log-probs (the PACS reference, reset every rollout step)
         update_start = time.time()
-        old_logp, entropy = old_policy_logprobs(policy, batch, groups_per_micro * group, r.temperature,
-                                                o.logprob_backend)
+        old_logp, old_lse, entropy = old_policy_logprobs(policy, batch, groups_per_micro * group, r.temperature,
+                                                         o.logprob_backend)
+        one_sweep = o.algo == "pacs" and o.one_sweep_first_step
 
         # 4. mini-batches of whole groups, gradient accumulation over micro-batches of whole groups
         stat_sums: dict[str, float] = {}
-        losses, grad_norms, n_stats = [], [], 0
+        stat_counts: dict[str, int] = {}
+        losses, grad_norms = [], []
         for mini in range(o.mini_batches_per_step):
             for micro in range(micro_per_mini):
                 first_group = mini * groups_per_mini + micro * groups_per_micro
                 lo, hi = first_group * group, (first_group + groups_per_micro) * group
                 part = batch.rows(lo, hi)
-                loss, stats = policy_loss(cfg, policy, part, old_logp[lo:hi, :part.targets.shape[1]])
+                width = part.targets.shape[1]
+                # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
+                lse = old_lse[lo:hi, :width] if one_sweep and mini == 0 else None
+                loss, stats = policy_loss(cfg, policy, part, old_logp[lo:hi, :width], lse)
                 (loss / micro_per_mini).backward()
                 losses.append(float(loss.detach()))
-                for key, value in stats.items():
-                    stat_sums[key] = stat_sums.get(key, 0.0) + value
-                n_stats += 1
+                for key, value in stats.items():  # NaN: undefined here (e.g. no correct response)
+                    if math.isfinite(value):
+                        stat_sums[key] = stat_sums.get(key, 0.0) + value
+                        stat_counts[key] = stat_counts.get(key, 0) + 1
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), o.max_grad_norm)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
@@ -380,7 +391,7 @@ def train(cfg: Config) -> TrainResult:
             "reward_mean": float(batch.rewards.mean()), "entropy": entropy,
             "response_length": response_tokens / len(responses),
             "loss": sum(losses) / len(losses),
-            **{k: v / n_stats for k, v in stat_sums.items() if k != "loss" and k != "reward_mean"},
+            **{k: v / stat_counts[k] for k, v in stat_sums.items() if k != "loss" and k != "reward_mean"},
         }
         row = {"step": step, **all_reduce_mean(local, dist_info)}
         step_time = time.time() - step_start

@@ -51,6 +51,10 @@ class PACSStats:
     score_mean: mean reward proxy r (the beta-scaled log-ratio or mean log-prob).
     weight_mean / weight_min / weight_max: the class weights used.
     frac_single_label_groups: groups whose responses all carry the same label.
+    sigmoid_psi_correct_mean / sigmoid_psi_incorrect_mean: mean sigmoid(psi) over the responses
+        labelled 1 / 0 (NaN when there are none). Under RLOO psi sums to 0 within a group, so
+        sigmoid_psi_mean sits near 0.5 by construction; the gap between these two is what shows
+        whether the implicit critic separates right from wrong answers.
     """
 
     loss: float
@@ -63,6 +67,8 @@ class PACSStats:
     weight_min: float
     weight_max: float
     frac_single_label_groups: float
+    sigmoid_psi_correct_mean: float
+    sigmoid_psi_incorrect_mean: float
 
     def as_dict(self, prefix: str = "") -> dict[str, float]:
         return {prefix + key: value for key, value in asdict(self).items()}
@@ -212,9 +218,13 @@ def compute_stats(loss, per_response, rewards, group_size) -> PACSStats:
     proxy, psi, weights, _ = (t.double() for t in per_response)
     labels = rewards.double().reshape(-1, group_size)
     single = (labels == labels[:, :1]).all(1).double().mean()
+    sig = torch.sigmoid(psi)
+    correct = rewards.double().reshape(-1) == 1
+    nan = torch.full((), float("nan"), dtype=torch.float64, device=sig.device)
     values = torch.stack([
-        loss.detach().double().reshape(()), psi.mean(), psi.std(unbiased=False), torch.sigmoid(psi).mean(),
+        loss.detach().double().reshape(()), psi.mean(), psi.std(unbiased=False), sig.mean(),
         rewards.double().mean(), proxy.mean(), weights.mean(), weights.min(), weights.max(), single,
+        sig[correct].mean() if bool(correct.any()) else nan, sig[~correct].mean() if bool((~correct).any()) else nan,
     ]).tolist()
     return PACSStats(*values)
 

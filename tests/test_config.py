@@ -58,6 +58,7 @@ def test_bad_overrides(override, match):
     (["eval.n_samples=4", "eval.temperature=0"], "greedy"),
     (["task.name=math"], "task.data_path"),
     (["task.hidden_size=100", "task.num_heads=3"], "divisible"),
+    (["optim.logprob_backend=naive"], "one_sweep_first_step needs"),
 ])
 def test_configs_that_cannot_work(overrides, match):
     cfg = load_config(None, overrides)

@@ -195,7 +195,9 @@ def test_stats(backend):
         sigmoid_psi_mean=torch.sigmoid(psi).mean().item(), reward_mean=rewards.mean().item(),
         score_mean=parts["score"].mean().item(), weight_mean=parts["weight"].mean().item(),
         weight_min=parts["weight"].min().item(), weight_max=parts["weight"].max().item(),
-        frac_single_label_groups=(labels == labels[:, :1]).all(1).double().mean().item())
+        frac_single_label_groups=(labels == labels[:, :1]).all(1).double().mean().item(),
+        sigmoid_psi_correct_mean=torch.sigmoid(psi)[rewards == 1].mean().item(),
+        sigmoid_psi_incorrect_mean=torch.sigmoid(psi)[rewards == 0].mean().item())
     got = stats.as_dict()
     assert got.keys() == expected.keys()
     for key, value in expected.items():

@@ -65,12 +65,14 @@ def test_old_policy_logprobs_match_log_softmax(tiny_model_dir):
     policy = load_policy(tiny_model_dir)
     batch = build_batch([[1, 5, 13, 6, 16]] * 2 + [[1, 7, 13, 8, 16]] * 2,
                         [[9, 4, 2], [3], [5, 5], [6, 2]], [1.0, 0.0, 1.0, 1.0], pad_token_id=0)
-    old_logp, entropy = old_policy_logprobs(policy, batch, rows_per_pass=2, temperature=0.7, backend="auto")
+    old_logp, old_lse, entropy = old_policy_logprobs(policy, batch, rows_per_pass=2, temperature=0.7,
+                                                     backend="auto")
     with torch.no_grad():
         logits = policy.causal_lm(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits / 0.7
     reference = logits.log_softmax(-1).gather(-1, batch.targets[..., None])[..., 0]
     torch.testing.assert_close(old_logp[batch.mask], reference[batch.mask], rtol=1e-5, atol=1e-5)
     assert (old_logp[~batch.mask] == 0).all()
+    torch.testing.assert_close(old_lse[batch.mask], logits.logsumexp(-1)[batch.mask], rtol=1e-5, atol=1e-5)
     probs = logits.softmax(-1)
     ref_entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)[batch.mask].mean()
     assert entropy == pytest.approx(float(ref_entropy), rel=1e-4)

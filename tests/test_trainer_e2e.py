@@ -169,3 +169,21 @@ def test_nan_step_is_skipped_and_repeated_nans_stop(tmp_path, cache_dir, monkeyp
     assert last.endswith("step_000002")  # step 2 skipped both updates, its weights are step 1's
     state = torch.load(os.path.join(last, "model.pt"), weights_only=False)
     assert all(torch.isfinite(t).all() for t in state.values())
+
+
+@pytest.mark.slow
+def test_one_sweep_first_step_matches_the_usual_update(tmp_path, cache_dir):
+    """optim.one_sweep_first_step (the default) changes how the first mini-batch's gradient is
+    computed, not what it is: two steps with and without it log the same numbers."""
+    runs = {}
+    for flag in ("true", "false"):
+        cfg = tiny_config(tmp_path / flag, cache_dir, "max_steps=2", f"optim.one_sweep_first_step={flag}",
+                          "rollout.engine=hf")
+        train(cfg)
+        runs[flag] = read_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"))
+    fast, usual = runs["true"], runs["false"]
+    assert [r["step"] for r in fast] == [r["step"] for r in usual] == [0, 1, 2]
+    assert fast[1]["reward_mean"] == usual[1]["reward_mean"]  # same rollout from the same weights
+    for a, b in zip(fast[1:], usual[1:]):
+        for key in ("loss", "grad_norm", "psi_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), key
