@@ -13,7 +13,7 @@ extras = {
     "vllm": ["vllm>=0.32,<0.34", "flash-attn"],
     # peers measured by the benchmarks (GPU)
     "peers": ["liger-kernel", "cut-cross-entropy"],
-    "math": ["math-verify"],
+    "math": ["math-verify", "pandas", "pyarrow"],
 }
 extras["dev"] = sorted(set(extras["test"] + extras["train"] + extras["bench"]))
 

@@ -160,6 +160,25 @@ class _DropChatTemplateWarmupFailure(logging.Filter):
         return not record.getMessage().startswith("Chat template warmup failed")
 
 
+class _DropRotaryReloadNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+
+
+@contextlib.contextmanager
+def _rotary_reload_quiet() -> Iterator[None]:
+    """Every reload_weights logs "RotaryEmbedding: Failed to load weights": the rotary cos/sin cache
+    is a buffer that no checkpoint holds, and vLLM puts its own copy back (the sync tests check
+    the outputs). One warning per sync would drown the trainer's log."""
+    reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    quiet = _DropRotaryReloadNotice()
+    reload_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        reload_logger.removeFilter(quiet)
+
+
 @contextlib.contextmanager
 def _chat_template_warmup_quiet() -> Iterator[None]:
     """vLLM's LLM() warms up chat templating even with skip_tokenizer_init=True and logs the
@@ -420,7 +439,8 @@ class VLLMRolloutEngine:
 
         try:
             # in-process engine core: the worker consumes the iterator, no copy via disk
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+            with _rotary_reload_quiet():
+                self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
         except Exception as error:
             # Layers not yet reloaded were left empty (on the meta device); put their previous
             # weights back. Until a sync succeeds the weights mix old and new layers.
