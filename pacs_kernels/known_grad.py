@@ -22,7 +22,7 @@ import torch
 
 from . import torch_chunked
 from .checks import check_linear_inputs, check_targets_in_range, check_temperature, check_tensor
-from .logprobs import _resolve_backend, _triton_module
+from .logprobs import _triton_module, resolve_backend
 
 
 class _KnownGradSweep(torch.autograd.Function):
@@ -84,7 +84,7 @@ def linear_logprobs_known_grad(
                              f"got {tuple(value.shape)}")
         if value.device != hidden.device:
             raise ValueError(f"{name} must be on {hidden.device} like hidden, got {value.device}")
-    backend = _resolve_backend(backend, hidden.device, hidden.dtype)
+    backend = resolve_backend(backend, hidden.device, hidden.dtype)
     if backend == "naive":
         raise ValueError("backend='naive' has no known-gradient fast path; use 'auto', 'triton' or 'torch'")
     check_targets_in_range(targets, weight.shape[0])

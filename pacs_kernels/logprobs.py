@@ -27,8 +27,11 @@ def _triton_module():
     return triton_kernels
 
 
-def _resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    check_choice("backend", backend, BACKENDS)
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, *, choices=BACKENDS,
+                    inputs: str = "hidden and weight") -> str:
+    """'auto' -> 'triton' on CUDA (not float64) when triton imports, else 'torch'; an explicit
+    'triton' is checked to be runnable here (CUDA tensors, or the interpreter) for ``inputs``."""
+    check_choice("backend", backend, choices)
     if backend == "auto":
         if device.type == "cuda" and dtype != torch.float64:
             try:
@@ -49,7 +52,7 @@ def _resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> 
             )
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(
-                f"backend='triton' takes hidden and weight in float16, bfloat16 or float32, got {dtype}; "
+                f"backend='triton' takes {inputs} in float16, bfloat16 or float32, got {dtype}; "
                 "use backend='torch' for float64"
             )
     return backend
@@ -139,7 +142,7 @@ def linear_logprobs(
         raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
     if vocab_splits is not None and not (isinstance(vocab_splits, int) and vocab_splits > 0):
         raise ValueError(f"vocab_splits must be a positive int, got {vocab_splits!r}")
-    backend = _resolve_backend(backend, hidden.device, hidden.dtype)
+    backend = resolve_backend(backend, hidden.device, hidden.dtype)
     vocab, width = weight.shape
     check_targets_in_range(targets, vocab)
 

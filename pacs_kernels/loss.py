@@ -25,7 +25,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .checks import check_choice
 from .loss_inputs import (
     LOSS_BACKENDS,
     ResponseLayout,
@@ -188,27 +187,9 @@ def _pacs_triton(logp, old_logp, mask, rewards, layout, *, group_size, beta, sco
 
 def resolve_loss_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     """'auto' -> 'triton' on CUDA (not float64) when triton imports, else 'torch'."""
-    check_choice("backend", backend, LOSS_BACKENDS)
-    if backend == "auto":
-        if device.type == "cuda" and dtype != torch.float64:
-            try:
-                _group_loss_module()
-                return "triton"
-            except ValueError:
-                return "torch"
-        return "torch"
-    if backend == "triton":
-        kernels = _group_loss_module()
-        if device.type != "cuda" and not kernels.INTERPRETED:
-            raise ValueError(
-                f"backend='triton' needs CUDA tensors, got tensors on {device}. Use backend='torch' "
-                "on this device, or set TRITON_INTERPRET=1 before importing pacs_kernels to run the "
-                "Triton kernels in the (slow) interpreter")
-        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise TypeError(
-                f"backend='triton' takes logp in float16, bfloat16 or float32, got {dtype}; "
-                "use backend='torch' for float64")
-    return backend
+    from .logprobs import resolve_backend
+
+    return resolve_backend(backend, device, dtype, choices=LOSS_BACKENDS, inputs="logp")
 
 
 # ----------------------------------------------------------------------------- public API
