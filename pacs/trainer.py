@@ -118,12 +118,18 @@ def lr_lambda(cfg: Config, total_updates: int):
 
 
 def all_reduce_mean(values: dict[str, float], dist_info: DistInfo) -> dict[str, float]:
+    """Mean of each value over the ranks, ignoring ranks where it is NaN (undefined there, e.g. a
+    statistic of correct responses on a rank that had none); NaN where no rank has it. Every rank
+    must pass the same keys."""
     if dist_info.world_size == 1:
         return values
     keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=dist_info.device)
+    finite = [math.isfinite(float(values[k])) for k in keys]
+    t = torch.tensor([float(values[k]) if ok else 0.0 for k, ok in zip(keys, finite)] + [float(ok) for ok in finite],
+                     dtype=torch.float64, device=dist_info.device)
     dist.all_reduce(t)
-    return {k: v / dist_info.world_size for k, v in zip(keys, t.tolist())}
+    sums, counts = t[:len(keys)].tolist(), t[len(keys):].tolist()
+    return {k: (total / count if count else float("nan")) for k, total, count in zip(keys, sums, counts)}
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -350,9 +356,11 @@ def train(cfg: Config) -> TrainResult:
                 (loss / micro_per_mini).backward()
                 losses.append(float(loss.detach()))
                 for key, value in stats.items():  # NaN: undefined here (e.g. no correct response)
+                    stat_sums.setdefault(key, 0.0)
+                    stat_counts.setdefault(key, 0)
                     if math.isfinite(value):
-                        stat_sums[key] = stat_sums.get(key, 0.0) + value
-                        stat_counts[key] = stat_counts.get(key, 0) + 1
+                        stat_sums[key] += value
+                        stat_counts[key] += 1
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), o.max_grad_norm)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
@@ -391,7 +399,8 @@ def train(cfg: Config) -> TrainResult:
             "reward_mean": float(batch.rewards.mean()), "entropy": entropy,
             "response_length": response_tokens / len(responses),
             "loss": sum(losses) / len(losses),
-            **{k: v / stat_counts[k] for k, v in stat_sums.items() if k != "loss" and k != "reward_mean"},
+            **{k: (v / stat_counts[k] if stat_counts[k] else float("nan"))
+               for k, v in stat_sums.items() if k != "loss" and k != "reward_mean"},
         }
         row = {"step": step, **all_reduce_mean(local, dist_info)}
         step_time = time.time() - step_start
