@@ -155,41 +155,38 @@ def _torch_threads(count: int | None) -> Iterator[None]:
             torch.set_num_threads(previous)
 
 
-class _DropChatTemplateWarmupFailure(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Chat template warmup failed")
+class _DropMessagesStartingWith(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
 
-
-class _DropRotaryReloadNotice(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+        return not record.getMessage().startswith(self.prefix)
 
 
 @contextlib.contextmanager
-def _rotary_reload_quiet() -> Iterator[None]:
+def _quiet(logger_name: str, prefix: str) -> Iterator[None]:
+    """Drop the records of ``logger_name`` whose message starts with ``prefix`` inside the block."""
+    target = logging.getLogger(logger_name)
+    quiet = _DropMessagesStartingWith(prefix)
+    target.addFilter(quiet)
+    try:
+        yield
+    finally:
+        target.removeFilter(quiet)
+
+
+def _rotary_reload_quiet():
     """Every reload_weights logs "RotaryEmbedding: Failed to load weights": the rotary cos/sin cache
     is a buffer that no checkpoint holds, and vLLM puts its own copy back (the sync tests check
     the outputs). One warning per sync would drown the trainer's log."""
-    reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    quiet = _DropRotaryReloadNotice()
-    reload_logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        reload_logger.removeFilter(quiet)
+    return _quiet("vllm.model_executor.model_loader.reload.layerwise", "RotaryEmbedding: Failed to load weights")
 
 
-@contextlib.contextmanager
-def _chat_template_warmup_quiet() -> Iterator[None]:
+def _chat_template_warmup_quiet():
     """vLLM's LLM() warms up chat templating even with skip_tokenizer_init=True and logs the
     resulting "no tokenizer" error with a full traceback; token-id prompts never use it."""
-    renderer_logger = logging.getLogger("vllm.renderers.base")
-    quiet = _DropChatTemplateWarmupFailure()
-    renderer_logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        renderer_logger.removeFilter(quiet)
+    return _quiet("vllm.renderers.base", "Chat template warmup failed")
 
 
 @contextlib.contextmanager
