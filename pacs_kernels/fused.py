@@ -70,16 +70,21 @@ def _check_fused_tensors(hidden, targets, mask, old_logp, cu_seqlens):
             counts, n_responses)
 
 
+def selected_index(mask: torch.Tensor) -> torch.Tensor | None:
+    """Indices of the mask == 1 tokens of a bool (N,) mask, or None when every token is selected."""
+    return None if bool(mask.all()) else mask.nonzero().squeeze(1)
+
+
 def selected_logprobs(hidden, weight, targets, mask, *, temperature, bias, backend, logprob_options):
     """Log-probs of the mask == 1 tokens only: (hidden (N, d), targets (N,), mask bool (N,)) ->
     (logp (N_sel,) float32, selected token indices (N_sel,) int64, or None when every token is
     selected: then hidden is used as it is, without a copy)."""
     options = {k: v for k, v in logprob_options.items() if v is not None}
-    if bool(mask.all()):
+    index = selected_index(mask)
+    if index is None:
         logp = linear_logprobs(hidden, weight, targets, temperature=temperature, bias=bias, backend=backend,
                                **options)
         return logp, None
-    index = mask.nonzero().squeeze(1)
     logp = linear_logprobs(
         hidden.index_select(0, index), weight, targets.index_select(0, index), temperature=temperature,
         bias=bias, backend=backend, **options)
@@ -184,7 +189,7 @@ def _first_step_after_rollout(hidden, weight, targets, mask, old_logp, old_lse, 
                          f"got shape {tuple(old_lse.shape)}")
     if logprob_backend == "naive":
         raise ValueError("old_lse (the one-sweep first step) needs backend 'auto', 'torch' or 'triton', got 'naive'")
-    index = None if bool(mask.all()) else mask.nonzero().squeeze(1)
+    index = selected_index(mask)
     pick = (lambda t: t) if index is None else (lambda t: t.index_select(0, index))
     old_selected = pick(old_logp).detach()
     at_old = old_selected.float().clone().requires_grad_()

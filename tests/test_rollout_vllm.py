@@ -28,40 +28,23 @@ _rng = random.Random(1234)
 PROMPTS = [[_rng.randrange(VOCAB) for _ in range(length)] for length in (1, 4, 9, 17, 130)]
 
 
+# shared by the tiny Qwen2 and Llama test models
+TINY_ARCH = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, max_position_embeddings=MAX_LEN, initializer_range=0.2)
+
+
 def tiny_qwen2(seed: int, tie_word_embeddings: bool) -> "transformers.Qwen2ForCausalLM":
     """A 2-layer Qwen2 (hidden 64, 2 heads of head_dim 32). initializer_range is raised from
     0.02 so that greedy decoding is not just "repeat the last token" (which a tied model with
     tiny weights does) and argmax margins are far above float32 kernel differences."""
-    config = transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=MAX_LEN,
-        tie_word_embeddings=tie_word_embeddings,
-        initializer_range=0.2,
-    )
+    config = transformers.Qwen2Config(**TINY_ARCH, tie_word_embeddings=tie_word_embeddings)
     torch.manual_seed(seed)
     return transformers.Qwen2ForCausalLM(config).eval()
 
 
 def tiny_llama(seed: int) -> "transformers.LlamaForCausalLM":
     """A 2-layer Llama with untied LM head, otherwise like tiny_qwen2."""
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=MAX_LEN,
-        tie_word_embeddings=False,
-        initializer_range=0.2,
-    )
+    config = transformers.LlamaConfig(**TINY_ARCH, tie_word_embeddings=False)
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).eval()
 
