@@ -31,7 +31,7 @@ from torch import nn
 
 from .checks import check_choice, check_linear_inputs, check_targets_in_range, check_temperature
 from .known_grad import linear_logprobs_known_grad
-from .logprobs import linear_logprobs
+from .logprobs import linear_logprobs, resolve_backend
 from .loss import _pacs_on_layout, _pacs_torch, check_group_inputs, compute_stats
 from .loss_inputs import (
     ResponseLayout,
@@ -102,8 +102,9 @@ def fused_linear_pacs_loss(
         temperature: the sampling temperature (logits are divided by it).
         bias: optional (V,) LM-head bias.
         cu_seqlens: (B + 1,) int response offsets for the packed layout.
-        backend: "auto" | "triton" | "torch" | "naive" for the log-probs of the two-pass path
-            (and of ``old_lse``'s one sweep); "naive" materializes the logits (tests, benchmarks).
+        backend: "auto" | "triton" | "torch" | "naive": the kernels of the two-pass path and of
+            ``old_lse``'s one sweep, and the single pass's elementwise work (Triton row kernels or
+            eager PyTorch around cuBLAS GEMMs); "naive" materializes the logits (tests, benchmarks).
         path: "auto" (single pass when every group fits ``chunk_budget_mib``, else two passes) |
             "single_pass" (an error if a group does not fit) | "two_pass".
         chunk_budget_mib: working memory of one single-pass chunk (float32 logits of its tokens,
@@ -161,7 +162,8 @@ def fused_linear_pacs_loss(
         if chunks is not None:
             chosen = "single_pass"
             result = _single_pass_loss(tokens, weight, chunks, rewards, valid, temperature=temperature, bias=bias,
-                                       return_stats=return_stats, with_entropy=with_entropy, **options)
+                                       return_stats=return_stats, with_entropy=with_entropy,
+                                       row_kernels=row_kernels_for(backend, weight), **options)
         else:
             chosen = "two_pass"
             result = _two_pass_loss(tokens, weight, rewards, valid, layout, temperature=temperature, bias=bias,
@@ -176,6 +178,13 @@ def fused_linear_pacs_loss(
     return result
 
 
+def row_kernels_for(backend: str, weight: torch.Tensor) -> str:
+    """The single pass's elementwise work: Triton row kernels where the backend resolves to Triton
+    (CUDA, or the interpreter when asked for explicitly), eager PyTorch otherwise."""
+    resolved = resolve_backend(backend, weight.device, weight.dtype)
+    return "triton" if resolved == "triton" and weight.dtype != torch.float64 else "torch"
+
+
 def _chunk_layout(counts: torch.Tensor) -> ResponseLayout:
     offsets = torch.zeros(counts.shape[0] + 1, dtype=torch.int64, device=counts.device)
     torch.cumsum(counts, 0, out=offsets[1:])
@@ -183,7 +192,7 @@ def _chunk_layout(counts: torch.Tensor) -> ResponseLayout:
 
 
 def _single_pass_loss(tokens, weight, chunks, rewards, valid, *, temperature, bias, return_stats, with_entropy,
-                      **options):
+                      row_kernels, **options):
     """PACS over chunks of whole groups, one logits GEMM per chunk (single_pass.py)."""
     index = selected_index(tokens.mask)
     old_selected = pick(tokens.old_logp, index)
@@ -201,7 +210,7 @@ def _single_pass_loss(tokens, weight, chunks, rewards, valid, *, temperature, bi
 
     loss, extras, _, entropy = single_pass(
         pick(tokens.hidden, index), weight, targets, bias=bias, temperature=temperature, chunks=chunks,
-        chunk_loss=chunk_loss, with_entropy=with_entropy and return_stats)
+        chunk_loss=chunk_loss, with_entropy=with_entropy and return_stats, row_kernels=row_kernels)
     loss = loss.float() if loss.dtype != torch.float64 else loss
     if not return_stats:
         return loss
