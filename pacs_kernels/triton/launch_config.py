@@ -30,8 +30,9 @@ INTERPRETED = isinstance(_probe, InterpretedFunction)
 
 # The dz kernel's tile is fixed (not tuned): it is also the granularity of the gradient-filter
 # flags, which the two gradient matmuls read with their own (smaller or equal) tiles.
-DZ_BLOCK_N = 16 if INTERPRETED else 128
-DZ_BLOCK_V = 32 if INTERPRETED else 128
+DZ_TILE_GPU = (128, 128)
+DZ_TILE_INTERPRETER = (16, 32)
+DZ_BLOCK_N, DZ_BLOCK_V = DZ_TILE_INTERPRETER if INTERPRETED else DZ_TILE_GPU
 
 # Every vocabulary split of the forward is a multiple of this many columns (a multiple of every
 # BLOCK_V candidate), so the split can be chosen on the host before the autotuner picks BLOCK_V.
