@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from .lse_math import combine_vocab_chunks
 from .matmul import addmm_f32_, compute_dtype, mm_f32, operand
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 22  # 4M logits: 16 MiB in float32 per chunk
@@ -52,20 +53,6 @@ def _chunk_sizes(n_tokens: int, vocab: int, chunk_elements: int) -> tuple[int, i
     if vocab * token_chunk <= chunk_elements:
         return max(1, min(n_tokens, chunk_elements // vocab)), vocab
     return token_chunk, max(1, min(vocab, chunk_elements // token_chunk))
-
-
-def combine_vocab_chunks(
-    lse_parts: torch.Tensor, negent_parts: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Merge per-chunk (lse_c, B_c) of shape (N, C) into the full (lse, entropy) of shape (N,)."""
-    lse = torch.logsumexp(lse_parts, dim=-1)
-    if negent_parts is None:
-        return lse, None
-    log_w = lse_parts - lse.unsqueeze(-1)
-    w = log_w.exp()
-    # chunks with w == 0 contribute nothing (avoid 0 * -inf)
-    entropy = -(w * (negent_parts + torch.where(w > 0, log_w, torch.zeros_like(log_w)))).sum(-1)
-    return lse, entropy
 
 
 def _logits(h, weight, bias, v0, v1, inv_tau, cdt):
