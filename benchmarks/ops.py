@@ -271,7 +271,12 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
     if case.impl in OUR_IMPLS:
         one_sweep = case.op == "pacs_loss_first_step" and case.impl in ("torch", "triton")
         if case.impl == "single_pass":
-            options.update(backend="auto", path="single_pass")
+            # a budget that holds the largest group, so the single pass always runs: its memory is reported
+            group_tokens = LOSS_GROUP_SIZE * (case.n // LOSS_RESPONSES)
+            from pacs_kernels.single_pass import DEFAULT_CHUNK_BUDGET_MIB, bytes_per_token
+
+            need = group_tokens * bytes_per_token(case.v, torch.device(case.device), case.torch_dtype) / 2 ** 20
+            options.update(backend="auto", path="single_pass", chunk_budget_mib=max(DEFAULT_CHUNK_BUDGET_MIB, need))
         else:
             options.update(backend=case.impl, path="two_pass")
 

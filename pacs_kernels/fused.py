@@ -29,6 +29,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from . import dispatch
 from .checks import check_choice, check_linear_inputs, check_targets_in_range, check_temperature
 from .known_grad import linear_logprobs_known_grad
 from .logprobs import linear_logprobs, resolve_backend
@@ -105,7 +106,8 @@ def fused_linear_pacs_loss(
         backend: "auto" | "triton" | "torch" | "naive": the kernels of the two-pass path and of
             ``old_lse``'s one sweep, and the single pass's elementwise work (Triton row kernels or
             eager PyTorch around cuBLAS GEMMs); "naive" materializes the logits (tests, benchmarks).
-        path: "auto" (single pass when every group fits ``chunk_budget_mib``, else two passes) |
+        path: "auto" (single pass when every group fits ``chunk_budget_mib``, else two passes; on
+            CUDA also two passes where the committed GPU run measured them faster: dispatch.py) |
             "single_pass" (an error if a group does not fit) | "two_pass".
         chunk_budget_mib: working memory of one single-pass chunk (float32 logits of its tokens,
             plus a bf16 copy on CUDA); default 256 MiB.
@@ -148,7 +150,9 @@ def fused_linear_pacs_loss(
                                            bias=bias, backend=backend, return_stats=return_stats, **options)
     else:
         chunks = None
-        if path != "two_pass" and backend != "naive":
+        n_selected = int(tokens.counts.sum())
+        measured_slower = path == "auto" and measured_two_pass_faster(weight.device, n_selected, *weight.shape[::-1])
+        if path != "two_pass" and backend != "naive" and not measured_slower:
             budget_tokens = max_chunk_tokens(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype)
             chunks = plan_group_chunks(tokens.counts.tolist(), group_size, budget_tokens)
             if chunks is None and path == "single_pass":
@@ -176,6 +180,11 @@ def fused_linear_pacs_loss(
         loss, stats = result
         return loss, replace(stats, path=chosen)
     return result
+
+
+def measured_two_pass_faster(device: torch.device, n_tokens: int, d: int, vocab: int) -> bool:
+    """On CUDA: did the committed GPU run (dispatch.py) measure two passes faster at this shape?"""
+    return device.type == "cuda" and dispatch.prefer_two_pass(n_tokens, d, vocab)
 
 
 def row_kernels_for(backend: str, weight: torch.Tensor) -> str:

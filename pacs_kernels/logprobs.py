@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import torch_chunked
+from . import dispatch, torch_chunked
 from .checks import BACKENDS, check_choice, check_linear_inputs, check_targets_in_range, check_temperature
 from .reference import naive_linear_logprobs
 
@@ -29,12 +29,15 @@ def _triton_module():
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, *, choices=BACKENDS,
-                    inputs: str = "hidden and weight") -> str:
-    """'auto' -> 'triton' on CUDA (not float64) when triton imports, else 'torch'; an explicit
+                    inputs: str = "hidden and weight", shape: tuple[int, int, int] | None = None) -> str:
+    """'auto' -> 'triton' on CUDA (not float64) when triton imports, else 'torch' (and 'torch' on CUDA
+    where the committed GPU run measured it faster at ``shape`` = (N, d, V): dispatch.py); an explicit
     'triton' is checked to be runnable here (CUDA tensors, or the interpreter) for ``inputs``."""
     check_choice("backend", backend, choices)
     if backend == "auto":
         if device.type == "cuda" and dtype != torch.float64:
+            if shape is not None and dispatch.logprob_backend(*shape) == "torch":
+                return "torch"
             try:
                 _triton_module()
                 return "triton"
@@ -160,8 +163,8 @@ def linear_logprobs(
         raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
     if vocab_splits is not None and not (isinstance(vocab_splits, int) and vocab_splits > 0):
         raise ValueError(f"vocab_splits must be a positive int, got {vocab_splits!r}")
-    backend = resolve_backend(backend, hidden.device, hidden.dtype)
     vocab, width = weight.shape
+    backend = resolve_backend(backend, hidden.device, hidden.dtype, shape=(hidden.numel() // width, width, vocab))
     check_targets_in_range(targets, vocab)
 
     lead_shape = hidden.shape[:-1]
