@@ -299,3 +299,10 @@ def test_bad_cu_seqlens(cu, match):
     logp = torch.randn(40)
     with pytest.raises((ValueError, TypeError), match=match):
         pacs_loss(logp, logp, torch.tensor([0, 1, 1.0]), torch.ones(40), group_size=3, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_empty_batch_is_one_clear_error(backend):
+    logp = torch.zeros(0, 5)
+    with pytest.raises(ValueError, match="at least one group of responses, got B = 0"):
+        pacs_loss(logp, logp, torch.zeros(0), logp.bool(), group_size=2, backend=backend)

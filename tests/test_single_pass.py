@@ -243,8 +243,8 @@ def test_empty_batch_is_refused():
                                    path=path)
 
 
-@pytest.mark.parametrize("backend", ["torch", "naive"])
-def test_inf_hidden_gives_nan_for_its_response_only_on_every_path(backend):
+@pytest.mark.parametrize("backend", ["torch", "naive", "triton"])
+def test_inf_hidden_gives_nan_loss_on_every_backend_and_path(backend):
     hidden, weight, _, targets, mask, old, rewards = make_batch(seed=16)
     hidden = hidden.clone()
     row = int(mask[0].nonzero()[0])
