@@ -83,10 +83,10 @@ stamp "1b/4 peers' log-probs against the same reference, informational (limit 30
 timeout 30 "$py" benchmarks/check_gpu_correctness.py "${check_args[@]}" --peers only \
     || echo "(peer check exited with $?; the benchmark records each peer's own status)"
 
-stamp "2/4 the race, benchmark set '$bench_set' with peers (budget 150s, limit 180s)"
-timeout 180 "$py" benchmarks/run.py "${bench_args[@]}" --out "$out" --name gpu \
+stamp "2/4 the race, benchmark set '$bench_set' with peers (budget 140s, limit 170s)"
+timeout 170 "$py" benchmarks/run.py "${bench_args[@]}" --out "$out" --name gpu \
     --ops pacs_loss_fwd_bwd pacs_loss_first_step logprobs_fwd_bwd \
-    --warmup 1 --repeats 3 --max-seconds 1.5 --time-budget 150 \
+    --warmup 1 --repeats 3 --max-seconds 1.5 --time-budget 140 \
     --note "one GPU lent for a single prepared run; peers installed from wheels without network"
 rc=$?
 if [ $rc -ne 0 ]; then

@@ -25,8 +25,9 @@ Implementations ("impls"):
     torch          pacs_kernels chunked PyTorch backend (any device); loss ops: path="two_pass"
     triton         pacs_kernels Triton kernels (CUDA only; the CPU interpreter is never timed);
                    loss ops: path="two_pass"
-    single_pass    loss ops only: fused_linear_pacs_loss(path="single_pass"): chunks of whole
-                   groups, one logits GEMM each (3 matmuls; GEMMs in the input dtype on CUDA)
+    single_pass    loss ops only: fused_linear_pacs_loss(path="single_pass") with a chunk budget of
+                   one (longest possible) group: one logits GEMM per group, 3 matmuls in all
+                   (GEMMs in the input dtype on CUDA)
     cce            Apple Cut Cross-Entropy, linear_cross_entropy(reduction="none") = -logp, with
                    its default gradient filter (filter_eps="high": skips tiny softmax entries)
     cce_exact      the same with filter_eps=None (exact gradient, like ours)
@@ -271,12 +272,13 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
     if case.impl in OUR_IMPLS:
         one_sweep = case.op == "pacs_loss_first_step" and case.impl in ("torch", "triton")
         if case.impl == "single_pass":
-            # a budget that holds the largest group, so the single pass always runs: its memory is reported
-            group_tokens = LOSS_GROUP_SIZE * (case.n // LOSS_RESPONSES)
-            from pacs_kernels.single_pass import DEFAULT_CHUNK_BUDGET_MIB, bytes_per_token
+            # the budget of one group (the longest possible), so the single pass always runs with the least
+            # memory it can: one group per chunk; its memory is reported as it is
+            from pacs_kernels.single_pass import bytes_per_token
 
+            group_tokens = LOSS_GROUP_SIZE * (case.n // LOSS_RESPONSES)
             need = group_tokens * bytes_per_token(case.v, torch.device(case.device), case.torch_dtype) / 2 ** 20
-            options.update(backend="auto", path="single_pass", chunk_budget_mib=max(DEFAULT_CHUNK_BUDGET_MIB, need))
+            options.update(backend="auto", path="single_pass", chunk_budget_mib=need)
         else:
             options.update(backend=case.impl, path="two_pass")
 
