@@ -22,7 +22,8 @@ setup(
     name="pacs",
     version="0.1.0",
     description="Fused, memory-frugal PACS (RLVR) loss kernels and a lean trainer",
-    packages=find_packages(include=["pacs_kernels", "pacs_kernels.*", "pacs", "pacs.*"]),
+    # benchmarks: `pacs bench` imports benchmarks.run (an installed package, not a file loaded by path)
+    packages=find_packages(include=["pacs_kernels", "pacs_kernels.*", "pacs", "pacs.*", "benchmarks"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "triton>=3.0", "numpy"],
     extras_require=extras,
