@@ -248,8 +248,9 @@ def rotate(root: str, newest_step: int, keep: int) -> list[str]:
         return []
     older = [path for step, path in checkpoint_steps(os.path.dirname(root)) if step < newest_step]
     doomed = older[:max(0, len(older) - (keep - 1))]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+    for path in doomed:  # renamed first: a kill during the delete leaves a *.tmp, not half a step_N
+        os.rename(path, path + ".deleting.tmp")
+        shutil.rmtree(path + ".deleting.tmp", ignore_errors=True)
     return doomed
 
 
