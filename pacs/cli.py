@@ -12,6 +12,7 @@ import os
 import sys
 
 from .config import Config, config_keys, load_config
+from .console import quiet_third_party
 
 DEFAULTS = Config()
 
@@ -59,32 +60,6 @@ def build_config(args: argparse.Namespace) -> Config:
     if getattr(args, "overwrite", False):
         cfg.overwrite = True
     return cfg
-
-
-def quiet_third_party(verbose: bool) -> None:
-    """Hide vLLM's and transformers' info logs, their progress bars and library warnings (the
-    trainer's own lines and progress bar stay); ``verbose`` leaves everything as it is."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")  # vLLM logs every weight push
-    if verbose:
-        return
-    import logging
-    import warnings
-
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"(torch|transformers|vllm)\b")
-    for name in ("transformers", "torch.distributed", "urllib3", "filelock"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except ImportError:  # transformers is only needed by train/eval, which import it later
-        pass
 
 
 def _is_main_rank() -> bool:

@@ -31,6 +31,7 @@ from pacs_kernels import fused_linear_grpo_loss, fused_linear_pacs_loss, linear_
 
 from .checkpoint import find_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, micro_batch_groups, save_config
+from .console import hide_progress_bars
 from .evaluate import decode_response, encode_prompts, evaluate
 from .metrics import MetricsLog, plot_metrics, read_metrics
 from .policy import DistInfo, export_hf, full_named_tensors, load_policy, setup_distributed
@@ -370,6 +371,7 @@ def train(cfg: Config) -> TrainResult:
 
     # ---- rollout engine, serving the current weights; the metrics log (cut back when resuming)
     engine = make_rollout_engine(**engine_options(cfg, run.model_dir, cfg.seed + dist_info.rank, log=say))
+    hide_progress_bars()  # again: a vLLM engine's start turns transformers' back on
     if resume is not None:
         engine.sync_weights(full_named_tensors(policy))
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
@@ -377,16 +379,17 @@ def train(cfg: Config) -> TrainResult:
                          enabled=dist_info.is_main, warn=say)
     from tqdm import tqdm
 
-    progress = tqdm(total=cfg.max_steps, initial=state["step"], desc="rollout steps",
-                    disable=not dist_info.is_main, dynamic_ncols=True)
     start_time = time.time()
     row: dict = {}
+    progress = None
     try:
         if resume is None:
             row = {"step": 0, "rollout_engine": type(engine).__name__,
                    **evaluate_policy(cfg, engine, run, dist_info, 0)}
             metrics.write(row)
             say(f"[eval] step 0: held-out accuracy {row['eval_accuracy']:.3f}")
+        progress = tqdm(total=cfg.max_steps, initial=state["step"], desc="rollout steps",
+                        disable=not dist_info.is_main, dynamic_ncols=True)
         per_rank = r.prompts_per_step // dist_info.world_size
         warned_cut = False
         for step in range(state["step"] + 1, cfg.max_steps + 1):
@@ -456,13 +459,12 @@ def train(cfg: Config) -> TrainResult:
             if out_of_time:
                 say(f"[train] max_minutes={cfg.max_minutes} reached after step {step}: stopping")
                 break
-    except KeyboardInterrupt:
-        progress.close()
+    except BaseException as exc:
+        if progress is not None:
+            progress.close()
         engine.close()
-        raise TrainingInterrupted(f"interrupted at step {state['step'] + 1}; {resume_hint(cfg)}") from None
-    except BaseException:
-        progress.close()
-        engine.close()
+        if isinstance(exc, KeyboardInterrupt):
+            raise TrainingInterrupted(f"interrupted at step {state['step'] + 1}; {resume_hint(cfg)}") from None
         raise
     progress.close()
 

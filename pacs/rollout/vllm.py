@@ -172,6 +172,7 @@ class VLLMRolloutEngine:
             "tensor_parallel_size": 1,
             # stop only at the caller's stop_token_ids, not at generation_config.json's eos
             "generation_config": "vllm",
+            "use_tqdm_on_load": False,  # no "Loading safetensors checkpoint shards" bar at each start
         }
         if distributed:
             engine_args["distributed_executor_backend"] = "external_launcher"
