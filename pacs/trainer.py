@@ -450,7 +450,9 @@ def train(cfg: Config) -> TrainResult:
             if (cfg.eval.every and step % cfg.eval.every == 0) or last_step:
                 row.update(evaluate_policy(cfg, engine, run, dist_info, step))
             metrics.write(row)
+            # the last mini-batch's loss (the first one's is ln 2 for PACS) and the grad norm: both move
             progress.set_postfix(reward=f"{row['reward_mean']:.2f}", loss=f"{update.last_loss:.3f}",
+                                 gnorm=f"{row['grad_norm']:.3f}",
                                  **({"acc": f"{row['eval_accuracy']:.2f}"} if "eval_accuracy" in row else {}))
             progress.update(1)
             state["step"] = step
