@@ -72,9 +72,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     try:
         train(cfg)
-    except KeyboardInterrupt:  # before the first step (warm-up, model loading)
+    except KeyboardInterrupt:  # outside the training loop (warm-up, model loading, export)
         if _is_main_rank():
-            print(f"pacs train: interrupted before the first step; {resume_hint(cfg)}", file=sys.stderr)
+            print(f"pacs train: interrupted; {resume_hint(cfg)}", file=sys.stderr)
         return 130
     except TrainingStopped as exc:
         if _is_main_rank():

@@ -288,6 +288,25 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
     return UpdateResult(losses, grad_norms, stats, sum(losses[-micro_per_mini:]) / micro_per_mini)
 
 
+def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: float, update: UpdateResult,
+                 scheduler, state: dict, times: dict[str, float], dist_info: DistInfo) -> dict:
+    """One rollout step's metrics row: the per-rank statistics averaged over ranks, then the
+    optimizer's, the throughput, the timings and the peak memory."""
+    response_tokens = sum(len(x) for x in responses)
+    local = {"reward_mean": float(batch.rewards.mean()), "entropy": entropy,
+             "response_length": response_tokens / len(responses),
+             "loss": sum(update.losses) / len(update.losses),
+             **{k: v for k, v in update.stats.items() if k not in ("loss", "reward_mean")}}
+    row = {"step": step, **all_reduce_mean(local, dist_info)}
+    row.update({
+        "grad_norm": sum(update.grad_norms) / len(update.grad_norms) if update.grad_norms else float("nan"),
+        "lr": scheduler.get_last_lr()[0], "skipped_updates": state["skipped_updates"],
+        "tokens_per_s": response_tokens * dist_info.world_size / times["step_time"], **times,
+        "peak_memory_mib": peak_memory_mib(dist_info.device), "prompts_seen": state["data_position"],
+    })
+    return row
+
+
 def start_run(cfg: Config, dist_info: DistInfo, say=print) -> tuple[Run, object]:
     """Everything before the model loads: config checks, a usable output directory that holds
     no other run (unless ``resume`` / ``overwrite``), the checkpoint to resume from, the model
@@ -430,21 +449,9 @@ def train(cfg: Config) -> TrainResult:
             sync_time = time.time() - sync_start
 
             # metrics (averaged over ranks), held-out evaluation every eval.every steps, checkpoint
-            response_tokens = sum(len(x) for x in responses)
-            local = {"reward_mean": float(batch.rewards.mean()), "entropy": entropy,
-                     "response_length": response_tokens / len(responses),
-                     "loss": sum(update.losses) / len(update.losses),
-                     **{k: v for k, v in update.stats.items() if k not in ("loss", "reward_mean")}}
-            row = {"step": step, **all_reduce_mean(local, dist_info)}
-            step_time = time.time() - step_start
-            row.update({
-                "grad_norm": sum(update.grad_norms) / len(update.grad_norms) if update.grad_norms else float("nan"),
-                "lr": scheduler.get_last_lr()[0], "skipped_updates": state["skipped_updates"],
-                "tokens_per_s": response_tokens * dist_info.world_size / step_time,
-                "rollout_time": rollout_time, "update_time": update_time, "sync_time": sync_time,
-                "step_time": step_time, "elapsed": time.time() - start_time,
-                "peak_memory_mib": peak_memory_mib(dist_info.device), "prompts_seen": state["data_position"],
-            })
+            times = {"rollout_time": rollout_time, "update_time": update_time, "sync_time": sync_time,
+                     "step_time": time.time() - step_start, "elapsed": time.time() - start_time}
+            row = step_metrics(step, batch, responses, entropy, update, scheduler, state, times, dist_info)
             out_of_time = cfg.max_minutes is not None and time.time() - start_time > 60 * cfg.max_minutes
             last_step = step == cfg.max_steps or out_of_time
             if (cfg.eval.every and step % cfg.eval.every == 0) or last_step:
