@@ -42,7 +42,6 @@ def die_on_call(name: str, call: int, when: str) -> None:
 
 def run(out: str, steps: int, die_at: tuple[str, int, str] | None = None, ready=None) -> None:
     """Train (or resume) the toy loop in ``out`` up to ``steps``; optionally die at a call."""
-    torch.set_num_threads(1)
     choice = ck.find_checkpoint(out)
     generator = torch.Generator()
     if choice.path is not None:
