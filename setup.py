@@ -22,7 +22,8 @@ setup(
     name="pacs",
     version="0.1.0",
     description="Fused, memory-frugal PACS (RLVR) loss kernels and a lean trainer",
-    packages=find_packages(include=["pacs_kernels", "pacs_kernels.*", "pacs", "pacs.*"]),
+    # benchmarks: `pacs bench` imports benchmarks.run (an installed package, not a file loaded by path)
+    packages=find_packages(include=["pacs_kernels", "pacs_kernels.*", "pacs", "pacs.*", "benchmarks"]),
     # the GPU dispatch table, once a GPU run has written it (pacs_kernels/dispatch.py)
     package_data={"pacs_kernels": ["gpu_dispatch.json"]},
     python_requires=">=3.10",

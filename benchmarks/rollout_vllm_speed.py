@@ -55,7 +55,7 @@ def main() -> None:
     import vllm  # noqa: F401
 
     result["import_vllm_s"] = time.perf_counter() - start
-    from pacs.rollout_vllm import VLLMRolloutEngine
+    from pacs.rollout.vllm import VLLMRolloutEngine
 
     rng = random.Random(0)
     prompts = [

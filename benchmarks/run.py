@@ -130,6 +130,14 @@ def parse_args(argv):
         parser.error(f"--n takes token counts >= 1, got {args.n}")
     if (args.d is None) != (args.v is None):
         parser.error("--d and --v go together")
+    for name in ("d", "v"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.n is not None and min(args.n) < 1:
+        parser.error(f"--n values must be >= 1, got {min(args.n)}")
+    for name in ("max_seconds", "time_budget", "timeout"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     return args
 
 

@@ -1,9 +1,21 @@
-"""Training checkpoints: model, optimizer, scheduler, RNG states, data position and step.
+"""Training checkpoints that are complete or absent: model, optimizer, scheduler, RNG states, step.
 
-Layout: ``OUTPUT_DIR/checkpoints/step_000010/{model.pt, optimizer.pt, scheduler.pt, state.json,
-rng_rank0.pt, ...}`` plus ``OUTPUT_DIR/checkpoints/latest`` naming the newest complete one. A
-checkpoint is written into ``step_X.tmp`` and renamed when complete, and ``latest`` is replaced
-atomically, so a run killed at any moment leaves the previous checkpoint usable.
+Layout::
+
+    OUTPUT_DIR/checkpoints/step_000010/{model.pt, optimizer.pt, scheduler.pt, state.json,
+                                        rng_rank0.pt, ..., manifest.json}
+    OUTPUT_DIR/checkpoints/latest        the newest checkpoint's name (for people; resume scans)
+
+How a checkpoint is written (:func:`save_checkpoint`): every file goes into ``step_X.tmp`` and is
+fsynced; then ``manifest.json`` (each file's size and SHA-256, and the step) is written and
+fsynced last; then the directory is renamed to ``step_X`` and its parent fsynced. A process killed
+at any moment therefore leaves either no ``step_X`` or one whose manifest verifies.
+
+How one is chosen (:func:`find_checkpoint`): the ``step_*`` directories are ordered by step number
+(never by name) and the newest one whose manifest verifies wins; each newer one that failed is
+reported with the reason. Rotation deletes only checkpoints older than the one just written and
+verified, keeping the newest ``keep``; a newer checkpoint (which could only be one a resume
+skipped as unverified) is left alone until a verified checkpoint of the same step replaces it.
 
 Model and optimizer states are saved "full" (unsharded) by rank 0, so a run may resume with a
 different number of processes.
@@ -11,10 +23,13 @@ different number of processes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import re
 import shutil
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,6 +37,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from .policy import DistInfo
+
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"step_(\d+)")
+_CHUNK = 1 << 22
 
 
 def _barrier(dist_info: DistInfo) -> None:
@@ -44,61 +63,230 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def latest_checkpoint(output_dir: str) -> str | None:
-    """Path of the newest complete checkpoint, or None."""
-    pointer = os.path.join(output_dir, "checkpoints", "latest")
-    if not os.path.isfile(pointer):
-        return None
-    with open(pointer) as fh:
-        name = fh.read().strip()
-    path = os.path.join(output_dir, "checkpoints", name)
-    return path if os.path.isfile(os.path.join(path, "state.json")) else None
+# ---------------------------------------------------------------------------------------------
+# durable writes
 
 
-def save_checkpoint(output_dir: str, step: int, policy, optimizer, scheduler, state: dict,
-                    dist_info: DistInfo, keep: int = 2) -> str:
-    """Write checkpoint ``step`` (every rank must call this; rank 0 writes the shared files)."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state, optim_state = get_state_dict(policy, optimizer, options=options)
+def fsync_dir(path: str) -> None:
+    """Make a rename or a new entry in directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: str, write) -> None:
+    """``write(fh)`` into a new binary file at ``path``, flushed and fsynced before returning."""
+    with open(path, "wb") as fh:
+        write(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def save_torch(obj, path: str) -> None:
+    """``torch.save`` that returns only once the bytes are on disk."""
+    _write_durably(path, lambda fh: torch.save(obj, fh))
+
+
+def save_json(obj, path: str) -> None:
+    _write_durably(path, lambda fh: fh.write(json.dumps(obj, indent=1).encode()))
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(_CHUNK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: str, step: int) -> dict:
+    """Describe every file of ``directory`` (size, SHA-256) and the step in ``manifest.json``, last."""
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        if name == MANIFEST:
+            continue
+        path = os.path.join(directory, name)
+        files[name] = {"size": os.path.getsize(path), "sha256": file_sha256(path)}
+    manifest = {"format": 1, "step": step, "files": files}
+    save_json(manifest, os.path.join(directory, MANIFEST))
+    fsync_dir(directory)
+    return manifest
+
+
+def verify_checkpoint(path: str) -> str | None:
+    """None when the checkpoint at ``path`` is complete; else why not (one short phrase).
+
+    Complete: ``manifest.json`` parses, names the step of the directory, and every file it lists
+    exists with the listed size and SHA-256 (``state.json`` and ``model.pt`` must be among them).
+    """
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        return "no manifest.json (an unfinished or pre-manifest checkpoint)"
+    try:
+        with open(manifest_path) as fh:
+            manifest = json.load(fh)
+        files, step = manifest["files"], int(manifest["step"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"manifest.json is unreadable ({type(exc).__name__}: {exc})"
+    match = _STEP_DIR.fullmatch(os.path.basename(os.path.normpath(path)))
+    if match is None or int(match.group(1)) != step:
+        return f"manifest.json names step {step}, not this directory's"
+    for required in ("state.json", "model.pt"):
+        if required not in files:
+            return f"manifest.json does not list {required}"
+    for name, entry in files.items():
+        file_path = os.path.join(path, name)
+        if not os.path.isfile(file_path):
+            return f"{name} is missing"
+        size = os.path.getsize(file_path)
+        if size != entry.get("size"):
+            return f"{name} has {size} bytes, the manifest says {entry.get('size')}"
+        if file_sha256(file_path) != entry.get("sha256"):
+            return f"{name} does not match its checksum"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# finding checkpoints
+
+
+def checkpoint_steps(output_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every ``step_N`` directory under ``OUTPUT_DIR/checkpoints``, by step number."""
     root = os.path.join(output_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        match = _STEP_DIR.fullmatch(name)
+        if match and os.path.isdir(os.path.join(root, name)):
+            found.append((int(match.group(1)), os.path.join(root, name)))
+    return sorted(found)
+
+
+@dataclass
+class CheckpointChoice:
+    """What :func:`find_checkpoint` found: the checkpoint to resume from (None: none verifies) and
+    each newer checkpoint that was skipped, with the reason."""
+
+    path: str | None
+    step: int
+    skipped: list[tuple[str, str]]
+
+    def describe(self) -> list[str]:
+        """Lines for the console: which checkpoint, and why each newer one was skipped."""
+        lines = [f"[resume] skipping {path}: {reason}" for path, reason in self.skipped]
+        if self.path is not None:
+            lines.append(f"[resume] continuing from {self.path} (step {self.step})")
+        return lines
+
+
+def find_checkpoint(output_dir: str) -> CheckpointChoice:
+    """The newest checkpoint under ``output_dir`` whose manifest verifies (see module docstring)."""
+    skipped = []
+    for step, path in reversed(checkpoint_steps(output_dir)):
+        reason = verify_checkpoint(path)
+        if reason is None:
+            return CheckpointChoice(path, step, skipped)
+        skipped.append((path, reason))
+    return CheckpointChoice(None, 0, skipped)
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """Path of the newest verified checkpoint, or None."""
+    return find_checkpoint(output_dir).path
+
+
+# ---------------------------------------------------------------------------------------------
+# writing, rotating, loading
+
+
+def write_checkpoint_files(root: str, step: int, write_files, dist_info: DistInfo | None = None,
+                           keep: int = 2) -> str:
+    """Write checkpoint ``step`` under ``root`` so that it is complete or absent; returns its path.
+
+    ``write_files(tmp_dir)`` writes this rank's files (with :func:`save_torch` / :func:`save_json`).
+    Every rank calls this; rank 0 creates the temporary directory, writes the manifest, renames,
+    points ``latest`` at the new checkpoint and rotates old ones.
+    """
+    dist_info = dist_info or DistInfo()
     name = f"step_{step:06d}"
     final, tmp = os.path.join(root, name), os.path.join(root, name + ".tmp")
     if dist_info.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(root, exist_ok=True)
+        for leftover in os.listdir(root):  # unfinished writes of killed runs: never complete
+            if leftover.endswith(".tmp") and os.path.isdir(os.path.join(root, leftover)):
+                shutil.rmtree(os.path.join(root, leftover), ignore_errors=True)
         os.makedirs(tmp)
     _barrier(dist_info)
-    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{dist_info.rank}.pt"))
-    if dist_info.is_main:
-        torch.save(model_state, os.path.join(tmp, "model.pt"))
-        torch.save(optim_state, os.path.join(tmp, "optimizer.pt"))
-        torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
-        with open(os.path.join(tmp, "state.json"), "w") as fh:
-            json.dump({**state, "step": step, "world_size": dist_info.world_size}, fh)
+    write_files(tmp)
     _barrier(dist_info)
     if dist_info.is_main:
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
+        write_manifest(tmp, step)
+        if os.path.isdir(final):  # same step written before (a resumed run replacing it)
+            replaced = final + ".replaced.tmp"
+            os.rename(final, replaced)
+            os.rename(tmp, final)
+            shutil.rmtree(replaced, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        fsync_dir(root)
         pointer = os.path.join(root, "latest")
-        with open(pointer + ".tmp", "w") as fh:
-            fh.write(name)
+        _write_durably(pointer + ".tmp", lambda fh: fh.write(name.encode()))
         os.replace(pointer + ".tmp", pointer)
-        old = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp"))
-        for stale in old[:-keep] if keep > 0 else []:
-            shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
+        fsync_dir(root)
+        rotate(root, step, keep)
     _barrier(dist_info)
     return final
 
 
+def rotate(root: str, newest_step: int, keep: int) -> list[str]:
+    """Delete checkpoints older than ``newest_step`` (just written and verified) beyond the newest
+    ``keep``, ordered by step number. Newer checkpoints are never touched. Returns what went."""
+    if keep <= 0:
+        return []
+    older = [path for step, path in checkpoint_steps(os.path.dirname(root)) if step < newest_step]
+    doomed = older[:max(0, len(older) - (keep - 1))]
+    for path in doomed:  # renamed first: a kill during the delete leaves a *.tmp, not half a step_N
+        os.rename(path, path + ".deleting.tmp")
+        shutil.rmtree(path + ".deleting.tmp", ignore_errors=True)
+    return doomed
+
+
+def save_checkpoint(output_dir: str, step: int, policy, optimizer, scheduler, state: dict,
+                    dist_info: DistInfo, keep: int = 2) -> str:
+    """Write checkpoint ``step`` of a training run (every rank must call this)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state, optim_state = get_state_dict(policy, optimizer, options=options)
+
+    def write_files(tmp: str) -> None:
+        save_torch(rng_state(), os.path.join(tmp, f"rng_rank{dist_info.rank}.pt"))
+        if dist_info.is_main:
+            save_torch(model_state, os.path.join(tmp, "model.pt"))
+            save_torch(optim_state, os.path.join(tmp, "optimizer.pt"))
+            save_torch(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+            save_json({**state, "step": step, "world_size": dist_info.world_size}, os.path.join(tmp, "state.json"))
+
+    return write_checkpoint_files(os.path.join(output_dir, "checkpoints"), step, write_files, dist_info, keep)
+
+
+def _load(path: str, name: str):
+    try:
+        return torch.load(os.path.join(path, name), map_location="cpu", weights_only=False)
+    except Exception as exc:  # a file changed after verification: name it instead of a pickle traceback
+        raise ValueError(f"checkpoint file {os.path.join(path, name)} cannot be read ({type(exc).__name__}: "
+                         f"{exc}); move the checkpoint aside and resume again to use the previous one") from exc
+
+
 def load_checkpoint(path: str, policy, optimizer, scheduler, dist_info: DistInfo) -> dict:
     """Restore everything saved by :func:`save_checkpoint`; returns the trainer state dict."""
-    model_state = torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=False)
-    optim_state = torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=False)
+    model_state, optim_state = _load(path, "model.pt"), _load(path, "optimizer.pt")
     set_state_dict(policy, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
                    options=StateDictOptions(full_state_dict=True))
-    scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=False))
+    scheduler.load_state_dict(_load(path, "scheduler.pt"))
     with open(os.path.join(path, "state.json")) as fh:
         state = json.load(fh)
-    rng_file = os.path.join(path, f"rng_rank{dist_info.rank}.pt")
-    if os.path.isfile(rng_file):  # absent when resuming with more processes than were saved
-        set_rng_state(torch.load(rng_file, weights_only=False))
+    if os.path.isfile(os.path.join(path, f"rng_rank{dist_info.rank}.pt")):  # absent with more ranks than saved
+        set_rng_state(_load(path, f"rng_rank{dist_info.rank}.pt"))
     return state

@@ -1,27 +1,44 @@
-"""``pacs train | eval | bench``: one entry point (also ``python -m pacs``)."""
+"""``pacs train | eval | bench``: one entry point (also ``python -m pacs``).
+
+Exit codes: 0 done; 2 a setting, path or file that cannot work (one line on stderr, before any
+work when it can be known then); 3 training stopped by repeated non-finite updates; 130 Ctrl-C.
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
 
-from .config import Config, load_config
+from .config import Config, config_keys, load_config
+from .console import quiet_third_party
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULTS = Config()
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML file (see configs/); defaults reproduce the embedded run")
-    parser.add_argument("--model", help="HF model directory or hub id ('embedded': the built-in tiny model)")
-    parser.add_argument("--output-dir", help="where metrics, checkpoints and the final model go")
-    parser.add_argument("--seed", type=int)
+    parser.add_argument("--config", help="YAML file (default: none, i.e. the values of configs/default.yaml)")
+    parser.add_argument("--model", help="HF model directory or hub id ('embedded': the built-in tiny model) "
+                                        f"(default: {DEFAULTS.model.path})")
+    parser.add_argument("--output-dir", help=f"where metrics, checkpoints and the final model go "
+                                             f"(default: {DEFAULTS.output_dir})")
+    parser.add_argument("--seed", type=int, help=f"(default: {DEFAULTS.seed})")
     parser.add_argument("--rollout", choices=("auto", "vllm", "hf"),
-                        help="rollout engine: vLLM if importable (auto), forced vLLM, or HF generate")
+                        help="rollout engine: vLLM if importable (auto), forced vLLM, or HF generate "
+                             f"(default: {DEFAULTS.rollout.engine})")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show third-party logs and progress bars (vLLM, transformers), hidden by default")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="config overrides with dotted keys, e.g. optim.lr=1e-4 rollout.group_size=8")
+                        help="config overrides with dotted keys, e.g. optim.lr=1e-4 rollout.group_size=8 "
+                             "(every key and its default: below)")
+
+
+def _key_list() -> str:
+    lines = ["Every setting (KEY=VALUE overrides, or the same keys in a --config YAML file; precedence:",
+             "defaults < --config < KEY=VALUE < named flags). Defaults, as in configs/default.yaml:", ""]
+    lines += [f"  {key} = {value}" for key, value in config_keys()]
+    return "\n".join(lines)
 
 
 def build_config(args: argparse.Namespace) -> Config:
@@ -40,30 +57,42 @@ def build_config(args: argparse.Namespace) -> Config:
         cfg.optim.algo = args.algo
     if getattr(args, "resume", False):
         cfg.resume = True
+    if getattr(args, "overwrite", False):
+        cfg.overwrite = True
     return cfg
 
 
+def _is_main_rank() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    from .trainer import TrainingStopped, train
+    from .trainer import TrainingInterrupted, TrainingStopped, resume_hint, train
 
     cfg = build_config(args)
     try:
         train(cfg)
+    except KeyboardInterrupt:  # outside the training loop (warm-up, model loading, export)
+        if _is_main_rank():
+            print(f"pacs train: interrupted; {resume_hint(cfg)}", file=sys.stderr)
+        return 130
     except TrainingStopped as exc:
-        print(f"[train] stopped: {exc}", file=sys.stderr)
+        if _is_main_rank():
+            print(f"pacs train: stopped: {exc}", file=sys.stderr)
         return 3
+    except TrainingInterrupted as exc:
+        if _is_main_rank():
+            print(f"pacs train: {exc}", file=sys.stderr)
+        return 130
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoTokenizer
 
-    from .config import check_lengths, validate
     from .evaluate import evaluate
-    from .policy import check_model_path, max_positions
-    from .rollout import check_vllm_available, make_rollout_engine
-    from .tasks import make_task
+    from .rollout import make_rollout_engine
+    from .run_setup import apply_torch_threads, check_config, engine_options, prepare_run
 
     cfg = build_config(args)
     if args.n_samples is not None:
@@ -74,76 +103,77 @@ def cmd_eval(args: argparse.Namespace) -> int:
         cfg.eval.ks = tuple(args.k)
     if args.num_problems is not None:
         cfg.eval.num_problems = args.num_problems
-    validate(cfg)
-    if cfg.rollout.engine == "vllm":
-        check_vllm_available()
-    from .trainer import apply_torch_threads
-
+    check_config(cfg)
     apply_torch_threads(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    model_dir = cfg.model.path
-    if model_dir == "embedded":
-        from .tasks.embedded import prepare_embedded_model
-
-        model_dir = prepare_embedded_model(cfg.task, cfg.seed)
-    check_lengths(cfg, max_positions(check_model_path(model_dir, cfg.model.trust_remote_code)))
-    task = make_task(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    r = cfg.rollout
-    engine = make_rollout_engine(r.engine, model_dir, max_model_len=r.max_prompt_len + r.max_new_tokens,
-                                 seed=cfg.seed, dtype=cfg.model.dtype,
-                                 gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gib=r.kv_cache_gib,
-                                 enforce_eager=r.enforce_eager)
-    result = evaluate(engine, task, tokenizer, task.eval_problems(cfg.eval.num_problems),
-                      n_samples=cfg.eval.n_samples, temperature=cfg.eval.temperature, ks=cfg.eval.ks,
-                      max_new_tokens=r.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id], seed=cfg.seed,
-                      template=cfg.task.prompt_template, use_chat_template=cfg.task.use_chat_template)
-    engine.close()
-    print(json.dumps({"model": model_dir, **result}))
+    run = prepare_run(cfg, log=lambda *_: None)
+    engine = make_rollout_engine(**engine_options(cfg, run.model_dir, cfg.seed, log=lambda *_: None))
+    try:
+        result = evaluate(engine, run.task, run.tokenizer, run.task.eval_problems(cfg.eval.num_problems),
+                          n_samples=cfg.eval.n_samples, temperature=cfg.eval.temperature, ks=cfg.eval.ks,
+                          max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=run.stop_ids, seed=cfg.seed,
+                          template=cfg.task.prompt_template, use_chat_template=cfg.task.use_chat_template,
+                          max_prompt_len=cfg.rollout.max_prompt_len)
+    finally:
+        engine.close()
+    print(json.dumps({"model": run.model_dir, **result}))
     return 0
 
 
 def cmd_bench(argv: list[str]) -> int:
-    """Forward everything to benchmarks/run.py's main(argv), loaded by path from the repo root."""
-    path = os.path.join(REPO_ROOT, "benchmarks", "run.py")
-    if not os.path.isfile(path):
-        print(f"pacs bench: {path} is missing; the benchmarks ship with a source checkout of the "
-              "repository (git clone), not with an installed wheel", file=sys.stderr)
+    """Forward everything to :func:`benchmarks.run.main` (the ``benchmarks`` package ships with pacs)."""
+    try:
+        from benchmarks import run
+    except ImportError as exc:
+        print(f"pacs bench: error: the benchmarks cannot be imported ({exc}); install pacs[bench]", file=sys.stderr)
         return 2
-    spec = importlib.util.spec_from_file_location("pacs_benchmarks_run", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, REPO_ROOT)
-    spec.loader.exec_module(module)
-    result = module.main(argv)
+    result = run.main(argv)
     return int(result) if isinstance(result, int) else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs every weight push at INFO
-    if argv and argv[0] == "bench":
-        return cmd_bench(argv[1:])
-    parser = argparse.ArgumentParser(prog="pacs", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pacs", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train with PACS (or GRPO); default: the built-in embedded run")
+    train = sub.add_parser(
+        "train", help="train with PACS (or GRPO); default: the built-in embedded run",
+        description="Train with PACS (or GRPO). With no arguments: the built-in embedded run (configs/default.yaml).",
+        epilog=_key_list(), formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_common(train)
-    train.add_argument("--max-steps", type=int, help="rollout steps")
-    train.add_argument("--algo", choices=("pacs", "grpo"))
-    train.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR's latest checkpoint")
-    ev = sub.add_parser("eval", help="held-out accuracy and pass@k of a model")
+    train.add_argument("--max-steps", type=int, help=f"rollout steps (default: {DEFAULTS.max_steps})")
+    train.add_argument("--algo", choices=("pacs", "grpo"), help=f"(default: {DEFAULTS.optim.algo})")
+    train.add_argument("--resume", action="store_true",
+                       help="continue the run in --output-dir from its newest verified checkpoint")
+    train.add_argument("--overwrite", action="store_true",
+                       help="--output-dir holds a run: move it aside (to OUTPUT_DIR.replaced-<time>) and start afresh")
+    ev = sub.add_parser("eval", help="held-out accuracy and pass@k of a model", epilog=_key_list(),
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_common(ev)
     ev.add_argument("--n-samples", type=int, help="samples per problem")
     ev.add_argument("--temperature", type=float)
     ev.add_argument("--k", type=int, action="append", help="pass@k to report (repeatable)")
     ev.add_argument("--num-problems", type=int)
-    sub.add_parser("bench", help="kernel benchmarks (arguments go to benchmarks/run.py)")
-    args = parser.parse_args(argv)
+    sub.add_parser("bench", help="kernel benchmarks (arguments go to benchmarks/run.py; pacs bench --help)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        quiet_third_party("--verbose" in argv)
+        return cmd_bench([a for a in argv[1:] if a != "--verbose"])
+    args = build_parser().parse_args(argv)
+    quiet_third_party(args.verbose)
     try:
         if args.command == "train":
             return cmd_train(args)
         return cmd_eval(args)
     except (ValueError, TypeError) as exc:
-        print(f"pacs {args.command}: error: {exc}", file=sys.stderr)
+        if _is_main_rank():
+            print(f"pacs {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"pacs {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

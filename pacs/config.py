@@ -108,7 +108,8 @@ class Config:
     max_steps: int = 600            # rollout steps
     max_minutes: float | None = None  # stop (and checkpoint) after this wall time
     checkpoint_every: int = 50
-    resume: bool = False
+    resume: bool = False            # continue OUTPUT_DIR's run from its newest verified checkpoint
+    overwrite: bool = False         # move a run already in OUTPUT_DIR aside (OUTPUT_DIR.replaced-<time>)
     max_consecutive_nan: int = 3
     torch_threads: int | None = None  # None: 1 on CPU for the embedded model (tiny ops; more threads
                                       # only spin, 20x slower on a busy 2-core machine), else torch's
@@ -287,6 +288,31 @@ def validate(cfg: Config, world_size: int = 1) -> None:
             "micro-batches hold whole groups")
     _positive("optim.lr", o.lr)
     _positive("optim.max_grad_norm", o.max_grad_norm)
+    _positive("optim.beta", o.beta)
+    _positive("optim.weight_decay", o.weight_decay, allow_zero=True)
+    _positive("optim.lr_warmup_steps", o.lr_warmup_steps, allow_zero=True)
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        raise ValueError(f"optim.betas must be two numbers in [0, 1), got {list(o.betas)}")
+    _choice("optim.score", o.score, ("log_ratio", "mean_logp"))
+    _choice("optim.advantage", o.advantage, ("rloo", "grpo", "naive"))
+    _choice("optim.weighting", o.weighting, ("balanced", "none", "positive_only", "negative_only"))
+    _choice("optim.aggregation", o.aggregation, ("token_mean", "seq_mean"))
+    _choice("optim.logprob_backend", o.logprob_backend, ("auto", "triton", "torch", "naive"))
+    if not 0 < o.clip_eps < 1:
+        raise ValueError(f"optim.clip_eps must be in (0, 1), got {o.clip_eps}")
+    if not 0 < r.gpu_memory_utilization <= 1:
+        raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got {r.gpu_memory_utilization}")
+    _positive("rollout.kv_cache_gib", r.kv_cache_gib)
+    if cfg.max_minutes is not None:
+        _positive("max_minutes", cfg.max_minutes)
+    if cfg.torch_threads is not None:
+        _positive("torch_threads", cfg.torch_threads)
+    _positive("seed (--seed)", cfg.seed, allow_zero=True)
+    if not cfg.output_dir:
+        raise ValueError("output_dir (--output-dir) must be a directory path, got an empty string")
+    if not e.temperature >= 0:
+        raise ValueError(f"eval.temperature must be >= 0, got {e.temperature}")
+    _positive("task.eval_size", t.eval_size)
     _positive("max_steps (--max-steps)", cfg.max_steps, allow_zero=True)
     _positive("checkpoint_every", cfg.checkpoint_every, allow_zero=True)
     _positive("max_consecutive_nan", cfg.max_consecutive_nan)
@@ -306,11 +332,16 @@ def validate(cfg: Config, world_size: int = 1) -> None:
             raise ValueError(
                 f"eval.num_problems ({e.num_problems}) must be <= task.eval_size ({t.eval_size}), the "
                 "held-out set the training stream excludes")
+        for key in ("hidden_size", "num_heads", "intermediate_size", "warmup_batch_size", "warmup_lr"):
+            _positive(f"task.{key}", getattr(t, key))
         if t.hidden_size % t.num_heads:
             raise ValueError(
                 f"task.hidden_size ({t.hidden_size}) must be divisible by task.num_heads ({t.num_heads})")
         if t.num_layers < 1:
             raise ValueError(f"task.num_layers must be >= 1, got {t.num_layers}")
+        _positive("task.warmup_steps", t.warmup_steps, allow_zero=True)
+        if not 0 <= t.warmup_target_accuracy <= 1:
+            raise ValueError(f"task.warmup_target_accuracy must be in [0, 1], got {t.warmup_target_accuracy}")
 
 
 def check_lengths(cfg: Config, max_positions: int | None) -> None:
@@ -320,3 +351,16 @@ def check_lengths(cfg: Config, max_positions: int | None) -> None:
         raise ValueError(
             f"rollout.max_prompt_len + rollout.max_new_tokens = {need} exceeds the model's "
             f"max_position_embeddings ({max_positions})")
+
+
+def config_keys(cfg: Any = None, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every setting, in declaration order (defaults when ``cfg`` is None)."""
+    cfg = Config() if cfg is None else cfg
+    keys = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            keys.extend(config_keys(value, f"{prefix}{f.name}."))
+        else:
+            keys.append((f"{prefix}{f.name}", list(value) if isinstance(value, tuple) else value))
+    return keys

@@ -45,6 +45,17 @@ def encode_prompt(tokenizer, problem: Problem, *, template: str = "{prompt}",
     return list(tokenizer(text)["input_ids"])
 
 
+def encode_prompts(tokenizer, problems: Sequence[Problem], *, template: str = "{prompt}",
+                   use_chat_template: bool = False, max_prompt_len: int | None = None) -> tuple[list[list[int]], int]:
+    """Token ids of each prompt cut to its last ``max_prompt_len`` tokens (None: uncut), and how many
+    were cut. Training rollouts, the trainer's evaluation and ``pacs eval`` all use this one rule."""
+    encoded = [encode_prompt(tokenizer, p, template=template, use_chat_template=use_chat_template)
+               for p in problems]
+    if max_prompt_len is None:
+        return encoded, 0
+    return [ids[-max_prompt_len:] for ids in encoded], sum(len(ids) > max_prompt_len for ids in encoded)
+
+
 def decode_response(tokenizer, tokens: Sequence[int]) -> str:
     return tokenizer.decode(list(tokens), skip_special_tokens=True)
 
@@ -52,16 +63,18 @@ def decode_response(tokenizer, tokens: Sequence[int]) -> str:
 def evaluate(engine, task: Task, tokenizer, problems: list[Problem], *, n_samples: int = 1,
              temperature: float = 0.0, top_p: float = 1.0, ks: Sequence[int] = (1,),
              max_new_tokens: int, stop_token_ids: list[int], seed: int = 0,
-             template: str = "{prompt}", use_chat_template: bool = False) -> dict[str, float]:
+             template: str = "{prompt}", use_chat_template: bool = False,
+             max_prompt_len: int | None = None) -> dict[str, float]:
     """Generate ``n_samples`` answers per problem and score them.
 
+    Prompts longer than ``max_prompt_len`` tokens keep their last ``max_prompt_len`` tokens.
     Returns ``accuracy`` (the mean reward over all samples: greedy accuracy when temperature is 0,
     else mean pass@1) and ``pass@k`` for each k in ``ks``.
     """
     if n_samples > 1 and temperature == 0:
         raise ValueError("n_samples > 1 needs temperature > 0 (greedy samples are identical)")
-    prompts = [encode_prompt(tokenizer, p, template=template, use_chat_template=use_chat_template)
-               for p in problems]
+    prompts, _ = encode_prompts(tokenizer, problems, template=template, use_chat_template=use_chat_template,
+                                max_prompt_len=max_prompt_len)
     outputs = engine.generate(prompts, n_samples, temperature=temperature, top_p=top_p,
                               max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, seed=seed)
     counts = []

@@ -19,19 +19,30 @@ CURVES = (
 
 
 class MetricsLog:
-    """Appends rows to ``path``; with ``truncate_after`` drops rows of steps after a resumed step."""
+    """Appends one JSON row per line to ``path`` (rank 0 only when ``enabled`` is False elsewhere).
 
-    def __init__(self, path: str, truncate_after: int | None = None, enabled: bool = True):
+    ``resume_step=None`` starts a new log (the run directory was checked to hold no run). With a
+    step, the existing log is cut back to the rows of steps <= ``resume_step``, so that the resumed
+    run appends exactly the rows an uninterrupted run would have written after them; a torn last
+    line (a crash mid-write) is dropped with a warning through ``warn``.
+    """
+
+    def __init__(self, path: str, resume_step: int | None = None, enabled: bool = True, warn=print):
         self.path, self.enabled = path, enabled
         if not enabled:
             return
-        if truncate_after is None:
+        if resume_step is None or not os.path.isfile(path):
             open(path, "w").close()
-        elif os.path.isfile(path):
-            kept = [row for row in read_metrics(path) if row.get("step", 0) <= truncate_after]
-            with open(path + ".tmp", "w") as fh:
-                fh.writelines(json.dumps(row) + "\n" for row in kept)
-            os.replace(path + ".tmp", path)
+            return
+        rows, torn = read_metrics(path, allow_torn_tail=True)
+        if torn:
+            warn(f"[resume] {path}: dropped a torn last line (a crash mid-write): {torn[:80]!r}")
+        kept = [row for row in rows if row.get("step", 0) <= resume_step]
+        with open(path + ".tmp", "w") as fh:
+            fh.writelines(json.dumps(row) + "\n" for row in kept)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(path + ".tmp", path)
 
     def write(self, row: dict) -> None:
         if not self.enabled:
@@ -41,9 +52,40 @@ class MetricsLog:
             fh.write(json.dumps(clean) + "\n")
 
 
-def read_metrics(path: str) -> list[dict]:
+def read_metrics(path: str, allow_torn_tail: bool = False):
+    """The rows of a ``metrics.jsonl``.
+
+    A line that is not a JSON object is a ValueError naming the file and line, except, with
+    ``allow_torn_tail``, the last line when it is cut short (no newline at the end of the file):
+    then ``(rows, torn_text)`` is returned, ``torn_text`` empty when the file was whole.
+    """
     with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+        lines = fh.read().split("\n")
+    # a complete file ends with "\n", so the last piece is "" unless the last line was cut short
+    body, tail = lines[:-1], lines[-1]
+    rows = []
+    for number, line in enumerate(body, 1):
+        if line.strip():
+            rows.append(_parse_row(line, path, number))
+    torn = ""
+    if tail.strip():
+        try:  # a whole row that only lacks its newline is kept
+            rows.append(_parse_row(tail, path, len(lines)))
+        except ValueError:
+            if not allow_torn_tail:
+                raise
+            torn = tail
+    return (rows, torn) if allow_torn_tail else rows
+
+
+def _parse_row(line: str, path: str, number: int) -> dict:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} line {number} is not JSON ({exc.msg}); fix or remove that line") from exc
+    if not isinstance(row, dict):
+        raise ValueError(f"{path} line {number} is not a JSON object: {line[:80]!r}")
+    return row
 
 
 def plot_metrics(metrics_path: str, out_png: str, title: str | None = None) -> str:

@@ -54,11 +54,19 @@ def setup_distributed() -> DistInfo:
                     mesh=mesh)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto" is bfloat16 on GPU and float32 on CPU."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The one place ``model.dtype`` "auto" is decided, for the policy and both rollout engines:
+    bfloat16 on GPU, float32 on CPU. Other names ("float32", "bfloat16", "float16") map directly."""
+    if isinstance(name, torch.dtype):
+        return name
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"model.dtype must be 'auto', {', '.join(map(repr, DTYPES))}; got {name!r}")
+    return DTYPES[name]
 
 
 def check_model_path(path: str, trust_remote_code: bool = False):
@@ -73,9 +81,20 @@ def check_model_path(path: str, trust_remote_code: bool = False):
     if looks_local and not os.path.isdir(os.path.expanduser(path)):
         raise ValueError(f"--model: {path!r} is not a model directory (no such directory) and not a hub id")
     try:
-        return AutoConfig.from_pretrained(os.path.expanduser(path), trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(os.path.expanduser(path), trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises OSError/ValueError/HTTP errors here
         raise ValueError(f"--model: cannot load a model config from {path!r}: {exc}") from exc
+    local = os.path.expanduser(path)
+    if os.path.isdir(local) and not any(_is_weight_file(name) for name in os.listdir(local)):
+        raise ValueError(
+            f"--model: {path!r} has a config.json but no weights (expected model.safetensors, "
+            "model-*.safetensors with its index, or pytorch_model.bin)")
+    return config
+
+
+def _is_weight_file(name: str) -> bool:
+    return name.endswith(".safetensors") or name in ("pytorch_model.bin", "pytorch_model.bin.index.json",
+                                                     "model.safetensors.index.json")
 
 
 def max_positions(model_config) -> int | None:

@@ -8,12 +8,16 @@ One rollout step:
      the fused log-prob kernel (PACS's reference, reset every rollout step);
   4. for each mini-batch of whole groups: accumulate gradients over micro-batches of whole groups
      (each loss divided by the number of micro-batches), clip the gradient norm, step AdamW and the
-     learning-rate schedule; a NaN loss or gradient skips the step;
+     learning-rate schedule; a NaN loss or gradient skips the step (:func:`update_policy`);
   5. push the new weights into the rollout engine; log; evaluate and checkpoint every k steps.
+
+What happens before the first step (checks, output directory, model, task, tokenizer) is
+:func:`start_run`, shared in part with ``pacs eval`` through pacs/run_setup.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -25,21 +29,15 @@ import torch.distributed as dist
 
 from pacs_kernels import fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import Config, check_lengths, micro_batch_groups, save_config, validate
-from .evaluate import decode_response, encode_prompt, mean_pass_at_k
-from .metrics import MetricsLog, plot_metrics
-from .policy import (
-    DistInfo,
-    check_model_path,
-    export_hf,
-    full_named_tensors,
-    load_policy,
-    max_positions,
-    setup_distributed,
-)
-from .rollout import check_vllm_available, make_rollout_engine
-from .tasks import make_task
+from .checkpoint import find_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import Config, micro_batch_groups, save_config
+from .console import hide_progress_bars
+from .evaluate import decode_response, encode_prompts, evaluate
+from .metrics import MetricsLog, plot_metrics, read_metrics
+from .policy import DistInfo, export_hf, full_named_tensors, load_policy, setup_distributed
+from .rollout import make_rollout_engine
+from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
+from .run_setup import Run, apply_torch_threads, check_config, engine_options, prepare_run
 
 
 @dataclass
@@ -54,6 +52,10 @@ class TrainResult:
 
 class TrainingStopped(RuntimeError):
     """Raised when repeated NaN losses/gradients stop a run (the last good checkpoint is kept)."""
+
+
+class TrainingInterrupted(RuntimeError):
+    """Ctrl-C during training; the message says where the last checkpoint is and how to resume."""
 
 
 @dataclass
@@ -190,250 +192,299 @@ def policy_loss(cfg: Config, policy, part: Batch, old_logp: torch.Tensor, old_ls
     return loss, stats.as_dict()
 
 
-def evaluate_policy(cfg: Config, engine, task, tokenizer, stop_ids, dist_info: DistInfo, step: int) -> dict:
-    """Held-out accuracy (and pass@k) with the rollout engine; each rank scores its share."""
+def evaluate_policy(cfg: Config, engine, run: Run, dist_info: DistInfo, step: int) -> dict:
+    """Held-out accuracy (and pass@k) with the rollout engine; each rank scores its share with
+    :func:`pacs.evaluate.evaluate` (the evaluator of ``pacs eval``) and the shares are averaged."""
     e = cfg.eval
-    every = task.eval_problems(e.num_problems)
+    every = run.task.eval_problems(e.num_problems)
     share = math.ceil(len(every) / dist_info.world_size)
     first = dist_info.rank * share
     problems = every[first:first + share]
-    prompts = [encode_prompt(tokenizer, p, template=cfg.task.prompt_template,
-                             use_chat_template=cfg.task.use_chat_template)[-cfg.rollout.max_prompt_len:]
-               for p in problems]
-    outputs = engine.generate(prompts, e.n_samples, temperature=e.temperature, top_p=1.0,
-                              max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=stop_ids,
-                              seed=step_seed(cfg.seed + 1, step, first * e.n_samples)) if prompts else []
-    counts = [int(sum(task.reward(decode_response(tokenizer, r), p) for r in rs))
-              for p, rs in zip(problems, outputs)]
-    sums = [float(sum(counts)), float(len(counts))]
-    sums += [mean_pass_at_k(counts, e.n_samples, k) * len(counts) if counts else 0.0 for k in e.ks]
+    sums = [0.0] * (2 + len(e.ks))
+    if problems:
+        result = evaluate(engine, run.task, run.tokenizer, problems, n_samples=e.n_samples, temperature=e.temperature,
+                          ks=e.ks, max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=run.stop_ids,
+                          seed=step_seed(cfg.seed + 1, step, first * e.n_samples),
+                          template=cfg.task.prompt_template, use_chat_template=cfg.task.use_chat_template,
+                          max_prompt_len=cfg.rollout.max_prompt_len)
+        n = len(problems)
+        sums = [result["accuracy"] * n * e.n_samples, float(n)] + [result[f"pass@{k}"] * n for k in e.ks]
     if dist_info.world_size > 1:
         t = torch.tensor(sums, dtype=torch.float64, device=dist_info.device)
         dist.all_reduce(t)
         sums = t.tolist()
-    result = {"eval_accuracy": sums[0] / (sums[1] * e.n_samples)}
+    out = {"eval_accuracy": sums[0] / (sums[1] * e.n_samples)}
     for k, total in zip(e.ks, sums[2:]):
-        result[f"eval_pass@{k}"] = total / sums[1]
-    return result
+        out[f"eval_pass@{k}"] = total / sums[1]
+    return out
 
 
-def apply_torch_threads(cfg: Config, device: torch.device) -> None:
-    """Intra-op CPU threads: ``cfg.torch_threads``, or 1 for the tiny embedded model on CPU."""
-    threads = cfg.torch_threads
-    if threads is None and cfg.model.path == "embedded" and device.type == "cpu":
-        threads = 1
-    if threads:
-        torch.set_num_threads(threads)
+@dataclass
+class UpdateResult:
+    """What one rollout step's updates produced: every micro-batch loss, the grad norm of each
+    update that was applied, the mean of each loss statistic over micro-batches where it is
+    defined, and the last mini-batch's mean loss (what the progress bar shows: the first
+    mini-batch after a rollout always reads ln 2 for PACS, as the policy still equals the old one)."""
+
+    losses: list[float]
+    grad_norms: list[float]
+    stats: dict[str, float]
+    last_loss: float
+
+
+def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_logp: torch.Tensor,
+                  old_lse: torch.Tensor, state: dict, dist_info: DistInfo, step: int, say=print) -> UpdateResult:
+    """Step 4: mini-batches of whole groups, each a gradient accumulation over micro-batches of
+    whole groups, clipped and applied; a non-finite loss or gradient on any rank skips the
+    update on every rank, and ``max_consecutive_nan`` skips in a row raise TrainingStopped."""
+    o, group = cfg.optim, cfg.rollout.group_size
+    groups_per_micro = micro_batch_groups(cfg)
+    groups_per_mini = cfg.rollout.prompts_per_step // dist_info.world_size // o.mini_batches_per_step
+    micro_per_mini = groups_per_mini // groups_per_micro
+    one_sweep = o.algo == "pacs" and o.one_sweep_first_step
+    stat_sums: dict[str, float] = {}
+    stat_counts: dict[str, int] = {}
+    losses, grad_norms = [], []
+    for mini in range(o.mini_batches_per_step):
+        for micro in range(micro_per_mini):
+            first_group = mini * groups_per_mini + micro * groups_per_micro
+            lo, hi = first_group * group, (first_group + groups_per_micro) * group
+            part = batch.rows(lo, hi)
+            width = part.targets.shape[1]
+            # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
+            lse = old_lse[lo:hi, :width] if one_sweep and mini == 0 else None
+            loss, stats = policy_loss(cfg, policy, part, old_logp[lo:hi, :width], lse)
+            (loss / micro_per_mini).backward()  # the mini-batch's loss is the mean over its micro-batches
+            losses.append(float(loss.detach()))
+            for key, value in stats.items():  # NaN: undefined here (e.g. no correct response)
+                stat_sums[key] = stat_sums.get(key, 0.0) + (value if math.isfinite(value) else 0.0)
+                stat_counts[key] = stat_counts.get(key, 0) + math.isfinite(value)
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), o.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+            grad_norm = grad_norm.full_tensor()
+        bad = torch.tensor([0.0 if all(math.isfinite(x) for x in losses[-micro_per_mini:]) else 1.0,
+                            0.0 if torch.isfinite(grad_norm) else 1.0], device=dist_info.device)
+        if dist_info.world_size > 1:  # every rank skips together, or the shards diverge
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.any():
+            state["consecutive_nan"] += 1
+            state["skipped_updates"] += 1
+            say(f"[warning] step {step}: non-finite {'loss' if bad[0] else 'gradient'}; "
+                f"update skipped ({state['consecutive_nan']} in a row)")
+            optimizer.zero_grad(set_to_none=True)
+            if state["consecutive_nan"] >= cfg.max_consecutive_nan:
+                last = latest_checkpoint(cfg.output_dir)
+                raise TrainingStopped(
+                    f"{state['consecutive_nan']} non-finite updates in a row at step {step}: stopping. "
+                    f"The last good checkpoint is {last or '(none written yet)'}; resume from it "
+                    "with a lower optim.lr or check the data")
+            continue
+        state["consecutive_nan"] = 0
+        grad_norms.append(float(grad_norm))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    stats = {k: (v / stat_counts[k] if stat_counts[k] else float("nan")) for k, v in stat_sums.items()}
+    return UpdateResult(losses, grad_norms, stats, sum(losses[-micro_per_mini:]) / micro_per_mini)
+
+
+def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: float, update: UpdateResult,
+                 scheduler, state: dict, times: dict[str, float], dist_info: DistInfo) -> dict:
+    """One rollout step's metrics row: the per-rank statistics averaged over ranks, then the
+    optimizer's, the throughput, the timings and the peak memory."""
+    response_tokens = sum(len(x) for x in responses)
+    local = {"reward_mean": float(batch.rewards.mean()), "entropy": entropy,
+             "response_length": response_tokens / len(responses),
+             "loss": sum(update.losses) / len(update.losses),
+             **{k: v for k, v in update.stats.items() if k not in ("loss", "reward_mean")}}
+    row = {"step": step, **all_reduce_mean(local, dist_info)}
+    row.update({
+        "grad_norm": sum(update.grad_norms) / len(update.grad_norms) if update.grad_norms else float("nan"),
+        "lr": scheduler.get_last_lr()[0], "skipped_updates": state["skipped_updates"],
+        "tokens_per_s": response_tokens * dist_info.world_size / times["step_time"], **times,
+        "peak_memory_mib": peak_memory_mib(dist_info.device), "prompts_seen": state["data_position"],
+    })
+    return row
+
+
+def start_run(cfg: Config, dist_info: DistInfo, say=print) -> tuple[Run, object]:
+    """Everything before the model loads: config checks, a usable output directory that holds
+    no other run (unless ``resume`` / ``overwrite``), the checkpoint to resume from, the model
+    directory, task and tokenizer. Returns the run and the :class:`~pacs.checkpoint.CheckpointChoice`
+    (None when not resuming)."""
+    check_config(cfg, dist_info.world_size)
+    check_usable(cfg.output_dir)
+    check_free_for_run(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+    choice = None
+    if cfg.resume:
+        choice = find_checkpoint(cfg.output_dir) if dist_info.is_main else None
+        if dist_info.world_size > 1:  # rank 0 verifies; every rank resumes from its choice
+            shared = [choice]
+            dist.broadcast_object_list(shared, src=0)
+            choice = shared[0]
+        for line in choice.describe():
+            say(line)
+        if choice.path is None:
+            found = run_contents(cfg.output_dir)
+            if found:
+                raise ValueError(
+                    f"--resume: {cfg.output_dir!r} holds a run ({', '.join(found)}) but no checkpoint that "
+                    "verifies (reasons above); pass --overwrite instead of --resume to move it aside and "
+                    "start afresh")
+            say(f"[resume] no checkpoint under {cfg.output_dir}/checkpoints: starting from scratch")
+            choice = None
+    if dist_info.world_size > 1:  # every rank has checked the directory before rank 0 changes it
+        dist.barrier()
+    if dist_info.is_main:
+        if cfg.overwrite:
+            moved = move_run_aside(cfg.output_dir)
+            if moved:
+                say(f"[train] --overwrite: moved the previous run in {cfg.output_dir} to {moved}")
+        # the saved config resumes this run: `pacs train --config OUTPUT_DIR/config.yaml --resume`
+        save_config(dataclasses.replace(cfg, resume=False, overwrite=False), os.path.join(cfg.output_dir,
+                                                                                          "config.yaml"))
+    apply_torch_threads(cfg, dist_info.device)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    return prepare_run(cfg, dist_info, log=say), choice
+
+
+def resume_hint(cfg: Config) -> str:
+    """Where the last checkpoint is and the command that continues the run."""
+    last = find_checkpoint(cfg.output_dir)
+    command = f"pacs train --config {os.path.join(cfg.output_dir, 'config.yaml')} --resume"
+    if last.path is None:
+        return f"no checkpoint was written yet; start again with {command.replace('--resume', '--overwrite')}"
+    return f"the last checkpoint is {last.path} (step {last.step}); resume with: {command}"
+
+
+def summary_line(cfg: Config, metrics_path: str, steps: int, seconds: float, peak_mib: float,
+                 plot: str | None) -> str:
+    """The run's last console line: steps, held-out accuracy first -> last, wall time, peak memory,
+    where the model, metrics and curves are."""
+    evals = [r["eval_accuracy"] for r in read_metrics(metrics_path) if r.get("eval_accuracy") is not None]
+    accuracy = f"held-out accuracy {evals[0]:.3f} -> {evals[-1]:.3f}" if evals else "no held-out evaluation"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    where = f"model {os.path.join(cfg.output_dir, 'final_model')}, metrics {metrics_path}"
+    if plot:
+        where += f", curves {plot}"
+    return (f"[train] done: {steps} steps, {accuracy}, {minutes}m{secs:02d}s, peak memory {peak_mib:.0f} MiB; "
+            f"{where}")
 
 
 def train(cfg: Config) -> TrainResult:
     """Run (or resume) training as configured."""
     dist_info = setup_distributed()
     say = print if dist_info.is_main else (lambda *a, **k: None)
-
-    # ---- checks that need no model: fail before any work starts
-    validate(cfg, dist_info.world_size)
-    if cfg.rollout.engine == "vllm":
-        check_vllm_available()
-    if cfg.model.path != "embedded":
-        check_lengths(cfg, max_positions(check_model_path(cfg.model.path, cfg.model.trust_remote_code)))
-    else:
-        from .tasks.embedded import MAX_POSITIONS
-
-        check_lengths(cfg, MAX_POSITIONS)
-    ckpt = latest_checkpoint(cfg.output_dir) if cfg.resume else None
-    if cfg.resume and ckpt is None:
-        say(f"[resume] no checkpoint under {cfg.output_dir}/checkpoints: starting from scratch")
-
-    # ---- task, model, tokenizer, optimizer
-    apply_torch_threads(cfg, dist_info.device)
-    seed = cfg.seed
-    random.seed(seed)
-    torch.manual_seed(seed)
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    if dist_info.is_main:
-        save_config(cfg, os.path.join(cfg.output_dir, "config.yaml"))
-    task = make_task(cfg)
-    model_dir = cfg.model.path
-    if model_dir == "embedded":
-        from .tasks.embedded import prepare_embedded_model
-
-        if dist_info.is_main:  # rank 0 warms up (or finds the cache); the others wait and read it
-            model_dir = prepare_embedded_model(cfg.task, seed, log=say)
-        if dist_info.world_size > 1:
-            shared = [model_dir]
-            dist.broadcast_object_list(shared, src=0)
-            model_dir = shared[0]
-        check_lengths(cfg, max_positions(check_model_path(model_dir)))
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    stop_ids = [tokenizer.eos_token_id]
-    policy = load_policy(model_dir, dtype=cfg.model.dtype, gradient_checkpointing=cfg.model.gradient_checkpointing,
-                         dist_info=dist_info, trust_remote_code=cfg.model.trust_remote_code)
+    run, resume = start_run(cfg, dist_info, say)
     o, r = cfg.optim, cfg.rollout
+
+    # ---- policy and optimizer; the checkpoint's state when resuming
+    policy = load_policy(run.model_dir, dtype=cfg.model.dtype, gradient_checkpointing=cfg.model.gradient_checkpointing,
+                         dist_info=dist_info, trust_remote_code=cfg.model.trust_remote_code)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(cfg, cfg.max_steps * o.mini_batches_per_step))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, cfg.max_steps * o.mini_batches_per_step))
     state = {"step": 0, "data_position": 0, "consecutive_nan": 0, "skipped_updates": 0}
-    if ckpt is not None:
-        state.update(load_checkpoint(ckpt, policy, optimizer, scheduler, dist_info))
-        say(f"[resume] continuing from {ckpt} (step {state['step']})")
+    if resume is not None:
+        state.update(load_checkpoint(resume.path, policy, optimizer, scheduler, dist_info))
 
-    # ---- rollout engine, serving the current weights
-    engine = make_rollout_engine(
-        r.engine, model_dir, max_model_len=r.max_prompt_len + r.max_new_tokens, seed=seed + dist_info.rank,
-        dtype=cfg.model.dtype, log=say, gpu_memory_utilization=r.gpu_memory_utilization,
-        kv_cache_gib=r.kv_cache_gib, enforce_eager=r.enforce_eager)
-    if ckpt is not None:
+    # ---- rollout engine, serving the current weights; the metrics log (cut back when resuming)
+    engine = make_rollout_engine(**engine_options(cfg, run.model_dir, cfg.seed + dist_info.rank, log=say))
+    hide_progress_bars()  # again: a vLLM engine's start turns transformers' back on
+    if resume is not None:
         engine.sync_weights(full_named_tensors(policy))
-
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
-    metrics = MetricsLog(metrics_path, truncate_after=state["step"] if ckpt is not None else None,
-                         enabled=dist_info.is_main)
-    if ckpt is None:
-        row = {"step": 0, "rollout_engine": type(engine).__name__,
-               **evaluate_policy(cfg, engine, task, tokenizer, stop_ids, dist_info, 0)}
-        metrics.write(row)
-        say(f"[eval] step 0: held-out accuracy {row['eval_accuracy']:.3f}")
-
-    per_rank = r.prompts_per_step // dist_info.world_size
-    group = r.group_size
-    groups_per_micro = micro_batch_groups(cfg)
-    groups_per_mini = per_rank // o.mini_batches_per_step
-    micro_per_mini = groups_per_mini // groups_per_micro
-    start_time = time.time()
-    row: dict = {}
+    metrics = MetricsLog(metrics_path, resume_step=state["step"] if resume is not None else None,
+                         enabled=dist_info.is_main, warn=say)
     from tqdm import tqdm
 
-    progress = tqdm(total=cfg.max_steps, initial=state["step"], desc="rollout steps",
-                    disable=not dist_info.is_main, dynamic_ncols=True)
-    for step in range(state["step"] + 1, cfg.max_steps + 1):
-        step_start = time.time()
-        # 1. prompts (this rank's share) and G responses each, groups contiguous
-        first = state["data_position"] + dist_info.rank * per_rank
-        problems = task.train_batch(first, per_rank)
-        state["data_position"] += r.prompts_per_step
-        prompts = [encode_prompt(tokenizer, p, template=cfg.task.prompt_template,
-                                 use_chat_template=cfg.task.use_chat_template) for p in problems]
-        if any(len(p) > r.max_prompt_len for p in prompts) and not state.get("warned_truncation"):
-            state["warned_truncation"] = True
-            say(f"[warning] prompts longer than rollout.max_prompt_len={r.max_prompt_len} tokens are "
-                "cut to their last max_prompt_len tokens")
-        prompts = [p[-r.max_prompt_len:] for p in prompts]
-        outputs = engine.generate(prompts, group, temperature=r.temperature, top_p=r.top_p,
-                                  max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids,
-                                  seed=step_seed(seed, step, dist_info.rank * per_rank * group))
-        rollout_time = time.time() - step_start
+    start_time = time.time()
+    row: dict = {}
+    progress = None
+    try:
+        if resume is None:
+            row = {"step": 0, "rollout_engine": type(engine).__name__,
+                   **evaluate_policy(cfg, engine, run, dist_info, 0)}
+            metrics.write(row)
+            say(f"[eval] step 0: held-out accuracy {row['eval_accuracy']:.3f}")
+        progress = tqdm(total=cfg.max_steps, initial=state["step"], desc="rollout steps",
+                        disable=not dist_info.is_main, dynamic_ncols=True)
+        per_rank = r.prompts_per_step // dist_info.world_size
+        warned_cut = False
+        for step in range(state["step"] + 1, cfg.max_steps + 1):
+            step_start = time.time()
+            # 1. prompts (this rank's share), G responses each, groups contiguous; seeds depend on
+            #    (seed, step, row) only, so a resumed run samples what the uninterrupted one did
+            problems = run.task.train_batch(state["data_position"] + dist_info.rank * per_rank, per_rank)
+            state["data_position"] += r.prompts_per_step
+            prompts, cut = encode_prompts(run.tokenizer, problems, template=cfg.task.prompt_template,
+                                          use_chat_template=cfg.task.use_chat_template, max_prompt_len=r.max_prompt_len)
+            if cut and not warned_cut:
+                warned_cut = True
+                say(f"[warning] prompts longer than rollout.max_prompt_len={r.max_prompt_len} tokens are cut to "
+                    "their last max_prompt_len tokens")
+            outputs = engine.generate(prompts, r.group_size, temperature=r.temperature, top_p=r.top_p,
+                                      max_new_tokens=r.max_new_tokens, stop_token_ids=run.stop_ids,
+                                      seed=step_seed(cfg.seed, step, dist_info.rank * per_rank * r.group_size))
+            rollout_time = time.time() - step_start
 
-        # 2. verifiable rewards
-        responses = [resp for group_out in outputs for resp in group_out]
-        rewards = [task.reward(decode_response(tokenizer, resp), problem)
-                   for problem, group_out in zip(problems, outputs) for resp in group_out]
-        batch = build_batch([p for p in prompts for _ in range(group)], responses, rewards, pad_id)
-        batch = batch.to(dist_info.device)
+            # 2. verifiable rewards, one row per response
+            responses = [resp for group_out in outputs for resp in group_out]
+            rewards = [run.task.reward(decode_response(run.tokenizer, resp), problem)
+                       for problem, group_out in zip(problems, outputs) for resp in group_out]
+            batch = build_batch([p for p in prompts for _ in range(r.group_size)], responses, rewards,
+                                run.pad_id).to(dist_info.device)
 
-        # 3. old-policy log-probs (the PACS reference, reset every rollout step)
-        update_start = time.time()
-        old_logp, old_lse, entropy = old_policy_logprobs(policy, batch, groups_per_micro * group, r.temperature,
-                                                         o.logprob_backend)
-        one_sweep = o.algo == "pacs" and o.one_sweep_first_step
+            # 3. old-policy log-probs (the PACS reference, reset every rollout step)
+            update_start = time.time()
+            old_logp, old_lse, entropy = old_policy_logprobs(
+                policy, batch, micro_batch_groups(cfg) * r.group_size, r.temperature, o.logprob_backend)
 
-        # 4. mini-batches of whole groups, gradient accumulation over micro-batches of whole groups
-        stat_sums: dict[str, float] = {}
-        stat_counts: dict[str, int] = {}
-        losses, grad_norms = [], []
-        for mini in range(o.mini_batches_per_step):
-            for micro in range(micro_per_mini):
-                first_group = mini * groups_per_mini + micro * groups_per_micro
-                lo, hi = first_group * group, (first_group + groups_per_micro) * group
-                part = batch.rows(lo, hi)
-                width = part.targets.shape[1]
-                # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
-                lse = old_lse[lo:hi, :width] if one_sweep and mini == 0 else None
-                loss, stats = policy_loss(cfg, policy, part, old_logp[lo:hi, :width], lse)
-                (loss / micro_per_mini).backward()
-                losses.append(float(loss.detach()))
-                for key, value in stats.items():  # NaN: undefined here (e.g. no correct response)
-                    stat_sums.setdefault(key, 0.0)
-                    stat_counts.setdefault(key, 0)
-                    if math.isfinite(value):
-                        stat_sums[key] += value
-                        stat_counts[key] += 1
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), o.max_grad_norm)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
-            bad = torch.tensor([0.0 if all(math.isfinite(x) for x in losses[-micro_per_mini:]) else 1.0,
-                                0.0 if torch.isfinite(grad_norm) else 1.0], device=dist_info.device)
-            if dist_info.world_size > 1:
-                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-            if bad.any():
-                state["consecutive_nan"] += 1
-                state["skipped_updates"] += 1
-                say(f"[warning] step {step}: non-finite {'loss' if bad[0] else 'gradient'}; "
-                    f"update skipped ({state['consecutive_nan']} in a row)")
-                optimizer.zero_grad(set_to_none=True)
-                if state["consecutive_nan"] >= cfg.max_consecutive_nan:
-                    progress.close()
-                    engine.close()
-                    last = latest_checkpoint(cfg.output_dir)
-                    raise TrainingStopped(
-                        f"{state['consecutive_nan']} non-finite updates in a row at step {step}: stopping. "
-                        f"The last good checkpoint is {last or '(none written yet)'}; resume from it "
-                        "with a lower optim.lr or check the data")
-                continue
-            state["consecutive_nan"] = 0
-            grad_norms.append(float(grad_norm))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-        update_time = time.time() - update_start
+            # 4. the updates (NaN-skipping); 5. new weights into the rollout engine
+            update = update_policy(cfg, policy, optimizer, scheduler, batch, old_logp, old_lse, state, dist_info,
+                                   step, say)
+            update_time = time.time() - update_start
+            sync_start = time.time()
+            engine.sync_weights(full_named_tensors(policy))
+            sync_time = time.time() - sync_start
 
-        # 5. new weights into the rollout engine; metrics; eval; checkpoint
-        sync_start = time.time()
-        engine.sync_weights(full_named_tensors(policy))
-        sync_time = time.time() - sync_start
-        response_tokens = sum(len(x) for x in responses)
-        local = {
-            "reward_mean": float(batch.rewards.mean()), "entropy": entropy,
-            "response_length": response_tokens / len(responses),
-            "loss": sum(losses) / len(losses),
-            **{k: (v / stat_counts[k] if stat_counts[k] else float("nan"))
-               for k, v in stat_sums.items() if k != "loss" and k != "reward_mean"},
-        }
-        row = {"step": step, **all_reduce_mean(local, dist_info)}
-        step_time = time.time() - step_start
-        row.update({
-            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
-            "lr": scheduler.get_last_lr()[0], "skipped_updates": state["skipped_updates"],
-            "tokens_per_s": response_tokens * dist_info.world_size / step_time,
-            "rollout_time": rollout_time, "update_time": update_time, "sync_time": sync_time,
-            "step_time": step_time, "elapsed": time.time() - start_time,
-            "peak_memory_mib": peak_memory_mib(dist_info.device),
-            "prompts_seen": state["data_position"],
-        })
-        out_of_time = cfg.max_minutes is not None and time.time() - start_time > 60 * cfg.max_minutes
-        last_step = step == cfg.max_steps or out_of_time
-        if (cfg.eval.every and step % cfg.eval.every == 0) or last_step:
-            row.update(evaluate_policy(cfg, engine, task, tokenizer, stop_ids, dist_info, step))
-        metrics.write(row)
-        progress.set_postfix(reward=f"{row['reward_mean']:.2f}", loss=f"{row['loss']:.3f}",
-                             **({"acc": f"{row['eval_accuracy']:.2f}"} if "eval_accuracy" in row else {}))
-        progress.update(1)
-        state["step"] = step
-        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or last_step:
-            save_checkpoint(cfg.output_dir, step, policy, optimizer, scheduler, state, dist_info)
-        if out_of_time:
-            say(f"[train] max_minutes={cfg.max_minutes} reached after step {step}: stopping")
-            break
+            # metrics (averaged over ranks), held-out evaluation every eval.every steps, checkpoint
+            times = {"rollout_time": rollout_time, "update_time": update_time, "sync_time": sync_time,
+                     "step_time": time.time() - step_start, "elapsed": time.time() - start_time}
+            row = step_metrics(step, batch, responses, entropy, update, scheduler, state, times, dist_info)
+            out_of_time = cfg.max_minutes is not None and time.time() - start_time > 60 * cfg.max_minutes
+            last_step = step == cfg.max_steps or out_of_time
+            if (cfg.eval.every and step % cfg.eval.every == 0) or last_step:
+                row.update(evaluate_policy(cfg, engine, run, dist_info, step))
+            metrics.write(row)
+            # the last mini-batch's loss (the first one's is ln 2 for PACS) and the grad norm: both move
+            progress.set_postfix(reward=f"{row['reward_mean']:.2f}", loss=f"{update.last_loss:.3f}",
+                                 gnorm=f"{row['grad_norm']:.3f}",
+                                 **({"acc": f"{row['eval_accuracy']:.2f}"} if "eval_accuracy" in row else {}))
+            progress.update(1)
+            state["step"] = step
+            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or last_step:
+                save_checkpoint(cfg.output_dir, step, policy, optimizer, scheduler, state, dist_info)
+            if out_of_time:
+                say(f"[train] max_minutes={cfg.max_minutes} reached after step {step}: stopping")
+                break
+    except BaseException as exc:
+        if progress is not None:
+            progress.close()
+        engine.close()
+        if isinstance(exc, KeyboardInterrupt):
+            raise TrainingInterrupted(f"interrupted at step {state['step'] + 1}; {resume_hint(cfg)}") from None
+        raise
     progress.close()
 
-    # ---- final export (HF format, servable by vLLM) and the curves
-    export_hf(policy, tokenizer, os.path.join(cfg.output_dir, "final_model"), dist_info)
+    # ---- final export (HF format, servable by vLLM), the curves, one summary line
+    export_hf(policy, run.tokenizer, os.path.join(cfg.output_dir, "final_model"), dist_info)
     engine.close()
+    png = None
     if dist_info.is_main and cfg.plot and os.path.isfile(metrics_path):
         png = plot_metrics(metrics_path, os.path.join(cfg.output_dir, "metrics.png"),
                            title=f"{cfg.optim.algo} on {cfg.task.name} ({cfg.output_dir})")
-        say(f"[train] metrics: {metrics_path}; curves: {png}")
+    if dist_info.is_main:
+        say(summary_line(cfg, metrics_path, state["step"], time.time() - start_time,
+                         peak_memory_mib(dist_info.device), png))
     return TrainResult(metrics=row, policy=policy, output_dir=cfg.output_dir)

@@ -97,14 +97,22 @@ def test_cli_errors_before_work(tmp_path, capsys):
     assert not (tmp_path / "o" / "metrics.jsonl").exists()
 
 
-def test_bench_forwards_argv_or_explains(tmp_path, monkeypatch, capsys):
-    import pacs.cli as cli
+def test_bench_forwards_argv_to_the_benchmarks_package(monkeypatch, capsys):
+    import benchmarks.run
 
-    monkeypatch.setattr(cli, "REPO_ROOT", str(tmp_path))
-    assert main(["bench", "--x"]) == 2
-    assert "benchmarks/run.py is missing" in capsys.readouterr().err
-    (tmp_path / "benchmarks").mkdir()
-    (tmp_path / "benchmarks" / "run.py").write_text(
-        "def main(argv):\n    print('got', argv)\n    return 0\n")
+    monkeypatch.setattr(benchmarks.run, "main", lambda argv: print("got", argv) or 0)
     assert main(["bench", "--quick", "--device", "cpu"]) == 0
     assert "got ['--quick', '--device', 'cpu']" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--n", "-5"], "--n values must be >= 1, got -5"),
+    (["--d", "0", "--v", "16"], "--d must be >= 1, got 0"),
+    (["--d", "16", "--v", "-1"], "--v must be >= 1, got -1"),
+    (["--timeout", "0"], "--timeout must be > 0"),
+])
+def test_bench_nonsense_sizes_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

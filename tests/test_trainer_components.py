@@ -129,10 +129,10 @@ def test_engine_choice_and_errors(tiny_model_dir, monkeypatch):
     import pacs.rollout as rollout
 
     notices = []
-    monkeypatch.setattr(rollout, "vllm_importable", lambda: False)
+    monkeypatch.setattr(rollout, "vllm_available", lambda: False)
     engine = make_rollout_engine("auto", tiny_model_dir, max_model_len=32, log=notices.append)
     assert isinstance(engine, HFGenerateEngine) and "vLLM is not installed" in notices[0]
-    with pytest.raises(ValueError, match="--rollout vllm was requested but vLLM is not installed"):
+    with pytest.raises(ValueError, match="--rollout vllm was requested but vLLM cannot be imported"):
         make_rollout_engine("vllm", tiny_model_dir, max_model_len=32)
     with pytest.raises(ValueError, match="'auto', 'vllm' or 'hf'"):
         make_rollout_engine("sglang", tiny_model_dir, max_model_len=32)

@@ -28,9 +28,9 @@ def test_smoke_train_eval_export(tmp_path, cache_dir):
     result = train(cfg)
     rows = read_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    from pacs.rollout import vllm_importable
+    from pacs.rollout import vllm_available
 
-    assert rows[0]["rollout_engine"] == ("VLLMRolloutEngine" if vllm_importable() else "HFGenerateEngine")
+    assert rows[0]["rollout_engine"] == ("VLLMRolloutEngine" if vllm_available() else "HFGenerateEngine")
     assert "eval_accuracy" in rows[0] and "eval_accuracy" in rows[2] and "eval_accuracy" in rows[3]
     for row in rows[1:]:
         for key in ("reward_mean", "loss", "grad_norm", "entropy", "response_length", "sigmoid_psi_mean",

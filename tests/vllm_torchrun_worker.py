@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from pacs.rollout_vllm import VLLMRolloutEngine
+from pacs.rollout.vllm import VLLMRolloutEngine
 
 PROMPTS_BY_RANK = [[[1, 2, 3, 4]], [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]]
 

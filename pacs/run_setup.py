@@ -1,0 +1,97 @@
+"""What ``pacs train`` and ``pacs eval`` both need before their first generation, done one way.
+
+:func:`prepare_run` checks the config (no model needed), finds or builds the model directory,
+checks it holds weights and that prompt + response fit its positions, builds the task (checking
+that it has a held-out set) and loads the tokenizer. :func:`engine_options` gives the rollout
+engine's arguments. (Prompts are cut to ``rollout.max_prompt_len`` by one function for training and
+both evaluations: :func:`pacs.evaluate.encode_prompts`.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .config import Config, check_lengths, validate
+from .policy import DistInfo, check_model_path, max_positions
+from .rollout import check_vllm_available
+from .tasks import Task, make_task
+
+
+@dataclass
+class Run:
+    """A checked run: the model directory (built when ``embedded``), the task and the tokenizer.
+
+    pad_id: the tokenizer's pad token (its eos when it has none); stop_ids: generation stops there.
+    """
+
+    cfg: Config
+    model_dir: str
+    task: Task
+    tokenizer: object
+    pad_id: int
+    stop_ids: list[int]
+
+
+def check_config(cfg: Config, world_size: int = 1) -> None:
+    """Checks that need no model: settings, vLLM when asked for, the model directory's config and
+    weights and its positions (a local or hub model; the embedded one is checked once built)."""
+    validate(cfg, world_size)
+    if cfg.rollout.engine == "vllm":
+        check_vllm_available()
+    if cfg.model.path != "embedded":
+        check_lengths(cfg, max_positions(check_model_path(cfg.model.path, cfg.model.trust_remote_code)))
+    else:
+        from .tasks.embedded import MAX_POSITIONS
+
+        check_lengths(cfg, MAX_POSITIONS)
+
+
+def prepare_run(cfg: Config, dist_info: DistInfo | None = None, log=print) -> Run:
+    """Model directory, task and tokenizer of a checked config (call :func:`check_config` first).
+
+    The embedded model is built (or found in its cache) by rank 0 while the other ranks wait.
+    """
+    dist_info = dist_info or DistInfo()
+    model_dir = cfg.model.path
+    if model_dir == "embedded":
+        from .tasks.embedded import prepare_embedded_model
+
+        if dist_info.is_main:
+            model_dir = prepare_embedded_model(cfg.task, cfg.seed, log=log)
+        if dist_info.world_size > 1:
+            shared = [model_dir]
+            dist.broadcast_object_list(shared, src=0)
+            model_dir = shared[0]
+        check_lengths(cfg, max_positions(check_model_path(model_dir)))
+    task = make_task(cfg)
+    held_out = task.eval_problems(cfg.eval.num_problems)
+    if not held_out:
+        where = f"task.data_path {cfg.task.data_path!r}" if cfg.task.name == "math" else f"task {cfg.task.name!r}"
+        raise ValueError(
+            f"{where} is too small for a held-out split: 0 held-out problems (task.eval_size="
+            f"{cfg.task.eval_size}); give more rows, a task.eval_path, or a larger data set")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return Run(cfg, model_dir, task, tokenizer, pad_id, [tokenizer.eos_token_id])
+
+
+def engine_options(cfg: Config, model_dir: str, seed: int, log=print) -> dict:
+    """Keyword arguments of :func:`pacs.rollout.make_rollout_engine` for this run."""
+    r = cfg.rollout
+    return dict(kind=r.engine, model_dir=model_dir, max_model_len=r.max_prompt_len + r.max_new_tokens, seed=seed,
+                dtype=cfg.model.dtype, log=log, gpu_memory_utilization=r.gpu_memory_utilization,
+                kv_cache_gib=r.kv_cache_gib, enforce_eager=r.enforce_eager)
+
+
+def apply_torch_threads(cfg: Config, device: torch.device) -> None:
+    """Intra-op CPU threads: ``cfg.torch_threads``, or 1 for the tiny embedded model on CPU."""
+    threads = cfg.torch_threads
+    if threads is None and cfg.model.path == "embedded" and device.type == "cpu":
+        threads = 1
+    if threads:
+        torch.set_num_threads(threads)
