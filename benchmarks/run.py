@@ -123,14 +123,9 @@ def parse_args(argv):
     for name in ("warmup", "repeats"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             parser.error(f"--{name} must be >= {0 if name == 'warmup' else 1}, got {getattr(args, name)}")
-    for name in ("d", "v", "threads"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.n is not None and min(args.n) < 1:
-        parser.error(f"--n takes token counts >= 1, got {args.n}")
     if (args.d is None) != (args.v is None):
         parser.error("--d and --v go together")
-    for name in ("d", "v"):
+    for name in ("d", "v", "threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.n is not None and min(args.n) < 1:
