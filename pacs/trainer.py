@@ -26,9 +26,18 @@ import torch.distributed as dist
 from pacs_kernels import fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import Config, check_lengths, micro_batch_groups, save_config, validate
+from .config import Config, check_lengths, micro_batch_groups, save_config, use_packing, validate
 from .evaluate import decode_response, encode_prompt, mean_pass_at_k
+from .memory import activation_offload
 from .metrics import MetricsLog, plot_metrics
+from .packing import (
+    PackedMicroBatch,
+    forward_micro_batch,
+    micro_batch_ranges,
+    response_positions,
+    slice_micro_batch,
+    to_layout,
+)
 from .policy import (
     DistInfo,
     check_model_path,
@@ -150,34 +159,39 @@ def step_seed(seed: int, step: int, first_row: int = 0) -> int:
 
 
 @torch.no_grad()
-def old_policy_logprobs(policy, batch: Batch, rows_per_pass: int, temperature: float, backend: str):
+def old_policy_logprobs(policy, batch: Batch, ranges: list[tuple[int, int]], temperature: float, backend: str,
+                        packed: bool = False):
     """(B, L) log-probs of the targets under the current policy (0 off the mask), their (B, L)
     log-sum-exp (for the one-sweep first step), and the mean entropy of the policy over response
-    tokens. One no-grad pass, ``rows_per_pass`` rows at a time."""
+    tokens. One no-grad pass in chunks: the row ranges ``ranges``, packed or padded."""
     old_logp = torch.zeros(batch.targets.shape, dtype=torch.float32, device=batch.targets.device)
     old_lse = torch.zeros_like(old_logp)
     entropy_sum, tokens = 0.0, 0
-    for start in range(0, batch.targets.shape[0], rows_per_pass):
-        part = batch.rows(start, min(start + rows_per_pass, batch.targets.shape[0]))
-        hidden, weight, bias = policy(part.input_ids, part.attention_mask)
+    for lo, hi in ranges:
+        part = slice_micro_batch(batch, lo, hi, packed)
+        hidden, weight, bias = forward_micro_batch(policy, part)
         logp, entropy, lse = linear_logprobs(hidden[part.mask], weight, part.targets[part.mask], bias=bias,
                                              temperature=temperature, return_entropy=True, return_lse=True,
                                              backend=backend)
-        width = part.targets.shape[1]
-        old_logp[start:start + part.targets.shape[0], :width][part.mask] = logp
-        old_lse[start:start + part.targets.shape[0], :width][part.mask] = lse
+        rows, cols = response_positions(part, lo)
+        old_logp[rows, cols] = logp
+        old_lse[rows, cols] = lse
         entropy_sum += float(entropy.sum())
         tokens += int(part.mask.sum())
     return old_logp, old_lse, entropy_sum / max(tokens, 1)
 
 
-def policy_loss(cfg: Config, policy, part: Batch, old_logp: torch.Tensor, old_lse: torch.Tensor | None = None):
-    """The configured loss (PACS or GRPO) of one micro-batch, straight from hidden states.
-    ``old_lse`` (PACS, weights unchanged since the old-policy pass): the one-sweep first step."""
-    hidden, weight, bias = policy(part.input_ids, part.attention_mask)
+def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: torch.Tensor,
+                old_lse: torch.Tensor | None = None):
+    """The configured loss (PACS or GRPO) of one micro-batch (padded rows or packed), straight from
+    hidden states; old_logp/old_lse in the micro-batch's layout. ``old_lse`` (PACS, weights
+    unchanged since the old-policy pass): the one-sweep first step."""
+    hidden, weight, bias = forward_micro_batch(policy, part)
     o, group = cfg.optim, cfg.rollout.group_size
     common = dict(group_size=group, temperature=cfg.rollout.temperature, bias=bias, return_stats=True,
                   backend=o.logprob_backend)
+    if isinstance(part, PackedMicroBatch):
+        common["cu_seqlens"] = part.cu_seqlens
     if o.algo == "pacs":
         loss, stats = fused_linear_pacs_loss(
             hidden, weight, part.targets, part.mask, old_logp, part.rewards, beta=o.beta, score=o.score,
@@ -270,8 +284,10 @@ def train(cfg: Config) -> TrainResult:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stop_ids = [tokenizer.eos_token_id]
+    packed = use_packing(cfg)
     policy = load_policy(model_dir, dtype=cfg.model.dtype, gradient_checkpointing=cfg.model.gradient_checkpointing,
-                         dist_info=dist_info, trust_remote_code=cfg.model.trust_remote_code)
+                         dist_info=dist_info, trust_remote_code=cfg.model.trust_remote_code, packed_attention=packed,
+                         liger_patches=cfg.train.liger_patches, fsdp_cpu_offload=cfg.train.fsdp_cpu_offload)
     o, r = cfg.optim, cfg.rollout
     optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -302,7 +318,7 @@ def train(cfg: Config) -> TrainResult:
     group = r.group_size
     groups_per_micro = micro_batch_groups(cfg)
     groups_per_mini = per_rank // o.mini_batches_per_step
-    micro_per_mini = groups_per_mini // groups_per_micro
+    rows_per_mini, tr = groups_per_mini * group, cfg.train
     start_time = time.time()
     row: dict = {}
     from tqdm import tqdm
@@ -336,8 +352,14 @@ def train(cfg: Config) -> TrainResult:
 
         # 3. old-policy log-probs (the PACS reference, reset every rollout step)
         update_start = time.time()
-        old_logp, old_lse, entropy = old_policy_logprobs(policy, batch, groups_per_micro * group, r.temperature,
-                                                         o.logprob_backend)
+        lengths = batch.attention_mask.sum(1).tolist()
+        budget = tr.old_policy_max_tokens or tr.max_tokens_per_micro_batch
+        chunks = micro_batch_ranges(
+            lengths, 0, len(lengths), group_size=group, rows_per_micro=groups_per_micro * group, max_tokens=budget,
+            packed=packed, setting="train.old_policy_max_tokens" if tr.old_policy_max_tokens else
+            "train.max_tokens_per_micro_batch")
+        old_logp, old_lse, entropy = old_policy_logprobs(policy, batch, chunks, r.temperature, o.logprob_backend,
+                                                         packed)
         one_sweep = o.algo == "pacs" and o.one_sweep_first_step
 
         # 4. mini-batches of whole groups, gradient accumulation over micro-batches of whole groups
@@ -345,15 +367,17 @@ def train(cfg: Config) -> TrainResult:
         stat_counts: dict[str, int] = {}
         losses, grad_norms = [], []
         for mini in range(o.mini_batches_per_step):
-            for micro in range(micro_per_mini):
-                first_group = mini * groups_per_mini + micro * groups_per_micro
-                lo, hi = first_group * group, (first_group + groups_per_micro) * group
-                part = batch.rows(lo, hi)
-                width = part.targets.shape[1]
+            micro_batches = micro_batch_ranges(
+                lengths, mini * rows_per_mini, (mini + 1) * rows_per_mini, group_size=group,
+                rows_per_micro=groups_per_micro * group, max_tokens=tr.max_tokens_per_micro_batch, packed=packed)
+            for lo, hi in micro_batches:
+                part = slice_micro_batch(batch, lo, hi, packed)
                 # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
-                lse = old_lse[lo:hi, :width] if one_sweep and mini == 0 else None
-                loss, stats = policy_loss(cfg, policy, part, old_logp[lo:hi, :width], lse)
-                (loss / micro_per_mini).backward()
+                lse = to_layout(part, lo, old_lse) if one_sweep and mini == 0 else None
+                with activation_offload(tr.offload_activations, dist_info.device):
+                    loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, old_logp), lse)
+                # each loss is a mean over its responses: weigh it by its share of the mini-batch
+                (loss * ((hi - lo) / rows_per_mini)).backward()
                 losses.append(float(loss.detach()))
                 for key, value in stats.items():  # NaN: undefined here (e.g. no correct response)
                     stat_sums.setdefault(key, 0.0)
@@ -364,7 +388,7 @@ def train(cfg: Config) -> TrainResult:
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), o.max_grad_norm)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
-            bad = torch.tensor([0.0 if all(math.isfinite(x) for x in losses[-micro_per_mini:]) else 1.0,
+            bad = torch.tensor([0.0 if all(math.isfinite(x) for x in losses[-len(micro_batches):]) else 1.0,
                                 0.0 if torch.isfinite(grad_norm) else 1.0], device=dist_info.device)
             if dist_info.world_size > 1:
                 dist.all_reduce(bad, op=dist.ReduceOp.MAX)
