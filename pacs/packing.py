@@ -290,3 +290,34 @@ def response_positions(part, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
         return part.rows[part.mask], part.cols[part.mask]
     rows, cols = part.mask.nonzero(as_tuple=True)
     return rows + lo, cols
+
+
+def split_to_count(plan: list[tuple[int, int]], count: int, group_size: int) -> list[tuple[int, int]]:
+    """Split micro-batches of ``plan`` (at group boundaries; the one with the most groups first, in
+    half) until there are ``count`` of them. Each part costs no more than the micro-batch it came
+    from, so a plan within a token budget stays within it. Raises ValueError when ``count``
+    exceeds the number of groups."""
+    plan = list(plan)
+    groups = sum(hi - lo for lo, hi in plan) // group_size
+    if count > groups:
+        raise ValueError(f"cannot cut {groups} groups into {count} micro-batches of whole groups")
+    while len(plan) < count:
+        i = max(range(len(plan)), key=lambda j: plan[j][1] - plan[j][0])
+        lo, hi = plan[i]
+        mid = lo + (hi - lo) // group_size // 2 * group_size
+        plan[i:i + 1] = [(lo, mid), (mid, hi)]
+    return plan
+
+
+def same_count_on_every_rank(plan: list[tuple[int, int]], group_size: int, world_size: int,
+                             device: torch.device) -> list[tuple[int, int]]:
+    """Under FSDP every rank must run the same number of forwards and backwards (each one gathers
+    parameters and reduces gradients collectively), but token budgets cut each rank's groups
+    differently: all ranks take the largest count, splitting their own micro-batches to reach it."""
+    if world_size <= 1:
+        return plan
+    import torch.distributed as dist
+
+    count = torch.tensor([len(plan)], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return split_to_count(plan, int(count), group_size)

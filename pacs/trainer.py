@@ -35,6 +35,7 @@ from .packing import (
     forward_micro_batch,
     micro_batch_ranges,
     response_positions,
+    same_count_on_every_rank,
     slice_micro_batch,
     to_layout,
 )
@@ -358,6 +359,7 @@ def train(cfg: Config) -> TrainResult:
             lengths, 0, len(lengths), group_size=group, rows_per_micro=groups_per_micro * group, max_tokens=budget,
             packed=packed, setting="train.old_policy_max_tokens" if tr.old_policy_max_tokens else
             "train.max_tokens_per_micro_batch")
+        chunks = same_count_on_every_rank(chunks, group, dist_info.world_size, dist_info.device)
         old_logp, old_lse, entropy = old_policy_logprobs(policy, batch, chunks, r.temperature, o.logprob_backend,
                                                          packed)
         one_sweep = o.algo == "pacs" and o.one_sweep_first_step
@@ -370,6 +372,7 @@ def train(cfg: Config) -> TrainResult:
             micro_batches = micro_batch_ranges(
                 lengths, mini * rows_per_mini, (mini + 1) * rows_per_mini, group_size=group,
                 rows_per_micro=groups_per_micro * group, max_tokens=tr.max_tokens_per_micro_batch, packed=packed)
+            micro_batches = same_count_on_every_rank(micro_batches, group, dist_info.world_size, dist_info.device)
             for lo, hi in micro_batches:
                 part = slice_micro_batch(batch, lo, hi, packed)
                 # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices

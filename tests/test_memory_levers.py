@@ -170,3 +170,21 @@ def test_trainer_packed_with_levers_matches_padded(tmp_path):
     for other in ("packed", "budget"):
         for (name, a), (_, b) in zip(runs["padded"].policy.named_parameters(), runs[other].policy.named_parameters()):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=f"{other}: {name}")
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_with_token_budgets_match_one_process(tmp_path):
+    """Token budgets cut each rank's groups on its own; the ranks agree on the number of
+    micro-batches (FSDP's collectives need it) and train the same weights as one process."""
+    import json
+
+    from test_trainer_fsdp import close, run_worker
+
+    extra = ("train.packing=true", "train.max_tokens_per_micro_batch=72", "train.old_policy_max_tokens=40")
+    run_worker(tmp_path / "one", tmp_path / "cache", 1, *extra)
+    run_worker(tmp_path / "two", tmp_path / "cache", 2, *extra)
+    one = json.loads((tmp_path / "one" / "sync_rank0.json").read_text())
+    ranks = [json.loads((tmp_path / "two" / f"sync_rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["final"] == ranks[1]["final"]
+    assert ranks[0]["pushes"][0] != ranks[0]["pushes"][1], "training must change the weights"
+    assert close(ranks[0]["final"], one["final"])

@@ -198,3 +198,17 @@ def test_packing_config():
 
 def test_packed_attention_implementation_on_cpu():
     assert packed_attention_implementation(torch.device("cpu")) == "pacs_packed_sdpa"
+
+
+def test_split_to_count_keeps_whole_groups_and_the_budget():
+    lengths = [9, 4, 7, 30, 2, 2, 5, 5, 5, 8, 8, 1]  # 4 groups of 3
+    plan = plan_micro_batches(lengths, GROUP, 60)
+    from pacs.packing import split_to_count
+
+    for count in range(len(plan), 5):
+        split = split_to_count(plan, count, GROUP)
+        assert len(split) == count and split[0][0] == 0 and split[-1][1] == len(lengths)
+        assert all(a[1] == b[0] for a, b in zip(split, split[1:]))
+        assert all((hi - lo) % GROUP == 0 and hi > lo and sum(lengths[lo:hi]) <= 60 for lo, hi in split)
+    with pytest.raises(ValueError, match="4 groups into 5"):
+        split_to_count(plan, 5, GROUP)
