@@ -179,6 +179,12 @@ def _packed_sdpa_attention(module, query, key, value, attention_mask, dropout: f
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one packed row, got batch size {query.shape[0]}")
     bounds = cu.tolist()
+    window = kwargs.get("sliding_window")
+    longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
+    if window is not None and longest > window:
+        raise ValueError(
+            f"pacs_packed_sdpa does not implement sliding-window attention: a packed sequence of {longest} tokens "
+            f"exceeds this layer's window of {window}; set train.packing=false for this model")
     outputs = [
         sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, dropout=dropout,
                                scaling=scaling, is_causal=True, **kwargs)[0]

@@ -212,3 +212,15 @@ def test_split_to_count_keeps_whole_groups_and_the_budget():
         assert all((hi - lo) % GROUP == 0 and hi > lo and sum(lengths[lo:hi]) <= 60 for lo, hi in split)
     with pytest.raises(ValueError, match="4 groups into 5"):
         split_to_count(plan, 5, GROUP)
+
+
+def test_sliding_window_models_are_refused_when_packed_sequences_exceed_the_window():
+    torch.manual_seed(0)
+    arch = {**ARCH, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**arch)).double()
+    enable_packed_attention(model, torch.device("cpu"))
+    batch = random_batch(13)
+    from pacs.packing import packed_forward
+
+    with pytest.raises(ValueError, match="sliding-window"):
+        packed_forward(Policy(model), pack_rows(batch, 0, GROUP))
