@@ -85,7 +85,7 @@ DEFAULTS = {
     "cpu": dict(model="cpu-small", dtype="float32", budgets_mib=[192.0], prompt_len=32, l_start=32, l_max=1 << 16),
     "cuda": dict(model="qwen2.5-1.5b", dtype="bfloat16", budgets_mib=[24 * 1024.0, 80 * 1024.0], prompt_len=256,
                  l_start=512, l_max=1 << 17),
-    "dry": dict(model="tiny", dtype="float32", budgets_mib=[4.0], prompt_len=8, l_start=16, l_max=512),
+    "dry": dict(model="tiny", dtype="float32", budgets_mib=[4.0], prompt_len=8, l_start=16, l_max=256),
 }
 
 
