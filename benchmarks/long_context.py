@@ -126,27 +126,37 @@ def largest_fitting(impl: str, args, device: str, log, *, deadline: float | None
     def out_of_time():
         return deadline is not None and time.perf_counter() > deadline
 
-    lo, hi, n = None, None, args.n_start
-    while n <= args.n_max:
-        if run(n):
+    lo, hi = doubling_bisection(run, args.n_start, args.n_max, step, out_of_time)
+    if out_of_time():
+        log(f"[long] {impl}: time budget spent")
+    return lo, hi, trials
+
+
+def doubling_bisection(fits, start: int, maximum: int, step: int, out_of_time=lambda: False):
+    """The edge of what fits: ``fits(n)`` for n = start, 2 start, ... until one does not fit (or n
+    passes ``maximum``), then bisection (multiples of ``step``) until the gap is at most
+    max(step, lo / 8). Stops early once ``out_of_time()``. Returns (largest n that fit or None,
+    smallest n that did not or None)."""
+    lo, hi, n = None, None, start
+    while n <= maximum:
+        if fits(n):
             lo, n = n, n * 2
         else:
             hi = n
             break
         if out_of_time():
-            log(f"[long] {impl}: time budget spent during doubling")
-            return lo, hi, trials
+            return lo, hi
     if lo is None or hi is None:
-        return lo, hi, trials
+        return lo, hi
     while hi - lo > max(step, lo // 8) and not out_of_time():
         mid = (lo + hi) // 2 // step * step
         if mid <= lo:
             break
-        if run(mid):
+        if fits(mid):
             lo = mid
         else:
             hi = mid
-    return lo, hi, trials
+    return lo, hi
 
 
 def parse_args(argv):

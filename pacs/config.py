@@ -93,6 +93,21 @@ class OptimConfig:
 
 
 @dataclass
+class TrainConfig:
+    """Long responses on limited memory (pacs/packing.py, pacs/memory.py)."""
+
+    packing: bool | None = None     # padding-free packed micro-batches; None: on where exact (PACS; GRPO
+                                    # once fused_linear_grpo_loss takes cu_seqlens)
+    max_tokens_per_micro_batch: int | None = None  # token budget per micro-batch (whole groups, packed
+                                                   # greedily); None: optim.micro_batch_groups counts
+    old_policy_max_tokens: int | None = None  # token budget of each no-grad old-policy chunk; None: the
+                                              # training micro-batches
+    offload_activations: bool = False  # tensors saved for the backward go to host memory
+    fsdp_cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads, optimizer state on the host
+    liger_patches: bool = False     # CUDA: Liger-Kernel RMSNorm, SwiGLU, RoPE in the model (never its loss)
+
+
+@dataclass
 class EvalConfig:
     every: int = 25                 # rollout steps between held-out evaluations (0: start and end only)
     num_problems: int = 200
@@ -119,6 +134,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
 
 def to_dict(cfg: Any) -> dict:
@@ -251,6 +267,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _choice("task.name", t.name, ("embedded", "math"))
     _choice("model.dtype", cfg.model.dtype, ("auto", "float32", "bfloat16", "float16"))
     _choice("optim.lr_schedule", o.lr_schedule, ("constant", "cosine", "linear"))
+    validate_train(cfg, world_size)
     if o.one_sweep_first_step and o.logprob_backend == "naive":
         raise ValueError("optim.one_sweep_first_step needs optim.logprob_backend 'auto', 'torch' or 'triton', "
                          "got 'naive'; set optim.one_sweep_first_step=false to use the naive backend")
@@ -342,6 +359,37 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         _positive("task.warmup_steps", t.warmup_steps, allow_zero=True)
         if not 0 <= t.warmup_target_accuracy <= 1:
             raise ValueError(f"task.warmup_target_accuracy must be in [0, 1], got {t.warmup_target_accuracy}")
+
+
+def grpo_supports_packing() -> bool:
+    """Whether ``fused_linear_grpo_loss`` takes the packed layout (a ``cu_seqlens`` argument)."""
+    import inspect
+
+    from pacs_kernels import fused_linear_grpo_loss
+
+    return "cu_seqlens" in inspect.signature(fused_linear_grpo_loss).parameters
+
+
+def use_packing(cfg: Config) -> bool:
+    """train.packing resolved: None means packed wherever the configured loss takes that layout."""
+    if cfg.train.packing is not None:
+        return cfg.train.packing
+    return cfg.optim.algo == "pacs" or grpo_supports_packing()
+
+
+def validate_train(cfg: Config, world_size: int = 1) -> None:
+    """The ``train`` section (long-context settings)."""
+    tr = cfg.train
+    if tr.packing and cfg.optim.algo == "grpo" and not grpo_supports_packing():
+        raise ValueError("train.packing=true: fused_linear_grpo_loss does not take the packed layout yet; "
+                         "set train.packing=false (or leave it unset) for --algo grpo")
+    for name in ("max_tokens_per_micro_batch", "old_policy_max_tokens"):
+        value = getattr(tr, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"train.{name} must be a positive number of tokens or None, got {value!r}")
+    if tr.fsdp_cpu_offload and world_size < 2:
+        raise ValueError("train.fsdp_cpu_offload needs FSDP, i.e. torchrun with >= 2 processes; got "
+                         f"{world_size} process(es)")
 
 
 def check_lengths(cfg: Config, max_positions: int | None) -> None:

@@ -120,8 +120,10 @@ class Policy(nn.Module):
     def backbone(self) -> nn.Module:
         return self.causal_lm.get_decoder()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, **backbone_kwargs):
+        """``backbone_kwargs``: e.g. ``position_ids`` and ``cu_seq_lens_q`` for a packed row
+        (:func:`pacs.packing.packed_forward`)."""
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **backbone_kwargs)
         head = self.causal_lm.get_output_embeddings()
         return out.last_hidden_state, head.weight, getattr(head, "bias", None)
 
@@ -135,12 +137,20 @@ def decoder_layers(causal_lm: nn.Module) -> list[nn.Module]:
 
 
 def load_policy(path: str, *, dtype: str = "auto", gradient_checkpointing: bool = False,
-                dist_info: DistInfo | None = None, trust_remote_code: bool = False) -> Policy:
+                dist_info: DistInfo | None = None, trust_remote_code: bool = False, packed_attention: bool = False,
+                liger_patches: bool = False, fsdp_cpu_offload: bool = False) -> Policy:
     """Load ``path`` as a :class:`Policy` on this rank's device, FSDP2-sharded when world_size > 1.
 
     Dropout is switched off: the old-policy log-probs and the training forward must agree.
+    Long-context options (pacs/packing.py, pacs/memory.py): ``packed_attention`` switches to an
+    attention that keeps packed sequences apart; ``liger_patches`` (CUDA) puts Liger-Kernel's
+    RMSNorm/SwiGLU/RoPE in the model; ``fsdp_cpu_offload`` keeps parameters, gradients and
+    optimizer state on the host (FSDP2 CPUOffloadPolicy).
     """
     from transformers import AutoModelForCausalLM
+
+    from .memory import apply_liger_patches, fsdp_kwargs
+    from .packing import enable_packed_attention
 
     dist_info = dist_info or DistInfo()
     torch_dtype = resolve_dtype(dtype, dist_info.device)
@@ -152,14 +162,19 @@ def load_policy(path: str, *, dtype: str = "auto", gradient_checkpointing: bool 
             module.p = 0.0
     if gradient_checkpointing:
         causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if packed_attention:
+        enable_packed_attention(causal_lm, dist_info.device)
     policy = Policy(causal_lm).to(dist_info.device)
+    if liger_patches:
+        apply_liger_patches(causal_lm, dist_info.device)
     policy.train()
     if dist_info.world_size > 1:
         from torch.distributed.fsdp import fully_shard
 
+        options = fsdp_kwargs(fsdp_cpu_offload)
         for layer in decoder_layers(causal_lm):
-            fully_shard(layer, mesh=dist_info.mesh)
-        fully_shard(policy, mesh=dist_info.mesh)
+            fully_shard(layer, mesh=dist_info.mesh, **options)
+        fully_shard(policy, mesh=dist_info.mesh, **options)
     return policy
 
 

@@ -30,10 +30,20 @@ import torch.distributed as dist
 from pacs_kernels import fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs
 
 from .checkpoint import find_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import Config, micro_batch_groups, save_config
+from .config import Config, micro_batch_groups, save_config, use_packing
 from .console import hide_progress_bars
 from .evaluate import decode_response, encode_prompts, evaluate
+from .memory import activation_offload
 from .metrics import MetricsLog, plot_metrics, read_metrics
+from .packing import (
+    PackedMicroBatch,
+    forward_micro_batch,
+    micro_batch_ranges,
+    response_positions,
+    same_count_on_every_rank,
+    slice_micro_batch,
+    to_layout,
+)
 from .policy import DistInfo, export_hf, full_named_tensors, load_policy, setup_distributed
 from .rollout import make_rollout_engine
 from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
@@ -152,34 +162,39 @@ def step_seed(seed: int, step: int, first_row: int = 0) -> int:
 
 
 @torch.no_grad()
-def old_policy_logprobs(policy, batch: Batch, rows_per_pass: int, temperature: float, backend: str):
+def old_policy_logprobs(policy, batch: Batch, ranges: list[tuple[int, int]], temperature: float, backend: str,
+                        packed: bool = False):
     """(B, L) log-probs of the targets under the current policy (0 off the mask), their (B, L)
     log-sum-exp (for the one-sweep first step), and the mean entropy of the policy over response
-    tokens. One no-grad pass, ``rows_per_pass`` rows at a time."""
+    tokens. One no-grad pass in chunks: the row ranges ``ranges``, packed or padded."""
     old_logp = torch.zeros(batch.targets.shape, dtype=torch.float32, device=batch.targets.device)
     old_lse = torch.zeros_like(old_logp)
     entropy_sum, tokens = 0.0, 0
-    for start in range(0, batch.targets.shape[0], rows_per_pass):
-        part = batch.rows(start, min(start + rows_per_pass, batch.targets.shape[0]))
-        hidden, weight, bias = policy(part.input_ids, part.attention_mask)
+    for lo, hi in ranges:
+        part = slice_micro_batch(batch, lo, hi, packed)
+        hidden, weight, bias = forward_micro_batch(policy, part)
         logp, entropy, lse = linear_logprobs(hidden[part.mask], weight, part.targets[part.mask], bias=bias,
                                              temperature=temperature, return_entropy=True, return_lse=True,
                                              backend=backend)
-        width = part.targets.shape[1]
-        old_logp[start:start + part.targets.shape[0], :width][part.mask] = logp
-        old_lse[start:start + part.targets.shape[0], :width][part.mask] = lse
+        rows, cols = response_positions(part, lo)
+        old_logp[rows, cols] = logp
+        old_lse[rows, cols] = lse
         entropy_sum += float(entropy.sum())
         tokens += int(part.mask.sum())
     return old_logp, old_lse, entropy_sum / max(tokens, 1)
 
 
-def policy_loss(cfg: Config, policy, part: Batch, old_logp: torch.Tensor, old_lse: torch.Tensor | None = None):
-    """The configured loss (PACS or GRPO) of one micro-batch, straight from hidden states.
-    ``old_lse`` (PACS, weights unchanged since the old-policy pass): the one-sweep first step."""
-    hidden, weight, bias = policy(part.input_ids, part.attention_mask)
+def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: torch.Tensor,
+                old_lse: torch.Tensor | None = None):
+    """The configured loss (PACS or GRPO) of one micro-batch (padded rows or packed), straight from
+    hidden states; old_logp/old_lse in the micro-batch's layout. ``old_lse`` (PACS, weights
+    unchanged since the old-policy pass): the one-sweep first step."""
+    hidden, weight, bias = forward_micro_batch(policy, part)
     o, group = cfg.optim, cfg.rollout.group_size
     common = dict(group_size=group, temperature=cfg.rollout.temperature, bias=bias, return_stats=True,
                   backend=o.logprob_backend)
+    if isinstance(part, PackedMicroBatch):
+        common["cu_seqlens"] = part.cu_seqlens
     if o.algo == "pacs":
         loss, stats = fused_linear_pacs_loss(
             hidden, weight, part.targets, part.mask, old_logp, part.rewards, beta=o.beta, score=o.score,
@@ -232,29 +247,48 @@ class UpdateResult:
     last_loss: float
 
 
+def old_policy_ranges(cfg: Config, batch: Batch, dist_info: DistInfo, packed: bool) -> list[tuple[int, int]]:
+    """Row ranges of the no-grad old-policy pass: whole groups, within ``train.old_policy_max_tokens``
+    (else the micro-batch token budget), the same count on every rank (FSDP's collectives)."""
+    tr, group = cfg.train, cfg.rollout.group_size
+    lengths = batch.attention_mask.sum(1).tolist()
+    ranges = micro_batch_ranges(
+        lengths, 0, len(lengths), group_size=group, rows_per_micro=micro_batch_groups(cfg) * group,
+        max_tokens=tr.old_policy_max_tokens or tr.max_tokens_per_micro_batch, packed=packed,
+        setting="train.old_policy_max_tokens" if tr.old_policy_max_tokens else "train.max_tokens_per_micro_batch")
+    return same_count_on_every_rank(ranges, group, dist_info.world_size, dist_info.device)
+
+
 def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_logp: torch.Tensor,
-                  old_lse: torch.Tensor, state: dict, dist_info: DistInfo, step: int, say=print) -> UpdateResult:
+                  old_lse: torch.Tensor, state: dict, dist_info: DistInfo, step: int, say=print, *,
+                  packed: bool = False) -> UpdateResult:
     """Step 4: mini-batches of whole groups, each a gradient accumulation over micro-batches of
-    whole groups, clipped and applied; a non-finite loss or gradient on any rank skips the
-    update on every rank, and ``max_consecutive_nan`` skips in a row raise TrainingStopped."""
-    o, group = cfg.optim, cfg.rollout.group_size
-    groups_per_micro = micro_batch_groups(cfg)
+    whole groups (at most ``micro_batch_size`` rows and ``train.max_tokens_per_micro_batch``
+    tokens; packed when ``packed``), clipped and applied; a non-finite loss or gradient on any
+    rank skips the update on every rank, and ``max_consecutive_nan`` skips in a row raise
+    TrainingStopped."""
+    o, tr, group = cfg.optim, cfg.train, cfg.rollout.group_size
     groups_per_mini = cfg.rollout.prompts_per_step // dist_info.world_size // o.mini_batches_per_step
-    micro_per_mini = groups_per_mini // groups_per_micro
+    rows_per_mini = groups_per_mini * group
+    lengths = batch.attention_mask.sum(1).tolist()
     one_sweep = o.algo == "pacs" and o.one_sweep_first_step
     stat_sums: dict[str, float] = {}
     stat_counts: dict[str, int] = {}
     losses, grad_norms = [], []
     for mini in range(o.mini_batches_per_step):
-        for micro in range(micro_per_mini):
-            first_group = mini * groups_per_mini + micro * groups_per_micro
-            lo, hi = first_group * group, (first_group + groups_per_micro) * group
-            part = batch.rows(lo, hi)
-            width = part.targets.shape[1]
+        micro_batches = micro_batch_ranges(
+            lengths, mini * rows_per_mini, (mini + 1) * rows_per_mini, group_size=group,
+            rows_per_micro=micro_batch_groups(cfg) * group, max_tokens=tr.max_tokens_per_micro_batch, packed=packed)
+        micro_batches = same_count_on_every_rank(micro_batches, group, dist_info.world_size, dist_info.device)
+        micro_per_mini = len(micro_batches)
+        for lo, hi in micro_batches:
+            part = slice_micro_batch(batch, lo, hi, packed)
             # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
-            lse = old_lse[lo:hi, :width] if one_sweep and mini == 0 else None
-            loss, stats = policy_loss(cfg, policy, part, old_logp[lo:hi, :width], lse)
-            (loss / micro_per_mini).backward()  # the mini-batch's loss is the mean over its micro-batches
+            lse = to_layout(part, lo, old_lse) if one_sweep and mini == 0 else None
+            with activation_offload(tr.offload_activations, dist_info.device):
+                loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, old_logp), lse)
+            # each loss is a mean over its responses: weigh it by its share of the mini-batch
+            (loss * ((hi - lo) / rows_per_mini)).backward()
             losses.append(float(loss.detach()))
             for key, value in stats.items():  # NaN: undefined here (e.g. no correct response)
                 stat_sums[key] = stat_sums.get(key, 0.0) + (value if math.isfinite(value) else 0.0)
@@ -285,7 +319,7 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     stats = {k: (v / stat_counts[k] if stat_counts[k] else float("nan")) for k, v in stat_sums.items()}
-    return UpdateResult(losses, grad_norms, stats, sum(losses[-micro_per_mini:]) / micro_per_mini)
+    return UpdateResult(losses, grad_norms, stats, sum(losses[-micro_per_mini:]) / max(micro_per_mini, 1))
 
 
 def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: float, update: UpdateResult,
@@ -380,8 +414,10 @@ def train(cfg: Config) -> TrainResult:
     o, r = cfg.optim, cfg.rollout
 
     # ---- policy and optimizer; the checkpoint's state when resuming
+    packed = use_packing(cfg)  # padding-free micro-batches (pacs/packing.py) where the loss allows them
     policy = load_policy(run.model_dir, dtype=cfg.model.dtype, gradient_checkpointing=cfg.model.gradient_checkpointing,
-                         dist_info=dist_info, trust_remote_code=cfg.model.trust_remote_code)
+                         dist_info=dist_info, trust_remote_code=cfg.model.trust_remote_code, packed_attention=packed,
+                         liger_patches=cfg.train.liger_patches, fsdp_cpu_offload=cfg.train.fsdp_cpu_offload)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, cfg.max_steps * o.mini_batches_per_step))
     state = {"step": 0, "data_position": 0, "consecutive_nan": 0, "skipped_updates": 0}
@@ -438,11 +474,12 @@ def train(cfg: Config) -> TrainResult:
             # 3. old-policy log-probs (the PACS reference, reset every rollout step)
             update_start = time.time()
             old_logp, old_lse, entropy = old_policy_logprobs(
-                policy, batch, micro_batch_groups(cfg) * r.group_size, r.temperature, o.logprob_backend)
+                policy, batch, old_policy_ranges(cfg, batch, dist_info, packed), r.temperature, o.logprob_backend,
+                packed)
 
             # 4. the updates (NaN-skipping); 5. new weights into the rollout engine
             update = update_policy(cfg, policy, optimizer, scheduler, batch, old_logp, old_lse, state, dist_info,
-                                   step, say)
+                                   step, say, packed=packed)
             update_time = time.time() - update_start
             sync_start = time.time()
             engine.sync_weights(full_named_tensors(policy))

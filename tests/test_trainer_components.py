@@ -61,12 +61,13 @@ def test_policy_forward_matches_hf_logits(tiny_model_dir):
     assert policy.causal_lm.get_input_embeddings().weight.grad.abs().sum() > 0
 
 
-def test_old_policy_logprobs_match_log_softmax(tiny_model_dir):
-    policy = load_policy(tiny_model_dir)
+@pytest.mark.parametrize("packed", [False, True])
+def test_old_policy_logprobs_match_log_softmax(tiny_model_dir, packed):
+    policy = load_policy(tiny_model_dir, packed_attention=packed)
     batch = build_batch([[1, 5, 13, 6, 16]] * 2 + [[1, 7, 13, 8, 16]] * 2,
                         [[9, 4, 2], [3], [5, 5], [6, 2]], [1.0, 0.0, 1.0, 1.0], pad_token_id=0)
-    old_logp, old_lse, entropy = old_policy_logprobs(policy, batch, rows_per_pass=2, temperature=0.7,
-                                                     backend="auto")
+    old_logp, old_lse, entropy = old_policy_logprobs(policy, batch, [(0, 2), (2, 4)], temperature=0.7,
+                                                     backend="auto", packed=packed)
     with torch.no_grad():
         logits = policy.causal_lm(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits / 0.7
     reference = logits.log_softmax(-1).gather(-1, batch.targets[..., None])[..., 0]

@@ -1,0 +1,329 @@
+"""Padding-free packed micro-batches and token-budget micro-batching.
+
+A packed micro-batch concatenates the real tokens (prompt + response, no padding) of its rows into
+one row of ``N`` tokens. ``position_ids`` restart at 0 for every sequence and ``cu_seqlens`` (B + 1
+offsets) mark where each sequence starts, so that
+
+  * attention stays within each sequence: on CUDA with ``flash_attn`` installed, Hugging Face's
+    ``flash_attention_2`` runs the varlen kernel on ``cu_seq_lens_q/k``; everywhere else the
+    attention registered here (``pacs_packed_sdpa``) runs ``scaled_dot_product_attention`` with
+    ``is_causal=True`` once per sequence, so no N x N mask is ever built (memory O(N), exact);
+  * the loss takes the packed layout directly: ``fused_linear_pacs_loss(hidden (N, d), ...,
+    cu_seqlens=cu_seqlens)`` with the mask selecting the response tokens of each sequence.
+
+Packed and padded steps compute the same loss and gradients (tests/test_packing.py); what packing
+saves is the padding: a micro-batch costs the sum of its sequence lengths instead of
+rows x longest row.
+
+Token budgets (``train.max_tokens_per_micro_batch``): whole groups are packed greedily, in order,
+until the next group would exceed the budget. Groups are never split. Why not: PACS's gradient
+for any token of a response depends, through the group's RLOO baseline and the BCE on psi, on the
+log-probs of every response of its group, so one backward over part of a group is not the
+gradient of anything. An exact split would need two passes (the group's scores first, without
+gradient; then each part's backward with the per-response gradients fixed), which this module
+does not do: a group larger than the budget is an error that names the setting and the group's
+token count.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+
+import torch
+
+PACKED_ATTENTION = "pacs_packed_sdpa"
+_PACKED_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("pacs_packed_call", default=False)
+
+
+# ----------------------------------------------------------------------------- the layout
+
+
+@dataclass
+class PackedMicroBatch:
+    """Rows ``[lo, hi)`` of a right-padded batch, their real tokens concatenated into one row.
+
+    input_ids, position_ids: (1, N) int64 (positions restart at 0 for every sequence);
+    cu_seqlens: (B + 1,) int32 sequence offsets (0 first, N last); max_seqlen: the longest sequence;
+    targets: (N,) int64 the next token of each position; mask: (N,) bool, True where targets is a
+    response token; rewards: (B,) float32; rows, cols: (N,) int64, where each packed token sits in
+    the padded batch (``take`` gathers any (B_total, L) per-token tensor into the packed layout).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    targets: torch.Tensor
+    mask: torch.Tensor
+    rewards: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def n_sequences(self) -> int:
+        return int(self.cu_seqlens.shape[0]) - 1
+
+    def take(self, padded: torch.Tensor) -> torch.Tensor:
+        """(B_total, L) per-token tensor of the whole padded batch -> (N,) in the packed order."""
+        return padded[self.rows, self.cols]
+
+
+def row_lengths(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) right-padded 0/1 attention mask -> (B,) int64 real lengths; refuses left padding."""
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must be (B, L), got shape {tuple(attention_mask.shape)}")
+    lengths = attention_mask.sum(1).to(torch.int64)
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    if not bool(((positions[None, :] < lengths[:, None]).to(attention_mask.dtype) == attention_mask).all()):
+        raise ValueError("attention_mask must be right-padded (ones, then zeros) to be packed")
+    return lengths
+
+
+def pack_rows(batch, lo: int, hi: int) -> PackedMicroBatch:
+    """Pack rows ``[lo, hi)`` of ``batch`` (a :class:`pacs.trainer.Batch`: right-padded
+    input_ids/attention_mask/targets/mask (B, L) and rewards (B,)) into a :class:`PackedMicroBatch`.
+
+    The target and mask of each packed position are those of the padded batch at the same place:
+    the padded targets are the next token of the row, and the mask is False at each row's last real
+    position, so no packed position predicts across a sequence boundary.
+    """
+    if not 0 <= lo < hi <= batch.input_ids.shape[0]:
+        raise ValueError(f"rows [lo, hi) must satisfy 0 <= lo < hi <= {batch.input_ids.shape[0]}, got [{lo}, {hi})")
+    device = batch.input_ids.device
+    lengths = row_lengths(batch.attention_mask[lo:hi])
+    if bool((lengths == 0).any()):
+        raise ValueError(f"rows [{lo}, {hi}) hold an empty row (no real token) that cannot be packed")
+    cu = torch.zeros(hi - lo + 1, dtype=torch.int64, device=device)
+    torch.cumsum(lengths, 0, out=cu[1:])
+    n = int(cu[-1])
+    rows = torch.repeat_interleave(torch.arange(lo, hi, device=device), lengths)
+    cols = torch.arange(n, device=device) - torch.repeat_interleave(cu[:-1], lengths)
+    return PackedMicroBatch(
+        input_ids=batch.input_ids[rows, cols].unsqueeze(0), position_ids=cols.unsqueeze(0),
+        cu_seqlens=cu.to(torch.int32), max_seqlen=int(lengths.max()), targets=batch.targets[rows, cols],
+        mask=batch.mask[rows, cols].bool(), rewards=batch.rewards[lo:hi], rows=rows, cols=cols)
+
+
+# ----------------------------------------------------------------------------- token budgets
+
+
+def plan_micro_batches(lengths: list[int], group_size: int, max_tokens: int, *, padded: bool = False,
+                       setting: str = "train.max_tokens_per_micro_batch") -> list[tuple[int, int]]:
+    """Row ranges ``[(lo, hi), ...]`` of micro-batches of whole groups that fit ``max_tokens``.
+
+    lengths: real tokens (prompt + response) of each row, groups of ``group_size`` rows contiguous.
+    A micro-batch costs ``sum(lengths)`` tokens when packed, ``rows * max(lengths)`` when
+    ``padded``. Greedy in order: a group joins the current micro-batch while the cost stays within
+    the budget, else it starts the next one. A group that alone exceeds the budget raises a
+    ValueError naming ``setting`` and the group's token count (groups are never split; see the
+    module docstring for why).
+    """
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+        raise ValueError(f"{setting} must be a positive integer, got {max_tokens!r}")
+    if group_size < 1 or len(lengths) % group_size:
+        raise ValueError(f"lengths ({len(lengths)} rows) must hold whole groups of group_size={group_size}")
+
+    def cost(lo: int, hi: int) -> int:
+        part = lengths[lo:hi]
+        return (hi - lo) * max(part) if padded else sum(part)
+
+    plan: list[tuple[int, int]] = []
+    start = 0
+    for lo in range(0, len(lengths), group_size):
+        hi = lo + group_size
+        if cost(lo, hi) > max_tokens:
+            layout = "padded: rows x longest row" if padded else "packed"
+            raise ValueError(
+                f"{setting}={max_tokens} is smaller than group {lo // group_size} of this step, which needs "
+                f"{cost(lo, hi)} tokens ({layout}; {group_size} responses with prompt). Groups are never split "
+                f"(PACS's gradient needs the whole group): raise {setting} to at least {cost(lo, hi)}, "
+                "or lower rollout.max_new_tokens")
+        if cost(start, hi) > max_tokens:
+            plan.append((start, lo))
+            start = lo
+    if lengths:
+        plan.append((start, len(lengths)))
+    return plan
+
+
+def fixed_micro_batches(n_rows: int, rows_per_micro: int) -> list[tuple[int, int]]:
+    """Row ranges of ``rows_per_micro`` rows each (the count-based micro-batches)."""
+    return [(lo, min(lo + rows_per_micro, n_rows)) for lo in range(0, n_rows, rows_per_micro)]
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def _packed_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                           scaling: float | None = None, **kwargs):
+    """Hugging Face attention function: query (1, H, N, D), key/value (1, H_kv, N, D).
+
+    With ``cu_seq_lens_q`` (a packed call from :func:`packed_forward`): causal SDPA over each
+    sequence on its own, outputs concatenated -> (1, N, H, D). Otherwise (padded rows, generation,
+    a single sequence): exactly Hugging Face's ``sdpa`` attention.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu = kwargs.pop("cu_seq_lens_q", None)
+    for name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
+        kwargs.pop(name, None)
+    if cu is None or attention_mask is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    kwargs.pop("position_ids", None)
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention expects one packed row, got batch size {query.shape[0]}")
+    bounds = cu.tolist()
+    window = kwargs.get("sliding_window")
+    longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
+    if window is not None and longest > window:
+        raise ValueError(
+            f"pacs_packed_sdpa does not implement sliding-window attention: a packed sequence of {longest} tokens "
+            f"exceeds this layer's window of {window}; set train.packing=false for this model")
+    outputs = [
+        sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, dropout=dropout,
+                               scaling=scaling, is_causal=True, **kwargs)[0]
+        for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    return torch.cat(outputs, dim=1), None
+
+
+def _packed_sdpa_mask(*args, **kwargs):
+    """Mask function paired with ``pacs_packed_sdpa``: none for a packed call (the attention keeps
+    each sequence to itself), Hugging Face's sdpa mask otherwise."""
+    if _PACKED_CALL.get():
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
+def register_packed_attention() -> str:
+    """Register ``pacs_packed_sdpa`` with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, _packed_sdpa_attention)
+    AttentionMaskInterface.register(PACKED_ATTENTION, _packed_sdpa_mask)
+    return PACKED_ATTENTION
+
+
+def packed_attention_implementation(device: torch.device) -> str:
+    """``flash_attention_2`` on CUDA when ``flash_attn`` is importable, else ``pacs_packed_sdpa``."""
+    if device.type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return register_packed_attention()
+
+
+def enable_packed_attention(causal_lm, device: torch.device) -> str:
+    """Switch ``causal_lm`` (a Hugging Face model) to an attention that honours packed sequences;
+    padded calls keep working unchanged. Returns the implementation's name."""
+    name = packed_attention_implementation(device)
+    causal_lm.set_attn_implementation(name)
+    return name
+
+
+def packed_forward(policy, packed: PackedMicroBatch):
+    """Run ``policy`` (:class:`pacs.policy.Policy`) on a packed micro-batch.
+
+    Returns (hidden (N, d), lm_head_weight (V, d), lm_head_bias (V,) or None). The backbone gets
+    ``position_ids`` (RoPE restarts per sequence), no attention mask, and ``cu_seq_lens_q/k`` and
+    ``max_length_q/k`` (the flash-attention varlen arguments, also read by ``pacs_packed_sdpa``).
+    A model on another attention implementation (``sdpa``, ``eager``) still computes the right
+    thing: Hugging Face builds a block-diagonal causal mask from the restarting ``position_ids``
+    (N x N memory).
+    """
+    token = _PACKED_CALL.set(True)
+    try:
+        hidden, weight, bias = policy(
+            packed.input_ids, None, position_ids=packed.position_ids, cu_seq_lens_q=packed.cu_seqlens,
+            cu_seq_lens_k=packed.cu_seqlens, max_length_q=packed.max_seqlen, max_length_k=packed.max_seqlen)
+    finally:
+        _PACKED_CALL.reset(token)
+    return hidden.reshape(-1, hidden.shape[-1]), weight, bias
+
+
+# ----------------------------------------------------------------------------- either layout
+
+
+def micro_batch_ranges(lengths: list[int], lo: int, hi: int, *, group_size: int, rows_per_micro: int,
+                       max_tokens: int | None, packed: bool,
+                       setting: str = "train.max_tokens_per_micro_batch") -> list[tuple[int, int]]:
+    """Row ranges of the micro-batches of rows ``[lo, hi)``: ``rows_per_micro`` rows each when
+    ``max_tokens`` is None, else whole groups within the token budget (:func:`plan_micro_batches`,
+    counting packed tokens when ``packed``, rows x longest row otherwise)."""
+    if max_tokens is None:
+        plan = fixed_micro_batches(hi - lo, rows_per_micro)
+    else:
+        plan = plan_micro_batches(lengths[lo:hi], group_size, max_tokens, padded=not packed, setting=setting)
+    return [(lo + a, lo + b) for a, b in plan]
+
+
+def slice_micro_batch(batch, lo: int, hi: int, packed: bool):
+    """Rows ``[lo, hi)`` of ``batch`` as a :class:`PackedMicroBatch`, or as padded rows
+    (``batch.rows``, trimmed to the longest row)."""
+    return pack_rows(batch, lo, hi) if packed else batch.rows(lo, hi)
+
+
+def to_layout(part, lo: int, padded: torch.Tensor) -> torch.Tensor:
+    """A per-token tensor of the whole padded batch (B_total, L) -> the layout of ``part`` (rows
+    ``[lo, ...)``): (N,) when packed, (b, T) padded."""
+    if isinstance(part, PackedMicroBatch):
+        return part.take(padded)
+    return padded[lo:lo + part.targets.shape[0], :part.targets.shape[1]]
+
+
+def forward_micro_batch(policy, part):
+    """(hidden, lm_head_weight, lm_head_bias) of a micro-batch: hidden (N, d) packed, (b, T, d) padded."""
+    if isinstance(part, PackedMicroBatch):
+        return packed_forward(policy, part)
+    return policy(part.input_ids, part.attention_mask)
+
+
+def response_positions(part, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) in the whole padded batch of the micro-batch's ``mask == 1`` tokens, in the order
+    in which ``hidden[part.mask]`` lists them."""
+    if isinstance(part, PackedMicroBatch):
+        return part.rows[part.mask], part.cols[part.mask]
+    rows, cols = part.mask.nonzero(as_tuple=True)
+    return rows + lo, cols
+
+
+def split_to_count(plan: list[tuple[int, int]], count: int, group_size: int) -> list[tuple[int, int]]:
+    """Split micro-batches of ``plan`` (at group boundaries; the one with the most groups first, in
+    half) until there are ``count`` of them. Each part costs no more than the micro-batch it came
+    from, so a plan within a token budget stays within it. Raises ValueError when ``count``
+    exceeds the number of groups."""
+    plan = list(plan)
+    groups = sum(hi - lo for lo, hi in plan) // group_size
+    if count > groups:
+        raise ValueError(f"cannot cut {groups} groups into {count} micro-batches of whole groups")
+    while len(plan) < count:
+        i = max(range(len(plan)), key=lambda j: plan[j][1] - plan[j][0])
+        lo, hi = plan[i]
+        mid = lo + (hi - lo) // group_size // 2 * group_size
+        plan[i:i + 1] = [(lo, mid), (mid, hi)]
+    return plan
+
+
+def same_count_on_every_rank(plan: list[tuple[int, int]], group_size: int, world_size: int,
+                             device: torch.device) -> list[tuple[int, int]]:
+    """Under FSDP every rank must run the same number of forwards and backwards (each one gathers
+    parameters and reduces gradients collectively), but token budgets cut each rank's groups
+    differently: all ranks take the largest count, splitting their own micro-batches to reach it."""
+    if world_size <= 1:
+        return plan
+    import torch.distributed as dist
+
+    count = torch.tensor([len(plan)], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return split_to_count(plan, int(count), group_size)
