@@ -1,94 +1,58 @@
-"""fused_linear_pacs_loss() and PACSLoss: hidden states + LM head -> PACS loss, never holding logits.
+"""fused_linear_pacs_loss() and PACSLoss: hidden states + LM head -> PACS loss, never holding N x V logits.
 
-Only the response tokens (mask == 1) matter to the loss, so only their rows of ``hidden`` are
-gathered and sent to ``linear_logprobs`` (one call); prompt and padding tokens cost nothing.
-The selected tokens stay in order, so they form a packed layout whose response offsets are the
-running sum of each response's token count; the group loss runs on that layout directly and the
-per-response sums need no (B, T) padding. The backward of the gather scatters the hidden-state
-gradient back to the selected rows (zeros elsewhere); the LM-head gradient arrives once per call,
-so a tied input/output embedding simply receives the sum of both uses through autograd.
+Three ways to run it, picked per call (``path="auto"``) and reported in the stats:
 
-Layouts:
-    padded: hidden (B, T, d); targets, mask, old_logp (B, T).
-    packed: hidden (N, d) or (1, N, d); targets, mask, old_logp (N,) or (1, N);
-            cu_seqlens (B + 1,) int: response i owns tokens cu_seqlens[i]:cu_seqlens[i+1].
+* ``single_pass`` (single_pass.py): chunks of WHOLE groups, each chunk's logits built once: the
+  log-probs, the group loss, its per-token gradient and dh, dW all come from that one tile
+  (3 N x V x d matmuls, like the naive implementation). Used when every group fits the chunk
+  budget (``chunk_budget_mib``).
+* ``two_pass``: ``linear_logprobs`` (Triton on CUDA, chunked torch elsewhere) for the log-probs,
+  the group loss on them, then the log-prob backward rebuilds the logits (4 matmuls). Memory does
+  not depend on group size: the path for groups too long for the budget (long responses).
+* ``one_sweep`` (known_grad.py): the first optimizer step after a rollout, with ``old_lse`` from
+  the old-policy pass; logp == old_logp so the gradient is known up front (3 matmuls).
+
+``old_logp=None`` means on-policy: the old log-probs are the current ones, detached (what TRL's
+GRPOTrainer does with ``num_iterations=1``); every path handles it (the log-ratio score is then 0 with
+a non-zero gradient).
+
+Dtype policy, whatever autocast region the caller is in: hidden is cast to the LM head's dtype;
+the GEMMs run in that dtype (tensor cores for bf16/fp16 on CUDA), logits, softmax and gradient
+accumulation in float32 (float64 for float64 inputs); gradients return in the inputs' dtypes.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
+
 import torch
 from torch import nn
 
-from .checks import FLOAT_DTYPES, INT_DTYPES, check_choice, check_same_device, check_temperature, check_tensor
+from .checks import check_choice, check_linear_inputs, check_targets_in_range, check_temperature
 from .known_grad import linear_logprobs_known_grad
 from .logprobs import linear_logprobs
-from .loss import _pacs_on_layout
+from .loss import _pacs_on_layout, _pacs_torch, check_group_inputs, compute_stats
 from .loss_inputs import (
-    MASK_DTYPES,
     ResponseLayout,
     check_beta,
-    check_cu_seqlens,
     check_group_size,
-    check_mask_values,
+    check_nonempty_responses,
     check_options,
 )
+from .single_pass import DEFAULT_CHUNK_BUDGET_MIB, max_chunk_tokens, plan_group_chunks, single_pass
+from .token_selection import check_response_tokens, match_head_dtype, pick, selected_index
 
 FUSED_BACKENDS = ("auto", "triton", "torch", "naive")
+PATHS = ("auto", "single_pass", "two_pass")
+logger = logging.getLogger("pacs_kernels")
 
 
-def _check_fused_tensors(hidden, targets, mask, old_logp, cu_seqlens):
-    """-> (hidden (N, d), targets (N,), mask bool (N,), old_logp (N,), counts (B,) int64, B)."""
-    check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES)
-    check_tensor("targets", targets, dtypes=INT_DTYPES)
-    check_tensor("mask", mask, dtypes=MASK_DTYPES)
-    check_tensor("old_logp", old_logp, dtypes=FLOAT_DTYPES)
-    if cu_seqlens is None:
-        if hidden.dim() != 3:
-            raise ValueError(
-                "hidden must be (B, T, d) in the padded layout (or pass cu_seqlens for the packed "
-                f"layout with hidden (N, d)), got shape {tuple(hidden.shape)}")
-    elif not (hidden.dim() == 2 or (hidden.dim() == 3 and hidden.shape[0] == 1)):
-        raise ValueError(
-            f"with cu_seqlens (packed layout) hidden must be (N, d) or (1, N, d), got shape {tuple(hidden.shape)}")
-    token_shape = tuple(hidden.shape[:-1])
-    for name, value in (("targets", targets), ("mask", mask), ("old_logp", old_logp)):
-        if tuple(value.shape) != token_shape:
-            raise ValueError(f"{name} must have shape hidden.shape[:-1] = {token_shape}, got {tuple(value.shape)}")
-    check_same_device(hidden=hidden, targets=targets, mask=mask, old_logp=old_logp, cu_seqlens=cu_seqlens)
-    mask = check_mask_values(mask)
-    width = hidden.shape[-1]
-    if cu_seqlens is None:
-        counts = mask.sum(-1)
-        n_responses = hidden.shape[0]
-    else:
-        cu, _ = check_cu_seqlens(cu_seqlens, hidden.numel() // max(width, 1))
-        n_responses = cu.shape[0] - 1
-        segment = ResponseLayout(n_responses, None, cu, 0).segment_ids()
-        counts = torch.zeros(n_responses, dtype=torch.int64, device=hidden.device)
-        counts.index_add_(0, segment, mask.reshape(-1).to(torch.int64))
-    return (hidden.reshape(-1, width), targets.reshape(-1), mask.reshape(-1), old_logp.reshape(-1),
-            counts, n_responses)
-
-
-def selected_index(mask: torch.Tensor) -> torch.Tensor | None:
-    """Indices of the mask == 1 tokens of a bool (N,) mask, or None when every token is selected."""
-    return None if bool(mask.all()) else mask.nonzero().squeeze(1)
-
-
-def selected_logprobs(hidden, weight, targets, mask, *, temperature, bias, backend, logprob_options):
-    """Log-probs of the mask == 1 tokens only: (hidden (N, d), targets (N,), mask bool (N,)) ->
-    (logp (N_sel,) float32, selected token indices (N_sel,) int64, or None when every token is
-    selected: then hidden is used as it is, without a copy)."""
-    options = {k: v for k, v in logprob_options.items() if v is not None}
-    index = selected_index(mask)
-    if index is None:
-        logp = linear_logprobs(hidden, weight, targets, temperature=temperature, bias=bias, backend=backend,
-                               **options)
-        return logp, None
-    logp = linear_logprobs(
-        hidden.index_select(0, index), weight, targets.index_select(0, index), temperature=temperature,
-        bias=bias, backend=backend, **options)
-    return logp, index
+def check_chunk_budget(chunk_budget_mib) -> float:
+    if isinstance(chunk_budget_mib, bool) or not isinstance(chunk_budget_mib, (int, float)) \
+            or not chunk_budget_mib > 0 or chunk_budget_mib == float("inf"):
+        raise ValueError(f"chunk_budget_mib must be a finite number of MiB > 0, got {chunk_budget_mib!r}")
+    return float(chunk_budget_mib)
 
 
 def fused_linear_pacs_loss(
@@ -96,7 +60,7 @@ def fused_linear_pacs_loss(
     weight: torch.Tensor,
     targets: torch.Tensor,
     mask: torch.Tensor,
-    old_logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
     rewards: torch.Tensor,
     *,
     group_size: int,
@@ -109,105 +73,195 @@ def fused_linear_pacs_loss(
     weighting: str = "balanced",
     score_function_term: bool = False,
     return_stats: bool = False,
+    with_entropy: bool = False,
     group_ids: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
     backend: str = "auto",
+    path: str = "auto",
+    chunk_budget_mib: float = DEFAULT_CHUNK_BUDGET_MIB,
     filter_eps: float | None = None,
     chunk_elements: int | None = None,
     vocab_splits: int | None = None,
     old_lse: torch.Tensor | None = None,
 ):
-    """PACS loss straight from final hidden states and the LM head (``linear_logprobs`` + ``pacs_loss``).
+    """PACS loss straight from final hidden states and the LM head.
 
     Args:
         hidden: (B, T, d) padded, or (N, d) / (1, N, d) packed with ``cu_seqlens``; the backbone's
-            final hidden states (after the last norm), float16/bfloat16/float32.
-        weight: (V, d) LM-head weight, hidden's dtype (may be the tied input embedding).
-        targets: (B, T) / (N,) int: the sampled token at each position (any value where mask == 0).
+            final hidden states (after the last norm). Cast to weight's dtype if it differs.
+        weight: (V, d) LM-head weight (may be the tied input embedding).
+        targets: (B, T) / (N,) int: the sampled token at each position (any valid id where mask == 0).
         mask: (B, T) / (N,) 0/1 (bool/int/float): 1 on response tokens. Log-probs are computed
             only there.
-        old_logp: (B, T) / (N,) the rollout policy's log-probs (constant).
+        old_logp: (B, T) / (N,) the rollout policy's log-probs (constant), or None: on-policy
+            (the current log-probs, detached).
         rewards: (B,) 0/1 labels, each group's ``group_size`` responses contiguous.
         group_size, beta, score, advantage, weighting, score_function_term, return_stats,
-            group_ids: as in :func:`pacs_loss`.
+            group_ids, valid: as in :func:`pacs_loss`.
+        with_entropy: with return_stats, also report the policy's mean token entropy.
         temperature: the sampling temperature (logits are divided by it).
         bias: optional (V,) LM-head bias.
         cu_seqlens: (B + 1,) int response offsets for the packed layout.
-        backend: "auto" | "triton" | "torch" | "naive" for the log-probs; the group loss uses
-            triton for "triton" (and "auto" on CUDA), torch otherwise.
-        filter_eps, chunk_elements, vocab_splits: passed to ``linear_logprobs``.
-        old_lse: optional, same shape as old_logp: the log-sum-exp from the old-policy pass
+        backend: "auto" | "triton" | "torch" | "naive" for the log-probs of the two-pass path
+            (and of ``old_lse``'s one sweep); "naive" materializes the logits (tests, benchmarks).
+        path: "auto" (single pass when every group fits ``chunk_budget_mib``, else two passes) |
+            "single_pass" (an error if a group does not fit) | "two_pass".
+        chunk_budget_mib: working memory of one single-pass chunk (float32 logits of its tokens,
+            plus a bf16 copy on CUDA); default 256 MiB.
+        filter_eps, chunk_elements, vocab_splits: the two-pass path's ``linear_logprobs`` options.
+        old_lse: optional, like old_logp: the log-sum-exp from the old-policy pass
             (``linear_logprobs(..., return_lse=True)``). Pass it ONLY while the weights are still
-            those that produced old_logp (the first optimizer step after a rollout): then logp ==
-            old_logp, the per-token gradient is known before the forward, and one sweep over the
-            vocabulary (3 matmuls instead of 4) gives the loss and its gradients
-            (``linear_logprobs_known_grad``). A stale old_lse is detected (the recomputed log-probs
-            differ from old_logp) and raises a ValueError.
+            those that produced old_logp (the first optimizer step after a rollout): then one sweep
+            over the vocabulary gives the loss and its gradients. A stale old_lse is detected (the
+            recomputed log-probs differ from old_logp) and raises a ValueError.
 
     Returns:
         0-d float32 loss (or ``(loss, PACSStats)``), differentiable in hidden, weight and bias.
+        Its gradients are computed in this call on the single-pass and one-sweep paths; a second
+        backward needs ``retain_graph=True`` on the first, as anywhere in autograd.
     """
     check_options(score, advantage, weighting)
     check_choice("backend", backend, FUSED_BACKENDS)
-    if not isinstance(rewards, torch.Tensor):
-        raise TypeError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
-    hidden_2d, targets_1d, mask_1d, old_1d, counts, n_responses = _check_fused_tensors(
-        hidden, targets, mask, old_logp, cu_seqlens)
-    # cheap checks first, before the log-prob pass
-    check_group_size(group_size, n_responses, advantage)
-    if rewards.dim() != 1 or rewards.shape[0] != n_responses:
-        raise ValueError(f"rewards must have shape (B,) = ({n_responses},), got {tuple(rewards.shape)}")
-    offsets = torch.zeros(n_responses + 1, dtype=torch.int64, device=hidden.device)
-    torch.cumsum(counts, 0, out=offsets[1:])
-    layout = ResponseLayout(n_responses, None, offsets, int(counts.max()) if n_responses else 0)
-    loss_options = dict(group_size=group_size, beta=beta, score=score, advantage=advantage, weighting=weighting,
-                        score_function_term=score_function_term, return_stats=return_stats, group_ids=group_ids,
-                        backend="torch" if backend == "naive" else backend, counts=counts, mask_is_full=True)
+    check_choice("path", path, PATHS)
+    chunk_budget_mib = check_chunk_budget(chunk_budget_mib)
+    if not isinstance(with_entropy, bool):
+        raise TypeError(f"with_entropy must be a bool, got {with_entropy!r}")
+    hidden = match_head_dtype(hidden, weight)
+    tokens = check_response_tokens(hidden, targets, mask, old_logp, cu_seqlens)
+    check_linear_inputs(tokens.hidden, weight, tokens.targets, bias)
+    temperature = check_temperature(temperature)
+    layout = tokens.selected_layout()
+    rewards, valid, beta = check_group_inputs(
+        rewards, valid, layout, tokens.hidden.device, group_size=group_size, beta=beta, advantage=advantage,
+        weighting=weighting, score_function_term=score_function_term, group_ids=group_ids)
+    if score == "mean_logp":
+        check_nonempty_responses(tokens.counts, "score='mean_logp' (it divides by the response length)")
+    options = dict(group_size=group_size, beta=beta, score=score, advantage=advantage, weighting=weighting,
+                   score_function_term=score_function_term)
+
     if old_lse is not None:
-        return _first_step_after_rollout(hidden_2d, weight, targets_1d, mask_1d, old_1d, old_lse, rewards, layout,
-                                         temperature=temperature, bias=bias, logprob_backend=backend,
-                                         **loss_options)
-    logp, index = selected_logprobs(
-        hidden_2d, weight, targets_1d, mask_1d, temperature=temperature, bias=bias, backend=backend,
-        logprob_options=dict(filter_eps=filter_eps, chunk_elements=chunk_elements, vocab_splits=vocab_splits))
-    old_selected = old_1d if index is None else old_1d.index_select(0, index)
+        if old_logp is None:
+            raise ValueError("old_lse goes with the old_logp it was computed with; got old_lse with old_logp=None")
+        chosen = "one_sweep"
+        result = _first_step_after_rollout(tokens, weight, old_lse, rewards, valid, layout, temperature=temperature,
+                                           bias=bias, backend=backend, return_stats=return_stats, **options)
+    else:
+        chunks = None
+        if path != "two_pass" and backend != "naive":
+            budget_tokens = max_chunk_tokens(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype)
+            chunks = plan_group_chunks(tokens.counts.tolist(), group_size, budget_tokens)
+            if chunks is None and path == "single_pass":
+                biggest = int(tokens.counts.reshape(-1, group_size).sum(1).max())
+                raise ValueError(
+                    f"path='single_pass' needs every group within chunk_budget_mib = {chunk_budget_mib:g} MiB "
+                    f"({budget_tokens} tokens at V = {weight.shape[0]}), but a group holds {biggest} response "
+                    "tokens; raise chunk_budget_mib or use path='auto' (two passes for such batches)")
+        elif path == "single_pass":
+            raise ValueError("path='single_pass' has no naive backend; use backend='auto', 'torch' or 'triton'")
+        if chunks is not None:
+            chosen = "single_pass"
+            result = _single_pass_loss(tokens, weight, chunks, rewards, valid, temperature=temperature, bias=bias,
+                                       return_stats=return_stats, with_entropy=with_entropy, **options)
+        else:
+            chosen = "two_pass"
+            result = _two_pass_loss(tokens, weight, rewards, valid, layout, temperature=temperature, bias=bias,
+                                    backend=backend, return_stats=return_stats, with_entropy=with_entropy,
+                                    logprob_options=dict(filter_eps=filter_eps, chunk_elements=chunk_elements,
+                                                         vocab_splits=vocab_splits), **options)
+    logger.debug("fused_linear_pacs_loss: %s path, B=%d, %d response tokens", chosen, tokens.n_responses,
+                 int(tokens.counts.sum()))
+    if return_stats:
+        loss, stats = result
+        return loss, replace(stats, path=chosen)
+    return result
+
+
+def _chunk_layout(counts: torch.Tensor) -> ResponseLayout:
+    offsets = torch.zeros(counts.shape[0] + 1, dtype=torch.int64, device=counts.device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return ResponseLayout(counts.shape[0], None, offsets, int(counts.max()) if counts.numel() else 0)
+
+
+def _single_pass_loss(tokens, weight, chunks, rewards, valid, *, temperature, bias, return_stats, with_entropy,
+                      **options):
+    """PACS over chunks of whole groups, one logits GEMM per chunk (single_pass.py)."""
+    index = selected_index(tokens.mask)
+    old_selected = pick(tokens.old_logp, index)
+    targets = pick(tokens.targets, index)
+    check_targets_in_range(targets, weight.shape[0])
+    n_total = tokens.n_responses
+    counts = tokens.counts
+
+    def chunk_loss(logp, chunk):
+        r0, r1 = chunk.r0, chunk.r1
+        old = logp.detach() if old_selected is None else old_selected[chunk.tok0:chunk.tok1].detach()
+        full = torch.ones_like(logp, dtype=torch.bool)
+        return _pacs_torch(logp, old, full, counts[r0:r1], rewards[r0:r1], _chunk_layout(counts[r0:r1]),
+                           valid=None if valid is None else valid[r0:r1], n_total=n_total, **options)
+
+    loss, extras, _, entropy = single_pass(
+        pick(tokens.hidden, index), weight, targets, bias=bias, temperature=temperature, chunks=chunks,
+        chunk_loss=chunk_loss, with_entropy=with_entropy and return_stats)
+    loss = loss.float() if loss.dtype != torch.float64 else loss
+    if not return_stats:
+        return loss
+    per_response = tuple(torch.cat([extra[k] for extra in extras]) for k in range(4))
+    return loss, compute_stats(loss, per_response, rewards, options["group_size"], valid=valid, entropy=entropy)
+
+
+def _two_pass_loss(tokens, weight, rewards, valid, layout, *, temperature, bias, backend, return_stats, with_entropy,
+                   logprob_options, **options):
+    """linear_logprobs on the selected tokens, then the group loss on their packed layout."""
+    index = selected_index(tokens.mask)
+    want_entropy = with_entropy and return_stats
+    out = linear_logprobs(
+        pick(tokens.hidden, index), weight, pick(tokens.targets, index), temperature=temperature, bias=bias,
+        backend=backend, return_entropy=want_entropy,
+        **{k: v for k, v in logprob_options.items() if v is not None})
+    logp, entropy = out if want_entropy else (out, None)
+    old = logp.detach() if tokens.old_logp is None else pick(tokens.old_logp, index)
     full_mask = torch.ones_like(logp, dtype=torch.bool)
-    return _pacs_on_layout(logp, old_selected, full_mask, rewards, layout, **loss_options)
+    return _pacs_on_layout(logp, old, full_mask, rewards, layout, return_stats=return_stats, group_ids=None,
+                           backend="torch" if backend == "naive" else backend, counts=tokens.counts,
+                           mask_is_full=True, valid=valid, entropy=None if entropy is None else entropy.detach(),
+                           **options)
 
 
-def _first_step_after_rollout(hidden, weight, targets, mask, old_logp, old_lse, rewards, layout, *, temperature,
-                              bias, logprob_backend, **loss_options):
+def _first_step_after_rollout(tokens, weight, old_lse, rewards, valid, layout, *, temperature, bias, backend,
+                              return_stats, **options):
     """The loss and its exact gradient in one vocabulary sweep, while logp == old_logp.
 
     The loss is a function of the log-probs alone, so its value and its per-token gradient g
-    follow from pacs_loss at logp = old_logp; the sweep then rebuilds each logits tile once and
+    follow from the group loss at logp = old_logp; the sweep then rebuilds each logits tile once and
     forms dh, dW from g and old_lse (known_grad.py). The returned tensor has the loss's value and
     the sweep's gradients: loss + (surrogate - surrogate.detach()).
     """
-    check_tensor("old_lse", old_lse, dtypes=FLOAT_DTYPES)
-    if old_lse.numel() != old_logp.numel():
-        raise ValueError(f"old_lse must have the shape of old_logp ({old_logp.numel()} entries), "
-                         f"got shape {tuple(old_lse.shape)}")
-    if logprob_backend == "naive":
+    if not isinstance(old_lse, torch.Tensor) or old_lse.numel() != tokens.old_logp.numel():
+        raise ValueError(f"old_lse must have the shape of old_logp {tuple(tokens.token_shape)}, got "
+                         + (f"shape {tuple(old_lse.shape)}" if isinstance(old_lse, torch.Tensor)
+                            else type(old_lse).__name__))
+    if backend == "naive":
         raise ValueError("old_lse (the one-sweep first step) needs backend 'auto', 'torch' or 'triton', got 'naive'")
-    index = selected_index(mask)
-    pick = (lambda t: t) if index is None else (lambda t: t.index_select(0, index))
-    old_selected = pick(old_logp).detach()
+    index = selected_index(tokens.mask)
+    old_selected = pick(tokens.old_logp, index).detach()
     at_old = old_selected.float().clone().requires_grad_()
     full_mask = torch.ones_like(at_old, dtype=torch.bool)
     with torch.enable_grad():
-        result = _pacs_on_layout(at_old, old_selected, full_mask, rewards, layout, **loss_options)
-        loss = result[0] if isinstance(result, tuple) else result
+        loss, per_response = _pacs_torch(at_old, old_selected, full_mask, tokens.counts, rewards, layout,
+                                         valid=valid, **options)
         (grad_logp,) = torch.autograd.grad(loss, at_old)
     surrogate, logp = linear_logprobs_known_grad(
-        pick(hidden), weight, pick(targets), grad_logp, pick(old_lse.reshape(-1)), temperature=temperature,
-        bias=bias, backend=logprob_backend)
+        pick(tokens.hidden, index), weight, pick(tokens.targets, index), grad_logp,
+        pick(old_lse.reshape(-1), index), temperature=temperature, bias=bias, backend=backend)
     drift = (logp - old_selected.float()).abs().max().item() if logp.numel() else 0.0
     if not drift <= 1e-3 * (1.0 + old_selected.abs().max().item()):
         raise ValueError(
             f"old_lse does not belong to these weights: the recomputed log-probs differ from old_logp by up to "
             f"{drift:.3g}. Pass old_lse only on the first optimizer step after the rollout that produced it.")
-    total = loss.detach() + (surrogate - surrogate.detach())
-    return (total, result[1]) if isinstance(result, tuple) else total
+    total = loss.detach().float() + (surrogate - surrogate.detach())
+    if return_stats:
+        return total, compute_stats(total, per_response, rewards, options["group_size"], valid=valid)
+    return total
 
 
 class PACSLoss(nn.Module):
@@ -217,6 +271,7 @@ class PACSLoss(nn.Module):
 
         loss_fn = PACSLoss(group_size=8, beta=1.0, temperature=1.0)
         loss = loss_fn(hidden, model.lm_head.weight, targets, mask, old_logp, rewards)
+        loss = loss_fn(hidden, model.lm_head.weight, targets, mask, None, rewards)   # on-policy
     """
 
     def __init__(
@@ -230,10 +285,13 @@ class PACSLoss(nn.Module):
         temperature: float = 1.0,
         score_function_term: bool = False,
         backend: str = "auto",
+        path: str = "auto",
+        chunk_budget_mib: float = DEFAULT_CHUNK_BUDGET_MIB,
     ) -> None:
         super().__init__()
         check_options(score, advantage, weighting)
         check_choice("backend", backend, FUSED_BACKENDS)
+        check_choice("path", path, PATHS)
         check_group_size(group_size, group_size, advantage)
         beta = check_beta(beta)
         temperature = check_temperature(temperature)
@@ -242,6 +300,7 @@ class PACSLoss(nn.Module):
         self.group_size, self.beta, self.temperature = group_size, beta, temperature
         self.score, self.advantage, self.weighting = score, advantage, weighting
         self.score_function_term, self.backend = score_function_term, backend
+        self.path, self.chunk_budget_mib = path, check_chunk_budget(chunk_budget_mib)
 
     def forward(
         self,
@@ -249,23 +308,29 @@ class PACSLoss(nn.Module):
         lm_head_weight: torch.Tensor,
         targets: torch.Tensor,
         mask: torch.Tensor,
-        old_logp: torch.Tensor,
+        old_logp: torch.Tensor | None,
         rewards: torch.Tensor,
         *,
         bias: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         return_stats: bool = False,
+        with_entropy: bool = False,
         group_ids: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
         old_lse: torch.Tensor | None = None,
     ):
-        """Arguments as in :func:`fused_linear_pacs_loss` (``old_lse``: the one-sweep first step)."""
+        """Arguments as in :func:`fused_linear_pacs_loss` (``old_logp=None``: on-policy;
+        ``old_lse``: the one-sweep first step)."""
         return fused_linear_pacs_loss(
             hidden, lm_head_weight, targets, mask, old_logp, rewards, group_size=self.group_size,
             temperature=self.temperature, bias=bias, cu_seqlens=cu_seqlens, beta=self.beta, score=self.score,
             advantage=self.advantage, weighting=self.weighting, score_function_term=self.score_function_term,
-            return_stats=return_stats, group_ids=group_ids, backend=self.backend, old_lse=old_lse)
+            return_stats=return_stats, with_entropy=with_entropy, group_ids=group_ids, valid=valid,
+            backend=self.backend, path=self.path, chunk_budget_mib=self.chunk_budget_mib, old_lse=old_lse)
 
     def extra_repr(self) -> str:
         return (f"group_size={self.group_size}, beta={self.beta}, score={self.score!r}, "
                 f"advantage={self.advantage!r}, weighting={self.weighting!r}, temperature={self.temperature}, "
-                f"score_function_term={self.score_function_term}, backend={self.backend!r}")
+                f"score_function_term={self.score_function_term}, backend={self.backend!r}, path={self.path!r}, "
+                f"chunk_budget_mib={self.chunk_budget_mib:g}")
+

@@ -20,12 +20,21 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .checks import FLOAT_DTYPES, check_choice, check_tensor
-from .fused import FUSED_BACKENDS, _check_fused_tensors, selected_logprobs
-from .loss_inputs import check_group_size, check_nonempty_responses, check_token_tensors
+from .checks import (
+    FLOAT_DTYPES,
+    check_choice,
+    check_linear_inputs,
+    check_targets_in_range,
+    check_temperature,
+    check_tensor,
+)
+from .fused import FUSED_BACKENDS, PATHS, check_chunk_budget
+from .logprobs import linear_logprobs
+from .loss_inputs import GRPO_STD_EPS, check_group_size, check_nonempty_responses, check_token_tensors
+from .single_pass import DEFAULT_CHUNK_BUDGET_MIB, max_chunk_tokens, plan_token_chunks, single_pass
+from .token_selection import check_response_tokens, match_head_dtype, pick, selected_index
 
 AGGREGATIONS = ("token_mean", "seq_mean")
-GRPO_STD_EPS = 1e-6
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,27 @@ def _check_number(name: str, value, *, minimum: float, allow_none: bool = False)
             or value < minimum:
         raise ValueError(f"{name} must be a finite number >= {minimum}, got {value!r}")
     return float(value)
+
+
+def check_grpo_options(group_size, n_responses, clip_eps, clip_eps_high, kl_coef, ref_logp, like):
+    """-> (clip low, clip high, kl_coef); ref_logp (optional) shaped and placed like ``like``."""
+    check_group_size(group_size, n_responses, "grpo")
+    if n_responses == 0:
+        raise ValueError("the batch must hold at least one group of responses, got B = 0")
+    low = _check_number("clip_eps", clip_eps, minimum=0.0)
+    high = _check_number("clip_eps_high", clip_eps_high, minimum=0.0, allow_none=True)
+    high = low if high is None else high
+    kl_coef = _check_number("kl_coef", kl_coef, minimum=0.0)
+    if ref_logp is not None:
+        check_tensor("ref_logp", ref_logp, dtypes=FLOAT_DTYPES)
+        if tuple(ref_logp.shape) != tuple(like.shape):
+            raise ValueError(f"ref_logp must have the shape {tuple(like.shape)} of the per-token inputs, "
+                             f"got {tuple(ref_logp.shape)}")
+        if ref_logp.device != like.device:
+            raise ValueError(f"ref_logp must be on {like.device} with the other tensors, got {ref_logp.device}")
+    elif kl_coef > 0:
+        raise ValueError(f"kl_coef = {kl_coef} > 0 needs ref_logp (the reference model's log-probs)")
+    return low, high, kl_coef
 
 
 def group_normalized_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -99,19 +129,7 @@ def grpo_loss(
         raise ValueError(f"rewards must have shape (B,) = ({n},), got {tuple(rewards.shape)}")
     if rewards.device != logp.device:
         raise ValueError(f"rewards must be on the device of logp ({logp.device}), got {rewards.device}")
-    check_group_size(group_size, n, "grpo")
-    low = _check_number("clip_eps", clip_eps, minimum=0.0)
-    high = _check_number("clip_eps_high", clip_eps_high, minimum=0.0, allow_none=True)
-    high = low if high is None else high
-    kl_coef = _check_number("kl_coef", kl_coef, minimum=0.0)
-    if ref_logp is not None:
-        check_tensor("ref_logp", ref_logp, dtypes=FLOAT_DTYPES)
-        if tuple(ref_logp.shape) != tuple(logp.shape):
-            raise ValueError(f"ref_logp must have the shape of logp {tuple(logp.shape)}, got {tuple(ref_logp.shape)}")
-        if ref_logp.device != logp.device:
-            raise ValueError(f"ref_logp must be on the device of logp ({logp.device}), got {ref_logp.device}")
-    elif kl_coef > 0:
-        raise ValueError(f"kl_coef = {kl_coef} > 0 needs ref_logp (the reference model's log-probs)")
+    low, high, kl_coef = check_grpo_options(group_size, n, clip_eps, clip_eps_high, kl_coef, ref_logp, logp)
     counts = mask.sum(-1)
     if aggregation == "seq_mean":
         check_nonempty_responses(counts, "aggregation='seq_mean' (it averages over each response)")
@@ -123,37 +141,63 @@ def grpo_loss(
     if n and not bool(torch.isfinite(values).all()):
         raise ValueError("rewards must be finite (no NaN or inf)")
     adv = group_normalized_advantages(values, group_size)[:, None]
-    zero = torch.zeros((), dtype=cdt, device=logp.device)
-    logp_c = logp.to(cdt)
-    # log-ratio zeroed at padding BEFORE exp: garbage there can never reach the gradient as NaN
-    log_ratio = torch.where(mask, logp_c - old_logp.detach().to(cdt), zero)
-    ratio = torch.exp(log_ratio)
+    terms = grpo_token_terms(logp.to(cdt), old_logp.detach().to(cdt), adv,
+                             None if ref_logp is None else ref_logp.detach().to(cdt), mask,
+                             low=low, high=high, kl_coef=kl_coef)
+    if aggregation == "token_mean":
+        loss = terms.per_token.sum() / counts.sum().clamp(min=1).to(cdt)
+    else:
+        loss = (terms.per_token.sum(-1) / counts.to(cdt)).mean()
+    if not return_stats:
+        return loss
+    with torch.no_grad():
+        n_tokens = counts.sum().clamp(min=1).double()
+        sums = terms.stat_sums()
+        stats = [loss.detach().double().item()] + [v / n_tokens.item() for v in sums] + \
+                [adv.abs().mean().double().item()]
+    return loss, GRPOStats(stats[0], stats[1], stats[2], stats[4], stats[3])
+
+
+@dataclass
+class GRPOTokenTerms:
+    """Per-token GRPO quantities (zeros outside the mask): the loss term, whether the clipped branch
+    was the active one, the ratio, and the k3 KL (None without a reference)."""
+
+    per_token: torch.Tensor
+    clip_active: torch.Tensor
+    ratio: torch.Tensor
+    kl: torch.Tensor | None
+
+    def stat_sums(self) -> list[float]:
+        """[clipped tokens, sum of ratios, sum of KL] over the masked tokens (floats)."""
+        kl = self.kl.sum() if self.kl is not None else self.ratio.new_zeros(())
+        return torch.stack([self.clip_active.sum().to(self.ratio.dtype), self.ratio.sum(), kl]).double().tolist()
+
+
+def grpo_token_terms(logp, old_logp, adv, ref_logp, mask, *, low, high, kl_coef) -> GRPOTokenTerms:
+    """The clipped surrogate (+ k3 KL) per token; any shapes that broadcast, mask None = all tokens.
+
+    The log-ratio is zeroed outside the mask BEFORE exp, so garbage there never reaches the gradient
+    as NaN.
+    """
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    inside = (lambda t: t) if mask is None else (lambda t: torch.where(mask, t, zero))
+    ratio = torch.exp(inside(logp - old_logp))
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - low, 1.0 + high)
     per_token = torch.maximum(unclipped, clipped)
     kl = None
     if ref_logp is not None:
-        delta = torch.where(mask, ref_logp.detach().to(cdt) - logp_c, zero)
+        delta = inside(ref_logp - logp)
         kl = torch.exp(delta) - delta - 1.0
         if kl_coef > 0:
             per_token = per_token + kl_coef * kl
-    per_token = torch.where(mask, per_token, zero)
-    if aggregation == "token_mean":
-        loss = per_token.sum() / counts.sum().clamp(min=1).to(cdt)
-    else:
-        loss = (per_token.sum(-1) / counts.to(cdt)).mean()
-    if not return_stats:
-        return loss
-    with torch.no_grad():
-        n_tokens = counts.sum().clamp(min=1).double()
-        active_clip = (clipped > unclipped) & mask
-        stats = torch.stack([
-            loss.detach().double(), active_clip.sum().double() / n_tokens,
-            torch.where(mask, ratio, zero).sum().double() / n_tokens, adv.abs().mean().double(),
-            (torch.where(mask, kl, zero).sum().double() / n_tokens) if kl is not None
-            else torch.zeros((), dtype=torch.float64, device=logp.device),
-        ]).tolist()
-    return loss, GRPOStats(*stats)
+    active = clipped > unclipped
+    if mask is not None:
+        active = active & mask
+        ratio = inside(ratio)
+        kl = None if kl is None else inside(kl)
+    return GRPOTokenTerms(inside(per_token), active, ratio.detach(), None if kl is None else kl.detach())
 
 
 def fused_linear_grpo_loss(
@@ -161,12 +205,13 @@ def fused_linear_grpo_loss(
     weight: torch.Tensor,
     targets: torch.Tensor,
     mask: torch.Tensor,
-    old_logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
     rewards: torch.Tensor,
     *,
     group_size: int,
     temperature: float = 1.0,
     bias: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
     aggregation: str = "token_mean",
@@ -174,25 +219,84 @@ def fused_linear_grpo_loss(
     kl_coef: float = 0.0,
     return_stats: bool = False,
     backend: str = "auto",
+    path: str = "auto",
+    chunk_budget_mib: float = DEFAULT_CHUNK_BUDGET_MIB,
 ):
-    """``grpo_loss`` straight from hidden states (B, T, d) and the LM head (V, d), padded layout only.
+    """``grpo_loss`` straight from hidden states and the LM head, padded (B, T, d) or packed (N, d) with
+    ``cu_seqlens`` (layouts as in :func:`fused_linear_pacs_loss`); ``old_logp=None`` means on-policy.
 
-    Log-probs are computed at mask == 1 positions only (one ``linear_logprobs`` call) and
-    scattered into a (B, T) float32 tensor; the rest as in :func:`grpo_loss`.
+    The GRPO term of a token depends only on its own log-prob once the advantages and the normaliser
+    (both known from the rewards and the mask) are fixed, so the single pass (the default) cuts the
+    response tokens into chunks of at most ``chunk_budget_mib`` MiB of logits, whatever the response
+    lengths: one logits GEMM per chunk, 3 matmuls in all. ``path="two_pass"`` runs ``linear_logprobs``
+    with ``backend`` and autograd instead (4 matmuls). ``ref_logp`` (for the KL term) is laid out like
+    old_logp.
     """
+    check_choice("aggregation", aggregation, AGGREGATIONS)
     check_choice("backend", backend, FUSED_BACKENDS)
-    hidden_2d, targets_1d, mask_1d, old_1d, _, n_responses = _check_fused_tensors(
-        hidden, targets, mask, old_logp, None)
-    check_group_size(group_size, n_responses, "grpo")
-    logp_selected, index = selected_logprobs(
-        hidden_2d, weight, targets_1d, mask_1d, temperature=temperature, bias=bias, backend=backend,
-        logprob_options={})
-    if index is None:
-        logp = logp_selected
+    check_choice("path", path, PATHS)
+    chunk_budget_mib = check_chunk_budget(chunk_budget_mib)
+    hidden = match_head_dtype(hidden, weight)
+    tokens = check_response_tokens(hidden, targets, mask, old_logp, cu_seqlens)
+    check_linear_inputs(tokens.hidden, weight, tokens.targets, bias)
+    temperature = check_temperature(temperature)
+    n = tokens.n_responses
+    low, high, kl_coef = check_grpo_options(group_size, n, clip_eps, clip_eps_high, kl_coef, ref_logp,
+                                            tokens.mask.reshape(tokens.token_shape))
+    if not isinstance(rewards, torch.Tensor):
+        raise TypeError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
+    check_tensor("rewards", rewards, ndim=1)
+    if rewards.shape[0] != n or rewards.device != tokens.hidden.device:
+        raise ValueError(f"rewards must have shape (B,) = ({n},) on {tokens.hidden.device}, "
+                         f"got {tuple(rewards.shape)} on {rewards.device}")
+    counts = tokens.counts
+    if aggregation == "seq_mean":
+        check_nonempty_responses(counts, "aggregation='seq_mean' (it averages over each response)")
+    elif int(counts.sum()) == 0:
+        raise ValueError("mask must select at least one token with aggregation='token_mean'")
+    cdt = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    values = rewards.detach().to(cdt)
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError("rewards must be finite (no NaN or inf)")
+
+    # per selected token: its response's advantage and its share of the normaliser
+    index = selected_index(tokens.mask)
+    layout = tokens.selected_layout()
+    segment = layout.segment_ids()
+    adv = group_normalized_advantages(values, group_size)
+    token_adv = adv[segment]
+    if aggregation == "token_mean":
+        token_coef = torch.full_like(token_adv, 1.0 / int(counts.sum()))
     else:
-        logp = logp_selected.new_zeros(mask_1d.shape[0]).index_put((index,), logp_selected)
-    shape = tuple(hidden.shape[:-1])
-    return grpo_loss(
-        logp.reshape(shape), old_logp, rewards, mask, group_size=group_size, clip_eps=clip_eps,
-        clip_eps_high=clip_eps_high, aggregation=aggregation, ref_logp=ref_logp, kl_coef=kl_coef,
-        return_stats=return_stats)
+        token_coef = (1.0 / (counts.to(cdt) * n))[segment]
+    old_sel = pick(tokens.old_logp, index)
+    ref_sel = None if ref_logp is None else pick(ref_logp.reshape(-1), index)
+    hidden_sel, targets_sel = pick(tokens.hidden, index), pick(tokens.targets, index)
+
+    def share(logp, t0, t1):
+        old = logp.detach() if old_sel is None else old_sel[t0:t1].detach().to(cdt)
+        ref = None if ref_sel is None else ref_sel[t0:t1].detach().to(cdt)
+        terms = grpo_token_terms(logp.to(cdt), old, token_adv[t0:t1], ref, None, low=low, high=high,
+                                 kl_coef=kl_coef)
+        return (terms.per_token * token_coef[t0:t1]).sum(), terms
+
+    if path != "two_pass" and backend != "naive":
+        check_targets_in_range(targets_sel, weight.shape[0])
+        budget_tokens = max_chunk_tokens(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype)
+        chunks = plan_token_chunks(counts.tolist(), budget_tokens)
+        loss, extras, _, _ = single_pass(hidden_sel, weight, targets_sel, bias=bias, temperature=temperature,
+                                         chunks=chunks, chunk_loss=lambda lp, c: share(lp, c.tok0, c.tok1))
+        all_terms = extras
+    else:
+        if path == "single_pass":
+            raise ValueError("path='single_pass' has no naive backend; use backend='auto', 'torch' or 'triton'")
+        logp = linear_logprobs(hidden_sel, weight, targets_sel, temperature=temperature, bias=bias, backend=backend)
+        loss, terms = share(logp, 0, logp.shape[0])
+        all_terms = [terms]
+    loss = loss.float() if loss.dtype != torch.float64 else loss
+    if not return_stats:
+        return loss
+    sums = torch.tensor([t.stat_sums() for t in all_terms], dtype=torch.float64).sum(0).tolist()
+    n_tokens = max(int(counts.sum()), 1)
+    return loss, GRPOStats(float(loss.detach()), sums[0] / n_tokens, sums[1] / n_tokens,
+                           float(adv.abs().mean()), sums[2] / n_tokens)

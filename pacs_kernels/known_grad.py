@@ -38,15 +38,14 @@ class _KnownGradSweep(torch.autograd.Function):
             grads = torch_chunked.backward(
                 hidden, weight, targets, bias, temperature, lse, None, grad_logp, None, needs=needs,
                 logp_out=logp)
-        ctx.grads = grads
+        ctx.save_for_backward(*grads)  # freed after one backward, kept by retain_graph=True
         surrogate = (grad_logp.float() * logp).sum()
         ctx.mark_non_differentiable(logp)
         return surrogate, logp
 
     @staticmethod
     def backward(ctx, grad_surrogate, _grad_logp):
-        d_hidden, d_weight, d_bias = (None if g is None else g * grad_surrogate.to(g.dtype) for g in ctx.grads)
-        ctx.grads = None
+        d_hidden, d_weight, d_bias = (None if g is None else g * grad_surrogate.to(g.dtype) for g in ctx.saved_tensors)
         return d_hidden, d_weight, d_bias, None, None, None, None, None
 
 

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .loss_inputs import (
+    GRPO_STD_EPS,
     LOSS_BACKENDS,
     ResponseLayout,
     check_beta,
@@ -35,10 +36,9 @@ from .loss_inputs import (
     check_options,
     check_rewards,
     check_token_tensors,
+    check_valid,
     response_token_counts,
 )
-
-GRPO_STD_EPS = 1e-6  # the public code's epsilon in (r - mean) / (std + eps)
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,9 @@ class PACSStats:
         labelled 1 / 0 (NaN when there are none). Under RLOO psi sums to 0 within a group, so
         sigmoid_psi_mean sits near 0.5 by construction; the gap between these two is what shows
         whether the implicit critic separates right from wrong answers.
+    entropy_mean: mean token entropy of the policy (NaN unless the fused loss was asked for it).
+    valid_frac: fraction of responses that count (``valid``); 1.0 without a validity mask.
+    path: how the fused loss ran: "single_pass", "two_pass" or "one_sweep" ("" for ``pacs_loss``).
     """
 
     loss: float
@@ -68,29 +71,41 @@ class PACSStats:
     frac_single_label_groups: float
     sigmoid_psi_correct_mean: float
     sigmoid_psi_incorrect_mean: float
+    entropy_mean: float = float("nan")
+    valid_frac: float = 1.0
+    path: str = ""
 
     def as_dict(self, prefix: str = "") -> dict[str, float]:
-        return {prefix + key: value for key, value in asdict(self).items()}
+        """The numbers, keys prefixed (``path`` is left out: it is a name, not a metric)."""
+        return {prefix + key: value for key, value in asdict(self).items() if not isinstance(value, str)}
 
 
 # ----------------------------------------------------------------------------- torch math
 
 
-def class_weights(rewards: torch.Tensor, group_size: int, weighting: str) -> torch.Tensor:
-    """(B,) per-response weights (float, rewards' dtype); rewards hold 0/1 labels (or [0,1] for 'none')."""
+def class_weights(rewards: torch.Tensor, group_size: int, weighting: str,
+                  valid: torch.Tensor | None = None) -> torch.Tensor:
+    """(B,) per-response weights (float, rewards' dtype); rewards hold 0/1 labels (or [0,1] for 'none').
+
+    ``valid`` (B,) bool: invalid responses get weight 0 and are left out of their group's class
+    counts ("balanced": n_valid / (2 * count of the label among the valid responses)).
+    """
     if weighting == "none":
-        return torch.ones_like(rewards)
-    if weighting == "positive_only":
-        return rewards.clone()
-    if weighting == "negative_only":
-        return 1.0 - rewards
-    labels = rewards.reshape(-1, group_size)
-    n_pos = labels.sum(1, keepdim=True)
-    n_neg = group_size - n_pos
-    own_count = torch.where(labels == 1, n_pos, n_neg).clamp(min=1)
-    mixed = (n_pos > 0) & (n_neg > 0)
-    weights = torch.where(mixed, group_size / (2.0 * own_count), torch.ones_like(labels))
-    return weights.reshape(-1)
+        weights = torch.ones_like(rewards)
+    elif weighting == "positive_only":
+        weights = rewards.clone()
+    elif weighting == "negative_only":
+        weights = 1.0 - rewards
+    else:
+        labels = rewards.reshape(-1, group_size)
+        present = torch.ones_like(labels) if valid is None else valid.reshape(-1, group_size).to(labels.dtype)
+        n_pos = (labels * present).sum(1, keepdim=True)
+        n_valid = present.sum(1, keepdim=True)
+        n_neg = n_valid - n_pos
+        own_count = torch.where(labels == 1, n_pos, n_neg).clamp(min=1)
+        mixed = (n_pos > 0) & (n_neg > 0)
+        weights = torch.where(mixed, n_valid / (2.0 * own_count), torch.ones_like(labels)).reshape(-1)
+    return weights if valid is None else weights * valid.to(weights.dtype)
 
 
 def group_advantage(score: torch.Tensor, group_size: int, advantage: str) -> torch.Tensor:
@@ -120,7 +135,8 @@ def response_sums(values: torch.Tensor, mask: torch.Tensor, layout: ResponseLayo
 
 
 def _pacs_torch(logp, old_logp, mask, counts, rewards, layout, *, group_size, beta, score, advantage,
-                weighting, score_function_term):
+                weighting, score_function_term, valid=None, n_total=None):
+    """The loss on one layout; ``n_total``: the B to divide by when this is a share of a larger batch."""
     cdt = torch.float64 if logp.dtype == torch.float64 else torch.float32
     sum_logp = response_sums(logp.to(cdt), mask, layout)
     rewards = rewards.to(cdt)
@@ -130,9 +146,9 @@ def _pacs_torch(logp, old_logp, mask, counts, rewards, layout, *, group_size, be
     else:
         proxy = beta * sum_logp / counts.to(cdt)
     psi = group_advantage(proxy, group_size, advantage)
-    weights = class_weights(rewards, group_size, weighting)
+    weights = class_weights(rewards, group_size, weighting, valid)
     bce = bce_with_logits(psi, rewards)
-    n = layout.n_responses
+    n = layout.n_responses if n_total is None else n_total
     loss = (weights * bce).sum() / n
     if score_function_term:
         # Eq. 6's l[j] * grad log pi(o_j): a surrogate whose value is exactly 0 and whose
@@ -195,7 +211,8 @@ def resolve_loss_backend(backend: str, device: torch.device, dtype: torch.dtype)
 # ----------------------------------------------------------------------------- public API
 
 
-def compute_stats(loss, per_response, rewards, group_size) -> PACSStats:
+def compute_stats(loss, per_response, rewards, group_size, *, valid=None, entropy=None) -> PACSStats:
+    """PACSStats from the loss and the per-response (score, psi, weight, bce); entropy (N,) optional."""
     proxy, psi, weights, _ = (t.double() for t in per_response)
     labels = rewards.double().reshape(-1, group_size)
     single = (labels == labels[:, :1]).all(1).double().mean()
@@ -206,34 +223,52 @@ def compute_stats(loss, per_response, rewards, group_size) -> PACSStats:
         loss.detach().double().reshape(()), psi.mean(), psi.std(unbiased=False), sig.mean(),
         rewards.double().mean(), proxy.mean(), weights.mean(), weights.min(), weights.max(), single,
         sig[correct].mean() if bool(correct.any()) else nan, sig[~correct].mean() if bool((~correct).any()) else nan,
+        entropy.double().mean() if entropy is not None and entropy.numel() else nan,
+        valid.double().mean() if valid is not None and valid.numel() else torch.ones_like(nan),
     ]).tolist()
     return PACSStats(*values)
 
 
-def _pacs_on_layout(logp, old_logp, mask, rewards, layout, *, group_size, beta, score, advantage, weighting,
-                    score_function_term, return_stats, group_ids, backend, counts=None, mask_is_full=False):
-    """Checked options, checked layout; shared by pacs_loss and fused_linear_pacs_loss."""
+def check_group_inputs(rewards, valid, layout, device, *, group_size, beta, advantage, weighting,
+                       score_function_term, group_ids):
+    """Checks shared by every PACS entry point -> (rewards as float, valid as bool or None, beta)."""
     check_group_size(group_size, layout.n_responses, advantage)
+    if layout.n_responses == 0:
+        raise ValueError("the batch must hold at least one group of responses, got B = 0 "
+                         "(rewards, logp and mask are empty)")
     beta = check_beta(beta)
     if not isinstance(score_function_term, bool):
         raise TypeError(f"score_function_term must be a bool, got {score_function_term!r}")
-    if rewards.device != logp.device:
-        raise ValueError(f"rewards must be on the device of logp ({logp.device}), got {rewards.device}")
+    if not isinstance(rewards, torch.Tensor):
+        raise TypeError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
+    if rewards.device != device:
+        raise ValueError(f"rewards must be on the device of logp ({device}), got {rewards.device}")
+    valid, rewards = check_valid(valid, rewards, layout.n_responses)
     rewards = check_rewards(rewards, layout.n_responses, weighting)
-    check_group_ids(group_ids, layout.n_responses, group_size, logp.device)
+    check_group_ids(group_ids, layout.n_responses, group_size, device)
+    return rewards, valid, beta
+
+
+def _pacs_on_layout(logp, old_logp, mask, rewards, layout, *, group_size, beta, score, advantage, weighting,
+                    score_function_term, return_stats, group_ids, backend, counts=None, mask_is_full=False,
+                    valid=None, entropy=None):
+    """Checked options, checked layout; shared by pacs_loss and fused_linear_pacs_loss's two-pass path."""
+    rewards, valid, beta = check_group_inputs(
+        rewards, valid, layout, logp.device, group_size=group_size, beta=beta, advantage=advantage,
+        weighting=weighting, score_function_term=score_function_term, group_ids=group_ids)
     if score == "mean_logp":
         counts = response_token_counts(mask, layout) if counts is None else counts
         check_nonempty_responses(counts, "score='mean_logp' (it divides by the response length)")
     backend = resolve_loss_backend(backend, logp.device, logp.dtype)
     options = dict(group_size=group_size, beta=beta, score=score, advantage=advantage, weighting=weighting,
                    score_function_term=score_function_term)
-    if backend == "triton":
+    if backend == "triton" and valid is None:  # the Triton group kernel has no validity mask
         loss, per_response = _pacs_triton(logp, old_logp, mask, rewards, layout, mask_is_full=mask_is_full,
                                           **options)
     else:
-        loss, per_response = _pacs_torch(logp, old_logp, mask, counts, rewards, layout, **options)
+        loss, per_response = _pacs_torch(logp, old_logp, mask, counts, rewards, layout, valid=valid, **options)
     if return_stats:
-        return loss, compute_stats(loss, per_response, rewards, group_size)
+        return loss, compute_stats(loss, per_response, rewards, group_size, valid=valid, entropy=entropy)
     return loss
 
 
@@ -253,6 +288,7 @@ def pacs_loss(
     group_ids: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
+    valid: torch.Tensor | None = None,
 ):
     """The PACS loss (BCE of the group-relative score against the 0/1 reward) from per-token log-probs.
 
@@ -276,6 +312,10 @@ def pacs_loss(
         group_ids: optional (B,) int group id of each response, checked for contiguous whole groups.
         cu_seqlens: optional (B + 1,) int response offsets: selects the packed layout.
         backend: "auto" (triton on CUDA, torch otherwise) | "triton" | "torch".
+        valid: optional (B,) bool: False marks a response that must not count (e.g. its reward
+            function returned None; its reward may then be NaN). It contributes no loss term and
+            is left out of its group's class counts; its score still enters the group's baseline
+            (the score does not depend on the label). The loss is still divided by B.
 
     Returns:
         0-d loss (float32; float64 for float64 logp on the torch path), or ``(loss, PACSStats)``.
@@ -284,9 +324,7 @@ def pacs_loss(
     """
     check_options(score, advantage, weighting)
     logp, old_logp, mask, layout = check_token_tensors(logp, old_logp, mask, cu_seqlens)
-    if not isinstance(rewards, torch.Tensor):
-        raise TypeError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
     return _pacs_on_layout(
         logp, old_logp, mask, rewards, layout, group_size=group_size, beta=beta, score=score,
         advantage=advantage, weighting=weighting, score_function_term=score_function_term,
-        return_stats=return_stats, group_ids=group_ids, backend=backend)
+        return_stats=return_stats, group_ids=group_ids, backend=backend, valid=valid)

@@ -25,6 +25,7 @@ ADVANTAGES = ("rloo", "grpo", "naive")
 WEIGHTINGS = ("balanced", "none", "positive_only", "negative_only")
 LOSS_BACKENDS = ("auto", "triton", "torch")
 MASK_DTYPES = (torch.bool,) + INT_DTYPES + FLOAT_DTYPES
+GRPO_STD_EPS = 1e-6  # the public code's epsilon in (x - mean) / (std + eps), for scores and rewards alike
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,31 @@ def check_rewards(rewards, n_responses: int, weighting: str) -> torch.Tensor:
             f"rewards must be 0/1 labels with weighting={weighting!r} (it counts each label per group), "
             f"got values such as {bad}; use weighting='none' for soft labels in [0, 1]")
     return values
+
+
+def check_valid(valid, rewards: torch.Tensor, n_responses: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """valid (B,) bool/0-1 or None -> (bool tensor or None, rewards with invalid entries set to 0).
+
+    An invalid response (say, its reward function returned None) keeps its score in its group's
+    baseline but contributes no loss term and is left out of the class counts; its reward may be NaN.
+    """
+    if valid is None:
+        return None, rewards
+    check_tensor("valid", valid, dtypes=MASK_DTYPES, ndim=1)
+    if valid.shape[0] != n_responses:
+        raise ValueError(f"valid must have shape (B,) = ({n_responses},), one flag per response, "
+                         f"got {tuple(valid.shape)}")
+    if valid.device != rewards.device:
+        raise ValueError(f"valid must be on the device of rewards ({rewards.device}), got {valid.device}")
+    if valid.dtype != torch.bool:
+        if valid.numel() and not bool(((valid == 0) | (valid == 1)).all()):
+            raise ValueError("valid must hold only 0 and 1 (or True/False), got other values")
+        valid = valid != 0
+    if rewards.dtype.is_floating_point:
+        rewards = torch.where(valid, rewards, torch.zeros((), dtype=rewards.dtype, device=rewards.device))
+    else:
+        rewards = rewards * valid.to(rewards.dtype)
+    return valid, rewards
 
 
 def check_group_ids(group_ids, n_responses: int, group_size: int, device: torch.device) -> None:

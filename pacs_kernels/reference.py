@@ -55,10 +55,12 @@ def reference_pacs_loss(
     score: str = "log_ratio",
     advantage: str = "rloo",
     weighting: str = "balanced",
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PACS loss in float64, (B, T) padded inputs. Returns (loss, {score, psi, weight, bce}) (B,) each.
 
-    Differentiable in ``logp`` (autograd); no score-function term.
+    Differentiable in ``logp`` (autograd); no score-function term. ``valid`` (B,) bool: an invalid
+    response gets weight 0 and is left out of its group's label counts (its score stays in the baseline).
     """
     logp = logp.to(torch.float64)
     old_logp = old_logp.detach().to(torch.float64)
@@ -85,11 +87,16 @@ def reference_pacs_loss(
             else:
                 psi.append(r)
     weights = []
+    keep = [True] * n if valid is None else [bool(v) for v in valid]
+    labels = torch.where(torch.tensor(keep, device=labels.device), labels, torch.zeros_like(labels))
     for g0 in range(0, n, group_size):
-        group = [float(v) for v in labels[g0:g0 + group_size]]
+        group = [float(v) for v, k in zip(labels[g0:g0 + group_size], keep[g0:g0 + group_size]) if k]
         classes = sorted(set(group))
-        for label in group:
-            if weighting == "balanced":
+        for i in range(g0, g0 + group_size):
+            label = float(labels[i])
+            if not keep[i]:  # an invalid response: no loss term, not counted
+                weights.append(0.0)
+            elif weighting == "balanced":
                 # sklearn compute_class_weight("balanced"): n_samples / (n_classes * count)
                 weights.append(len(group) / (len(classes) * group.count(label)) if len(classes) > 1 else 1.0)
             elif weighting == "positive_only":

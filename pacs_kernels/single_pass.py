@@ -1,0 +1,205 @@
+"""Single pass: a group-coupled loss and its gradients from ONE logits GEMM per chunk.
+
+The two-pass design (``linear_logprobs`` then its backward) builds every logits tile twice:
+4 (N x V x d) matmuls. But the PACS loss of a response depends only on the log-probs of its own
+group, so a chunk of tokens that holds WHOLE groups can do everything from one logits tile:
+
+    z    = (h @ W.T + b) / tau                 one GEMM, float32 result        (C, V)
+    lse  = log sum_v exp(z_v);   logp = z[y] - lse
+    g    = dloss_chunk / dlogp                 the small group loss, by autograd on C scalars
+    dz   = g * (onehot(y) - softmax(z)) / tau  in place over the logits buffer
+    dh   = dz @ W;   dW += dz.T @ h;   db += sum_tokens dz       two more GEMMs
+
+three matmuls in all, the count of the naive implementation, with memory bounded by the chunk
+(C x V float32, plus a low-precision copy of dz for the GEMMs on a GPU) instead of N x V. The
+gradients are produced in the forward and handed to autograd: the returned loss's backward only
+scales them by the upstream gradient. Losses that are per response (GRPO) can use any chunking
+that keeps responses whole; their chunk loss only needs the global normaliser, known up front.
+
+Entropy (optional, for statistics): H = lse - sum_v p_v z_v, computed in row slices before the
+logits buffer is turned into probabilities.
+
+Per-token gradients below ``TINY_GRAD`` (2^-100) are flushed to 0 before they multiply the
+probabilities: products of such values are float32 denormals, which slow every GEMM on many
+x86 CPUs by 10-100x, and a gradient that small changes no optimizer step (Adam's eps is 1e-8).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .matmul import addmm_f32_, compute_dtype, gemm_in_input_dtype, mm_f32, mm_into, operand
+
+TINY_GRAD = 2.0 ** -100
+DEFAULT_CHUNK_BUDGET_MIB = 256
+ENTROPY_ROWS = 64  # rows per slice of the optional entropy pass (bounds its temporary)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens tok0:tok1 of the selected-token layout; r0:r1 the responses that own them (whole
+    responses for group chunks, possibly cut at the ends for token chunks)."""
+
+    r0: int
+    r1: int
+    tok0: int
+    tok1: int
+
+
+def bytes_per_token(vocab: int, device: torch.device, dtype: torch.dtype) -> int:
+    """Working memory of one token of a chunk: its row of float32 logits (float64 for float64),
+    plus a low-precision copy of its dz row where the GEMMs run in the input dtype."""
+    per_logit = torch.finfo(compute_dtype(dtype)).bits // 8
+    if gemm_in_input_dtype(device, dtype):
+        per_logit += torch.finfo(dtype).bits // 8
+    return vocab * per_logit
+
+
+def max_chunk_tokens(budget_mib: float, vocab: int, device: torch.device, dtype: torch.dtype) -> int:
+    """How many tokens one chunk may hold within ``budget_mib`` MiB of working memory."""
+    return int(budget_mib * 2 ** 20) // bytes_per_token(vocab, device, dtype)
+
+
+def plan_group_chunks(counts: list[int], group_size: int, max_tokens: int) -> list[Chunk] | None:
+    """Chunks of whole groups (``group_size`` contiguous responses), greedy up to ``max_tokens``
+    tokens each; None when one group alone holds more than ``max_tokens`` tokens."""
+    chunks, r0, tok0, tokens = [], 0, 0, 0
+    for g0 in range(0, len(counts), group_size):
+        group_tokens = sum(counts[g0:g0 + group_size])
+        if group_tokens > max_tokens:
+            return None
+        if tokens + group_tokens > max_tokens and g0 > r0:
+            chunks.append(Chunk(r0, g0, tok0, tok0 + tokens))
+            r0, tok0, tokens = g0, tok0 + tokens, 0
+        tokens += group_tokens
+    if len(counts) > r0 or not chunks:
+        chunks.append(Chunk(r0, len(counts), tok0, tok0 + tokens))
+    return chunks
+
+
+def plan_token_chunks(counts: list[int], max_tokens: int) -> list[Chunk]:
+    """Chunks of at most ``max_tokens`` consecutive tokens, for losses that are per token given
+    quantities known up front (GRPO: advantages and normalisers): responses may be cut."""
+    offsets = [0]
+    for count in counts:
+        offsets.append(offsets[-1] + count)
+    total, step = offsets[-1], max(1, max_tokens)
+    chunks = []
+    for t0 in range(0, max(total, 1), step):
+        t1 = min(t0 + step, total)
+        r0 = bisect.bisect_right(offsets, t0) - 1
+        r1 = bisect.bisect_left(offsets, t1) if t1 > t0 else r0
+        chunks.append(Chunk(max(r0, 0), max(r1, r0), t0, t1))
+    return chunks
+
+
+# A chunk loss: (logp of the chunk's tokens (C,) float, a leaf that requires grad; the chunk)
+#   -> (its share of the total loss, 0-d; anything the caller wants back, e.g. per-response stats)
+ChunkLoss = Callable[[torch.Tensor, Chunk], "tuple[torch.Tensor, Any]"]
+
+
+def _entropy_rows(shifted: torch.Tensor) -> torch.Tensor:
+    """Entropy of each row of logits already shifted by their max (slices bound the temporary)."""
+    out = torch.empty(shifted.shape[0], dtype=shifted.dtype, device=shifted.device)
+    for r0 in range(0, shifted.shape[0], ENTROPY_ROWS):
+        rows = shifted[r0:r0 + ENTROPY_ROWS]
+        e = rows.exp()
+        total = e.sum(1)
+        out[r0:r0 + ENTROPY_ROWS] = total.log() - (e * rows).sum(1) / total
+    return out
+
+
+class _SinglePass(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunks, chunk_loss, results, with_entropy):
+        needs_h, needs_w, needs_b = ctx.needs_input_grad[:3]
+        device, cdt = hidden.device, compute_dtype(hidden.dtype)
+        inv_tau = 1.0 / temperature
+        weight_op = operand(weight)  # as it is on CUDA (tensor cores); widened once on the CPU
+        low_precision_gemm = weight_op.dtype != cdt
+        d_hidden = torch.empty(hidden.shape, dtype=weight_op.dtype, device=device) if needs_h else None
+        d_weight = torch.zeros(weight.shape, dtype=cdt, device=device) if needs_w else None
+        d_bias = torch.zeros(weight.shape[0], dtype=cdt, device=device) if needs_b else None
+        logp_all = torch.empty(hidden.shape[0], dtype=cdt, device=device)
+        entropy_all = torch.empty_like(logp_all) if with_entropy else None
+        loss = torch.zeros((), dtype=cdt, device=device)
+        for chunk in chunks:
+            t0, t1 = chunk.tok0, chunk.tok1
+            h = operand(hidden[t0:t1])
+            y = targets[t0:t1].long()
+            if t1 > t0:
+                z = mm_f32(h, weight_op.T)  # (C, V) logits, float32
+                if bias is not None:
+                    z.add_(bias.to(cdt))
+                if inv_tau != 1.0:
+                    z.mul_(inv_tau)
+                target_logit = z.gather(1, y.unsqueeze(1)).squeeze(1)
+                row_max = z.amax(1, keepdim=True)
+                row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+                z.sub_(row_max)
+                if with_entropy:
+                    entropy_all[t0:t1] = _entropy_rows(z)
+                z.exp_()  # z now holds exp(z - max): probabilities up to the row sum
+                row_sum = z.sum(1, keepdim=True)
+                lse = row_max.squeeze(1) + row_sum.squeeze(1).log()
+                logp_all[t0:t1] = target_logit - lse
+            with torch.enable_grad():
+                logp = logp_all[t0:t1].detach().requires_grad_(True)
+                share, extra = chunk_loss(logp, chunk)
+                grad_logp = torch.autograd.grad(share, logp)[0] if t1 > t0 and share.requires_grad else None
+            loss += share.detach().to(cdt)
+            results.append(extra)
+            if t1 == t0 or grad_logp is None or not (needs_h or needs_w or needs_b):
+                continue
+            # dz = g * (onehot(y) - p) / tau, in place over the logits buffer
+            g = torch.where(grad_logp.abs() < TINY_GRAD, torch.zeros_like(grad_logp), grad_logp) * inv_tau
+            z.mul_((-g).unsqueeze(1) / row_sum)
+            z[torch.arange(t1 - t0, device=device), y] += g
+            if needs_b:
+                d_bias += z.sum(0)
+            dz = z.to(weight_op.dtype) if low_precision_gemm else z
+            del z
+            if needs_h:
+                mm_into(d_hidden[t0:t1], dz, weight_op)
+            if needs_w:
+                addmm_f32_(d_weight, dz.T, h)
+            del dz
+        grads = (None if d_hidden is None else d_hidden.to(hidden.dtype),
+                 None if d_weight is None else d_weight.to(weight.dtype),
+                 None if d_bias is None else d_bias.to(bias.dtype))
+        ctx.save_for_backward(*grads)
+        ctx.mark_non_differentiable(logp_all)
+        if entropy_all is not None:
+            ctx.mark_non_differentiable(entropy_all)
+        return loss, logp_all, entropy_all
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
+        grads = ctx.saved_tensors  # autograd frees them after one backward (retain_graph keeps them)
+        scaled = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in grads)
+        return scaled + (None,) * 6
+
+
+def single_pass(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, bias: torch.Tensor | None,
+                temperature: float, chunks: list[Chunk], chunk_loss: ChunkLoss, with_entropy: bool = False):
+    """Run ``chunk_loss`` over ``chunks`` of the selected tokens with one logits GEMM per chunk.
+
+    Args:
+        hidden: (N, d) selected tokens' hidden states; weight (V, d) in hidden's dtype; targets (N,).
+        bias: optional (V,); temperature > 0 (checked by the caller).
+        chunks: consecutive :class:`Chunk` s covering 0:N, each holding whatever the loss couples.
+        chunk_loss: see :data:`ChunkLoss`; its share must already carry the global normaliser.
+
+    Returns:
+        (loss 0-d float32 (float64 for float64 inputs), differentiable in hidden, weight, bias;
+         the chunk losses' extras in chunk order; logp (N,) detached; entropy (N,) or None).
+    """
+    extras: list = []
+    with torch.autocast(hidden.device.type, enabled=False):
+        loss, logp, entropy = _SinglePass.apply(hidden, weight, bias, targets, temperature, chunks, chunk_loss,
+                                                extras, with_entropy)
+    return loss, extras, logp, entropy

@@ -1,0 +1,290 @@
+"""The single-pass (group-chunked) fused losses against float64 references, and the paths' choice.
+
+Every PACS variant, padded and packed, chunk budgets that cut the batch into one group per chunk,
+groups too large for the budget (automatic two-pass fallback), on-policy (old_logp=None), the
+validity mask, entropy stats, bf16, autocast, a second backward, and GRPO's token-chunked pass.
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+from test_fused_loss import grads_of, make_batch, naive_loss
+
+from pacs_kernels import fused_linear_grpo_loss, fused_linear_pacs_loss, grpo_loss, linear_logprobs
+from pacs_kernels.reference import naive_linear_logprobs, reference_grpo_loss, reference_pacs_loss
+from pacs_kernels.single_pass import TINY_GRAD, Chunk, plan_group_chunks, plan_token_chunks
+
+SCORES = ("log_ratio", "mean_logp")
+ADVANTAGES = ("rloo", "grpo", "naive")
+WEIGHTINGS = ("balanced", "none", "positive_only", "negative_only")
+
+
+def one_group_mib(dtype=torch.float32):
+    """A chunk budget of 30 tokens (one group of make_batch's) at V = 50 logits of the compute dtype."""
+    return 30 * 50 * (8 if dtype == torch.float64 else 4) / 2 ** 20
+
+
+def to_packed(hidden, targets, mask, old):
+    """Padded (B, T, ...) -> packed rows holding each response's first `mask.sum + start` tokens."""
+    b = hidden.shape[0]
+    lengths = mask.sum(1) + mask.int().argmax(1)
+    cu = torch.zeros(b + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(lengths, 0)
+    return [torch.cat([t[i, :lengths[i]] for i in range(b)]) for t in (hidden, targets, mask, old)], cu
+
+
+def test_plan_group_chunks():
+    counts = [3, 4, 5, 1, 2, 2, 9, 0]  # groups of 2: 7, 6, 4, 9 tokens
+    assert plan_group_chunks(counts, 2, 13) == [Chunk(0, 4, 0, 13), Chunk(4, 8, 13, 26)]
+    assert plan_group_chunks(counts, 2, 12) == [Chunk(0, 2, 0, 7), Chunk(2, 6, 7, 17), Chunk(6, 8, 17, 26)]
+    assert plan_group_chunks(counts, 2, 8) is None  # the last group holds 9 tokens
+    assert plan_group_chunks(counts, 2, 100) == [Chunk(0, 8, 0, 26)]
+    assert plan_group_chunks([0, 0], 2, 1) == [Chunk(0, 2, 0, 0)]
+
+
+def test_plan_token_chunks_cover_every_token_once():
+    counts = [3, 0, 7, 2]
+    chunks = plan_token_chunks(counts, 4)
+    assert [(c.tok0, c.tok1) for c in chunks] == [(0, 4), (4, 8), (8, 12)]
+    assert [(c.r0, c.r1) for c in chunks] == [(0, 3), (2, 3), (2, 4)]
+
+
+@pytest.mark.parametrize("score,advantage,weighting", list(itertools.product(SCORES, ADVANTAGES, WEIGHTINGS)))
+def test_single_pass_matches_reference_float64(score, advantage, weighting):
+    hidden, weight, bias, targets, mask, old, rewards = make_batch(n_groups=3, seed=5, with_bias=True)
+    hidden, weight, bias = hidden.double(), weight.double(), bias.double()
+    opts = dict(group_size=4, beta=0.7, score=score, advantage=advantage, weighting=weighting)
+    expected, e_grads = grads_of(
+        lambda h, w, b: naive_loss(h, w, b, targets, mask, old, rewards, temperature=0.8, **opts),
+        (hidden, weight, bias))
+    for budget in (64.0, one_group_mib(torch.float64)):  # one chunk; one group per chunk
+        loss, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, bias=bias,
+                                             temperature=0.8, chunk_budget_mib=budget, return_stats=True, **opts)
+        assert stats.path == "single_pass"
+        loss, got = grads_of(
+            lambda h, w, b: fused_linear_pacs_loss(h, w, targets, mask, old, rewards, bias=b, temperature=0.8,
+                                                   chunk_budget_mib=budget, path="single_pass", **opts),
+            (hidden, weight, bias))
+        assert loss.dtype == torch.float64
+        torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
+        for g, e in zip(got, e_grads):
+            torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
+        assert bool((got[0][~mask] == 0).all())
+
+
+@pytest.mark.parametrize("score_function_term", [False, True])
+def test_single_pass_equals_two_pass_and_packed(score_function_term):
+    hidden, weight, _, targets, mask, old, rewards = make_batch(n_groups=3, seed=6)
+    hidden, weight = hidden.double(), weight.double()
+    opts = dict(group_size=4, score_function_term=score_function_term)
+    results = {}
+    for path in ("single_pass", "two_pass"):
+        results[path] = grads_of(lambda h, w: fused_linear_pacs_loss(
+            h, w, targets, mask, old, rewards, path=path, chunk_budget_mib=one_group_mib(torch.float64), **opts),
+            (hidden, weight))
+    (packed_h, packed_y, packed_m, packed_old), cu = to_packed(hidden, targets, mask, old)
+    budget = one_group_mib(torch.float64)
+    results["packed"] = grads_of(lambda h, w: fused_linear_pacs_loss(
+        h, w, packed_y, packed_m, packed_old, rewards, cu_seqlens=cu, chunk_budget_mib=budget, **opts),
+        (packed_h, weight))
+    # the two-pass path's log-probs are float32 (linear_logprobs' contract): float32-level agreement
+    loss, grads = results["two_pass"]
+    scale = grads[1].abs().max().item()
+    for name in ("single_pass", "packed"):
+        torch.testing.assert_close(results[name][0].float(), loss.float(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(results[name][1][1], grads[1], rtol=1e-5, atol=1e-6 * scale)
+    torch.testing.assert_close(results["packed"][0], results["single_pass"][0], rtol=1e-12, atol=1e-14)
+
+
+def test_group_over_budget_falls_back_to_two_pass():
+    hidden, weight, _, targets, mask, old, rewards = make_batch(seed=7)
+    tiny = 3 * 200 / 2 ** 20  # three tokens: no group fits
+    loss, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4,
+                                         chunk_budget_mib=tiny, return_stats=True)
+    assert stats.path == "two_pass"
+    reference = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4)
+    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="path='single_pass' needs every group within chunk_budget_mib"):
+        fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, chunk_budget_mib=tiny,
+                               path="single_pass")
+    for bad in (0, -1.0, float("inf"), "big", True):
+        with pytest.raises(ValueError, match="chunk_budget_mib must be a finite number"):
+            fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, chunk_budget_mib=bad)
+    with pytest.raises(ValueError, match="path must be one of"):
+        fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, path="three_pass")
+
+
+@pytest.mark.parametrize("path", ["single_pass", "two_pass", "one_sweep"])
+@pytest.mark.parametrize("score", SCORES)
+def test_on_policy_old_logp_none(path, score):
+    hidden, weight, _, targets, mask, _, rewards = make_batch(seed=8)
+    hidden, weight = hidden.double(), weight.double()
+    with torch.no_grad():
+        current, lse = linear_logprobs(hidden, weight, targets.clamp(min=0), return_lse=True)
+    opts = dict(group_size=4, score=score)
+    expected, e_grads = grads_of(lambda h, w: naive_loss(h, w, None, targets, mask, current, rewards, **opts),
+                                 (hidden, weight))
+    if path == "one_sweep":
+        run = lambda h, w: fused_linear_pacs_loss(h, w, targets, mask, current, rewards, old_lse=lse, **opts)  # noqa: E731
+    else:
+        run = lambda h, w: fused_linear_pacs_loss(h, w, targets, mask, None, rewards, path=path, **opts)  # noqa: E731
+    loss, got = grads_of(run, (hidden, weight))
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-8)
+    for g, e in zip(got, e_grads):  # `current` is float32: float32-level agreement
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5 * e.abs().max().item())
+    if score == "log_ratio":  # every score is 0 on-policy: each BCE term is ln 2, the gradient is not 0
+        assert loss.item() > 0 and e_grads[1].abs().max() > 0
+
+
+@pytest.mark.parametrize("path", ["single_pass", "two_pass"])
+def test_valid_mask_matches_reference(path):
+    hidden, weight, _, targets, mask, old, rewards = make_batch(n_groups=3, seed=9)
+    hidden, weight = hidden.double(), weight.double()
+    valid = torch.tensor([1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1], dtype=torch.bool)
+    rewards_with_nan = torch.where(valid, rewards, torch.full_like(rewards, float("nan")))
+    logp_ref = lambda h, w: naive_linear_logprobs(h, w, targets.clamp(min=0))[0]  # noqa: E731
+    expected, e_grads = grads_of(
+        lambda h, w: reference_pacs_loss(logp_ref(h, w), old.double(), rewards, mask, group_size=4,
+                                         valid=valid)[0], (hidden, weight))
+    loss, got = grads_of(lambda h, w: fused_linear_pacs_loss(h, w, targets, mask, old, rewards_with_nan,
+                                                             group_size=4, valid=valid, path=path),
+                         (hidden, weight))
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-8)
+    for g, e in zip(got, e_grads):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5 * e.abs().max().item())
+    _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards_with_nan, group_size=4,
+                                      valid=valid, path=path, return_stats=True)
+    assert stats.valid_frac == pytest.approx(9 / 12)
+    with pytest.raises(ValueError, match="valid must have shape"):
+        fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, valid=valid[:5])
+    with pytest.raises(ValueError, match="rewards must not contain NaN"):
+        fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards_with_nan, group_size=4)
+
+
+@pytest.mark.parametrize("path", ["single_pass", "two_pass"])
+def test_entropy_in_stats(path):
+    hidden, weight, bias, targets, mask, old, rewards = make_batch(seed=10, with_bias=True)
+    _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, bias=bias,
+                                      temperature=0.9, with_entropy=True, return_stats=True, path=path)
+    _, entropy = naive_linear_logprobs(hidden.double(), weight.double(), targets.clamp(min=0), temperature=0.9,
+                                       bias=bias.double())
+    assert stats.entropy_mean == pytest.approx(entropy[mask].mean().item(), rel=1e-5)
+    _, plain = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, return_stats=True)
+    assert math.isnan(plain.entropy_mean)
+
+
+def test_bf16_single_pass_close_to_float64():
+    hidden, weight, _, targets, mask, old, rewards = make_batch(n_groups=2, seed=11, dtype=torch.bfloat16)
+    opts = dict(group_size=4)
+    expected, e_grads = grads_of(lambda h, w: naive_loss(h, w, None, targets, mask, old, rewards, **opts),
+                                 (hidden.double(), weight.double()))
+    loss, got = grads_of(lambda h, w: fused_linear_pacs_loss(h, w, targets, mask, old, rewards, path="single_pass",
+                                                             **opts), (hidden, weight))
+    assert [g.dtype for g in got] == [torch.bfloat16, torch.bfloat16]
+    torch.testing.assert_close(loss.double(), expected, rtol=2e-2, atol=2e-2)
+    for g, e in zip(got, e_grads):
+        torch.testing.assert_close(g.double(), e, rtol=2e-2, atol=2e-2 * e.abs().max().item())
+
+
+def test_autocast_and_head_dtype_policy():
+    hidden, weight, _, targets, mask, old, rewards = make_batch(seed=12)
+    plain = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the kernels' matmuls stay in the inputs' dtype
+        inside = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4)
+    assert inside.item() == plain.item()
+    # bf16 hidden states with a float32 head (TRL's cast_lm_head_to_fp32): hidden is upcast
+    h16 = hidden.to(torch.bfloat16).requires_grad_()
+    loss = fused_linear_pacs_loss(h16, weight, targets, mask, old, rewards, group_size=4)
+    loss.backward()
+    assert h16.grad.dtype == torch.bfloat16
+    expected = fused_linear_pacs_loss(h16.detach().float(), weight, targets, mask, old, rewards, group_size=4)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("path", ["single_pass", "one_sweep"])
+def test_second_backward_needs_retain_graph(path):
+    hidden, weight, _, targets, mask, _, rewards = make_batch(seed=13)
+    with torch.no_grad():
+        old, lse = linear_logprobs(hidden, weight, targets.clamp(min=0), return_lse=True)
+    extra = {"old_lse": lse} if path == "one_sweep" else {"path": path}
+    w = weight.clone().requires_grad_()
+    loss = fused_linear_pacs_loss(hidden, w, targets, mask, old, rewards, group_size=4, **extra)
+    loss.backward(retain_graph=True)
+    first = w.grad.clone()
+    loss.backward()  # retained: the same gradient again
+    torch.testing.assert_close(w.grad, 2 * first)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+
+
+def test_tiny_gradients_are_flushed_not_denormal():
+    hidden, weight, _, targets, mask, old, rewards = make_batch(seed=14)
+    # scores so confident that sigmoid(psi) - R underflows for the right answers
+    loss = fused_linear_pacs_loss(hidden, weight, targets, mask, old - 30.0, rewards, group_size=4, beta=5.0,
+                                  weighting="none")
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    loss = fused_linear_pacs_loss(h, w, targets, mask, old - 30.0, rewards, group_size=4, beta=5.0)
+    loss.backward()
+    for g in (h.grad, w.grad):
+        assert bool(torch.isfinite(g).all())
+        tiny = (g != 0) & (g.abs() < torch.finfo(torch.float32).tiny)
+        assert not bool(tiny.any())
+    assert TINY_GRAD < 1e-30
+
+
+def test_empty_batch_is_refused():
+    hidden, weight, _, targets, mask, old, rewards = make_batch(seed=15)
+    for path in ("single_pass", "two_pass"):
+        with pytest.raises(ValueError, match="at least one group of responses, got B = 0"):
+            fused_linear_pacs_loss(hidden[:0], weight, targets[:0], mask[:0], old[:0], rewards[:0], group_size=4,
+                                   path=path)
+
+
+@pytest.mark.parametrize("backend", ["torch", "naive"])
+def test_inf_hidden_gives_nan_for_its_response_only_on_every_path(backend):
+    hidden, weight, _, targets, mask, old, rewards = make_batch(seed=16)
+    hidden = hidden.clone()
+    row = int(mask[0].nonzero()[0])
+    hidden[0, row, 3] = float("inf")
+    paths = ("two_pass",) if backend == "naive" else ("single_pass", "two_pass")
+    for path in paths:
+        h = hidden.clone().requires_grad_()
+        loss = fused_linear_pacs_loss(h, weight, targets, mask, old, rewards, group_size=4, path=path,
+                                      backend=backend)
+        assert math.isnan(loss.item()), (backend, path)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_grpo_single_pass_matches_reference(aggregation, layout):
+    hidden, weight, _, targets, mask, old, rewards = make_batch(n_groups=2, seed=17)
+    hidden, weight = hidden.double(), weight.double()
+    ref_lp = (old + 0.1).double()
+    opts = dict(group_size=4, clip_eps=0.1, clip_eps_high=0.3, aggregation=aggregation, kl_coef=0.05)
+    logp_of = lambda h, w: naive_linear_logprobs(h, w, targets.clamp(min=0))[0]  # noqa: E731
+    expected, e_grads = grads_of(
+        lambda h, w: reference_grpo_loss(logp_of(h, w), old, rewards, mask, ref_logp=ref_lp, **opts),
+        (hidden, weight))
+    chunk = 5 * 200 / 2 ** 20  # five tokens per chunk: responses are cut
+    if layout == "padded":
+        args = (hidden, targets, mask, old, ref_lp, None)
+    else:
+        (ph, py, pm, po), cu = to_packed(hidden, targets, mask, old)
+        (_, _, _, pr), _ = to_packed(hidden, targets, mask, ref_lp)
+        args = (ph, py, pm, po, pr, cu)
+    for path, budget in (("single_pass", chunk), ("single_pass", 64.0), ("two_pass", 64.0)):
+        loss, got = grads_of(lambda h, w: fused_linear_grpo_loss(
+            h, w, args[1], args[2], args[3], rewards, ref_logp=args[4], cu_seqlens=args[5], path=path,
+            chunk_budget_mib=budget, **opts), (args[0], weight))
+        torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-8)
+        torch.testing.assert_close(got[1], e_grads[1], rtol=1e-5, atol=1e-5 * e_grads[1].abs().max().item())
+    # the stats agree with grpo_loss on the same log-probs
+    _, stats = fused_linear_grpo_loss(hidden, weight, targets, mask, old, rewards, ref_logp=ref_lp,
+                                      chunk_budget_mib=chunk, return_stats=True, **opts)
+    logp = torch.where(mask, logp_of(hidden, weight), torch.zeros(()))
+    _, expected_stats = grpo_loss(logp, old, rewards, mask, ref_logp=ref_lp, return_stats=True, **opts)
+    for key, value in expected_stats.as_dict().items():
+        assert stats.as_dict()[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
