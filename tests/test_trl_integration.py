@@ -16,6 +16,7 @@ import trl_helpers as helpers  # noqa: E402
 from trainer_helpers import repo_root  # noqa: E402
 
 from pacs_kernels import pacs_loss  # noqa: E402
+from pacs_kernels.reference import reference_pacs_loss  # noqa: E402
 
 
 def first_micro_batch(trainer):
@@ -118,6 +119,62 @@ def test_multi_iteration_uses_trl_old_logprobs(tmp_path):
     ref_loss, ref_grads = loss_and_grads(model, reference)
     assert abs(ref_loss.item() - 0.6931 / 2) > 1e-3, "psi != 0: the old log-probs really differ"
     assert_same(loss, grads, ref_loss, ref_grads)
+
+
+@pytest.mark.slow
+def test_none_reward_makes_a_response_invalid(tmp_path):
+    """A reward function returning None: the response is invalid (valid=False in the batch), gives
+    no loss term and leaves the class counts, but its score stays in its group's baseline: loss and
+    gradients equal the float64 reference with that validity mask (after the weights moved)."""
+    trainer = helpers.trainer(tmp_path, reward=helpers.contains_one_or_none, num_iterations=2)
+    inputs = first_micro_batch(trainer)
+    texts = [trainer.processing_class.decode(ids[m.bool()], skip_special_tokens=True)
+             for ids, m in zip(inputs["completion_ids"], inputs["completion_mask"])]
+    valid = torch.tensor(["7" not in text for text in texts])
+    assert torch.equal(inputs["pacs_valid"], valid)
+    assert 0 < valid.sum() < len(valid), "the batch needs valid and invalid responses"
+    labels = torch.tensor([1.0 if "1" in text else 0.0 for text in texts])
+    model, mask, old = trainer.model, inputs["completion_mask"], inputs["old_per_token_logps"]
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+
+    def reference():
+        loss, _ = reference_pacs_loss(naive_logp(model, inputs, 1.0).double(), old.double(), labels.double(), mask,
+                                      group_size=helpers.GROUP, valid=valid)
+        return loss.float() / 2
+
+    loss, grads = loss_and_grads(model, lambda: trainer.compute_loss(model, inputs))
+    assert_same(loss, grads, *loss_and_grads(model, reference))
+
+
+@pytest.mark.slow
+def test_bf16_model_with_float32_head(tmp_path):
+    """TRL's cast_lm_head_to_fp32 on a bf16 model: bf16 hidden states meet a float32 head; the loss
+    equals pacs_loss on float32 log-probs of the same hidden states, and the head's gradient too."""
+    tok = helpers.tokenizer()
+    model = helpers.tiny_model(len(tok)).to(torch.bfloat16)
+    trainer = helpers.trainer(tmp_path, model=model, bf16=True, cast_lm_head_to_fp32=True)
+    inputs = first_micro_batch(trainer)
+    model = trainer.model
+    assert model.lm_head.weight.dtype == torch.float32 and model.model.norm.weight.dtype == torch.bfloat16
+    rewards = labels_from_text(tok, inputs, helpers.contains_one)
+    C = inputs["completion_ids"].shape[1]
+
+    def reference():
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        hidden = model.model(input_ids=input_ids, attention_mask=attention).last_hidden_state[:, -C - 1:-1]
+        assert hidden.dtype == torch.bfloat16
+        logits = hidden.float() @ model.lm_head.weight.T
+        logp = torch.log_softmax(logits, -1).gather(-1, inputs["completion_ids"][..., None])[..., 0]
+        return pacs_loss(logp, logp.detach(), rewards, inputs["completion_mask"], group_size=helpers.GROUP) / 2
+
+    loss, grads = loss_and_grads(model, lambda: trainer.compute_loss(model, inputs))
+    ref_loss, ref_grads = loss_and_grads(model, reference)
+    assert_same(loss, {"lm_head.weight": grads["lm_head.weight"]}, ref_loss,
+                {"lm_head.weight": ref_grads["lm_head.weight"]}, tol=1e-4)
 
 
 @pytest.mark.slow

@@ -18,13 +18,12 @@ from __future__ import annotations
 import functools
 import math
 import types
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from transformers.utils import ModelOutput
 
-from pacs_kernels import PACSLoss, linear_logprobs
+from pacs_kernels import PACSLoss
 
 
 @dataclass
@@ -39,7 +38,7 @@ class PACSBatch:
     old_logp: (B, C) float32 rollout-policy log-probs, or None for on-policy (the weights are
         still those that sampled: old = current, detached).
     group_ids: optional (B,) int, checked to hold whole groups contiguously.
-    return_stats: also compute the PACS stats (and the entropy) for logging.
+    return_stats: also compute the PACS stats (with the policy's mean token entropy) for logging.
     """
 
     targets: torch.Tensor
@@ -53,7 +52,7 @@ class PACSBatch:
 
 @dataclass
 class PACSModelOutput(ModelOutput):
-    """loss: 0-d float32; stats: dict of floats (``PACSStats.as_dict()`` plus ``entropy``) or None."""
+    """loss: 0-d float32; stats: dict of floats (``PACSStats.as_dict()``) or None."""
 
     loss: torch.Tensor | None = None
     stats: dict | None = None
@@ -104,44 +103,16 @@ def _head_tensors(model):
 def pacs_head_loss(loss_fn: PACSLoss, hidden, weight, bias, batch: PACSBatch):
     """The fused loss on (B, C, d) hidden states -> (loss, stats dict or None).
 
-    The matmuls run in the dtype of the head (hidden is cast to it, e.g. bf16 hidden with a
-    float32 head under ``cast_lm_head_to_fp32``) and outside autocast, accumulating in float32.
+    On-policy (``old_logp`` None) the kernel serves the single pass with old = current. Dtypes
+    follow the kernel's policy whatever autocast region this runs in: hidden is cast to the head's
+    dtype (bf16 hidden with a float32 head under ``cast_lm_head_to_fp32`` works), the GEMMs run in
+    that dtype, softmax and accumulation in float32.
     """
-    hidden = hidden.to(weight.dtype)
-    mask = batch.mask.bool()
-    autocast_off = torch.autocast(hidden.device.type, enabled=False) if torch.is_autocast_enabled(
-        hidden.device.type) else nullcontext()
-    with autocast_off:
-        on_policy = batch.old_logp is None
-        entropy = None
-        if on_policy:
-            # the weights are those that sampled: old = current (no grad), and the gradient of the
-            # first step is known before the forward, so one sweep gives loss and gradients
-            with torch.no_grad():
-                old_logp, entropy, old_lse = linear_logprobs(
-                    hidden, weight, batch.targets, temperature=loss_fn.temperature, bias=bias,
-                    return_entropy=True, return_lse=True, backend=_logprob_backend(loss_fn.backend))
-            one_sweep = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-        else:
-            old_logp, old_lse, one_sweep = batch.old_logp.float(), None, False
-        loss_mask = mask & batch.valid[:, None]
-        result = loss_fn(hidden, weight, batch.targets, loss_mask, old_logp, _labels(batch),
-                         bias=bias, return_stats=batch.return_stats, group_ids=batch.group_ids,
-                         old_lse=old_lse if one_sweep else None)
+    result = loss_fn(hidden, weight, batch.targets, batch.mask, batch.old_logp, batch.rewards, bias=bias,
+                     return_stats=batch.return_stats, with_entropy=batch.return_stats,
+                     group_ids=batch.group_ids, valid=batch.valid)
     loss, stats = result if batch.return_stats else (result, None)
-    if stats is not None:
-        stats = stats.as_dict()
-        if entropy is not None:
-            stats["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
-    return loss, stats
-
-
-def _labels(batch: PACSBatch) -> torch.Tensor:
-    return torch.where(batch.valid, batch.rewards, torch.zeros_like(batch.rewards)).float()
-
-
-def _logprob_backend(backend: str) -> str:
-    return "auto" if backend == "naive" else backend
+    return loss, None if stats is None else stats.as_dict()
 
 
 def add_pacs_forward(model, loss_fn: PACSLoss, *, temperature: float) -> None:

@@ -211,7 +211,7 @@ class PACSTrainer(GRPOTrainer):
         local = torch.tensor([stats[name] for name in names], dtype=torch.float64, device=self.accelerator.device)
         gathered = self.accelerator.gather(local[None]).reshape(-1, len(names))
         for name, value in zip(names, gathered.nanmean(dim=0).tolist()):
-            key = "entropy" if name == "entropy" else f"pacs/{name}"
+            key = "entropy" if name == "entropy_mean" else f"pacs/{name}"
             self._metrics[mode][key].append(value)
 
 
