@@ -145,3 +145,24 @@ print("VERL_OK", verl.__version__)
     done = subprocess.run([sys.executable, "-c", code], cwd=repo_root(), env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0 and "VERL_OK" in done.stdout, (done.stdout[-2000:], done.stderr[-4000:])
+
+
+@pytest.mark.skipif(verl_missing, reason="verl (with ray, tensordict, ...) is not installed: "
+                    "PACS_WITH_VERL=1 bash scripts/setup_env.sh installs it")
+def test_example_config_composes_with_verl_and_passes_the_group_checks():
+    """configs/verl_pacs_qwen2.5_7b.yaml on top of verl's own ppo_trainer config (hydra), its actor
+    section turned into verl's ActorConfig: the paper's settings, and check_actor_config accepts it."""
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from pacs.integrations.verl import check_actor_config
+
+    with initialize_config_dir(config_dir=os.path.join(repo_root(), "configs"), version_base=None):
+        cfg = compose(config_name="verl_pacs_qwen2.5_7b")
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert check_actor_config(actor) == 8
+    assert (cfg.algorithm.adv_estimator, actor.policy_loss.loss_mode) == ("pacs_label", "pacs")
+    assert cfg.actor_rollout_ref.model.external_lib == "pacs.integrations.verl"
+    assert cfg.trainer.balance_batch is False and actor.optim.lr == 1e-6
+    assert cfg.data.max_response_length == 4096 and cfg.actor_rollout_ref.model.use_remove_padding
+    assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing
