@@ -150,6 +150,29 @@ def test_none_reward_makes_a_response_invalid(tmp_path):
 
 
 @pytest.mark.slow
+def test_masked_truncated_completions_do_not_count(tmp_path):
+    """mask_truncated_completions=True: TRL zeroes the mask of truncated completions; those responses
+    are invalid for PACS (no loss term, out of the class counts): loss and gradients equal the
+    float64 reference with that validity."""
+    trainer = helpers.trainer(tmp_path, mask_truncated_completions=True, max_completion_length=4)
+    inputs = first_micro_batch(trainer)
+    mask = inputs["completion_mask"]
+    valid = mask.bool().any(dim=1)
+    assert 0 < valid.sum() < len(valid), "the batch needs truncated and finished completions"
+    rewards = labels_from_text(trainer.processing_class, inputs, helpers.contains_one)
+    model = trainer.model
+
+    def reference():
+        logp = naive_logp(model, inputs, 1.0).double()
+        loss, _ = reference_pacs_loss(logp, logp.detach(), rewards.double(), mask, group_size=helpers.GROUP,
+                                      valid=valid)
+        return loss.float() / 2
+
+    loss, grads = loss_and_grads(model, lambda: trainer.compute_loss(model, inputs))
+    assert_same(loss, grads, *loss_and_grads(model, reference))
+
+
+@pytest.mark.slow
 def test_bf16_model_with_float32_head(tmp_path):
     """TRL's cast_lm_head_to_fp32 on a bf16 model: bf16 hidden states meet a float32 head; the loss
     equals pacs_loss on float32 log-probs of the same hidden states, and the head's gradient too."""
@@ -216,6 +239,7 @@ def test_shuffle_groups_and_split_keeps_groups():
     (dict(entropy_coef=0.01), "entropy_coef"),
     (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
     (dict(loss_type="dapo"), "loss_type must be 'pacs'"),
+    (dict(num_generations_eval=2), "num_generations_eval"),
 ])
 def test_refused_options(tmp_path, overrides, match):
     from pacs.integrations.trl import check_pacs_config

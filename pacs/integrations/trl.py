@@ -9,7 +9,8 @@ what PACS needs differently is done here:
   each micro-batch's group ids;
 - the raw 0/1 rewards and a validity mask travel in the batch (TRL passes only normalised
   advantages): a response whose reward functions all returned None is invalid (no loss term, as
-  TRL zeroes its advantage); a reward other than 0/1 is refused;
+  TRL zeroes its advantage), and so is one without loss tokens (``mask_truncated_completions``
+  masks truncated completions); a reward other than 0/1 is refused;
 - the loss is computed inside the model's forward (``model_forward.add_pacs_forward``) called
   through the wrapped model, so DDP syncs the gradients and FSDP2 gathers the head;
 - on-policy (TRL's default: one iteration, generation aligned with optimizer steps, so TRL keeps no
@@ -82,10 +83,12 @@ def check_pacs_config(args: PACSConfig) -> None:
             f"per_device_train_batch_size must be a multiple of num_generations ({G}) so that every micro-batch "
             f"holds whole groups (PACS's loss needs all of a group's log-probs), got "
             f"{args.per_device_train_batch_size}")
-    eval_G = args.num_generations_eval or G
-    if args.do_eval and args.eval_strategy != "no" and args.per_device_eval_batch_size % eval_G != 0:
+    if args.num_generations_eval not in (None, G):
+        raise ValueError(f"PACSTrainer evaluates its loss on groups of num_generations ({G}): expected "
+                         f"num_generations_eval=None or {G}, got {args.num_generations_eval}")
+    if args.do_eval and args.eval_strategy != "no" and args.per_device_eval_batch_size % G != 0:
         raise ValueError(
-            f"per_device_eval_batch_size must be a multiple of num_generations_eval ({eval_G}), got "
+            f"per_device_eval_batch_size must be a multiple of num_generations ({G}), got "
             f"{args.per_device_eval_batch_size}")
     refused = {
         "beta": (args.beta != 0.0, "PACS's reference is the rollout policy itself (reset every rollout); a KL "
@@ -166,7 +169,7 @@ class PACSTrainer(GRPOTrainer):
                 f"with weights {weights.tolist()}")
         n_local = output["completion_ids"].shape[0]
         start = self.accelerator.process_index * n_local
-        group_size = self.num_generations if self.model.training else self.num_generations_eval
+        group_size = self.num_generations  # == num_generations_eval (check_pacs_config)
         local = slice(start, start + n_local)
         device = output["completion_ids"].device
         output["pacs_rewards"] = rewards[local].to(device=device, dtype=torch.float32)
@@ -192,8 +195,10 @@ class PACSTrainer(GRPOTrainer):
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
+        # a response without loss tokens (mask_truncated_completions zeroes truncated ones) does not count
+        valid = inputs["pacs_valid"] & mask.bool().any(dim=1)
         batch = PACSBatch(
-            targets=completion_ids, mask=mask, rewards=inputs["pacs_rewards"], valid=inputs["pacs_valid"],
+            targets=completion_ids, mask=mask, rewards=inputs["pacs_rewards"], valid=valid,
             old_logp=inputs.get("old_per_token_logps"), group_ids=inputs["pacs_group_ids"], return_stats=True)
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
