@@ -27,6 +27,8 @@ setup(
     version="0.1.0",
     description="Fused, memory-frugal PACS (RLVR) loss kernels and a lean trainer",
     packages=find_packages(include=["pacs_kernels", "pacs_kernels.*", "pacs", "pacs.*"]),
+    # the GPU dispatch table, once a GPU run has written it (pacs_kernels/dispatch.py)
+    package_data={"pacs_kernels": ["gpu_dispatch.json"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "triton>=3.0", "numpy"],
     extras_require=extras,

@@ -222,17 +222,22 @@ def check_loss(pacs_kernels, hidden, weight, targets, tau, gen, chunk, atol, rto
     grads = reference(h.reshape(used, d), weight, y.reshape(used), tau, ref_logp.grad.reshape(used),
                       torch.zeros(used, device=device), chunk)
 
-    hh = h.clone().requires_grad_(True)
-    ww = weight.clone().requires_grad_(True)
-    loss = pacs_kernels.fused_linear_pacs_loss(hh, ww, y, mask, old_logp, rewards, backend="triton", **options)
-    loss.backward()
     scale = max(1.0, abs(ref_loss.item()))
-    errors = {
-        "loss": (abs(loss.item() - ref_loss.item()) / scale, atol * 10),
-        "loss_dh": (_rel_err(hh.grad.reshape(used, d), grads["dh"]), rtol),
-        "loss_dW": (_rel_err(ww.grad, grads["dW"]), rtol),
-    }
-    del hh, ww, loss, grads
+    errors = {}
+    # every path of the fused loss: two passes (Triton kernels), single pass with the Triton row kernels
+    # and with eager PyTorch around the GEMMs (budget: the whole batch in one chunk)
+    for label, path, backend in (("loss", "two_pass", "triton"), ("single_pass", "single_pass", "triton"),
+                                 ("single_pass_torch", "single_pass", "torch")):
+        hh = h.clone().requires_grad_(True)
+        ww = weight.clone().requires_grad_(True)
+        loss = pacs_kernels.fused_linear_pacs_loss(hh, ww, y, mask, old_logp, rewards, backend=backend, path=path,
+                                                   chunk_budget_mib=16384, **options)
+        loss.backward()
+        errors[label] = (abs(loss.item() - ref_loss.item()) / scale, atol * 10)
+        errors[f"{label}_dh"] = (_rel_err(hh.grad.reshape(used, d), grads["dh"]), rtol)
+        errors[f"{label}_dW"] = (_rel_err(ww.grad, grads["dW"]), rtol)
+        del hh, ww, loss
+    del grads
     if "old_lse" in inspect.signature(pacs_kernels.fused_linear_pacs_loss).parameters:
         errors.update(check_first_step(pacs_kernels, h, weight, y, mask, rewards, options, ref, chunk, atol, rtol))
     return errors

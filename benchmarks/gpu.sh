@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# One prepared GPU run (one GPU, no network): about 4.5 minutes expected, hard limits add up to 5m45s:
-#   1. correctness of the Triton kernels at real shapes against a float32 chunked reference
-#   2. the GPU benchmark set, with the peers (Cut Cross-Entropy, Liger-Kernel) when importable
-#   3. the long-context sweep (largest N within 40 GiB, naive vs Triton)
+# One prepared GPU run (one GPU, no network): about 5 minutes expected, hard limits add up to 5m55s:
+#   1. correctness at real shapes against a float32 chunked reference: the Triton kernels, and every
+#      path of the fused loss (two passes, single pass with Triton row kernels and with eager torch)
+#   2. the race at Qwen2.5-7B's head (d=3584, V=152064, N 8k-64k, bf16): naive, torch (two passes),
+#      single_pass, triton, and the peers (Cut Cross-Entropy, Liger-Kernel) when importable; each
+#      time over the 3-matmul floor at the matmul rate measured in the same run
+#   3. dispatch.json (what backend/path "auto" should pick, by measurement) and the cost model's
+#      predictions next to the measured times (roofline_measured.csv)
+#   4. the long-context sweep (largest N within 40 GiB, naive vs Triton)
 # Usage: bash benchmarks/gpu.sh OUT_DIR        (run from anywhere; writes CSV, PNG, Markdown, log)
 # Peers: wheels in .whl/ (see benchmarks/README.md) are installed into /tmp/site when present.
 # Environment knobs: PACS_BENCH_SET (gpu | gpu-quick | gpu-full, default gpu), PYTHON (default python3),
@@ -67,20 +72,21 @@ else
     long_args=(--device cuda --budget-gib 40 --n-start 8192 --n-max 1048576)
 fi
 
-stamp "1/3 correctness at real shapes (limit 70s)"
-timeout 70 "$py" benchmarks/check_gpu_correctness.py "${check_args[@]}" --peers without
+stamp "1/4 correctness at real shapes (limit 75s)"
+timeout 75 "$py" benchmarks/check_gpu_correctness.py "${check_args[@]}" --peers without
 rc=$?
 if [ $rc -ne 0 ]; then
     echo "!!! CORRECTNESS CHECK FAILED OR TIMED OUT (exit $rc): the benchmark numbers below are not trustworthy"
     status=1
 fi
-stamp "1b/3 peers' log-probs against the same reference, informational (limit 40s; compiles their kernels)"
-timeout 40 "$py" benchmarks/check_gpu_correctness.py "${check_args[@]}" --peers only \
+stamp "1b/4 peers' log-probs against the same reference, informational (limit 30s; compiles their kernels)"
+timeout 30 "$py" benchmarks/check_gpu_correctness.py "${check_args[@]}" --peers only \
     || echo "(peer check exited with $?; the benchmark records each peer's own status)"
 
-stamp "2/3 benchmark set '$bench_set' with peers (budget 140s, limit 175s)"
-timeout 175 "$py" benchmarks/run.py "${bench_args[@]}" --out "$out" --name gpu \
-    --warmup 1 --repeats 3 --max-seconds 1.5 --time-budget 140 \
+stamp "2/4 the race, benchmark set '$bench_set' with peers (budget 150s, limit 180s)"
+timeout 180 "$py" benchmarks/run.py "${bench_args[@]}" --out "$out" --name gpu \
+    --ops pacs_loss_fwd_bwd pacs_loss_first_step logprobs_fwd_bwd \
+    --warmup 1 --repeats 3 --max-seconds 1.5 --time-budget 150 \
     --note "one GPU lent for a single prepared run; peers installed from wheels without network"
 rc=$?
 if [ $rc -ne 0 ]; then
@@ -89,7 +95,15 @@ if [ $rc -ne 0 ]; then
     status=1
 fi
 
-stamp "3/3 long-context sweep, 40 GiB budget (30s of trials, limit 60s)"
+stamp "3/4 dispatch table and the cost model, measured vs predicted (limit 20s)"
+rate=$("$py" -c "import csv,sys; r=[x['matmul_tflops'] for x in csv.DictReader(open(sys.argv[1])) if x.get('matmul_tflops')]; print(r[0] if r else '')" "$out/gpu.csv" 2>/dev/null)
+timeout 10 "$py" benchmarks/dispatch_table.py "$out/gpu.csv" --out "$out" \
+    || { echo "!!! dispatch table exited with $?"; status=1; }
+timeout 10 "$py" benchmarks/roofline.py ${rate:+--matmul-tflops "$rate"} --measured "$out/measured_for_roofline.csv" \
+    --out "$out" > /dev/null || { echo "!!! roofline exited with $?"; status=1; }
+[ -f "$out/roofline_measured.csv" ] && cat "$out/roofline_measured.csv"
+
+stamp "4/4 long-context sweep, 40 GiB budget (30s of trials, limit 60s)"
 timeout 60 "$py" benchmarks/long_context.py "${long_args[@]}" --time-budget 30 --out "$out" \
     || { echo "!!! long-context sweep exited with $?"; status=1; }
 

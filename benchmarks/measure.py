@@ -1,7 +1,11 @@
 """How it is measured: time and peak memory of one benchmark case.
 
 Time: ``warmup`` untimed runs, then the median of ``repeats`` timed runs, each on fresh random
-inputs made outside the timed region. CUDA: CUDA events around the run. CPU: perf_counter.
+inputs made outside the timed region. CUDA: CUDA events around the run. CPU: perf_counter, and
+the process's CPU time over the same run: ``cpu_util`` = CPU time / wall time, which is about the
+thread count on an idle machine and falls when other processes take the cores (the report flags
+such rows: their times say more about the neighbours than about the code). The worker sets its
+thread count explicitly (``threads``, default: all cores) and records the load average.
 
 Peak memory, as the increase over the inputs (the inputs exist before measuring starts; what
 the run leaves behind, e.g. dh and dW, is part of its peak):
@@ -101,7 +105,7 @@ def measure_in_process(case: Case, *, warmup: int, repeats: int, max_seconds: fl
         _sync(case.device)
         _release(inputs, produced)
 
-    times_ms, peaks_mib = [], []
+    times_ms, peaks_mib, utils = [], [], []
     for i in range(repeats):
         inputs = make_inputs(case, seed + 1000 + i)
         gc.collect()
@@ -119,28 +123,35 @@ def measure_in_process(case: Case, *, warmup: int, repeats: int, max_seconds: fl
             peaks_mib.append((torch.cuda.max_memory_allocated() - base) / 2**20)
         else:
             base = reset_peak_rss() if i == 0 else None
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             produced = run(inputs)
-            times_ms.append((time.perf_counter() - start) * 1e3)
+            wall = time.perf_counter() - start
+            times_ms.append(wall * 1e3)
+            utils.append((time.process_time() - cpu_start) / max(wall, 1e-9))
             if base is not None:  # memory from the first timed run, right after the reset
                 peaks_mib.append(peak_rss_mib() - base)
         _release(inputs, produced)
         if max_seconds is not None and sum(times_ms) / 1e3 > max_seconds:
             break
-    return {
+    result = {
         "median_ms": statistics.median(times_ms),
         "min_ms": min(times_ms),
         "repeats": len(times_ms),
         "peak_mem_mib": max(peaks_mib),
         "status": "ok",
+        "threads": torch.get_num_threads(),
     }
+    if utils:
+        result["cpu_util"] = statistics.median(utils)
+        result["loadavg"] = os.getloadavg()[0]
+    return result
 
 
 def measure_in_subprocess(case: Case, *, warmup: int, repeats: int, timeout_s: float,
-                          max_seconds: float | None = None) -> dict:
+                          max_seconds: float | None = None, threads: int | None = None) -> dict:
     """Run ``measure_in_process`` in a fresh Python process (the CPU memory method)."""
     payload = json.dumps({"case": asdict(case), "warmup": warmup, "repeats": repeats,
-                          "max_seconds": max_seconds})
+                          "max_seconds": max_seconds, "threads": threads})
     env = dict(os.environ)
     env.update(WORKER_ENV)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
@@ -158,14 +169,15 @@ def measure_in_subprocess(case: Case, *, warmup: int, repeats: int, timeout_s: f
 
 
 def measure_case(case: Case, *, warmup: int, repeats: int, timeout_s: float = 600.0,
-                 max_seconds: float | None = None) -> dict:
+                 max_seconds: float | None = None, threads: int | None = None) -> dict:
     """The benchmark's method for ``case``: in-process on CUDA, a fresh subprocess on CPU.
 
     Out-of-memory on CUDA is reported as status "oom" (the allocator is emptied afterwards).
+    ``threads``: torch's intra-op threads in the CPU worker (default: torch's default, all cores).
     """
     if case.device == "cpu":
         return measure_in_subprocess(case, warmup=warmup, repeats=repeats, timeout_s=timeout_s,
-                                     max_seconds=max_seconds)
+                                     max_seconds=max_seconds, threads=threads)
     try:
         return measure_in_process(case, warmup=warmup, repeats=repeats, max_seconds=max_seconds)
     except torch.OutOfMemoryError as exc:
@@ -181,6 +193,8 @@ def measure_case(case: Case, *, warmup: int, repeats: int, timeout_s: float = 60
 def _worker(argv: list[str]) -> None:
     """Subprocess entry: measure the case given as JSON and print the result as one JSON line."""
     request = json.loads(argv[0])
+    if request.get("threads"):
+        torch.set_num_threads(int(request["threads"]))
     case = Case(**request["case"])
     result = measure_in_process(case, warmup=request["warmup"], repeats=request["repeats"],
                                 max_seconds=request.get("max_seconds"))

@@ -9,15 +9,24 @@ Three operations, each on N tokens with hidden width d and vocabulary V:
                        and backward, on B = 16 responses of T = N / 16 tokens, groups of 8
     pacs_loss_first_step  the same loss on the first optimizer step after a rollout, where
                        logp == old_logp: fused_linear_pacs_loss(old_lse=...) computes the loss and
-                       its gradients in one vocabulary sweep (ours only, where pacs_kernels has
-                       it; every other impl computes that step as pacs_loss_fwd_bwd does)
+                       its gradients in one vocabulary sweep (torch/triton); single_pass needs no
+                       old_lse (its one pass is the same 3 matmuls); every other impl computes that
+                       step as pacs_loss_fwd_bwd does
+
+The loss ops' old log-probs are those of the current weights plus N(0, 0.05) noise per token, as
+after a few small optimizer steps: the scores psi are then O(1), as in training. (Independent random
+old log-probs, used before 2026-11-30, gave |psi| ~ 100, sigmoid(psi) - R underflowed to float32
+denormals, and on Intel CPUs every GEMM touching them ran 10-20x slower: 30 s instead of 2 s.)
 
 Implementations ("impls"):
 
     naive          pacs_kernels reference: materializes the N x V logits in float32
                    (for the loss op: fused_linear_pacs_loss(backend="naive"))
-    torch          pacs_kernels chunked PyTorch backend (any device)
-    triton         pacs_kernels Triton kernels (CUDA only; the CPU interpreter is never timed)
+    torch          pacs_kernels chunked PyTorch backend (any device); loss ops: path="two_pass"
+    triton         pacs_kernels Triton kernels (CUDA only; the CPU interpreter is never timed);
+                   loss ops: path="two_pass"
+    single_pass    loss ops only: fused_linear_pacs_loss(path="single_pass"): chunks of whole
+                   groups, one logits GEMM each (3 matmuls; GEMMs in the input dtype on CUDA)
     cce            Apple Cut Cross-Entropy, linear_cross_entropy(reduction="none") = -logp, with
                    its default gradient filter (filter_eps="high": skips tiny softmax entries)
     cce_exact      the same with filter_eps=None (exact gradient, like ours)
@@ -46,7 +55,7 @@ import torch
 
 OPS = ("logprobs_fwd_bwd", "logprobs_nograd", "pacs_loss_fwd_bwd", "pacs_loss_first_step")
 LOSS_OPS = ("pacs_loss_fwd_bwd", "pacs_loss_first_step")
-OUR_IMPLS = ("naive", "torch", "triton")
+OUR_IMPLS = ("naive", "torch", "triton", "single_pass")
 PEER_IMPLS = ("cce", "cce_exact", "liger_flce", "liger_chunked")
 IMPLS = OUR_IMPLS + PEER_IMPLS
 
@@ -54,10 +63,12 @@ LOSS_RESPONSES = 16  # B: responses per micro-batch in the loss op (two groups)
 LOSS_GROUP_SIZE = 8  # G, as in the PACS paper's runs
 LOSS_BETA = 1.0
 
-# matmul FLOPs the design must do: forward 2NVd; backward recomputes the logits (2NVd) and
-# forms dh and dW (4NVd)
-# (the one-sweep first step needs 6NVd: the logits once, then dh and dW)
-FLOP_FACTOR = {"logprobs_fwd_bwd": 8, "logprobs_nograd": 2, "pacs_loss_fwd_bwd": 8, "pacs_loss_first_step": 6}
+# the matmul floor of each op, in units of N*V*d: the logits (2NVd), then dh and dW (4NVd) for the
+# ops with a backward. Designs that do not keep the N x V logits between forward and backward need
+# one more (2NVd) unless they know the gradient in the forward (single pass, one sweep); the report
+# divides every measured time by the 3-matmul floor at the measured matmul rate.
+FLOP_FACTOR = {"logprobs_fwd_bwd": 6, "logprobs_nograd": 2, "pacs_loss_fwd_bwd": 6, "pacs_loss_first_step": 6}
+OLD_LOGP_NOISE = 0.05
 
 
 def _importable(module: str) -> bool:
@@ -91,8 +102,10 @@ def impl_unavailable_reason(op: str, impl: str, device: str) -> str | None:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if op in LOSS_OPS and not loss_available():
         return "pacs_kernels has no fused_linear_pacs_loss yet"
+    if impl == "single_pass" and op not in LOSS_OPS:
+        return "single_pass is a path of the fused losses (the log-prob ops have no group to keep whole)"
     if op == "pacs_loss_first_step":
-        if impl not in ("torch", "triton"):
+        if impl not in ("torch", "triton", "single_pass"):
             return "the one-sweep first step is pacs_kernels' own path (others: see pacs_loss_fwd_bwd)"
         if not first_step_available():
             return "pacs_kernels' fused_linear_pacs_loss has no old_lse (one-sweep first step) yet"
@@ -171,16 +184,18 @@ def make_inputs(case: Case, generator_seed: int) -> dict:
         targets = torch.randint(0, case.v, (b, t), generator=gen, device=device)
         lengths = response_lengths(t)[torch.randperm(b, generator=small)]
         mask = (torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)).to(device)
-        old_logp = torch.rand(b, t, generator=gen, device=device).mul_(-4.0).sub_(6.0)  # log(1/V)-ish
+        from pacs_kernels import linear_logprobs
+
+        # the rollout policy: the current weights a few small steps ago (see the module docstring)
+        with torch.no_grad():
+            current, lse = linear_logprobs(hidden, weight, targets, return_lse=True,
+                                           backend="torch" if case.impl not in ("triton",) else "triton")
+        old_logp = current + OLD_LOGP_NOISE * torch.randn(b, t, generator=gen, device=device)
         rewards = torch.tensor([1.0, 0.0] * (b // 2))[torch.randperm(b, generator=small)].to(device)
         inputs = {"hidden": hidden, "weight": weight, "targets": targets, "mask": mask,
                   "old_logp": old_logp, "rewards": rewards}
         if case.op == "pacs_loss_first_step":  # the rollout policy is the current one
-            from pacs_kernels import linear_logprobs
-
-            with torch.no_grad():
-                inputs["old_logp"], inputs["old_lse"] = linear_logprobs(
-                    hidden, weight, targets, return_lse=True, backend=case.impl)
+            inputs["old_logp"], inputs["old_lse"] = current, lse
         return inputs
     hidden = randn(case.n, case.d).requires_grad_(grad)
     targets = torch.randint(0, case.v, (case.n,), generator=gen, device=device)
@@ -254,13 +269,22 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
     options = dict(group_size=LOSS_GROUP_SIZE, beta=LOSS_BETA, score="log_ratio", advantage="rloo",
                    weighting="balanced")
     if case.impl in OUR_IMPLS:
-        first_step = case.op == "pacs_loss_first_step"
+        one_sweep = case.op == "pacs_loss_first_step" and case.impl in ("torch", "triton")
+        if case.impl == "single_pass":
+            # a budget that holds the largest group, so the single pass always runs: its memory is reported
+            group_tokens = LOSS_GROUP_SIZE * (case.n // LOSS_RESPONSES)
+            from pacs_kernels.single_pass import DEFAULT_CHUNK_BUDGET_MIB, bytes_per_token
+
+            need = group_tokens * bytes_per_token(case.v, torch.device(case.device), case.torch_dtype) / 2 ** 20
+            options.update(backend="auto", path="single_pass", chunk_budget_mib=max(DEFAULT_CHUNK_BUDGET_MIB, need))
+        else:
+            options.update(backend=case.impl, path="two_pass")
 
         def run(inputs):
-            extra = {"old_lse": inputs["old_lse"]} if first_step else {}
+            extra = {"old_lse": inputs["old_lse"]} if one_sweep else {}
             loss = pacs_kernels.fused_linear_pacs_loss(
                 inputs["hidden"], inputs["weight"], inputs["targets"], inputs["mask"], inputs["old_logp"],
-                inputs["rewards"], backend=case.impl, **options, **extra)
+                inputs["rewards"], **options, **extra)
             loss.backward()
             return loss.detach()
         return run

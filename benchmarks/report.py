@@ -7,9 +7,11 @@ from collections import defaultdict
 from pathlib import Path
 
 COLUMNS = ("date", "device", "device_name", "op", "impl", "N", "d", "V", "dtype", "median_ms", "min_ms",
-           "repeats", "peak_mem_mib", "tflops", "matmul_tflops", "flop_fraction", "status", "note")
+           "repeats", "peak_mem_mib", "tflops", "matmul_tflops", "flop_fraction", "floor_ms", "x_floor",
+           "threads", "cpu_util", "loadavg", "status", "note")
 
-IMPL_ORDER = ("naive", "torch", "triton", "cce", "cce_exact", "liger_flce", "liger_chunked")
+IMPL_ORDER = ("naive", "torch", "single_pass", "triton", "cce", "cce_exact", "liger_flce", "liger_chunked")
+CONTENDED = 0.75  # a CPU row whose cpu_util is below this fraction of its threads ran on a busy machine
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -102,9 +104,14 @@ def markdown(rows: list[dict], *, title: str, notes: list[str] = ()) -> str:
     if notes:
         lines.append("")
     lines.append("Each cell: median time in ms / peak memory over the inputs in MiB"
-                 + (" / fraction of the measured matmul rate." if any(r.get("flop_fraction") for r in rows)
-                    else "."))
+                 + (" / time over the 3-matmul floor (the logits, dh and dW GEMMs at the measured matmul rate)."
+                    if any(r.get("x_floor") for r in rows) else "."))
     lines.append("")
+    contended = [r for r in rows if contended_row(r)]
+    if contended:
+        lines.append(f"**{len(contended)} of {len(rows)} CPU rows ran on a busy machine** (process CPU time below "
+                     f"{CONTENDED:.0%} of threads x wall time; marked `*`): their times include waiting for cores.")
+        lines.append("")
     for (op, d, v, dtype), group in _groups(rows).items():
         impls = sorted({row["impl"] for row in group}, key=_impl_key)
         lines.append(f"### {op}, d={d}, V={v}, {dtype}")
@@ -121,11 +128,19 @@ def markdown(rows: list[dict], *, title: str, notes: list[str] = ()) -> str:
     return "\n".join(lines)
 
 
+def contended_row(row: dict) -> bool:
+    """A CPU measurement whose process got well under its threads' worth of CPU time."""
+    util, threads = _num(row.get("cpu_util")), _num(row.get("threads"))
+    return util is not None and bool(threads) and util < CONTENDED * threads
+
+
 def _cell(row: dict) -> str:
     if row["status"] != "ok":
         return row["status"]
     text = f"{float(row['median_ms']):.1f} / {float(row['peak_mem_mib']):.0f}"
-    fraction = _num(row.get("flop_fraction"))
-    if fraction is not None:
-        text += f" / {fraction:.0%}"
+    over_floor = _num(row.get("x_floor"))
+    if over_floor is not None:
+        text += f" / {over_floor:.2f}x"
+    if contended_row(row):
+        text += " *"
     return text

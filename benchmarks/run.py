@@ -35,9 +35,9 @@ SETS = {
     # the timed runs of one case
     "cpu": {"device": "cpu", "dtype": "float32", "max_seconds": 10.0,
             "shapes": [(256, 8192, [512, 1024, 2048, 4096]), (512, 32768, [512, 1024, 2048])]},
-    # sized for one ~3-minute slot of benchmarks/gpu.sh
+    # the race of issue 12, sized for one ~3-minute slot of benchmarks/gpu.sh: Qwen2.5-7B's head
     "gpu": {"device": "cuda", "dtype": "bfloat16",
-            "shapes": [(3584, 152064, [4096, 16384, 65536]), (2048, 151936, [4096, 65536])]},
+            "shapes": [(3584, 152064, [8192, 16384, 32768, 65536])]},
     "gpu-quick": {"device": "cuda", "dtype": "bfloat16",
                   "shapes": [(3584, 152064, [4096, 65536])]},
     # every power of two from 4k to 128k tokens: needs about 15 minutes
@@ -109,6 +109,8 @@ def parse_args(argv):
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds for the whole run; cases not started by then are recorded as 'budget'")
     parser.add_argument("--timeout", type=float, default=600.0, help="CPU: seconds per case subprocess")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU: torch intra-op threads in each case's worker (default: all cores)")
     parser.add_argument("--d", type=int, default=None, help="override the set's shapes: hidden width")
     parser.add_argument("--v", type=int, default=None, help="override the set's shapes: vocabulary")
     parser.add_argument("--n", type=int, nargs="+", default=None, help="override the set's token counts")
@@ -121,6 +123,11 @@ def parse_args(argv):
     for name in ("warmup", "repeats"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             parser.error(f"--{name} must be >= {0 if name == 'warmup' else 1}, got {getattr(args, name)}")
+    for name in ("d", "v", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.n is not None and min(args.n) < 1:
+        parser.error(f"--n takes token counts >= 1, got {args.n}")
     if (args.d is None) != (args.v is None):
         parser.error("--d and --v go together")
     return args
@@ -187,15 +194,18 @@ def main(argv=None) -> int:
                         row.update(status="budget", note="time budget spent")
                     else:
                         result = measure_case(case, warmup=args.warmup, repeats=args.repeats,
-                                              timeout_s=args.timeout, max_seconds=args.max_seconds)
+                                              timeout_s=args.timeout, max_seconds=args.max_seconds,
+                                              threads=args.threads)
                         row.update(result)
                         if row["status"] in STOP_STATUSES:
                             stopped.add(key)
                         if row["status"] == "ok":
                             seconds = row["median_ms"] / 1e3
                             row["tflops"] = case.flops() / seconds / 1e12
-                            if rate:
+                            if rate:  # the floor: the op's matmuls at the measured rate
                                 row["flop_fraction"] = row["tflops"] / rate
+                                row["floor_ms"] = case.flops() / (rate * 1e12) * 1e3
+                                row["x_floor"] = row["median_ms"] / row["floor_ms"]
                     rows.append(row)
                     _print_row(row)
                     report.write_csv(rows, csv_path)  # after every case: a killed run keeps its rows
@@ -222,7 +232,9 @@ def write_report(args, name: str, csv_rows: list[dict]) -> list[Path]:
 def _print_row(row: dict) -> None:
     head = f"[bench] {row['op']:20s} {row['impl']:13s} N={row['N']:<6d} d={row['d']} V={row['V']}"
     if row["status"] == "ok":
-        extra = f"  {row['flop_fraction']:.0%} of matmul" if row.get("flop_fraction") is not None else ""
+        extra = f"  {row['x_floor']:.2f}x the 3-matmul floor" if row.get("x_floor") is not None else ""
+        if row.get("cpu_util") is not None:
+            extra += f"  cpu {row['cpu_util']:.1f}/{row['threads']} threads"
         print(f"{head}: {row['median_ms']:9.1f} ms  {row['peak_mem_mib']:9.1f} MiB  "
               f"(x{row['repeats']}){extra}", flush=True)
     else:

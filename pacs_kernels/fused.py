@@ -29,9 +29,10 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from . import dispatch
 from .checks import check_choice, check_linear_inputs, check_targets_in_range, check_temperature
 from .known_grad import linear_logprobs_known_grad
-from .logprobs import linear_logprobs
+from .logprobs import linear_logprobs, resolve_backend
 from .loss import _pacs_on_layout, _pacs_torch, check_group_inputs, compute_stats
 from .loss_inputs import (
     ResponseLayout,
@@ -102,9 +103,11 @@ def fused_linear_pacs_loss(
         temperature: the sampling temperature (logits are divided by it).
         bias: optional (V,) LM-head bias.
         cu_seqlens: (B + 1,) int response offsets for the packed layout.
-        backend: "auto" | "triton" | "torch" | "naive" for the log-probs of the two-pass path
-            (and of ``old_lse``'s one sweep); "naive" materializes the logits (tests, benchmarks).
-        path: "auto" (single pass when every group fits ``chunk_budget_mib``, else two passes) |
+        backend: "auto" | "triton" | "torch" | "naive": the kernels of the two-pass path and of
+            ``old_lse``'s one sweep, and the single pass's elementwise work (Triton row kernels or
+            eager PyTorch around cuBLAS GEMMs); "naive" materializes the logits (tests, benchmarks).
+        path: "auto" (single pass when every group fits ``chunk_budget_mib``, else two passes; on
+            CUDA also two passes where the committed GPU run measured them faster: dispatch.py) |
             "single_pass" (an error if a group does not fit) | "two_pass".
         chunk_budget_mib: working memory of one single-pass chunk (float32 logits of its tokens,
             plus a bf16 copy on CUDA); default 256 MiB.
@@ -147,7 +150,9 @@ def fused_linear_pacs_loss(
                                            bias=bias, backend=backend, return_stats=return_stats, **options)
     else:
         chunks = None
-        if path != "two_pass" and backend != "naive":
+        n_selected = int(tokens.counts.sum())
+        measured_slower = path == "auto" and measured_two_pass_faster(weight.device, n_selected, *weight.shape[::-1])
+        if path != "two_pass" and backend != "naive" and not measured_slower:
             budget_tokens = max_chunk_tokens(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype)
             chunks = plan_group_chunks(tokens.counts.tolist(), group_size, budget_tokens)
             if chunks is None and path == "single_pass":
@@ -161,7 +166,8 @@ def fused_linear_pacs_loss(
         if chunks is not None:
             chosen = "single_pass"
             result = _single_pass_loss(tokens, weight, chunks, rewards, valid, temperature=temperature, bias=bias,
-                                       return_stats=return_stats, with_entropy=with_entropy, **options)
+                                       return_stats=return_stats, with_entropy=with_entropy,
+                                       row_kernels=row_kernels_for(backend, weight), **options)
         else:
             chosen = "two_pass"
             result = _two_pass_loss(tokens, weight, rewards, valid, layout, temperature=temperature, bias=bias,
@@ -176,6 +182,18 @@ def fused_linear_pacs_loss(
     return result
 
 
+def measured_two_pass_faster(device: torch.device, n_tokens: int, d: int, vocab: int) -> bool:
+    """On CUDA: did the committed GPU run (dispatch.py) measure two passes faster at this shape?"""
+    return device.type == "cuda" and dispatch.prefer_two_pass(n_tokens, d, vocab)
+
+
+def row_kernels_for(backend: str, weight: torch.Tensor) -> str:
+    """The single pass's elementwise work: Triton row kernels where the backend resolves to Triton
+    (CUDA, or the interpreter when asked for explicitly), eager PyTorch otherwise."""
+    resolved = resolve_backend(backend, weight.device, weight.dtype)
+    return "triton" if resolved == "triton" and weight.dtype != torch.float64 else "torch"
+
+
 def _chunk_layout(counts: torch.Tensor) -> ResponseLayout:
     offsets = torch.zeros(counts.shape[0] + 1, dtype=torch.int64, device=counts.device)
     torch.cumsum(counts, 0, out=offsets[1:])
@@ -183,7 +201,7 @@ def _chunk_layout(counts: torch.Tensor) -> ResponseLayout:
 
 
 def _single_pass_loss(tokens, weight, chunks, rewards, valid, *, temperature, bias, return_stats, with_entropy,
-                      **options):
+                      row_kernels, **options):
     """PACS over chunks of whole groups, one logits GEMM per chunk (single_pass.py)."""
     index = selected_index(tokens.mask)
     old_selected = pick(tokens.old_logp, index)
@@ -201,7 +219,7 @@ def _single_pass_loss(tokens, weight, chunks, rewards, valid, *, temperature, bi
 
     loss, extras, _, entropy = single_pass(
         pick(tokens.hidden, index), weight, targets, bias=bias, temperature=temperature, chunks=chunks,
-        chunk_loss=chunk_loss, with_entropy=with_entropy and return_stats)
+        chunk_loss=chunk_loss, with_entropy=with_entropy and return_stats, row_kernels=row_kernels)
     loss = loss.float() if loss.dtype != torch.float64 else loss
     if not return_stats:
         return loss

@@ -28,7 +28,7 @@ from .checks import (
     check_temperature,
     check_tensor,
 )
-from .fused import FUSED_BACKENDS, PATHS, check_chunk_budget
+from .fused import FUSED_BACKENDS, PATHS, check_chunk_budget, row_kernels_for
 from .logprobs import linear_logprobs
 from .loss_inputs import GRPO_STD_EPS, check_group_size, check_nonempty_responses, check_token_tensors
 from .single_pass import DEFAULT_CHUNK_BUDGET_MIB, max_chunk_tokens, plan_token_chunks, single_pass
@@ -285,7 +285,8 @@ def fused_linear_grpo_loss(
         budget_tokens = max_chunk_tokens(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype)
         chunks = plan_token_chunks(counts.tolist(), budget_tokens)
         loss, extras, _, _ = single_pass(hidden_sel, weight, targets_sel, bias=bias, temperature=temperature,
-                                         chunks=chunks, chunk_loss=lambda lp, c: share(lp, c.tok0, c.tok1))
+                                         chunks=chunks, chunk_loss=lambda lp, c: share(lp, c.tok0, c.tok1),
+                                         row_kernels=row_kernels_for(backend, weight))
         all_terms = extras
     else:
         if path == "single_pass":

@@ -20,24 +20,17 @@ from __future__ import annotations
 
 import torch
 
-from . import torch_chunked
 from .checks import check_linear_inputs, check_targets_in_range, check_temperature, check_tensor
-from .logprobs import _triton_module, resolve_backend
+from .logprobs import Kernels, LogprobOptions, resolve_backend
 
 
 class _KnownGradSweep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, grad_logp, lse, temperature, backend):
         logp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
-        if backend == "triton":
-            grads = _triton_module().logprob_backward(
-                hidden, weight, targets, bias, temperature, lse, None, grad_logp, None, needs=needs,
-                logp_out=logp)
-        else:
-            grads = torch_chunked.backward(
-                hidden, weight, targets, bias, temperature, lse, None, grad_logp, None, needs=needs,
-                logp_out=logp)
+        grads = Kernels(backend).backward(hidden, weight, targets, bias, temperature, lse, None, grad_logp, None,
+                                          needs=tuple(ctx.needs_input_grad[:3]), options=LogprobOptions(),
+                                          logp_out=logp)
         ctx.save_for_backward(*grads)  # freed after one backward, kept by retain_graph=True
         surrogate = (grad_logp.float() * logp).sum()
         ctx.mark_non_differentiable(logp)

@@ -7,10 +7,11 @@ One autograd Function serves every backend; the backend only supplies ``forward`
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
-from . import torch_chunked
+from . import dispatch, torch_chunked
 from .checks import BACKENDS, check_choice, check_linear_inputs, check_targets_in_range, check_temperature
 from .reference import naive_linear_logprobs
 
@@ -28,12 +29,15 @@ def _triton_module():
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, *, choices=BACKENDS,
-                    inputs: str = "hidden and weight") -> str:
-    """'auto' -> 'triton' on CUDA (not float64) when triton imports, else 'torch'; an explicit
+                    inputs: str = "hidden and weight", shape: tuple[int, int, int] | None = None) -> str:
+    """'auto' -> 'triton' on CUDA (not float64) when triton imports, else 'torch' (and 'torch' on CUDA
+    where the committed GPU run measured it faster at ``shape`` = (N, d, V): dispatch.py); an explicit
     'triton' is checked to be runnable here (CUDA tensors, or the interpreter) for ``inputs``."""
     check_choice("backend", backend, choices)
     if backend == "auto":
         if device.type == "cuda" and dtype != torch.float64:
+            if shape is not None and dispatch.logprob_backend(*shape) == "torch":
+                return "torch"
             try:
                 _triton_module()
                 return "triton"
@@ -58,42 +62,59 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, *, c
     return backend
 
 
+@dataclass(frozen=True)
+class LogprobOptions:
+    """Backend knobs of one linear_logprobs call (None: the backend's default)."""
+
+    filter_eps: float | None = None  # triton backward: skip tiles whose |dz| < eps (approximate)
+    chunk_elements: int | None = None  # torch: logits per chunk
+    vocab_splits: int | None = None  # triton forward: vocabulary slices per token block
+
+
+class Kernels:
+    """The forward and backward of one backend, behind one interface: the only place that
+    branches on the backend name (the known-gradient sweep is the backward with ``logp_out``)."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self.impl = _triton_module() if backend == "triton" else torch_chunked
+
+    def forward(self, hidden, weight, targets, bias, temperature, with_entropy, options: LogprobOptions):
+        """-> (logp, entropy or None, lse), each (N,)."""
+        if self.backend == "triton":
+            return self.impl.logprob_forward(hidden, weight, targets, bias, temperature, with_entropy,
+                                             vocab_splits=options.vocab_splits)
+        extra = {"chunk_elements": options.chunk_elements} if options.chunk_elements else {}
+        return self.impl.forward(hidden, weight, targets, bias, temperature, with_entropy, **extra)
+
+    def backward(self, hidden, weight, targets, bias, temperature, lse, entropy, grad_logp, grad_entropy, *,
+                 needs, options: LogprobOptions, logp_out=None):
+        """-> (dhidden, dweight, dbias), None where ``needs`` says so; writes logp_out when given."""
+        if self.backend == "triton":
+            return self.impl.logprob_backward(hidden, weight, targets, bias, temperature, lse, entropy, grad_logp,
+                                              grad_entropy, needs=needs, filter_eps=options.filter_eps,
+                                              vocab_splits=options.vocab_splits, logp_out=logp_out)
+        extra = {"chunk_elements": options.chunk_elements} if options.chunk_elements else {}
+        return self.impl.backward(hidden, weight, targets, bias, temperature, lse, entropy, grad_logp, grad_entropy,
+                                  needs=needs, logp_out=logp_out, **extra)
+
+
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, backend, with_entropy, options):
-        impl = _triton_module() if backend == "triton" else None
-        if impl is not None:
-            logp, entropy, lse = impl.logprob_forward(
-                hidden, weight, targets, bias, temperature, with_entropy,
-                vocab_splits=options.get("vocab_splits"))
-        else:
-            logp, entropy, lse = torch_chunked.forward(
-                hidden, weight, targets, bias, temperature, with_entropy, **_chunk(options))
+    def forward(ctx, hidden, weight, bias, targets, temperature, kernels, with_entropy, options):
+        logp, entropy, lse = kernels.forward(hidden, weight, targets, bias, temperature, with_entropy, options)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
-        ctx.temperature, ctx.backend, ctx.options = temperature, backend, options
+        ctx.temperature, ctx.kernels, ctx.options = temperature, kernels, options
         ctx.mark_non_differentiable(lse)
         return logp.float(), None if entropy is None else entropy.float(), lse
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy, _grad_lse):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])
-        if entropy is None:
-            grad_entropy = None
-        if ctx.backend == "triton":
-            d_hidden, d_weight, d_bias = _triton_module().logprob_backward(
-                hidden, weight, targets, bias, ctx.temperature, lse, entropy, grad_logp, grad_entropy,
-                needs=needs, filter_eps=ctx.options.get("filter_eps"),
-                vocab_splits=ctx.options.get("vocab_splits"))
-        else:
-            d_hidden, d_weight, d_bias = torch_chunked.backward(
-                hidden, weight, targets, bias, ctx.temperature, lse, entropy, grad_logp, grad_entropy,
-                needs=needs, **_chunk(ctx.options))
+        d_hidden, d_weight, d_bias = ctx.kernels.backward(
+            hidden, weight, targets, bias, ctx.temperature, lse, entropy, grad_logp,
+            None if entropy is None else grad_entropy, needs=tuple(ctx.needs_input_grad[:3]), options=ctx.options)
         return d_hidden, d_weight, d_bias, None, None, None, None, None
-
-
-def _chunk(options: dict) -> dict:
-    return {"chunk_elements": options["chunk_elements"]} if options.get("chunk_elements") else {}
 
 
 def linear_logprobs(
@@ -142,8 +163,8 @@ def linear_logprobs(
         raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
     if vocab_splits is not None and not (isinstance(vocab_splits, int) and vocab_splits > 0):
         raise ValueError(f"vocab_splits must be a positive int, got {vocab_splits!r}")
-    backend = resolve_backend(backend, hidden.device, hidden.dtype)
     vocab, width = weight.shape
+    backend = resolve_backend(backend, hidden.device, hidden.dtype, shape=(hidden.numel() // width, width, vocab))
     check_targets_in_range(targets, vocab)
 
     lead_shape = hidden.shape[:-1]
@@ -162,20 +183,17 @@ def linear_logprobs(
         # the kernels take any strides for hidden and weight; targets and bias are read densely
         targets_1d = targets_1d.contiguous()
         bias = bias.contiguous() if bias is not None else None
-    options = {"filter_eps": filter_eps, "chunk_elements": chunk_elements, "vocab_splits": vocab_splits}
+    options = LogprobOptions(filter_eps=filter_eps, chunk_elements=chunk_elements, vocab_splits=vocab_splits)
+    kernels = Kernels(backend)
 
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     if needs_grad:
         logp, entropy, lse = _LinearLogprobs.apply(
-            hidden_2d, weight, bias, targets_1d, temperature, backend, return_entropy, options)
+            hidden_2d, weight, bias, targets_1d, temperature, kernels, return_entropy, options)
     else:  # old-policy / reference log-probs: save nothing
-        if backend == "triton":
-            logp, entropy, lse = _triton_module().logprob_forward(
-                hidden_2d, weight, targets_1d, bias, temperature, return_entropy, vocab_splits=vocab_splits)
-        else:
-            logp, entropy, lse = torch_chunked.forward(
-                hidden_2d, weight, targets_1d, bias, temperature, return_entropy, **_chunk(options))
+        logp, entropy, lse = kernels.forward(hidden_2d, weight, targets_1d, bias, temperature, return_entropy,
+                                             options)
         logp = logp.float()
         entropy = entropy.float() if entropy is not None else None
 

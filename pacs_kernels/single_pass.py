@@ -113,9 +113,16 @@ def _entropy_rows(shifted: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _triton_rows():
+    from .triton import softmax_rows
+
+    return softmax_rows
+
+
 class _SinglePass(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunks, chunk_loss, results, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunks, chunk_loss, results, with_entropy,
+                row_kernels):
         needs_h, needs_w, needs_b = ctx.needs_input_grad[:3]
         device, cdt = hidden.device, compute_dtype(hidden.dtype)
         inv_tau = 1.0 / temperature
@@ -127,11 +134,18 @@ class _SinglePass(torch.autograd.Function):
         logp_all = torch.empty(hidden.shape[0], dtype=cdt, device=device)
         entropy_all = torch.empty_like(logp_all) if with_entropy else None
         loss = torch.zeros((), dtype=cdt, device=device)
+        rows = _triton_rows() if row_kernels == "triton" else None
         for chunk in chunks:
             t0, t1 = chunk.tok0, chunk.tok1
             h = operand(hidden[t0:t1])
             y = targets[t0:t1].long()
-            if t1 > t0:
+            if t1 > t0 and rows is not None:  # two Triton row kernels (softmax_rows.py)
+                z = mm_f32(h, weight_op.T)
+                lse, target_logit, entropy = rows.row_lse(z, y, bias, temperature, with_entropy)
+                logp_all[t0:t1] = target_logit - lse
+                if with_entropy:
+                    entropy_all[t0:t1] = entropy
+            elif t1 > t0:
                 z = mm_f32(h, weight_op.T)  # (C, V) logits, float32
                 if bias is not None:
                     z.add_(bias.to(cdt))
@@ -155,14 +169,21 @@ class _SinglePass(torch.autograd.Function):
             results.append(extra)
             if t1 == t0 or grad_logp is None or not (needs_h or needs_w or needs_b):
                 continue
-            # dz = g * (onehot(y) - p) / tau, in place over the logits buffer
-            g = torch.where(grad_logp.abs() < TINY_GRAD, torch.zeros_like(grad_logp), grad_logp) * inv_tau
-            z.mul_((-g).unsqueeze(1) / row_sum)
-            z[torch.arange(t1 - t0, device=device), y] += g
-            if needs_b:
-                d_bias += z.sum(0)
-            dz = z.to(weight_op.dtype) if low_precision_gemm else z
-            del z
+            g = torch.where(grad_logp.abs() < TINY_GRAD, torch.zeros_like(grad_logp), grad_logp)
+            if rows is not None:  # one read of z, one write of dz (in place when the dtypes agree)
+                dz = z if not low_precision_gemm else torch.empty(z.shape, dtype=weight_op.dtype, device=device)
+                rows.row_grad(z, y, bias, temperature, lse, g, out=dz)
+                del z
+                if needs_b:
+                    d_bias += dz.sum(0, dtype=cdt)
+            else:  # dz = g * (onehot(y) - p) / tau, in place over the logits buffer
+                g = g * inv_tau
+                z.mul_((-g).unsqueeze(1) / row_sum)
+                z[torch.arange(t1 - t0, device=device), y] += g
+                if needs_b:
+                    d_bias += z.sum(0)
+                dz = z.to(weight_op.dtype) if low_precision_gemm else z
+                del z
             if needs_h:
                 mm_into(d_hidden[t0:t1], dz, weight_op)
             if needs_w:
@@ -181,11 +202,12 @@ class _SinglePass(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
         grads = ctx.saved_tensors  # autograd frees them after one backward (retain_graph keeps them)
         scaled = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in grads)
-        return scaled + (None,) * 6
+        return scaled + (None,) * 7
 
 
 def single_pass(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, bias: torch.Tensor | None,
-                temperature: float, chunks: list[Chunk], chunk_loss: ChunkLoss, with_entropy: bool = False):
+                temperature: float, chunks: list[Chunk], chunk_loss: ChunkLoss, with_entropy: bool = False,
+                row_kernels: str = "torch"):
     """Run ``chunk_loss`` over ``chunks`` of the selected tokens with one logits GEMM per chunk.
 
     Args:
@@ -193,6 +215,8 @@ def single_pass(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
         bias: optional (V,); temperature > 0 (checked by the caller).
         chunks: consecutive :class:`Chunk` s covering 0:N, each holding whatever the loss couples.
         chunk_loss: see :data:`ChunkLoss`; its share must already carry the global normaliser.
+        row_kernels: "torch" (eager ops over the logits tile, in place) or "triton" (softmax_rows.py:
+            two passes over the tile instead of about nine; float16/bfloat16/float32 only).
 
     Returns:
         (loss 0-d float32 (float64 for float64 inputs), differentiable in hidden, weight, bias;
@@ -201,5 +225,5 @@ def single_pass(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
     extras: list = []
     with torch.autocast(hidden.device.type, enabled=False):
         loss, logp, entropy = _SinglePass.apply(hidden, weight, bias, targets, temperature, chunks, chunk_loss,
-                                                extras, with_entropy)
+                                                extras, with_entropy, row_kernels)
     return loss, extras, logp, entropy

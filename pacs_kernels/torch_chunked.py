@@ -22,17 +22,23 @@ Gradient, for upstream gradients g_l on logp and g_H on the entropy:
     dH/dz_k    = -p_k * (log p_k + H)
     dz_k       = g_l * onehot(y)_k - p_k * (g_l + g_H * (log p_k + H))
     dlogits = dz / tau;  dh = dlogits @ W;  dW = dlogits.T @ h;  dbias = sum_tokens dlogits
+
+
+GEMMs run in the inputs' dtype on CUDA (bf16/fp16 tensor cores, float32 results; matmul.py) and
+in float32 on the CPU; the softmax and the gradient are formed in float32 in place; dW is
+accumulated into one float32 buffer. Per-token upstream gradients below 2^-100 are flushed to 0
+(they would only produce float32 denormals, which slow CPU GEMMs 10-100x: single_pass.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .lse_math import combine_vocab_chunks
+from .matmul import addmm_f32_, compute_dtype, mm_f32, operand
+
 DEFAULT_CHUNK_ELEMENTS = 1 << 22  # 4M logits: 16 MiB in float32 per chunk
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+TINY_GRAD = 2.0 ** -100
 
 
 def _chunk_sizes(n_tokens: int, vocab: int, chunk_elements: int) -> tuple[int, int]:
@@ -49,25 +55,14 @@ def _chunk_sizes(n_tokens: int, vocab: int, chunk_elements: int) -> tuple[int, i
     return token_chunk, max(1, min(vocab, chunk_elements // token_chunk))
 
 
-def combine_vocab_chunks(
-    lse_parts: torch.Tensor, negent_parts: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Merge per-chunk (lse_c, B_c) of shape (N, C) into the full (lse, entropy) of shape (N,)."""
-    lse = torch.logsumexp(lse_parts, dim=-1)
-    if negent_parts is None:
-        return lse, None
-    log_w = lse_parts - lse.unsqueeze(-1)
-    w = log_w.exp()
-    # chunks with w == 0 contribute nothing (avoid 0 * -inf)
-    entropy = -(w * (negent_parts + torch.where(w > 0, log_w, torch.zeros_like(log_w)))).sum(-1)
-    return lse, entropy
-
-
 def _logits(h, weight, bias, v0, v1, inv_tau, cdt):
-    z = h @ weight[v0:v1].to(cdt).T
+    """(tokens, v1 - v0) float32 logits of a chunk; h and weight already GEMM operands (``operand``)."""
+    z = mm_f32(h, weight[v0:v1].T)
     if bias is not None:
-        z = z + bias[v0:v1].to(cdt)
-    return z * inv_tau
+        z.add_(bias[v0:v1].to(cdt))
+    if inv_tau != 1.0:
+        z.mul_(inv_tau)
+    return z
 
 
 def forward(
@@ -81,16 +76,17 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """hidden (N, d), weight (V, d), targets (N,) -> (logp, entropy or None, lse), each (N,)."""
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
-    cdt = _compute_dtype(hidden.dtype)
+    cdt = compute_dtype(hidden.dtype)
     inv_tau = 1.0 / temperature
     logp = torch.empty(n_tokens, dtype=cdt, device=hidden.device)
     lse = torch.empty_like(logp)
     entropy = torch.empty_like(logp) if with_entropy else None
     token_chunk, vocab_chunk = _chunk_sizes(n_tokens, vocab, chunk_elements)
     starts = range(0, vocab, vocab_chunk)
+    weight = operand(weight)  # widened once on the CPU; as it is (tensor cores) on CUDA
     for n0 in range(0, n_tokens, token_chunk):
         n1 = min(n0 + token_chunk, n_tokens)
-        h = hidden[n0:n1].to(cdt)
+        h = operand(hidden[n0:n1])
         y = targets[n0:n1].long()
         lse_parts, negent_parts = [], []
         target_logit = torch.zeros(n1 - n0, dtype=cdt, device=hidden.device)
@@ -136,20 +132,25 @@ def backward(
     (the known-gradient fast path: forward and backward in one sweep).
     """
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
-    cdt = _compute_dtype(hidden.dtype)
+    cdt = compute_dtype(hidden.dtype)
     inv_tau = 1.0 / temperature
     need_h, need_w, need_b = needs
     need_b = need_b and bias is not None
     dev = hidden.device
     g_l = grad_logp.to(cdt) if grad_logp is not None else torch.zeros(n_tokens, dtype=cdt, device=dev)
+    g_l = torch.where(g_l.abs() < TINY_GRAD, torch.zeros_like(g_l), g_l)
     g_h = grad_entropy.to(cdt) if grad_entropy is not None else None
+    if g_h is not None:
+        g_h = torch.where(g_h.abs() < TINY_GRAD, torch.zeros_like(g_h), g_h)
+    out_weight = weight
+    weight = operand(weight)
     d_hidden = torch.zeros(hidden.shape, dtype=cdt, device=dev) if need_h else None
     d_weight = torch.zeros(weight.shape, dtype=cdt, device=dev) if need_w else None
     d_bias = torch.zeros(vocab, dtype=cdt, device=dev) if need_b else None
     token_chunk, vocab_chunk = _chunk_sizes(n_tokens, vocab, chunk_elements)
     for n0 in range(0, n_tokens, token_chunk):
         n1 = min(n0 + token_chunk, n_tokens)
-        h = hidden[n0:n1].to(cdt)
+        h = operand(hidden[n0:n1])
         y = targets[n0:n1].long()
         gl = g_l[n0:n1].unsqueeze(-1)
         lse_c = lse[n0:n1].to(cdt).unsqueeze(-1)
@@ -171,14 +172,15 @@ def backward(
             del coef
             dz[rows, y[rows] - v0] += gl[rows, 0]
             dz.mul_(inv_tau)
-            if need_h:
-                d_hidden[n0:n1] += dz @ weight[v0:v1].to(cdt)
-            if need_w:
-                d_weight[v0:v1] += dz.T @ h
             if need_b:
                 d_bias[v0:v1] += dz.sum(0)
+            dz = dz.to(weight.dtype) if weight.dtype != cdt else dz  # the GEMMs' dtype (bf16 on CUDA)
+            if need_h:
+                addmm_f32_(d_hidden[n0:n1], dz, weight[v0:v1])
+            if need_w:
+                addmm_f32_(d_weight[v0:v1], dz.T, h)
     return (
         d_hidden.to(hidden.dtype) if need_h else None,
-        d_weight.to(weight.dtype) if need_w else None,
+        d_weight.to(out_weight.dtype) if need_w else None,
         d_bias.to(bias.dtype) if need_b else None,
     )

@@ -192,11 +192,11 @@ def test_triton_gradient_filtering_skips_negligible_tiles_only():
 
 
 def test_vocab_split_never_hits_grid_limits():
-    from pacs_kernels.triton.launch_config import FORWARD_GPU, vocab_split
+    from pacs_kernels.triton.launch_config import SPLIT_ALIGN, vocab_split
 
     for n_tokens in (1, 37, 65_536, 4_000_000):
-        tiles_per_split, n_splits = vocab_split(n_tokens, 152_064, FORWARD_GPU, torch.device("cpu"), None)
-        assert 1 <= n_splits <= 65535
-        assert (n_splits - 1) * tiles_per_split * FORWARD_GPU.block_v < 152_064  # every split starts inside V
-    tiles_per_split, n_splits = vocab_split(16, 152_064, FORWARD_GPU, torch.device("cpu"), 10_000)
-    assert n_splits <= 65535 and (n_splits - 1) * tiles_per_split * FORWARD_GPU.block_v < 152_064
+        split_size, n_splits = vocab_split(n_tokens, 152_064, torch.device("cpu"), None)
+        assert 1 <= n_splits <= 65535 and split_size % SPLIT_ALIGN == 0
+        assert (n_splits - 1) * split_size < 152_064 <= n_splits * split_size  # every split starts inside V
+    split_size, n_splits = vocab_split(16, 152_064, torch.device("cpu"), 10_000)
+    assert n_splits <= 65535 and (n_splits - 1) * split_size < 152_064 <= n_splits * split_size

@@ -288,3 +288,53 @@ def test_grpo_single_pass_matches_reference(aggregation, layout):
     _, expected_stats = grpo_loss(logp, old, rewards, mask, ref_logp=ref_lp, return_stats=True, **opts)
     for key, value in expected_stats.as_dict().items():
         assert stats.as_dict()[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_triton_row_kernels_match_the_torch_single_pass(dtype, with_bias):
+    """backend='triton' (here: the interpreter) runs the single pass's elementwise work in softmax_rows.py."""
+    from pacs_kernels import triton as triton_kernels
+
+    if not triton_kernels.INTERPRETED:
+        pytest.skip("needs TRITON_INTERPRET=1 on a machine without CUDA")
+    hidden, weight, bias, targets, mask, old, rewards = make_batch(seed=18, dtype=dtype, with_bias=with_bias)
+    opts = dict(group_size=4, temperature=0.7, bias=bias, path="single_pass", return_stats=True, with_entropy=True,
+                chunk_budget_mib=one_group_mib())
+    results = {}
+    for backend in ("torch", "triton"):
+        results[backend] = grads_of(lambda h, w: fused_linear_pacs_loss(
+            h, w, targets, mask, old, rewards, backend=backend, **opts)[0], (hidden, weight))
+        _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, backend=backend, **opts)
+        results[backend] += (stats,)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    (loss_t, grads_t, stats_t), (loss_k, grads_k, stats_k) = results["torch"], results["triton"]
+    torch.testing.assert_close(loss_k, loss_t, rtol=tol, atol=tol)
+    for g_k, g_t in zip(grads_k, grads_t):
+        torch.testing.assert_close(g_k.float(), g_t.float(), rtol=tol, atol=tol * g_t.abs().max().item())
+    assert stats_k.entropy_mean == pytest.approx(stats_t.entropy_mean, rel=tol)
+
+
+def test_triton_row_kernels_across_vocabulary_blocks():
+    """softmax_rows.py on a vocabulary of several BLOCK_V slices, against float64 PyTorch."""
+    from pacs_kernels import triton as triton_kernels
+
+    if not triton_kernels.INTERPRETED:
+        pytest.skip("needs TRITON_INTERPRET=1 on a machine without CUDA")
+    from pacs_kernels.triton import softmax_rows
+
+    gen = torch.Generator().manual_seed(19)
+    rows, vocab = 3, 2 * softmax_rows.BLOCK_V + 77
+    z = 3 * torch.randn(rows, vocab, generator=gen)
+    bias = torch.randn(vocab, generator=gen)
+    y = torch.randint(0, vocab, (rows,), generator=gen)
+    g = torch.randn(rows, generator=gen)
+    lse, target, entropy = softmax_rows.row_lse(z, y, bias, 0.8, True)
+    zt = (z.double() + bias.double()) / 0.8
+    log_p = torch.log_softmax(zt, -1)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(zt, -1), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(target.double(), zt.gather(1, y[:, None]).squeeze(1), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), -(log_p.exp() * log_p).sum(-1), rtol=1e-5, atol=1e-5)
+    dz = softmax_rows.row_grad(z.clone(), y, bias, 0.8, lse, g, out=torch.empty(rows, vocab, dtype=torch.bfloat16))
+    expected = g.double()[:, None] * (torch.nn.functional.one_hot(y, vocab).double() - log_p.exp()) / 0.8
+    torch.testing.assert_close(dz.double(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())

@@ -2,6 +2,11 @@
 
 Under ``TRITON_INTERPRET=1`` (set before the first import) the kernels run on the CPU through
 Triton's interpreter; that is how the test-suite checks them on machines without a GPU.
+
+Files: logits_tile.py (the shared logits tile), logprob_forward.py (online log-sum-exp),
+logprob_backward.py (dz per token chunk; also the one-sweep path), grad_matmuls.py (dh and dW
+from dz, no atomics), group_loss.py (the PACS group part), launch_config.py (autotune candidates,
+vocabulary split, chunk size).
 """
 
 from .launch_config import INTERPRETED

@@ -32,12 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..loss_inputs import GRPO_STD_EPS
 from .launch_config import INTERPRETED
 
 SCORE_CODES = {"log_ratio": 0, "mean_logp": 1}
 ADVANTAGE_CODES = {"rloo": 0, "grpo": 1, "naive": 2}
 WEIGHTING_CODES = {"balanced": 0, "none": 1, "positive_only": 2, "negative_only": 3}
-GRPO_STD_EPS = 1e-6
 TILE_ELEMENTS = 1024 if INTERPRETED else 4096
 
 

@@ -1,9 +1,19 @@
-"""Tile sizes and the vocabulary split, shared by the log-prob kernels."""
+"""Launch settings shared by the log-prob kernels: autotune candidates, vocabulary split, dz chunk.
+
+On CUDA each kernel is wrapped in ``triton.autotune`` over a small set of tile configurations,
+keyed on the model width and vocabulary size (Triton adds the tensor dtypes to the key), so the
+first call at a new (d, V, dtype) benchmarks the candidates and later calls reuse the winner.
+Under ``TRITON_INTERPRET=1`` every kernel gets exactly one small configuration: autotuning in the
+interpreter would only be slow, and small tiles make the CPU tests cover many tiles, ragged
+edges and several vocabulary splits on tiny shapes.
+
+Which candidate wins on a given GPU is only known after a run there; the candidates below are
+the usual tensor-core tile shapes (bf16 inputs, fp32 accumulation), not measured picks.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -18,36 +28,70 @@ def _probe():
 # True when TRITON_INTERPRET=1 was set before triton decorated our kernels (CPU tensors then work).
 INTERPRETED = isinstance(_probe, InterpretedFunction)
 
+# The dz kernel's tile is fixed (not tuned): it is also the granularity of the gradient-filter
+# flags, which the two gradient matmuls read with their own (smaller or equal) tiles.
+DZ_TILE_GPU = (128, 128)
+DZ_TILE_INTERPRETER = (16, 32)
+DZ_BLOCK_N, DZ_BLOCK_V = DZ_TILE_INTERPRETER if INTERPRETED else DZ_TILE_GPU
 
-@dataclass(frozen=True)
-class TileConfig:
-    block_n: int
-    block_v: int
-    block_d: int
-    num_warps: int
-    num_stages: int
+# Every vocabulary split of the forward is a multiple of this many columns (a multiple of every
+# BLOCK_V candidate), so the split can be chosen on the host before the autotuner picks BLOCK_V.
+SPLIT_ALIGN = 256
 
-
-# GPU tiles (bf16/fp16 tensor cores, fp32 accumulation). Interpreter tiles are small so that
-# the tests exercise many tiles, ragged edges and several vocabulary splits on tiny shapes.
-FORWARD_GPU = TileConfig(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=3)
-BACKWARD_GPU = TileConfig(block_n=64, block_v=128, block_d=64, num_warps=8, num_stages=3)
-INTERPRETER = TileConfig(block_n=16, block_v=32, block_d=16, num_warps=4, num_stages=1)
+# Tokens per dz chunk in the backward: the staged dz buffer (chunk x V, input dtype) stays under
+# this many bytes unless one token block alone is larger.
+DZ_CHUNK_BYTES = 1 << 30
 
 
-def tile_config(pass_name: str) -> TileConfig:
+def _configs(tiles, warps_stages):
+    return [triton.Config(dict(tile), num_warps=w, num_stages=s) for tile in tiles for (w, s) in warps_stages]
+
+
+def forward_configs() -> list[triton.Config]:
+    """Candidates for the forward (online log-sum-exp) kernel: BLOCK_N x BLOCK_V logits tiles."""
     if INTERPRETED:
-        return INTERPRETER
-    return FORWARD_GPU if pass_name == "forward" else BACKWARD_GPU
+        return [triton.Config({"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_D": 16}, num_warps=4, num_stages=1)]
+    return _configs(
+        [{"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_D": 64}, {"BLOCK_N": 64, "BLOCK_V": 256, "BLOCK_D": 64},
+         {"BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_D": 32}],
+        [(8, 3), (8, 4)],
+    )
 
 
-def vocab_split(n_tokens: int, vocab: int, cfg: TileConfig, device: torch.device, splits: int | None):
-    """Split the vocabulary across programs when there are too few token blocks to fill the GPU.
+def dz_configs() -> list[triton.Config]:
+    """Candidates for the dz kernel: the tile is fixed (DZ_BLOCK_N x DZ_BLOCK_V), the inner
+    width step, warps and pipeline stages are tuned."""
+    if INTERPRETED:
+        return [triton.Config({"BLOCK_D": 16}, num_warps=4, num_stages=1)]
+    return _configs([{"BLOCK_D": 64}, {"BLOCK_D": 32}], [(8, 3), (8, 4), (4, 3)])
 
-    Returns (tiles_per_split, n_splits). Every split starts inside the vocabulary.
+
+def grad_matmul_configs() -> list[triton.Config]:
+    """Candidates for the two gradient matmuls (dh = dz @ W, dW = dz.T @ h): output tile
+    BLOCK_M x BLOCK_D, reduction step BLOCK_K. BLOCK_M and BLOCK_K divide the dz tile, so a
+    reduction step never straddles two filter flags."""
+    if INTERPRETED:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_D": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
+    return _configs(
+        [{"BLOCK_M": 128, "BLOCK_D": 128, "BLOCK_K": 64}, {"BLOCK_M": 128, "BLOCK_D": 256, "BLOCK_K": 64},
+         {"BLOCK_M": 64, "BLOCK_D": 128, "BLOCK_K": 64}, {"BLOCK_M": 128, "BLOCK_D": 128, "BLOCK_K": 32}],
+        [(8, 3), (4, 4)],
+    )
+
+
+def vocab_split(n_tokens: int, vocab: int, device: torch.device, splits: int | None) -> tuple[int, int]:
+    """Split the vocabulary across forward programs when too few token blocks fill the GPU.
+
+    Args:
+        n_tokens, vocab: the problem size.
+        device: where the kernel runs (the SM count sets the default number of splits).
+        splits: requested number of splits, or None for the default.
+
+    Returns:
+        (split_size, n_splits): columns per split (a multiple of SPLIT_ALIGN) and the number of
+        splits; every split starts inside the vocabulary and n_splits <= 65535 (grid limit).
     """
-    n_blocks = math.ceil(n_tokens / cfg.block_n)
-    n_tiles = math.ceil(vocab / cfg.block_v)
+    n_blocks = math.ceil(n_tokens / 128)  # the largest BLOCK_N candidate: a conservative count
     if splits is None:
         if device.type == "cuda":
             sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -55,10 +99,21 @@ def vocab_split(n_tokens: int, vocab: int, cfg: TileConfig, device: torch.device
         else:
             target_programs = 1
         splits = max(1, math.ceil(target_programs / max(n_blocks, 1)))
-    splits = max(1, min(int(splits), n_tiles, 65535))
-    tiles_per_split = math.ceil(n_tiles / splits)
-    n_splits = math.ceil(n_tiles / tiles_per_split)
-    return tiles_per_split, n_splits
+    n_aligned = math.ceil(vocab / SPLIT_ALIGN)
+    splits = max(1, min(int(splits), n_aligned, 65535))
+    split_size = math.ceil(n_aligned / splits) * SPLIT_ALIGN
+    return split_size, math.ceil(vocab / split_size)
+
+
+def dz_chunk_tokens(n_tokens: int, vocab: int, itemsize: int, chunk_tokens: int | None = None) -> int:
+    """Tokens per backward chunk: the (chunk, V) dz buffer of ``itemsize``-byte elements fits
+    DZ_CHUNK_BYTES; a multiple of DZ_BLOCK_N, at least one block, at most all tokens."""
+    if chunk_tokens is None:
+        chunk_tokens = DZ_CHUNK_BYTES // max(vocab * itemsize, 1)
+    if chunk_tokens >= n_tokens:
+        return max(n_tokens, 1)
+    blocks = max(1, int(chunk_tokens) // DZ_BLOCK_N)
+    return min(blocks * DZ_BLOCK_N, n_tokens)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

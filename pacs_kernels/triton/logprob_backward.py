@@ -1,7 +1,7 @@
-"""Backward: recompute each logits tile and apply the per-token upstream gradients.
+"""Backward: recompute each logits tile once, stage dz per token chunk, two atomic-free matmuls.
 
-For a token with logits z = (h @ W.T + b) / tau, p = softmax(z), log p = z - lse, entropy H,
-and upstream gradients g_l (on logp) and g_H (on the entropy):
+Gradient. For a token with logits z = (h @ W.T + b) / tau, p = softmax(z), log p = z - lse,
+entropy H, and upstream gradients g_l (on logp) and g_H (on the entropy):
 
     dlogp/dz_k = onehot(y)_k - p_k
     dH/dz_k    = -p_k * (log p_k + H)
@@ -9,13 +9,38 @@ and upstream gradients g_l (on logp) and g_H (on the entropy):
 
 and with dlogits = dz / tau:  dh = dlogits @ W,  dW = dlogits.T @ h,  dbias = column sums.
 
-Program (i, s) takes BLOCK_N tokens and the s-th vocabulary slice, rebuilds each logits tile
-from the saved per-token lse (one matmul), forms dz in registers, and adds its share of dh and
-dW, BLOCK_D columns at a time, into float32 buffers with atomic adds (two more matmuls). The
-matmul count is 2NVd forward + 6NVd backward, and nothing of size N x V ever exists.
+Design. The tokens are cut into chunks of C tokens (C * V dz elements fit ``DZ_CHUNK_BYTES``,
+1 GiB by default). Per chunk:
 
-Opt-in gradient filtering (as in Cut Cross-Entropy): a tile whose every |dz| is below
-``filter_eps`` and that holds no target contributes nothing and skips its two matmuls.
+1. the dz kernel (below): program (i, j) rebuilds the logits tile of token block i and vocabulary
+   tile j with the shared ``logits_tile`` helper and the saved per-token lse, forms dlogits in
+   registers and stores it in the input dtype into the (C, V) buffer. It sees every (token,
+   vocabulary) pair exactly once, so it also writes the known-gradient path's log-probs
+   (``logp_out``) and the gradient-filter flags.
+2. ``grad_matmuls.dh_kernel``: programs own (token block, d tile) of dh, walk the vocabulary.
+3. ``grad_matmuls.dw_kernel``: programs own (vocabulary tile, d tile) of dW (and dbias), walk
+   the chunk's tokens; across chunks they add into one float32 (V, d) buffer they alone own.
+
+Cost: 3 matmuls of 2 N V d FLOPs each (recompute, dh, dW): 6 N V d, the same as a backward
+that materializes the logits; the forward adds 2 N V d (8 N V d, four matmuls, for the two-pass
+loss; the one-sweep path is this backward alone: three). Extra HBM traffic: dz written once
+and read by each matmul (about 3 N V * itemsize bytes, ~3% of the matmul time at Qwen2.5-7B
+shapes on an H200) plus, with more than one chunk, one float32 read+write of dW per chunk
+(8 V d bytes each). Extra memory: the dz chunk (<= 1 GiB), and a float32 (V, d) buffer only
+when there is more than one chunk; dh, and dW for a single chunk, are stored straight in the
+input dtype.
+
+Why not the alternatives. The previous kernel added every token block's dW tile into float32
+dW with ``tl.atomic_add``: at N=32768, d=3584, V=152064 and 64-token blocks that is ~1e12 bytes
+of contended atomic traffic, several times the matmul time. Recomputing the logits inside
+programs that own output tiles (no staging) needs the full (BLOCK_V, d) dW row block, or the
+(BLOCK_N, d) dh row block, in registers: at d = 3584 that does not fit, and tiling d in the grid
+makes every d tile recompute the logits over the full width, multiplying the recompute FLOPs by
+d / BLOCK_D (14-28x at d = 3584). Staging dz keeps the recompute at one matmul, leaves the two
+gradient products as plain GEMMs with one owner per output tile, and is deterministic.
+
+Opt-in gradient filtering (as in Cut Cross-Entropy): a dz tile whose every |dz| is below
+``filter_eps`` and that holds no target is flagged, not stored, and skipped by both matmuls.
 """
 
 from __future__ import annotations
@@ -24,25 +49,34 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch_config import dot_precision, tile_config, upcast_dots, vocab_split
+from .grad_matmuls import dh_kernel, dw_kernel
+from .launch_config import DZ_BLOCK_N, DZ_BLOCK_V, dz_chunk_tokens, dz_configs
+from .logits_tile import INPUT_FLAGS, logits_tile
 
 
+@triton.autotune(configs=dz_configs(), key=["width", "vocab"])
+@triton.heuristics({
+    **INPUT_FLAGS,
+    "HAS_GRAD_LOGP": lambda args: args["grad_logp_ptr"] is not None,
+    "HAS_GRAD_ENTROPY": lambda args: args["grad_entropy_ptr"] is not None,
+    "STORE_DZ": lambda args: args["dz_ptr"] is not None,
+    "WRITE_LOGP": lambda args: args["logp_out_ptr"] is not None,
+    "FILTER": lambda args: args["flags_ptr"] is not None,
+})
 @triton.jit
-def _logprob_backward_kernel(
+def _dz_kernel(
     hidden_ptr, weight_ptr, bias_ptr, targets_ptr,
     lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
-    d_hidden_ptr, d_weight_ptr, d_bias_ptr, logp_out_ptr,
-    n_tokens, vocab, width,
+    dz_ptr, flags_ptr, logp_out_ptr,
+    row0, chunk_len, vocab, width,
     stride_hn, stride_hd, stride_wv, stride_wd,
-    inv_tau, tiles_per_split, filter_eps,
+    inv_tau, filter_eps,
     HAS_BIAS: tl.constexpr,
     HAS_GRAD_LOGP: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
-    NEED_D_HIDDEN: tl.constexpr,
-    NEED_D_WEIGHT: tl.constexpr,
-    NEED_D_BIAS: tl.constexpr,
-    FILTER: tl.constexpr,
+    STORE_DZ: tl.constexpr,
     WRITE_LOGP: tl.constexpr,
+    FILTER: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -50,77 +84,45 @@ def _logprob_backward_kernel(
     BLOCK_D: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < n_tokens
+    pid_v = tl.program_id(1)
+    local = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # row in the chunk
+    row_ok = local < chunk_len
+    rows = row0 + local
+    col_start = pid_v.to(tl.int64) * BLOCK_V
+    cols = col_start + tl.arange(0, BLOCK_V)
+    col_ok = cols < vocab
     y = tl.load(targets_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    if HAS_GRAD_LOGP:
-        g_l = tl.load(grad_logp_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    else:
-        g_l = tl.zeros((BLOCK_N,), tl.float32)
-    if HAS_GRAD_ENTROPY:
-        g_h = tl.load(grad_entropy_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        ent = tl.load(entropy_ptr + rows, mask=row_ok, other=0.0)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
 
-    split_start = pid_s.to(tl.int64) * tiles_per_split * BLOCK_V
-    for tile in range(0, tiles_per_split):
-        cols = split_start + tile * BLOCK_V + tl.arange(0, BLOCK_V)
-        col_ok = cols < vocab
-        acc = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
-        for k0 in range(0, width, BLOCK_D):
-            ks = k0 + tl.arange(0, BLOCK_D)
-            k_ok = ks < width
-            h = tl.load(hidden_ptr + rows[:, None] * stride_hn + ks[None, :] * stride_hd,
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(weight_ptr + cols[:, None] * stride_wv + ks[None, :] * stride_wd,
-                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if UPCAST_DOTS:
-                h, w = h.to(tl.float32), w.to(tl.float32)
-            acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        valid = row_ok[:, None] & col_ok[None, :]
-        log_p = tl.where(valid, acc * inv_tau - lse[:, None], 0.0)
+    z = logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, row_ok, cols, col_ok, width,
+                    stride_hn, stride_hd, stride_wv, stride_wd, inv_tau,
+                    HAS_BIAS, DOT_PRECISION, UPCAST_DOTS, BLOCK_N, BLOCK_V, BLOCK_D)
+    valid = row_ok[:, None] & col_ok[None, :]
+    log_p = tl.where(valid, z - lse[:, None], 0.0)
+    is_target = (cols[None, :] == y[:, None]) & valid
+    if WRITE_LOGP:  # known-gradient one-sweep path: the forward's log-prob falls out of this tile
+        in_tile = row_ok & (y >= col_start) & (y < col_start + BLOCK_V)
+        tl.store(logp_out_ptr + rows, tl.sum(tl.where(is_target, log_p, 0.0), axis=1), mask=in_tile)
+    if STORE_DZ:
         p = tl.where(valid, tl.exp(log_p), 0.0)
+        if HAS_GRAD_LOGP:
+            g_l = tl.load(grad_logp_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        else:
+            g_l = tl.zeros((BLOCK_N,), tl.float32)
         coef = g_l[:, None]
         if HAS_GRAD_ENTROPY:
+            g_h = tl.load(grad_entropy_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            ent = tl.load(entropy_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
             coef = coef + g_h[:, None] * (log_p + ent[:, None])
-        is_target = (cols[None, :] == y[:, None]) & valid
-        if WRITE_LOGP:  # known-gradient fast path: the forward's log-prob falls out of the same tile
-            in_tile = row_ok & (y >= split_start + tile * BLOCK_V) & (y < split_start + (tile + 1) * BLOCK_V)
-            tl.store(logp_out_ptr + rows, tl.sum(tl.where(is_target, log_p, 0.0), axis=1), mask=in_tile)
-        dz = tl.where(is_target, g_l[:, None], 0.0) - p * coef
-        dz = dz * inv_tau
-
-        skip = False
+        dz = (tl.where(is_target, g_l[:, None], 0.0) - p * coef) * inv_tau
+        out = local[:, None] * vocab + cols[None, :]
         if FILTER:
-            skip = (tl.max(tl.abs(dz)) < filter_eps) & (tl.sum(is_target.to(tl.int32)) == 0)
-        if not skip:
-            dz_in = dz.to(hidden_ptr.dtype.element_ty)
-            if UPCAST_DOTS:
-                dz_in = dz_in.to(tl.float32)
-            for k0 in range(0, width, BLOCK_D):
-                ks = k0 + tl.arange(0, BLOCK_D)
-                k_ok = ks < width
-                if NEED_D_HIDDEN:
-                    w = tl.load(weight_ptr + cols[:, None] * stride_wv + ks[None, :] * stride_wd,
-                                mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                    if UPCAST_DOTS:
-                        w = w.to(tl.float32)
-                    part = tl.dot(dz_in, w, input_precision=DOT_PRECISION)
-                    tl.atomic_add(d_hidden_ptr + rows[:, None] * width + ks[None, :], part,
-                                  mask=row_ok[:, None] & k_ok[None, :])
-                if NEED_D_WEIGHT:
-                    h = tl.load(hidden_ptr + rows[:, None] * stride_hn + ks[None, :] * stride_hd,
-                                mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                    if UPCAST_DOTS:
-                        h = h.to(tl.float32)
-                    part = tl.dot(tl.trans(dz_in), h, input_precision=DOT_PRECISION)
-                    tl.atomic_add(d_weight_ptr + cols[:, None] * width + ks[None, :], part,
-                                  mask=col_ok[:, None] & k_ok[None, :])
-            if NEED_D_BIAS:
-                tl.atomic_add(d_bias_ptr + cols, tl.sum(dz, axis=0), mask=col_ok)
+            live = (tl.max(tl.abs(dz)) >= filter_eps) | (tl.sum(is_target.to(tl.int32)) > 0)
+            tl.store(flags_ptr + pid_n * tl.num_programs(1) + pid_v, live.to(tl.int8))
+            if live:
+                tl.store(dz_ptr + out, dz.to(dz_ptr.dtype.element_ty), mask=valid)
+        else:
+            tl.store(dz_ptr + out, dz.to(dz_ptr.dtype.element_ty), mask=valid)
 
 
 def logprob_backward(
@@ -137,50 +139,100 @@ def logprob_backward(
     filter_eps: float | None = None,
     vocab_splits: int | None = None,
     logp_out: torch.Tensor | None = None,
+    chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Gradients (dhidden, dweight, dbias) in the input dtypes, accumulated in float32.
+    """Gradients (dhidden, dweight, dbias) of sum(g_l * logp + g_H * entropy).
 
-    With ``logp_out`` (float32, (N,)) the kernel also writes each token's log-prob z_y - lse,
-    from the same logits tiles (the known-gradient fast path).
+    Args:
+        hidden (N, d), weight (V, d): float16/bfloat16/float32, any strides.
+        targets (N,) contiguous ints; bias (V,) contiguous or None; temperature > 0.
+        lse (N,) float32: the forward's log-sum-exp. entropy (N,) float32 or None.
+        grad_logp, grad_entropy: (N,) upstream gradients or None (None counts as zero; the
+            entropy gradient is ignored when ``entropy`` is None).
+        needs: which of (dhidden, dweight, dbias) to compute; the others come back None.
+        filter_eps: skip dz tiles whose every |dz| < filter_eps and that hold no target.
+        vocab_splits: accepted for the caller's uniform options; the backward's grid already
+            covers every (token block, vocabulary tile) pair, so it splits nothing.
+        logp_out: optional float32 (N,) receiving each token's log-prob z_y - lse, from the same
+            logits tiles (the known-gradient one-sweep path).
+        chunk_tokens: tokens per staged dz chunk (default: the chunk fits DZ_CHUNK_BYTES).
+
+    Returns:
+        (dhidden (N, d), dweight (V, d), dbias (V,)) in the input dtypes, float32 accumulation,
+        None where not needed.
     """
+    del vocab_splits  # see the docstring
     n_tokens, width = hidden.shape
     vocab = weight.shape[0]
     need_h, need_w, need_b = needs
     need_b = need_b and bias is not None
-    cfg = tile_config("backward")
-    tiles_per_split, n_splits = vocab_split(n_tokens, vocab, cfg, hidden.device, vocab_splits)
-    dev = hidden.device
-    d_hidden = torch.zeros((n_tokens, width), dtype=torch.float32, device=dev) if need_h else None
-    d_weight = torch.zeros((vocab, width), dtype=torch.float32, device=dev) if need_w else None
-    d_bias = torch.zeros(vocab, dtype=torch.float32, device=dev) if need_b else None
     has_grad_entropy = grad_entropy is not None and entropy is not None
-    if n_tokens > 0 and (need_h or need_w or need_b or logp_out is not None) and (
-            grad_logp is not None or has_grad_entropy or logp_out is not None):
-        dummy = lse
-        grid = (triton.cdiv(n_tokens, cfg.block_n), n_splits)
-        _logprob_backward_kernel[grid](
-            hidden, weight, bias if bias is not None else dummy, targets,
-            lse, entropy if has_grad_entropy else dummy,
-            grad_logp.contiguous() if grad_logp is not None else dummy,
-            grad_entropy.contiguous() if has_grad_entropy else dummy,
-            d_hidden if need_h else dummy, d_weight if need_w else dummy, d_bias if need_b else dummy,
-            logp_out if logp_out is not None else dummy,
-            n_tokens, vocab, width,
-            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-            1.0 / temperature, tiles_per_split, float(filter_eps or 0.0),
-            HAS_BIAS=bias is not None,
-            HAS_GRAD_LOGP=grad_logp is not None,
-            HAS_GRAD_ENTROPY=has_grad_entropy,
-            NEED_D_HIDDEN=need_h, NEED_D_WEIGHT=need_w, NEED_D_BIAS=need_b,
-            FILTER=filter_eps is not None and filter_eps > 0,
-            WRITE_LOGP=logp_out is not None,
-            DOT_PRECISION=dot_precision(hidden.dtype),
-            UPCAST_DOTS=upcast_dots(hidden.dtype),
-            BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    has_upstream = grad_logp is not None or has_grad_entropy
+    dev = hidden.device
+    d_hidden = torch.empty((n_tokens, width), dtype=hidden.dtype, device=dev) if need_h else None
+    if not (has_upstream and n_tokens > 0):  # no gradient flows: zeros, but logp_out still wanted
+        if logp_out is not None and n_tokens > 0:
+            _launch_chunks(hidden, weight, targets, bias, temperature, lse, None, None, None,
+                           None, None, None, logp_out, None, n_tokens, store_dz=False)
+        return (
+            d_hidden.zero_() if need_h else None,
+            torch.zeros_like(weight, memory_format=torch.contiguous_format) if need_w else None,
+            torch.zeros_like(bias) if need_b else None,
         )
+    if not (need_h or need_w or need_b or logp_out is not None):
+        return None, None, None
+    chunk = dz_chunk_tokens(n_tokens, vocab, hidden.element_size(), chunk_tokens)
+    multi = chunk < n_tokens
+    d_weight = torch.empty((vocab, width), dtype=torch.float32 if multi else weight.dtype,
+                           device=dev) if need_w else None
+    d_bias = torch.empty(vocab, dtype=torch.float32 if multi else bias.dtype, device=dev) if need_b else None
+    _launch_chunks(hidden, weight, targets, bias, temperature, lse,
+                   entropy if has_grad_entropy else None,
+                   grad_logp.contiguous() if grad_logp is not None else None,
+                   grad_entropy.contiguous() if has_grad_entropy else None,
+                   d_hidden, d_weight, d_bias, logp_out, filter_eps, chunk,
+                   store_dz=need_h or need_w or need_b)
     return (
-        d_hidden.to(hidden.dtype) if need_h else None,
+        d_hidden,
         d_weight.to(weight.dtype) if need_w else None,
         d_bias.to(bias.dtype) if need_b else None,
     )
+
+
+def _launch_chunks(hidden, weight, targets, bias, temperature, lse, entropy, grad_logp, grad_entropy,
+                   d_hidden, d_weight, d_bias, logp_out, filter_eps, chunk, *, store_dz):
+    """Run the dz kernel and the two gradient matmuls over token chunks of ``chunk`` tokens."""
+    n_tokens, width = hidden.shape
+    vocab = weight.shape[0]
+    dev = hidden.device
+    dz = torch.empty((chunk, vocab), dtype=hidden.dtype, device=dev) if store_dz else None
+    n_flag_cols = triton.cdiv(vocab, DZ_BLOCK_V)
+    flags = None
+    if store_dz and filter_eps is not None and filter_eps > 0:
+        flags = torch.empty((triton.cdiv(chunk, DZ_BLOCK_N), n_flag_cols), dtype=torch.int8, device=dev)
+    inv_tau = 1.0 / temperature
+    for index, row0 in enumerate(range(0, n_tokens, chunk)):
+        chunk_len = min(chunk, n_tokens - row0)
+        _dz_kernel[(triton.cdiv(chunk_len, DZ_BLOCK_N), n_flag_cols)](
+            hidden, weight, bias, targets, lse, entropy, grad_logp, grad_entropy,
+            dz, flags, logp_out,
+            row0, chunk_len, vocab, width,
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+            inv_tau, float(filter_eps or 0.0),
+            BLOCK_N=DZ_BLOCK_N, BLOCK_V=DZ_BLOCK_V,
+        )
+        if d_hidden is not None:
+            dh_kernel[lambda meta: (triton.cdiv(chunk_len, meta["BLOCK_M"]), triton.cdiv(width, meta["BLOCK_D"]))](
+                dz, weight, d_hidden, flags,
+                row0, chunk_len, vocab, width,
+                weight.stride(0), weight.stride(1), n_flag_cols,
+                FLAG_N=DZ_BLOCK_N, FLAG_V=DZ_BLOCK_V,
+            )
+        if d_weight is not None or d_bias is not None:
+            d_tiles = (lambda meta: triton.cdiv(width, meta["BLOCK_D"])) if d_weight is not None else (lambda meta: 1)
+            dw_kernel[lambda meta: (triton.cdiv(vocab, meta["BLOCK_M"]), d_tiles(meta))](
+                dz, hidden, d_weight, d_bias, flags,
+                row0, chunk_len, vocab, width,
+                hidden.stride(0), hidden.stride(1), n_flag_cols,
+                ACCUMULATE=index > 0, FLAG_N=DZ_BLOCK_N, FLAG_V=DZ_BLOCK_V,
+            )

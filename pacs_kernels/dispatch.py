@@ -1,0 +1,65 @@
+"""What ``"auto"`` picks on CUDA, by measurement: the table a GPU benchmark run writes.
+
+``benchmarks/gpu.sh`` races our implementations at real shapes and ``benchmarks/dispatch_table.py``
+turns the CSV into ``dispatch.json``; committed as ``pacs_kernels/gpu_dispatch.json`` (or pointed
+to by the ``PACS_DISPATCH_TABLE`` environment variable) it decides, on CUDA:
+
+* the fused losses' ``path="auto"``: two passes where the run measured them faster than the single
+  pass at the nearest measured size (the single pass is still only taken when the groups fit
+  ``chunk_budget_mib``);
+* ``backend="auto"`` for the log-probs: "torch" where the run measured the torch backend faster than
+  the Triton kernels, "triton" otherwise.
+
+Entries match on (d, V) exactly and on the nearest N (log scale). Without a table, or for a shape it
+does not hold, the defaults stand: single pass when the groups fit, Triton on CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from pathlib import Path
+
+TABLE_ENV = "PACS_DISPATCH_TABLE"
+PACKAGED_TABLE = Path(__file__).resolve().parent / "gpu_dispatch.json"
+
+
+@functools.lru_cache(maxsize=4)
+def _load(path: str) -> tuple:
+    try:
+        data = json.loads(Path(path).read_text())
+        return tuple(data.get("entries", ()))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{TABLE_ENV} / the dispatch table {path} could not be read: {exc}") from exc
+
+
+def table_entries() -> tuple:
+    """The entries of the table in force (``PACS_DISPATCH_TABLE``, else the packaged one), or ()."""
+    path = os.environ.get(TABLE_ENV)
+    if path:
+        return _load(path)
+    return _load(str(PACKAGED_TABLE)) if PACKAGED_TABLE.is_file() else ()
+
+
+def fastest(op: str, n_tokens: int, d: int, vocab: int, among: tuple[str, ...]) -> str | None:
+    """The fastest implementation among ``among`` measured for ``op`` at (d, V) and the nearest N, or None."""
+    candidates = [e for e in table_entries() if e.get("op") == op and e.get("d") == d and e.get("V") == vocab
+                  and any(k in e.get("ms", {}) for k in among)]
+    if not candidates or n_tokens <= 0:
+        return None
+    entry = min(candidates, key=lambda e: abs(math.log(max(e["N"], 1)) - math.log(n_tokens)))
+    times = {k: v for k, v in entry["ms"].items() if k in among}
+    return min(times, key=times.get)
+
+
+def prefer_two_pass(n_tokens: int, d: int, vocab: int) -> bool:
+    """True where the table measured the two-pass PACS loss faster than the single pass."""
+    best = fastest("pacs_loss_fwd_bwd", n_tokens, d, vocab, ("single_pass", "triton", "torch"))
+    return best is not None and best != "single_pass"
+
+
+def logprob_backend(n_tokens: int, d: int, vocab: int) -> str | None:
+    """"torch" or "triton" as measured for the log-probs at this shape, or None (no entry)."""
+    return fastest("logprobs_fwd_bwd", n_tokens, d, vocab, ("triton", "torch"))

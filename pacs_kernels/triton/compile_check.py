@@ -1,0 +1,128 @@
+"""Compile every log-prob kernel for a GPU architecture without a GPU (Triton -> PTX -> cubin).
+
+    python -m pacs_kernels.triton.compile_check                 # first autotune candidate of each kernel
+    python -m pacs_kernels.triton.compile_check --all-configs   # every candidate x flag combination
+
+GPU time is scarce: this finds, on the CPU, what the interpreter cannot (code that only fails in
+the compiler: loop-carried types, control flow around ``tl.dot``, shared memory beyond the
+device's limit) before the first GPU run. Needs TRITON_INTERPRET unset (the kernels must be
+``JITFunction``s) and Triton's bundled ptxas. Each kernel is compiled with the constexprs its
+``triton.heuristics`` derive from arguments of the given dtypes, with optional pointers present
+or absent. Prints one line per compile and exits non-zero if any fails or exceeds shared memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from . import launch_config
+
+SHARED_MEMORY_LIMIT = {90: 232448, 80: 166912}  # bytes per block (H100/H200, A100)
+_TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
+                 torch.int8: "i8"}
+_FLOAT_SCALARS = ("inv_tau", "filter_eps")
+_F32 = torch.float32
+
+
+def _kernels(dtype: torch.dtype):
+    """(name, autotuned kernel, pointer dtypes, optional pointers, fixed constexprs) per kernel."""
+    forward = importlib.import_module("pacs_kernels.triton.logprob_forward")
+    backward = importlib.import_module("pacs_kernels.triton.logprob_backward")
+    matmuls = importlib.import_module("pacs_kernels.triton.grad_matmuls")
+    flags = {"FLAG_N": launch_config.DZ_BLOCK_N, "FLAG_V": launch_config.DZ_BLOCK_V}
+    return [
+        ("forward", forward._logprob_forward_kernel,
+         {"hidden_ptr": dtype, "weight_ptr": dtype, "bias_ptr": dtype, "targets_ptr": torch.int64,
+          "lse_part_ptr": _F32, "negent_part_ptr": _F32, "target_logit_part_ptr": _F32},
+         ("bias_ptr", "negent_part_ptr"), {}),
+        ("dz", backward._dz_kernel,
+         {"hidden_ptr": dtype, "weight_ptr": dtype, "bias_ptr": dtype, "targets_ptr": torch.int64,
+          "lse_ptr": _F32, "entropy_ptr": _F32, "grad_logp_ptr": _F32, "grad_entropy_ptr": _F32,
+          "dz_ptr": dtype, "flags_ptr": torch.int8, "logp_out_ptr": _F32},
+         ("bias_ptr", "entropy_ptr", "grad_entropy_ptr", "flags_ptr", "logp_out_ptr"),
+         {"BLOCK_N": launch_config.DZ_BLOCK_N, "BLOCK_V": launch_config.DZ_BLOCK_V}),
+        ("dh", matmuls.dh_kernel,
+         {"dz_ptr": dtype, "weight_ptr": dtype, "dh_ptr": dtype, "flags_ptr": torch.int8},
+         ("flags_ptr",), flags),
+        ("dw", matmuls.dw_kernel,
+         {"dz_ptr": dtype, "hidden_ptr": dtype, "dw_ptr": _F32, "db_ptr": _F32, "flags_ptr": torch.int8},
+         ("db_ptr", "flags_ptr"), {**flags, "ACCUMULATE": True}),
+    ]
+
+
+def compile_kernel(kernel, pointers: dict, absent: set, fixed: dict, config: triton.Config, arch: int):
+    """Compile one (kernel, config, absent pointers) combination; returns the compiled kernel."""
+    heuristics = kernel.fn  # Autotuner -> Heuristics -> JITFunction
+    jit = heuristics.fn
+    if not isinstance(jit, triton.runtime.jit.JITFunction):
+        raise ValueError(f"kernel must be a JITFunction, got {type(jit).__name__}: unset TRITON_INTERPRET")
+    args = {name: (None if name in absent else torch.empty(0, dtype=dt)) for name, dt in pointers.items()}
+    constexprs = {name: args[name] for name in absent}
+    constexprs.update(fixed)
+    constexprs.update(config.kwargs)
+    constexprs.update({name: rule(args) for name, rule in heuristics.values.items()})
+    signature = {}
+    for index, name in enumerate(jit.arg_names):
+        if name in constexprs or index in jit.constexprs:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = "*" + _TRITON_DTYPE[pointers[name]]
+        else:
+            signature[name] = "fp32" if name in _FLOAT_SCALARS else "i32"
+    missing = [n for i, n in enumerate(jit.arg_names) if signature[n] == "constexpr" and n not in constexprs]
+    if missing:
+        raise ValueError(f"no value for constexpr arguments {missing} of {jit.__name__}")
+    source = ASTSource(jit, signature, constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
+                        choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--all-configs", action="store_true", help="every autotune candidate and flag combination")
+    parser.add_argument("--kernels", nargs="+", default=None, help="forward dz dh dw (default: all)")
+    args = parser.parse_args(argv)
+    if launch_config.INTERPRETED:
+        print("TRITON_INTERPRET is set: the kernels are interpreted functions; unset it", file=sys.stderr)
+        return 2
+    limit = SHARED_MEMORY_LIMIT.get(args.arch)
+    failures = 0
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        for name, kernel, pointers, optional, fixed in _kernels(dtype):
+            if args.kernels and name not in args.kernels:
+                continue
+            configs = kernel.configs if args.all_configs else kernel.configs[:1]
+            absents = [set(), set(optional)] if args.all_configs else [set()]
+            for config in configs:
+                for absent in absents:
+                    label = f"{name:8s} {dtype_name:9s} {config} absent={sorted(absent) or '-'}"
+                    start = time.perf_counter()
+                    try:
+                        compiled = compile_kernel(kernel, pointers, absent, fixed, config, args.arch)
+                    except Exception as exc:  # report every failure, then exit non-zero
+                        failures += 1
+                        print(f"FAIL {label}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+                        continue
+                    shared = compiled.metadata.shared
+                    over = limit is not None and shared > limit
+                    failures += int(over)
+                    print(f"{'OVER' if over else 'ok  '} {label} shared={shared}B "
+                          f"({time.perf_counter() - start:.1f}s)")
+    print(f"{failures} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The two gradient matmuls of the backward, from a staged dz chunk, without atomics.
+
+Given dz (C, V) for a chunk of C tokens (written by the dz kernel in logprob_backward.py, input
+dtype, already divided by the temperature):
+
+    dh[chunk] = dz @ W          (C, d): program (i, j) owns BLOCK_M tokens x BLOCK_D columns of
+                                dh, walks the whole vocabulary, and stores its tile once.
+    dW       += dz.T @ h[chunk] (V, d): program (i, j) owns BLOCK_M vocabulary rows x BLOCK_D
+                                columns of dW, walks every token of the chunk, and stores once
+                                per chunk (reading the previous chunks' float32 sum first).
+    db       += sum_t dz[t]     (V,): the column sums, by the dW programs with j == 0.
+
+Every output element has exactly one owner, so there are no atomics and the result is bitwise
+reproducible for a fixed tile configuration. Each kernel costs 2 C V d FLOPs.
+
+With gradient filtering the dz kernel leaves one int8 flag per (DZ_BLOCK_N x DZ_BLOCK_V) dz tile,
+0 when the whole tile is negligible; the matmuls skip those reduction steps (their BLOCK_M and
+BLOCK_K divide the dz tile, so a step never straddles two flags).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .launch_config import dot_precision, grad_matmul_configs, upcast_dots
+
+_DZ_FLAGS = {
+    "FILTER": lambda args: args["flags_ptr"] is not None,
+    "DOT_PRECISION": lambda args: dot_precision(args["dz_ptr"].dtype),
+    "UPCAST_DOTS": lambda args: upcast_dots(args["dz_ptr"].dtype),
+}
+
+
+@triton.autotune(configs=grad_matmul_configs(), key=["width", "vocab"])
+@triton.heuristics(_DZ_FLAGS)
+@triton.jit
+def dh_kernel(
+    dz_ptr, weight_ptr, dh_ptr, flags_ptr,
+    row0, chunk_len, vocab, width,
+    stride_wv, stride_wd, n_flag_cols,
+    FLAG_N: tl.constexpr,
+    FLAG_V: tl.constexpr,
+    FILTER: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """dh[row0 + t, :] = sum_v dz[t, v] W[v, :] for the chunk's tokens t; dh (N, d) contiguous,
+    stored in its own dtype (float32 accumulation)."""
+    pid_m = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    local = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = local < chunk_len
+    ds = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = ds < width
+    flag_row = (pid_m * BLOCK_M) // FLAG_N
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for k0 in range(0, vocab, BLOCK_K):
+        live = True
+        if FILTER:
+            live = tl.load(flags_ptr + flag_row * n_flag_cols + k0 // FLAG_V) != 0
+        if live:
+            ks = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+            k_ok = ks < vocab
+            a = tl.load(dz_ptr + local[:, None] * vocab + ks[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(weight_ptr + ks[:, None] * stride_wv + ds[None, :] * stride_wd,
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            if UPCAST_DOTS:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    out = (row0 + local)[:, None] * width + ds[None, :]
+    tl.store(dh_ptr + out, acc.to(dh_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.autotune(configs=grad_matmul_configs(), key=["width", "vocab"], restore_value=["dw_ptr", "db_ptr"])
+@triton.heuristics({
+    **_DZ_FLAGS,
+    "HAS_DW": lambda args: args["dw_ptr"] is not None,
+    "HAS_DB": lambda args: args["db_ptr"] is not None,
+})
+@triton.jit
+def dw_kernel(
+    dz_ptr, hidden_ptr, dw_ptr, db_ptr, flags_ptr,
+    row0, chunk_len, vocab, width,
+    stride_hn, stride_hd, n_flag_cols,
+    ACCUMULATE: tl.constexpr,
+    FLAG_N: tl.constexpr,
+    FLAG_V: tl.constexpr,
+    FILTER: tl.constexpr,
+    HAS_DW: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """dW[v, :] (+)= sum_t dz[t, v] h[row0 + t, :] and db[v] (+)= sum_t dz[t, v] over the chunk.
+
+    dW (V, d) and db (V,) contiguous; with ACCUMULATE the previous value is read first (one
+    read and one write of the owned tile per chunk). ``restore_value`` lets the autotuner
+    benchmark candidates without adding their results into the buffers.
+    """
+    pid_v = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    cols = pid_v.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col_ok = cols < vocab
+    ds = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = ds < width
+    flag_col = (pid_v * BLOCK_M) // FLAG_V
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    bias_acc = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in range(0, chunk_len, BLOCK_K):
+        live = True
+        if FILTER:
+            live = tl.load(flags_ptr + (k0 // FLAG_N) * n_flag_cols + flag_col) != 0
+        if live:
+            ks = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+            k_ok = ks < chunk_len
+            a = tl.load(dz_ptr + ks[None, :] * vocab + cols[:, None],  # dz.T tile (BLOCK_M, BLOCK_K)
+                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if HAS_DB:
+                bias_acc += tl.sum(a.to(tl.float32), axis=1)
+            if HAS_DW:
+                b = tl.load(hidden_ptr + (row0 + ks)[:, None] * stride_hn + ds[None, :] * stride_hd,
+                            mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                if UPCAST_DOTS:
+                    a, b = a.to(tl.float32), b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    if HAS_DW:
+        out = cols[:, None] * width + ds[None, :]
+        ok = col_ok[:, None] & d_ok[None, :]
+        if ACCUMULATE:
+            acc += tl.load(dw_ptr + out, mask=ok, other=0.0).to(tl.float32)
+        tl.store(dw_ptr + out, acc.to(dw_ptr.dtype.element_ty), mask=ok)
+    if HAS_DB:
+        if pid_d == 0:
+            if ACCUMULATE:
+                bias_acc += tl.load(db_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            tl.store(db_ptr + cols, bias_acc.to(db_ptr.dtype.element_ty), mask=col_ok)

@@ -1,0 +1,79 @@
+"""The GPU dispatch table: written from a benchmark CSV, read by "auto" on CUDA (dispatch.py)."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+from benchmarks import dispatch_table
+from pacs_kernels import dispatch
+from pacs_kernels.fused import measured_two_pass_faster
+from pacs_kernels.logprobs import resolve_backend
+
+
+def _row(op, impl, n, ms, status="ok"):
+    return {"date": "2026-11-30", "device": "cuda", "device_name": "NVIDIA H200", "op": op, "impl": impl, "N": n,
+            "d": 3584, "V": 152064, "dtype": "bfloat16", "median_ms": ms, "status": status}
+
+
+@pytest.fixture()
+def table(tmp_path, monkeypatch):
+    rows = [
+        _row("pacs_loss_fwd_bwd", "single_pass", 8192, 20.0), _row("pacs_loss_fwd_bwd", "triton", 8192, 25.0),
+        _row("pacs_loss_fwd_bwd", "single_pass", 65536, 300.0), _row("pacs_loss_fwd_bwd", "triton", 65536, 250.0),
+        _row("pacs_loss_fwd_bwd", "naive", 65536, 1.0, status="oom"),
+        _row("pacs_loss_fwd_bwd", "cce_exact", 8192, 90.0),
+        _row("logprobs_fwd_bwd", "triton", 8192, 30.0), _row("logprobs_fwd_bwd", "torch", 8192, 28.0),
+    ]
+    path = tmp_path / "gpu.csv"
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    assert dispatch_table.main([str(path), "--out", str(tmp_path)]) == 0
+    monkeypatch.setenv(dispatch.TABLE_ENV, str(tmp_path / "dispatch.json"))
+    dispatch._load.cache_clear()
+    yield json.loads((tmp_path / "dispatch.json").read_text()), tmp_path
+    dispatch._load.cache_clear()
+
+
+def test_table_written_from_the_csv(table):
+    data, out = table
+    best = {(e["op"], e["N"]): e["best"] for e in data["entries"]}
+    assert best == {("logprobs_fwd_bwd", 8192): "torch", ("pacs_loss_fwd_bwd", 8192): "single_pass",
+                    ("pacs_loss_fwd_bwd", 65536): "triton"}
+    measured = list(csv.DictReader(open(out / "measured_for_roofline.csv")))
+    variants = {r["variant"] for r in measured}
+    assert {"chunked_single_pass", "triton_two_pass", "cce"} <= variants
+    # N in the roofline file counts the tokens that get log-probs (about 3/4 of the loss op's positions)
+    assert {int(r["n"]) for r in measured if r["op"] == "pacs_loss_fwd_bwd"} == {6151, 49159}
+
+
+def test_auto_follows_the_table_on_cuda_only(table):
+    assert dispatch.prefer_two_pass(60000, 3584, 152064)
+    assert not dispatch.prefer_two_pass(7000, 3584, 152064)
+    assert not dispatch.prefer_two_pass(7000, 4096, 152064)  # no entry for that width: defaults
+    assert measured_two_pass_faster(torch.device("cuda"), 60000, 3584, 152064)
+    assert not measured_two_pass_faster(torch.device("cpu"), 60000, 3584, 152064)
+    assert dispatch.logprob_backend(8000, 3584, 152064) == "torch"
+    assert resolve_backend("auto", torch.device("cuda"), torch.bfloat16, shape=(8000, 3584, 152064)) == "torch"
+    assert resolve_backend("auto", torch.device("cpu"), torch.bfloat16, shape=(8000, 3584, 152064)) == "torch"
+
+
+def test_no_table_means_defaults(monkeypatch, tmp_path):
+    monkeypatch.delenv(dispatch.TABLE_ENV, raising=False)
+    monkeypatch.setattr(dispatch, "PACKAGED_TABLE", tmp_path / "absent.json")
+    assert dispatch.table_entries() == ()
+    assert not dispatch.prefer_two_pass(8192, 3584, 152064)
+    assert dispatch.logprob_backend(8192, 3584, 152064) is None
+
+
+def test_unreadable_table_is_a_clear_error(monkeypatch, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    monkeypatch.setenv(dispatch.TABLE_ENV, str(bad))
+    dispatch._load.cache_clear()
+    with pytest.raises(ValueError, match="PACS_DISPATCH_TABLE / the dispatch table .* could not be read"):
+        dispatch.table_entries()
+    dispatch._load.cache_clear()

@@ -1,0 +1,173 @@
+"""The atomic-free Triton backward (dz kernel + dh/dW matmul kernels) against float64 autograd.
+
+Runs in Triton's interpreter (conftest sets TRITON_INTERPRET=1): tiles are 16 tokens x 32
+vocabulary columns there, so the shapes below have ragged edges, several vocabulary tiles,
+several token blocks and, with ``chunk_tokens``, several dz chunks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pacs_kernels.reference import naive_linear_logprobs
+from pacs_kernels.triton import launch_config, logprob_backward
+
+GRAD_TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # relative to the reference's largest entry
+
+
+def _problem(n, d, vocab, dtype, with_bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, d, generator=gen).to(dtype)
+    weight = (torch.randn(vocab, d, generator=gen) / d**0.5 * 2).to(dtype)
+    bias = (torch.randn(vocab, generator=gen) * 0.5).to(dtype) if with_bias else None
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    grad_logp = torch.randn(n, generator=gen)
+    grad_entropy = torch.randn(n, generator=gen)
+    return hidden, weight, bias, targets, grad_logp, grad_entropy
+
+
+def _reference(hidden, weight, bias, targets, grad_logp, grad_entropy, temperature):
+    """float64 autograd through the materialized logits: (logp, lse, entropy, [dh, dW, db])."""
+    leaves = [None if t is None else t.double().requires_grad_() for t in (hidden, weight, bias)]
+    logp, entropy = naive_linear_logprobs(leaves[0], leaves[1], targets, temperature=temperature, bias=leaves[2])
+    loss = (logp * grad_logp.double()).sum()
+    if grad_entropy is not None:
+        loss = loss + (entropy * grad_entropy.double()).sum()
+    loss.backward()
+    with torch.no_grad():
+        logits = leaves[0] @ leaves[1].T + (0 if bias is None else leaves[2])
+        lse = torch.logsumexp(logits / temperature, -1)
+    return logp.detach(), lse, entropy.detach(), [None if t is None else t.grad for t in leaves]
+
+
+def _assert_grad(name, got, ref, dtype):
+    assert got.dtype == dtype, f"{name} must come back in the input dtype {dtype}, got {got.dtype}"
+    scale = ref.abs().max().item()
+    err = (got.double() - ref).abs().max().item()
+    assert err <= GRAD_TOL[dtype] * scale + 1e-12, f"{name}: max error {err:.3g} vs scale {scale:.3g}"
+
+
+CASES = [
+    # n, d, vocab, dtype, bias, temperature, entropy grads, chunk_tokens
+    (37, 48, 131, torch.float32, True, 0.7, True, None),
+    (37, 48, 131, torch.bfloat16, False, 0.7, False, None),
+    (70, 40, 150, torch.float32, True, 1.3, True, 32),
+    (70, 40, 150, torch.bfloat16, True, 1.0, True, 16),
+]
+
+
+@pytest.mark.parametrize("n,d,vocab,dtype,with_bias,temperature,with_entropy,chunk_tokens", CASES)
+def test_backward_matches_float64_autograd(n, d, vocab, dtype, with_bias, temperature, with_entropy, chunk_tokens):
+    hidden, weight, bias, targets, g_l, g_h = _problem(n, d, vocab, dtype, with_bias, seed=n + d + vocab)
+    g_h = g_h if with_entropy else None
+    r_logp, r_lse, r_ent, r_grads = _reference(hidden, weight, bias, targets, g_l, g_h, temperature)
+    logp_out = torch.full((n,), float("nan"))
+    grads = logprob_backward(hidden, weight, targets, bias, temperature, r_lse.float(),
+                             r_ent.float() if with_entropy else None, g_l, g_h,
+                             needs=(True, True, True), logp_out=logp_out, chunk_tokens=chunk_tokens)
+    for name, got, ref, inp in zip(("dhidden", "dweight", "dbias"), grads, r_grads, (hidden, weight, bias)):
+        if inp is None:
+            assert got is None
+            continue
+        _assert_grad(name, got, ref, dtype)
+    value_tol = 5e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(logp_out.double(), r_logp, rtol=0, atol=value_tol * (1 + r_logp.abs().max().item()))
+
+
+@pytest.mark.parametrize("needs", [(False, True, False), (True, False, False), (False, False, True),
+                                   (True, True, False)])
+def test_partial_needs_compute_only_what_is_asked(needs):
+    hidden, weight, bias, targets, g_l, g_h = _problem(45, 24, 100, torch.float32, True, seed=5)
+    _, r_lse, r_ent, r_grads = _reference(hidden, weight, bias, targets, g_l, g_h, 0.9)
+    grads = logprob_backward(hidden, weight, targets, bias, 0.9, r_lse.float(), r_ent.float(), g_l, g_h,
+                             needs=needs, chunk_tokens=16)
+    for name, need, got, ref in zip(("dhidden", "dweight", "dbias"), needs, grads, r_grads):
+        if need:
+            _assert_grad(name, got, ref, torch.float32)
+        else:
+            assert got is None, f"{name} was not asked for"
+
+
+def test_entropy_gradient_alone():
+    hidden, weight, _, targets, _, g_h = _problem(33, 24, 90, torch.float32, False, seed=8)
+    _, r_lse, r_ent, r_grads = _reference(hidden, weight, None, targets, torch.zeros(33), g_h, 1.1)
+    grads = logprob_backward(hidden, weight, targets, None, 1.1, r_lse.float(), r_ent.float(), None, g_h,
+                             needs=(True, True, False))
+    _assert_grad("dhidden", grads[0], r_grads[0], torch.float32)
+    _assert_grad("dweight", grads[1], r_grads[1], torch.float32)
+
+
+def test_no_upstream_gradient_gives_zeros_and_still_writes_logp():
+    hidden, weight, bias, targets, _, _ = _problem(21, 16, 70, torch.float32, True, seed=2)
+    r_logp, r_lse, _, _ = _reference(hidden, weight, bias, targets, torch.zeros(21), None, 1.0)
+    logp_out = torch.full((21,), float("nan"))
+    d_h, d_w, d_b = logprob_backward(hidden, weight, targets, bias, 1.0, r_lse.float(), None, None, None,
+                                     needs=(True, True, True), logp_out=logp_out)
+    assert (d_h == 0).all() and (d_w == 0).all() and (d_b == 0).all()
+    assert d_h.shape == hidden.shape and d_w.shape == weight.shape and d_b.shape == bias.shape
+    torch.testing.assert_close(logp_out.double(), r_logp, rtol=0, atol=1e-5)
+
+
+def test_two_runs_are_bitwise_equal():
+    hidden, weight, bias, targets, g_l, g_h = _problem(70, 40, 150, torch.bfloat16, True, seed=3)
+    _, r_lse, r_ent, _ = _reference(hidden, weight, bias, targets, g_l, g_h, 0.8)
+    runs = [logprob_backward(hidden, weight, targets, bias, 0.8, r_lse.float(), r_ent.float(), g_l, g_h,
+                             needs=(True, True, True), chunk_tokens=32) for _ in range(2)]
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+
+
+def test_chunking_changes_only_the_summation_order():
+    hidden, weight, bias, targets, g_l, g_h = _problem(70, 40, 150, torch.float32, True, seed=4)
+    _, r_lse, r_ent, r_grads = _reference(hidden, weight, bias, targets, g_l, g_h, 1.0)
+    one = logprob_backward(hidden, weight, targets, bias, 1.0, r_lse.float(), r_ent.float(), g_l, g_h)
+    many = logprob_backward(hidden, weight, targets, bias, 1.0, r_lse.float(), r_ent.float(), g_l, g_h,
+                            chunk_tokens=16)
+    torch.testing.assert_close(one[0], many[0], rtol=0, atol=0)  # dh: one owner, same order either way
+    for a, b, ref in zip(one[1:], many[1:], r_grads[1:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
+
+
+def test_filtering_skips_whole_tiles_across_chunks():
+    hidden, weight, bias, _, g_l, _ = _problem(50, 24, 160, torch.float32, True, seed=6)
+    bias[64:] -= 25.0  # probabilities ~1e-11 past column 64: those dz tiles are negligible
+    targets = torch.randint(0, 64, (50,), generator=torch.Generator().manual_seed(1))
+    _, r_lse, _, r_grads = _reference(hidden, weight, bias, targets, g_l, None, 1.0)
+    exact = logprob_backward(hidden, weight, targets, bias, 1.0, r_lse.float(), None, g_l, None, chunk_tokens=32)
+    filtered = logprob_backward(hidden, weight, targets, bias, 1.0, r_lse.float(), None, g_l, None,
+                                chunk_tokens=32, filter_eps=1e-6)
+    assert (filtered[1][64:] == 0).all() and (exact[1][64:] != 0).any()
+    assert (filtered[2][64:] == 0).all() and (exact[2][64:] != 0).any()
+    torch.testing.assert_close(filtered[1][:64], exact[1][:64], rtol=0, atol=0)
+    for got, ref in zip(filtered, r_grads):
+        assert (got.double() - ref).abs().max().item() < 1e-5
+
+
+def test_gpu_tiles_fit_the_kernels_constraints(monkeypatch):
+    """Every GPU candidate's matmul tile divides the dz tile (filter flags), and every forward
+    BLOCK_V divides the split alignment; checked on the CPU by switching the config lists over."""
+    monkeypatch.setattr(launch_config, "INTERPRETED", False)
+    dz_n, dz_v = launch_config.DZ_TILE_GPU
+    for cfg in launch_config.grad_matmul_configs():
+        assert dz_n % cfg.kwargs["BLOCK_M"] == 0 and dz_v % cfg.kwargs["BLOCK_M"] == 0
+        assert dz_n % cfg.kwargs["BLOCK_K"] == 0 and dz_v % cfg.kwargs["BLOCK_K"] == 0
+    for cfg in launch_config.forward_configs():
+        assert launch_config.SPLIT_ALIGN % cfg.kwargs["BLOCK_V"] == 0
+    assert len(launch_config.dz_configs()) > 1
+    monkeypatch.setattr(launch_config, "INTERPRETED", True)
+    for get in (launch_config.forward_configs, launch_config.dz_configs, launch_config.grad_matmul_configs):
+        assert len(get()) == 1  # the interpreter never autotunes
+    cfg = launch_config.grad_matmul_configs()[0].kwargs
+    dz_n, dz_v = launch_config.DZ_TILE_INTERPRETER
+    assert dz_n % cfg["BLOCK_M"] == 0 and dz_v % cfg["BLOCK_M"] == 0 and dz_n % cfg["BLOCK_K"] == 0
+
+
+def test_chunk_size_respects_the_budget():
+    from pacs_kernels.triton.launch_config import DZ_BLOCK_N, DZ_CHUNK_BYTES, dz_chunk_tokens
+
+    chunk = dz_chunk_tokens(65_536, 152_064, 2)
+    assert chunk % DZ_BLOCK_N == 0 and chunk * 152_064 * 2 <= DZ_CHUNK_BYTES
+    assert dz_chunk_tokens(37, 131, 4) == 37  # everything fits: one chunk of all tokens
+    assert dz_chunk_tokens(100, 10, 4, chunk_tokens=1) == DZ_BLOCK_N  # at least one token block
+    assert dz_chunk_tokens(100, 10, 4, chunk_tokens=3 * DZ_BLOCK_N + 1) == 3 * DZ_BLOCK_N
