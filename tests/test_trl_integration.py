@@ -298,3 +298,17 @@ def test_two_processes_stay_in_sync(tmp_path):
             assert torch.equal(groups, groups[:, :1].expand_as(groups))
     seen = [set(sum(rank["micro_batch_group_ids"], [])) for rank in ranks]
     assert not seen[0] & seen[1], "each rank trains on its own groups"
+
+
+@pytest.mark.slow
+def test_evaluate_logs_pacs_metrics(tmp_path):
+    """trainer.evaluate(): TRL's eval loop generates groups and computes the PACS loss without gradients."""
+    from pacs.integrations.trl import PACSTrainer
+
+    tok = helpers.tokenizer()
+    args = helpers.config(tmp_path, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=2 * helpers.GROUP)
+    trainer = PACSTrainer(helpers.tiny_model(len(tok)), helpers.contains_one, args=args,
+                          train_dataset=helpers.prompts(), eval_dataset=helpers.prompts(8), processing_class=tok)
+    metrics = trainer.evaluate()
+    assert torch.isfinite(torch.tensor(metrics["eval_loss"]))
+    assert {"eval_pacs/psi_std", "eval_pacs/weight_mean", "eval_entropy"} <= metrics.keys()
