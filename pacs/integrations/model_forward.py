@@ -1,0 +1,139 @@
+"""The PACS loss computed inside a causal LM's own forward, so that wrappers see the call.
+
+A trainer that wants hidden states must not call the unwrapped backbone: DDP would not sync the
+gradients of that call and FSDP2 would not gather the parameters. ``add_pacs_forward(model, ...)``
+therefore teaches the model's forward one more keyword: ``model(input_ids, attention_mask,
+pacs_batch=PACSBatch(...))`` (called through whatever wraps the model) runs the backbone, takes the
+final hidden states of the completion positions and the LM-head weight (gathered when FSDP2 has
+sharded it into a DTensor), and returns the fused PACS loss without materialising logits. Without
+``pacs_batch`` the forward is the one the model had before (generation and any other patch keep
+working).
+
+Shapes: input_ids / attention_mask (B, P + C): prompt then completion; completion tensors (B, C):
+``hidden[:, -C-1:-1]`` predicts ``input_ids[:, -C:]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+from dataclasses import dataclass
+
+import torch
+from transformers.utils import ModelOutput
+
+from pacs_kernels import PACSLoss
+
+
+@dataclass
+class PACSBatch:
+    """One micro-batch of whole groups, as the loss needs it (B = n_groups * group_size rows).
+
+    targets: (B, C) int, the sampled completion tokens.
+    mask: (B, C) 0/1, 1 on the completion tokens that enter the loss.
+    rewards: (B,) float 0/1 labels (any value where ``valid`` is False).
+    valid: (B,) bool; False: the response has no label (its reward function returned None) and
+        contributes no loss term (its score still enters its group's baseline).
+    old_logp: (B, C) float32 rollout-policy log-probs, or None for on-policy (the weights are
+        still those that sampled: old = current, detached).
+    group_ids: optional (B,) int, checked to hold whole groups contiguously.
+    return_stats: also compute the PACS stats (with the policy's mean token entropy) for logging.
+    """
+
+    targets: torch.Tensor
+    mask: torch.Tensor
+    rewards: torch.Tensor
+    valid: torch.Tensor
+    old_logp: torch.Tensor | None = None
+    group_ids: torch.Tensor | None = None
+    return_stats: bool = True
+
+
+@dataclass
+class PACSModelOutput(ModelOutput):
+    """loss: 0-d float32; stats: dict of floats (``PACSStats.as_dict()``) or None."""
+
+    loss: torch.Tensor | None = None
+    stats: dict | None = None
+
+
+def logit_scale_of(config) -> float:
+    """The factor a model multiplies its logits by before the softmax (1.0 for most models).
+
+    Read from the text config like the model code does: ``logit_scale`` (Cohere), ``output_multiplier``,
+    ``lm_head_multiplier`` (Falcon-H1), ``logits_scaling`` (Granite divides by it). Applied exactly
+    by dividing the temperature by it.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        value = getattr(text, name, None)
+        if value is not None:
+            return float(value)
+    scaling = getattr(text, "logits_scaling", None)
+    if scaling is not None:
+        return float(scaling) if getattr(text, "model_type", "") == "hyperclovax" else 1.0 / float(scaling)
+    return 1.0
+
+
+def check_supported_head(config) -> None:
+    """Refuses LM heads whose logits the fused kernels cannot reproduce (ValueError)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    softcap = getattr(text, "final_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(
+            f"the model soft-caps its logits (final_logit_softcapping={softcap}); the PACS kernels compute "
+            "log-probs of the plain logits and would train on a different distribution than the one sampled. "
+            "Expected final_logit_softcapping=None.")
+    scale = logit_scale_of(config)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"the model's logit scale must be a finite number > 0, got {scale}")
+
+
+def _head_tensors(model):
+    """(weight (V, d), bias (V,) or None) of the output embedding; FSDP2 DTensors gathered (differentiable)."""
+    head = model.get_output_embeddings()
+    weight, bias = head.weight, head.bias
+    if hasattr(weight, "full_tensor"):
+        weight = weight.full_tensor()
+        bias = None if bias is None else bias.full_tensor()
+    return weight, bias
+
+
+def pacs_head_loss(loss_fn: PACSLoss, hidden, weight, bias, batch: PACSBatch):
+    """The fused loss on (B, C, d) hidden states -> (loss, stats dict or None).
+
+    On-policy (``old_logp`` None) the kernel serves the single pass with old = current. Dtypes
+    follow the kernel's policy whatever autocast region this runs in: hidden is cast to the head's
+    dtype (bf16 hidden with a float32 head under ``cast_lm_head_to_fp32`` works), the GEMMs run in
+    that dtype, softmax and accumulation in float32.
+    """
+    result = loss_fn(hidden, weight, batch.targets, batch.mask, batch.old_logp, batch.rewards, bias=bias,
+                     return_stats=batch.return_stats, with_entropy=batch.return_stats,
+                     group_ids=batch.group_ids, valid=batch.valid)
+    loss, stats = result if batch.return_stats else (result, None)
+    return loss, None if stats is None else stats.as_dict()
+
+
+def add_pacs_forward(model, loss_fn: PACSLoss, *, temperature: float) -> None:
+    """Patch ``model.forward`` (a transformers causal LM) to serve ``pacs_batch=`` (see the module doc).
+
+    ``temperature``: the sampling temperature; the model's own logit scale (``logit_scale_of``) is
+    folded into it. ``loss_fn.temperature`` is overwritten with the effective value.
+    """
+    check_supported_head(model.config)
+    loss_fn.temperature = float(temperature) / logit_scale_of(model.config)
+    previous_forward = model.forward
+
+    @functools.wraps(type(model).forward)  # generate() checks its kwargs against this signature
+    def forward(self, *args, pacs_batch: PACSBatch | None = None, **kwargs):
+        if pacs_batch is None:
+            return previous_forward(*args, **kwargs)
+        kwargs["use_cache"] = False
+        completion_len = pacs_batch.targets.shape[1]
+        hidden = self.base_model(*args, **kwargs).last_hidden_state[:, -completion_len - 1:-1]
+        weight, bias = _head_tensors(self)
+        loss, stats = pacs_head_loss(loss_fn, hidden, weight, bias, pacs_batch)
+        return PACSModelOutput(loss=loss, stats=stats)
+
+    model.forward = types.MethodType(forward, model)

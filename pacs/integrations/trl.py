@@ -1,0 +1,244 @@
+"""PACS in TRL: ``PACSTrainer`` (a ``trl.GRPOTrainer``) and ``PACSConfig`` (a ``trl.GRPOConfig``).
+
+Everything of GRPOTrainer is kept (generation, vLLM, reward functions, logging, checkpoints);
+what PACS needs differently is done here:
+
+- whole groups in every micro-batch: ``per_device_train_batch_size`` (and the eval batch) must be a
+  multiple of ``num_generations`` (checked at construction), and the generation batch is shuffled
+  by whole groups (TRL shuffles single rows) before it is cut into micro-batches; the loss checks
+  each micro-batch's group ids;
+- the raw 0/1 rewards and a validity mask travel in the batch (TRL passes only normalised
+  advantages): a response whose reward functions all returned None is invalid (no loss term, as
+  TRL zeroes its advantage), and so is one without loss tokens (``mask_truncated_completions``
+  masks truncated completions); a reward other than 0/1 is refused;
+- the loss is computed inside the model's forward (``model_forward.add_pacs_forward``) called
+  through the wrapped model, so DDP syncs the gradients and FSDP2 gathers the head;
+- on-policy (TRL's default: one iteration, generation aligned with optimizer steps, so TRL keeps no
+  old log-probs) the old log-probs are the current ones, and the first-step path gives the loss and
+  its gradients in one vocabulary sweep; with ``num_iterations > 1`` TRL's old log-probs are used;
+- the loss is divided by the gradient-accumulation steps (as the public PACS code does);
+- PACS stats (psi, the implicit critic's calibration, class weights) and the entropy go to TRL's
+  metrics as ``pacs/...`` and ``entropy``.
+
+TRL options that PACS cannot honour raise a ValueError (KL to a reference ``beta != 0``, vLLM
+importance-sampling correction, entropy masking ``top_entropy_quantile < 1``, the entropy bonus,
+the off-policy sequence mask, a MoE router auxiliary loss, logit soft-capping, multimodal batches);
+GRPO-only knobs that have no meaning for PACS (clipping epsilons, ``scale_rewards``,
+``importance_sampling_level``, ...) give a warning when set away from their defaults.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field, fields
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+
+from pacs_kernels import PACSLoss
+
+from .model_forward import PACSBatch, add_pacs_forward, check_supported_head
+
+# GRPOConfig fields that only shape GRPO's loss or advantages: ignored by PACS (warning when changed).
+IGNORED_GRPO_OPTIONS = (
+    "epsilon", "epsilon_high", "delta", "scale_rewards", "importance_sampling_level", "use_bias_correction_kl",
+    "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+    "vespo_lambda_neg", "multi_objective_aggregation",
+)
+# Batch entries of multimodal models: refused (the PACS forward passes only token ids).
+MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids",
+                   "mm_token_type_ids", "image_position_ids", "num_images")
+
+
+@dataclass
+class PACSConfig(GRPOConfig):
+    """GRPOConfig plus the PACS loss options (semantics: docs/pacs-algorithm.md).
+
+    ``pacs_beta`` is PACS's score scale (GRPOConfig's ``beta`` is the KL coefficient, which must
+    stay 0). ``loss_type`` is "pacs". ``temperature`` (GRPOConfig's) is the sampling temperature the
+    log-probs are taken at.
+    """
+
+    loss_type: str = field(default="pacs", metadata={"help": "Must be 'pacs' for PACSTrainer."})
+    pacs_beta: float = field(default=1.0, metadata={"help": "PACS score scale beta."})
+    pacs_score: str = field(default="log_ratio", metadata={"help": "'log_ratio' | 'mean_logp'."})
+    pacs_advantage: str = field(default="rloo", metadata={"help": "'rloo' | 'grpo' | 'naive'."})
+    pacs_weighting: str = field(
+        default="balanced", metadata={"help": "'balanced' | 'none' | 'positive_only' | 'negative_only'."})
+    pacs_score_function_term: bool = field(
+        default=False, metadata={"help": "Add the paper's Eq. 6 score-function term to the gradient."})
+    pacs_backend: str = field(
+        default="auto", metadata={"help": "Log-prob backend: 'auto' | 'triton' | 'torch' | 'naive'."})
+
+
+def check_pacs_config(args: PACSConfig) -> None:
+    """Refuse (ValueError/TypeError) the settings PACS cannot honour; warn about GRPO-only knobs."""
+    if not isinstance(args, PACSConfig):
+        raise TypeError(f"args must be a PACSConfig, got {type(args).__name__}")
+    if args.loss_type != "pacs":
+        raise ValueError(f"PACSTrainer computes the PACS loss: loss_type must be 'pacs', got {args.loss_type!r}")
+    G = args.num_generations
+    if args.per_device_train_batch_size % G != 0:
+        raise ValueError(
+            f"per_device_train_batch_size must be a multiple of num_generations ({G}) so that every micro-batch "
+            f"holds whole groups (PACS's loss needs all of a group's log-probs), got "
+            f"{args.per_device_train_batch_size}")
+    if args.num_generations_eval not in (None, G):
+        raise ValueError(f"PACSTrainer evaluates its loss on groups of num_generations ({G}): expected "
+                         f"num_generations_eval=None or {G}, got {args.num_generations_eval}")
+    if args.do_eval and args.eval_strategy != "no" and args.per_device_eval_batch_size % G != 0:
+        raise ValueError(
+            f"per_device_eval_batch_size must be a multiple of num_generations ({G}), got "
+            f"{args.per_device_eval_batch_size}")
+    refused = {
+        "beta": (args.beta != 0.0, "PACS's reference is the rollout policy itself (reset every rollout); a KL "
+                 "term to a fixed reference model is not part of it: expected beta=0.0"),
+        "vllm_importance_sampling_correction": (
+            args.use_vllm and args.vllm_importance_sampling_correction,
+            "the sampler-mismatch correction multiplies GRPO's per-token loss, which PACS does not have: "
+            "expected vllm_importance_sampling_correction=False with use_vllm=True"),
+        "top_entropy_quantile": (args.top_entropy_quantile < 1.0,
+                                 "entropy masking is a per-token GRPO device: expected 1.0"),
+        "entropy_coef": (args.entropy_coef != 0.0 or args.use_adaptive_entropy,
+                         "the entropy bonus is not implemented for PACS: expected entropy_coef=0.0 and "
+                         "use_adaptive_entropy=False"),
+        "off_policy_mask_threshold": (args.off_policy_mask_threshold is not None,
+                                      "the off-policy sequence mask is a GRPO device: expected None"),
+        "sync_ref_model": (args.sync_ref_model, "there is no reference model in PACS: expected False"),
+    }
+    for name, (bad, why) in refused.items():
+        if bad:
+            raise ValueError(f"PACSTrainer cannot honour {name}={getattr(args, name)!r}: {why}")
+    defaults = {f.name: f.default for f in fields(GRPOConfig)}
+    changed = [name for name in IGNORED_GRPO_OPTIONS if getattr(args, name) != defaults[name]
+               and not (name == "scale_rewards" and getattr(args, name) == "group")]
+    if changed:
+        warnings.warn(f"PACSTrainer ignores these GRPO-only options (PACS uses the raw 0/1 rewards and its own "
+                      f"loss): {', '.join(f'{n}={getattr(args, n)!r}' for n in changed)}", stacklevel=3)
+
+
+class PACSTrainer(GRPOTrainer):
+    """``GRPOTrainer`` with the PACS loss; same constructor, ``args`` a :class:`PACSConfig`.
+
+    Reward functions return 1.0 (correct), 0.0 (wrong) or None (no verdict: the response is left
+    out of the loss). Several reward functions are combined as TRL does (weighted sum of the
+    non-None values) and the result must be 0 or 1.
+    """
+
+    _name = "PACS"
+
+    def __init__(self, model, reward_funcs=None, args: PACSConfig | None = None, *pos, **kwargs):
+        if args is None:
+            raise TypeError("args must be a PACSConfig (PACSTrainer has no default config), got None")
+        check_pacs_config(args)
+        super().__init__(model, reward_funcs, args, *pos, **kwargs)
+        check_supported_head(self.model.config)
+        if self.aux_loss_enabled:
+            raise ValueError("PACSTrainer cannot honour the MoE router auxiliary loss: expected "
+                             "router_aux_loss_coef=0.0 (or a model without output_router_logits)")
+        self.pacs_loss = PACSLoss(
+            group_size=args.num_generations, beta=args.pacs_beta, score=args.pacs_score,
+            advantage=args.pacs_advantage, weighting=args.pacs_weighting, temperature=args.temperature,
+            score_function_term=args.pacs_score_function_term, backend=args.pacs_backend)
+        target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        add_pacs_forward(target, self.pacs_loss, temperature=args.temperature)
+        self._pacs_rewards_per_func = None
+
+    # ------------------------------------------------------------------ batch: rewards, validity, groups
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._pacs_rewards_per_func = rewards_per_func  # (global B, n_funcs), NaN where a function gave None
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        multimodal = [key for key in MULTIMODAL_KEYS if key in output]
+        if multimodal:
+            raise ValueError(f"PACSTrainer supports text-only models; the batch carries {multimodal}")
+        per_func = self._pacs_rewards_per_func
+        self._pacs_rewards_per_func = None
+        valid = ~torch.isnan(per_func).all(dim=1)
+        weights = self.reward_weights.to(per_func.device)
+        rewards = (per_func * weights).nansum(dim=1)
+        bad = valid & (rewards != 0) & (rewards != 1)
+        if bool(bad.any()):
+            raise ValueError(
+                "PACS needs 0/1 rewards (the reward is a label: correct or not), got combined rewards "
+                f"{sorted(set(rewards[bad].tolist()))[:8]} from reward functions {self.reward_func_names} "
+                f"with weights {weights.tolist()}")
+        n_local = output["completion_ids"].shape[0]
+        start = self.accelerator.process_index * n_local
+        group_size = self.num_generations  # == num_generations_eval (check_pacs_config)
+        local = slice(start, start + n_local)
+        device = output["completion_ids"].device
+        output["pacs_rewards"] = rewards[local].to(device=device, dtype=torch.float32)
+        output["pacs_valid"] = valid[local].to(device)
+        output["pacs_group_ids"] = torch.arange(start, start + n_local, device=device) // group_size
+        return output
+
+    def _prepare_inputs(self, generation_batch):
+        """Generation batches are cut into micro-batches of whole groups (TRL cuts shuffled rows)."""
+        if not self.model.training:
+            return self._generate_and_score_completions(generation_batch)
+        spg = self.args.steps_per_generation
+        if self._step % (spg * self.num_iterations) == 0 or self._buffered_inputs is None:
+            batch = self._generate_and_score_completions(generation_batch)
+            self._buffered_inputs = shuffle_groups_and_split(batch, self.num_generations, spg)
+        return self._buffered_inputs[self._step % spg]
+
+    # ------------------------------------------------------------------ the loss
+
+    def _compute_loss(self, model, inputs):
+        mode = "train" if self.model.training else "eval"
+        completion_ids = inputs["completion_ids"]
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        # a response without loss tokens (mask_truncated_completions zeroes truncated ones) does not count
+        valid = inputs["pacs_valid"] & mask.bool().any(dim=1)
+        batch = PACSBatch(
+            targets=completion_ids, mask=mask, rewards=inputs["pacs_rewards"], valid=valid,
+            old_logp=inputs.get("old_per_token_logps"), group_ids=inputs["pacs_group_ids"], return_stats=True)
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        with self.accelerator.autocast():
+            output = model(input_ids=input_ids, attention_mask=attention_mask, pacs_batch=batch)
+        self._log_pacs_stats(mode, output.stats)
+        loss = output.loss
+        if mode == "train":  # GRPOTrainer declares the loss already scaled for gradient accumulation
+            loss = loss / self.current_gradient_accumulation_steps
+        return loss
+
+    def _log_pacs_stats(self, mode: str, stats: dict) -> None:
+        """Every rank holds the same keys; each metric is the NaN-aware mean over ranks."""
+        names = sorted(stats)
+        local = torch.tensor([stats[name] for name in names], dtype=torch.float64, device=self.accelerator.device)
+        gathered = self.accelerator.gather(local[None]).reshape(-1, len(names))
+        for name, value in zip(names, gathered.nanmean(dim=0).tolist()):
+            key = "entropy" if name == "entropy_mean" else f"pacs/{name}"
+            self._metrics[mode][key].append(value)
+
+
+def shuffle_groups_and_split(batch: dict, group_size: int, n_chunks: int) -> list[dict]:
+    """Permute whole groups (rows g*G .. g*G+G-1 stay together, in order) and cut ``n_chunks`` equal parts.
+
+    batch: dict of (B, ...) tensors / length-B lists (0-d tensors and None kept as they are);
+    B must be a multiple of ``group_size * n_chunks``. Uses torch's global RNG, like TRL's shuffle.
+    """
+    n_rows = next(len(v) for v in batch.values() if v is not None and not (torch.is_tensor(v) and v.dim() == 0))
+    if n_rows % (group_size * n_chunks) != 0:
+        raise ValueError(f"the generation batch ({n_rows} rows) must split into {n_chunks} micro-batches of whole "
+                         f"groups of {group_size}")
+    order = (torch.randperm(n_rows // group_size)[:, None] * group_size + torch.arange(group_size)).reshape(-1)
+    rows_per_chunk = n_rows // n_chunks
+
+    def take(value, rows):
+        if value is None or (torch.is_tensor(value) and value.dim() == 0):
+            return value
+        if torch.is_tensor(value):
+            return value[rows.to(value.device)]
+        return [value[i] for i in rows.tolist()]
+
+    return [{key: take(value, order[i * rows_per_chunk:(i + 1) * rows_per_chunk]) for key, value in batch.items()}
+            for i in range(n_chunks)]

@@ -1,0 +1,159 @@
+"""PACS in verl: a plugin module that verl imports through its external-module hook.
+
+    actor_rollout_ref.model.external_lib=pacs.integrations.verl   (or VERL_USE_EXTERNAL_MODULES=pacs.integrations.verl)
+    algorithm.adv_estimator=pacs_label
+    actor_rollout_ref.actor.policy_loss.loss_mode=pacs
+
+Importing this module registers two functions in verl's registries (``verl.trainer.ppo.core_algos``):
+
+- advantage estimator ``"pacs_label"``: carries each response's 0/1 reward (the sum of its
+  token-level rewards) to the loss as its "advantage", the same value on every response token;
+  it refuses rewards other than 0/1 and a batch whose groups (same ``uid``) are not whole and
+  contiguous (``trainer.balance_batch=True`` reorders responses and splits groups);
+- policy loss ``"pacs"``: ``pacs_kernels.pacs_loss`` on verl's log-probs (current and rollout-time)
+  with the labels read back from the advantages; the group size is ``actor.rollout_n``. It refuses
+  settings that split groups (dynamic batch sizes, a micro-batch that is not a multiple of the
+  group size, shuffling inside the mini-batch) and the rollout importance-sampling weights (PACS
+  has no per-token policy-gradient term to weight). The loss is normalised like verl's
+  "seq-mean" aggregation: the sum over the micro-batch's responses of w * BCE, divided by the
+  global mini-batch size (in responses) and multiplied by the data-parallel size (DDP/FSDP average
+  the gradients), which is the public PACS code's per-micro-batch mean divided by the number of
+  micro-batches.
+
+PACS options (defaults: the paper's run) come from the environment variable ``PACS_OPTIONS``, a
+JSON object with any of ``beta``, ``score``, ``advantage``, ``weighting``, ``score_function_term``
+(set it for the Ray workers too, e.g. through ``ray_kwargs.ray_init.runtime_env.env_vars``).
+
+What the loss receives is verl's per-token log-probs (computed by verl's actor: its own fused
+kernels or the full logits), so here the fused part of pacs_kernels is the group loss
+(``pacs_loss``); the log-prob kernels stay verl's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+import torch
+
+from pacs_kernels import pacs_loss
+
+OPTION_NAMES = ("beta", "score", "advantage", "weighting", "score_function_term")
+
+
+def pacs_options() -> dict:
+    """The PACS loss options from ``PACS_OPTIONS`` (JSON object), checked for unknown names."""
+    raw = os.environ.get("PACS_OPTIONS", "").strip()
+    if not raw:
+        return {}
+    options = json.loads(raw)
+    if not isinstance(options, dict):
+        raise ValueError(f"PACS_OPTIONS must be a JSON object, got {raw!r}")
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise ValueError(f"PACS_OPTIONS: unknown option(s) {unknown}; expected a subset of {list(OPTION_NAMES)}")
+    return options
+
+
+def check_whole_groups(index: Sequence) -> int:
+    """index: (B,) group ids (verl's ``uid``) in batch order -> group size G.
+
+    Raises ValueError unless every group's responses are contiguous and every group has the same size.
+    """
+    ids = list(index)
+    if not ids:
+        raise ValueError("index must hold one group id per response, got an empty batch")
+    starts = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1]]
+    sizes = [end - start for start, end in zip(starts, starts[1:] + [len(ids)])]
+    if len(set(ids[s] for s in starts)) != len(starts):
+        raise ValueError(
+            "PACS needs each group's responses contiguous in the batch, but a uid appears in separate runs "
+            "(trainer.balance_batch=True reorders responses across groups: set trainer.balance_batch=False)")
+    if len(set(sizes)) != 1:
+        raise ValueError(f"PACS needs groups of equal size, got group sizes {sorted(set(sizes))}")
+    return sizes[0]
+
+
+def pacs_label_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index=None, config=None,
+                         **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl advantage estimator "pacs_label": (B, T) token rewards -> ((B, T) labels, (B, T) labels).
+
+    The label of response i is ``token_level_rewards[i].sum()``, which must be 0 or 1; it is written
+    on each of the response's tokens (0 elsewhere) so that it reaches the policy loss.
+    """
+    labels = token_level_rewards.sum(-1)
+    bad = (labels != 0) & (labels != 1)
+    if bool(bad.any()):
+        raise ValueError(
+            "PACS needs 0/1 rewards (a verifier's right/wrong), got response rewards "
+            f"{sorted(set(labels[bad].tolist()))[:8]}")
+    if index is not None:
+        check_whole_groups(index)
+    advantages = labels[:, None] * response_mask.to(labels.dtype)
+    return advantages, advantages
+
+
+def check_actor_config(config) -> int:
+    """The verl ActorConfig settings PACS needs -> group size G (``rollout_n``); ValueError otherwise."""
+    group_size = config.rollout_n
+    if config.use_dynamic_bsz:
+        raise ValueError("PACS needs whole groups in every micro-batch: expected actor.use_dynamic_bsz=False "
+                         "(dynamic batch sizes cut micro-batches by tokens), got True")
+    micro = config.ppo_micro_batch_size_per_gpu
+    if micro is None or micro % group_size != 0:
+        raise ValueError(f"actor.ppo_micro_batch_size_per_gpu must be a multiple of rollout.n ({group_size}) so that "
+                         f"micro-batches hold whole groups, got {micro}")
+    if getattr(config, "shuffle", False):
+        raise ValueError("PACS needs whole groups in every micro-batch: expected actor.shuffle=False, got True")
+    return group_size
+
+
+def labels_from_advantages(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) advantages written by "pacs_label" -> (B,) float32 0/1 labels (checked)."""
+    mask = response_mask.bool()
+    labels = torch.where(mask, advantages, torch.zeros_like(advantages)).amax(-1).float()
+    same = torch.where(mask, advantages.float() == labels[:, None], torch.ones_like(mask)).all(-1)
+    if not bool(same.all()) or bool(((labels != 0) & (labels != 1)).any()):
+        raise ValueError("the advantages do not hold one 0/1 label per response: use algorithm.adv_estimator="
+                         "pacs_label together with policy_loss.loss_mode=pacs")
+    return labels
+
+
+def compute_policy_loss_pacs(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                             response_mask: torch.Tensor, loss_agg_mode: str = "seq-mean-token-sum", config=None,
+                             rollout_is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """verl policy loss "pacs": (B, T) log-probs, labels in ``advantages`` -> (loss, metrics).
+
+    ``loss_agg_mode`` is not used (PACS's loss is a mean over responses, normalised as described in
+    the module doc).
+    """
+    if config is None:
+        raise ValueError("config (verl's ActorConfig) is required: it carries rollout_n, the group size")
+    if rollout_is_weights is not None:
+        raise ValueError("PACS cannot honour rollout importance-sampling weights (no per-token policy-gradient term "
+                         "to weight): disable algorithm.rollout_correction")
+    group_size = check_actor_config(config)
+    labels = labels_from_advantages(advantages, response_mask)
+    loss, stats = pacs_loss(log_prob, old_log_prob, labels, response_mask, group_size=group_size, return_stats=True,
+                            **pacs_options())
+    info = getattr(config, "global_batch_info", None) or {}
+    global_size = info.get("global_batch_size")
+    if global_size:
+        loss = loss * labels.shape[0] / global_size * info.get("dp_size", 1)
+    return loss, stats.as_dict("actor/pacs/")
+
+
+def register() -> bool:
+    """Register "pacs_label" and "pacs" in verl's registries; False when verl is not importable."""
+    try:
+        from verl.trainer.ppo import core_algos
+    except ImportError:
+        return False
+    if core_algos.ADV_ESTIMATOR_REGISTRY.get("pacs_label") is not pacs_label_advantage:
+        core_algos.register_adv_est("pacs_label")(pacs_label_advantage)
+    core_algos.register_policy_loss("pacs")(compute_policy_loss_pacs)
+    return True
+
+
+REGISTERED = register()

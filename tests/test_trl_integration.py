@@ -1,0 +1,314 @@
+"""PACSTrainer (TRL GRPOTrainer subclass) on CPU: training steps, loss and gradients against
+``pacs_loss`` on naive log-probs, whole groups per micro-batch, refused options, 2 DDP processes."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+import trl_helpers as helpers  # noqa: E402
+from trainer_helpers import repo_root  # noqa: E402
+
+from pacs_kernels import pacs_loss  # noqa: E402
+from pacs_kernels.reference import reference_pacs_loss  # noqa: E402
+
+
+def first_micro_batch(trainer):
+    """The trainer's first micro-batch, made exactly as train() makes it (generation included)."""
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+    generation_batch = next(iter(trainer.get_train_dataloader()))
+    return trainer._prepare_inputs(generation_batch)
+
+
+def naive_logp(model, inputs, temperature):
+    """(B, C) float32 log-probs of the completion tokens from the model's full logits."""
+    completion = inputs["completion_ids"]
+    input_ids = torch.cat([inputs["prompt_ids"], completion], 1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, -completion.shape[1] - 1:-1]
+    return torch.log_softmax(logits.float() / temperature, -1).gather(-1, completion[..., None])[..., 0]
+
+
+def labels_from_text(tokenizer, inputs, reward):
+    texts = [tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+             for ids, mask in zip(inputs["completion_ids"], inputs["completion_mask"])]
+    return torch.tensor(reward(texts), dtype=torch.float32)
+
+
+def loss_and_grads(model, compute):
+    model.zero_grad(set_to_none=True)
+    loss = compute()
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def assert_same(loss, grads, ref_loss, ref_grads, tol=2e-5):
+    torch.testing.assert_close(loss, ref_loss, rtol=tol, atol=tol)
+    assert grads.keys() == ref_grads.keys()
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    assert scale > 0, "the reference gradient vanished: the comparison would be vacuous"
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=tol, atol=tol * scale, msg=name)
+
+
+@pytest.mark.slow
+def test_three_training_steps_log_pacs_metrics(tmp_path):
+    """TRL's defaults (bf16 autocast on the backbone): 3 optimizer steps, PACS stats in the logs."""
+    trainer = helpers.trainer(tmp_path, bf16=True)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    rows = [row for row in trainer.state.log_history if "loss" in row]
+    assert len(rows) == 3
+    for row in rows:
+        assert torch.isfinite(torch.tensor(row["loss"]))
+        for key in ("pacs/psi_std", "pacs/sigmoid_psi_mean", "pacs/weight_mean", "pacs/frac_single_label_groups",
+                    "entropy", "reward"):
+            assert key in row, key
+        assert row["entropy"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+@pytest.mark.slow
+def test_on_policy_loss_and_gradients_equal_pacs_loss(tmp_path):
+    """TRL's default (one iteration, aligned generation): no old log-probs; PACSTrainer's one-sweep
+    step gives pacs_loss(logp, logp.detach(), ...) / accumulation steps, value and gradients."""
+    trainer = helpers.trainer(tmp_path)
+    inputs = first_micro_batch(trainer)
+    assert "old_per_token_logps" not in inputs
+    model, G = trainer.model, helpers.GROUP
+    rewards = labels_from_text(trainer.processing_class, inputs, helpers.contains_one)
+    assert torch.equal(inputs["pacs_rewards"], rewards)
+    assert 0 < rewards.sum() < len(rewards), "mixed labels keep the gradient from vanishing"
+    mask = inputs["completion_mask"]
+
+    def reference():
+        logp = naive_logp(model, inputs, 1.0)
+        return pacs_loss(logp, logp.detach(), rewards, mask, group_size=G) / 2
+
+    loss, grads = loss_and_grads(model, lambda: trainer.compute_loss(model, inputs))
+    assert_same(loss, grads, *loss_and_grads(model, reference))
+
+
+@pytest.mark.slow
+def test_multi_iteration_uses_trl_old_logprobs(tmp_path):
+    """num_iterations=2: TRL computes old log-probs at generation; after the weights move, the loss
+    and gradients equal pacs_loss(logp, TRL's old_logp, ...) (temperature 0.7, float32)."""
+    trainer = helpers.trainer(tmp_path, num_iterations=2, temperature=0.7)
+    inputs = first_micro_batch(trainer)
+    old = inputs["old_per_token_logps"]
+    model, mask = trainer.model, inputs["completion_mask"]
+    torch.manual_seed(1)
+    with torch.no_grad():  # an optimizer step happened since the rollout
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    rewards = labels_from_text(trainer.processing_class, inputs, helpers.contains_one)
+
+    def reference():
+        return pacs_loss(naive_logp(model, inputs, 0.7), old, rewards, mask, group_size=helpers.GROUP) / 2
+
+    loss, grads = loss_and_grads(model, lambda: trainer.compute_loss(model, inputs))
+    ref_loss, ref_grads = loss_and_grads(model, reference)
+    assert abs(ref_loss.item() - 0.6931 / 2) > 1e-3, "psi != 0: the old log-probs really differ"
+    assert_same(loss, grads, ref_loss, ref_grads)
+
+
+@pytest.mark.slow
+def test_none_reward_makes_a_response_invalid(tmp_path):
+    """A reward function returning None: the response is invalid (valid=False in the batch), gives
+    no loss term and leaves the class counts, but its score stays in its group's baseline: loss and
+    gradients equal the float64 reference with that validity mask (after the weights moved)."""
+    trainer = helpers.trainer(tmp_path, reward=helpers.contains_one_or_none, num_iterations=2)
+    inputs = first_micro_batch(trainer)
+    texts = [trainer.processing_class.decode(ids[m.bool()], skip_special_tokens=True)
+             for ids, m in zip(inputs["completion_ids"], inputs["completion_mask"])]
+    valid = torch.tensor(["7" not in text for text in texts])
+    assert torch.equal(inputs["pacs_valid"], valid)
+    assert 0 < valid.sum() < len(valid), "the batch needs valid and invalid responses"
+    labels = torch.tensor([1.0 if "1" in text else 0.0 for text in texts])
+    model, mask, old = trainer.model, inputs["completion_mask"], inputs["old_per_token_logps"]
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+
+    def reference():
+        loss, _ = reference_pacs_loss(naive_logp(model, inputs, 1.0).double(), old.double(), labels.double(), mask,
+                                      group_size=helpers.GROUP, valid=valid)
+        return loss.float() / 2
+
+    loss, grads = loss_and_grads(model, lambda: trainer.compute_loss(model, inputs))
+    assert_same(loss, grads, *loss_and_grads(model, reference))
+
+
+@pytest.mark.slow
+def test_masked_truncated_completions_do_not_count(tmp_path):
+    """mask_truncated_completions=True: TRL zeroes the mask of truncated completions; those responses
+    are invalid for PACS (no loss term, out of the class counts): loss and gradients equal the
+    float64 reference with that validity."""
+    trainer = helpers.trainer(tmp_path, mask_truncated_completions=True, max_completion_length=4)
+    inputs = first_micro_batch(trainer)
+    mask = inputs["completion_mask"]
+    valid = mask.bool().any(dim=1)
+    assert 0 < valid.sum() < len(valid), "the batch needs truncated and finished completions"
+    rewards = labels_from_text(trainer.processing_class, inputs, helpers.contains_one)
+    model = trainer.model
+
+    def reference():
+        logp = naive_logp(model, inputs, 1.0).double()
+        loss, _ = reference_pacs_loss(logp, logp.detach(), rewards.double(), mask, group_size=helpers.GROUP,
+                                      valid=valid)
+        return loss.float() / 2
+
+    loss, grads = loss_and_grads(model, lambda: trainer.compute_loss(model, inputs))
+    assert_same(loss, grads, *loss_and_grads(model, reference))
+
+
+@pytest.mark.slow
+def test_bf16_model_with_float32_head(tmp_path):
+    """TRL's cast_lm_head_to_fp32 on a bf16 model: bf16 hidden states meet a float32 head; the loss
+    equals pacs_loss on float32 log-probs of the same hidden states, and the head's gradient too."""
+    tok = helpers.tokenizer()
+    model = helpers.tiny_model(len(tok)).to(torch.bfloat16)
+    trainer = helpers.trainer(tmp_path, model=model, bf16=True, cast_lm_head_to_fp32=True)
+    inputs = first_micro_batch(trainer)
+    model = trainer.model
+    assert model.lm_head.weight.dtype == torch.float32 and model.model.norm.weight.dtype == torch.bfloat16
+    rewards = labels_from_text(tok, inputs, helpers.contains_one)
+    C = inputs["completion_ids"].shape[1]
+
+    def reference():
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        hidden = model.model(input_ids=input_ids, attention_mask=attention).last_hidden_state[:, -C - 1:-1]
+        assert hidden.dtype == torch.bfloat16
+        logits = hidden.float() @ model.lm_head.weight.T
+        logp = torch.log_softmax(logits, -1).gather(-1, inputs["completion_ids"][..., None])[..., 0]
+        return pacs_loss(logp, logp.detach(), rewards, inputs["completion_mask"], group_size=helpers.GROUP) / 2
+
+    loss, grads = loss_and_grads(model, lambda: trainer.compute_loss(model, inputs))
+    ref_loss, ref_grads = loss_and_grads(model, reference)
+    assert_same(loss, {"lm_head.weight": grads["lm_head.weight"]}, ref_loss,
+                {"lm_head.weight": ref_grads["lm_head.weight"]}, tol=1e-4)
+
+
+@pytest.mark.slow
+def test_micro_batches_hold_whole_groups(tmp_path):
+    trainer = helpers.trainer(tmp_path, gradient_accumulation_steps=4, per_device_train_batch_size=helpers.GROUP)
+    first_micro_batch(trainer)
+    seen = []
+    for chunk in trainer._buffered_inputs:
+        ids = chunk["pacs_group_ids"]
+        assert torch.equal(ids, ids[0].repeat(helpers.GROUP)), ids  # one whole group, rows in order
+        prompts = chunk["prompt_ids"]
+        assert all(torch.equal(prompts[i], prompts[0]) for i in range(len(prompts)))
+        seen.append(int(ids[0]))
+    assert sorted(seen) == list(range(4))
+
+
+def test_shuffle_groups_and_split_keeps_groups():
+    from pacs.integrations.trl import shuffle_groups_and_split
+
+    torch.manual_seed(3)
+    rows = torch.arange(24)
+    batch = {"x": rows * 10, "y": [f"r{i}" for i in range(24)], "n": torch.tensor(7), "z": None}
+    chunks = shuffle_groups_and_split(batch, group_size=3, n_chunks=4)
+    assert len(chunks) == 4
+    order = torch.cat([c["x"] for c in chunks]) // 10
+    assert sorted(order.tolist()) == rows.tolist()
+    assert not torch.equal(order, rows), "groups were permuted"
+    assert torch.equal(order.reshape(-1, 3) - order.reshape(-1, 3)[:, :1], torch.arange(3).expand(8, 3))
+    assert [c["y"] for c in chunks][0] == [f"r{i}" for i in order[:6].tolist()]
+    assert all(c["n"].item() == 7 and c["z"] is None for c in chunks)
+    with pytest.raises(ValueError, match="whole groups"):
+        shuffle_groups_and_split(batch, group_size=5, n_chunks=1)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(per_device_train_batch_size=6), "multiple of num_generations"),
+    (dict(beta=0.04), "beta"),
+    (dict(top_entropy_quantile=0.2), "top_entropy_quantile"),
+    (dict(entropy_coef=0.01), "entropy_coef"),
+    (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
+    (dict(loss_type="dapo"), "loss_type must be 'pacs'"),
+    (dict(num_generations_eval=2), "num_generations_eval"),
+])
+def test_refused_options(tmp_path, overrides, match):
+    from pacs.integrations.trl import check_pacs_config
+
+    with pytest.raises(ValueError, match=match):
+        check_pacs_config(helpers.config(tmp_path, **overrides))
+
+
+def test_grpo_only_options_warn(tmp_path):
+    from pacs.integrations.trl import check_pacs_config
+
+    with pytest.warns(UserWarning, match="epsilon=0.3"):
+        check_pacs_config(helpers.config(tmp_path, epsilon=0.3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_pacs_config(helpers.config(tmp_path))
+
+
+def test_softcapped_model_refused(tmp_path):
+    from pacs.integrations.model_forward import check_supported_head, logit_scale_of
+
+    model = helpers.tiny_model(17)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        check_supported_head(model.config)
+    model.config.final_logit_softcapping = None
+    model.config.logits_scaling = 4.0
+    assert logit_scale_of(model.config) == 0.25
+
+
+@pytest.mark.slow
+def test_non_binary_reward_refused(tmp_path):
+    trainer = helpers.trainer(tmp_path, reward=lambda completions, **kw: [0.5] * len(completions))
+    with pytest.raises(ValueError, match="0/1 rewards"):
+        first_micro_batch(trainer)
+
+
+@pytest.mark.slow
+def test_two_processes_stay_in_sync(tmp_path):
+    """torchrun, 2 CPU ranks (DDP over gloo): the weights after 2 steps are identical on both ranks,
+    they moved, and every micro-batch each rank saw held whole groups."""
+    worker = os.path.join(repo_root(), "tests", "trl_ddp_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", worker,
+           str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": repo_root(), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=repo_root(), env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-5000:])
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    assert ranks[0]["params"] == ranks[1]["params"]
+    assert ranks[0]["params"] != ranks[0]["initial_params"]
+    assert ranks[0]["wrapper"] == "DistributedDataParallel"
+    for rank in ranks:
+        assert len(rank["micro_batch_group_ids"]) == 4  # 2 steps x 2 accumulation steps
+        for ids in rank["micro_batch_group_ids"]:
+            groups = torch.tensor(ids).reshape(-1, helpers.GROUP)
+            assert torch.equal(groups, groups[:, :1].expand_as(groups))
+    seen = [set(sum(rank["micro_batch_group_ids"], [])) for rank in ranks]
+    assert not seen[0] & seen[1], "each rank trains on its own groups"
+
+
+@pytest.mark.slow
+def test_evaluate_logs_pacs_metrics(tmp_path):
+    """trainer.evaluate(): TRL's eval loop generates groups and computes the PACS loss without gradients."""
+    from pacs.integrations.trl import PACSTrainer
+
+    tok = helpers.tokenizer()
+    args = helpers.config(tmp_path, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=2 * helpers.GROUP)
+    trainer = PACSTrainer(helpers.tiny_model(len(tok)), helpers.contains_one, args=args,
+                          train_dataset=helpers.prompts(), eval_dataset=helpers.prompts(8), processing_class=tok)
+    metrics = trainer.evaluate()
+    assert torch.isfinite(torch.tensor(metrics["eval_loss"]))
+    assert {"eval_pacs/psi_std", "eval_pacs/weight_mean", "eval_entropy"} <= metrics.keys()

@@ -1,0 +1,168 @@
+"""The verl plugin (pacs.integrations.verl): its functions against the float64 reference PACS loss
+(always), and, when verl imports, registered through verl's own hook and called through verl's
+registries, ActorConfig and compute_advantage."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from trainer_helpers import repo_root
+
+from pacs.integrations.verl import (
+    check_whole_groups,
+    compute_policy_loss_pacs,
+    pacs_label_advantage,
+)
+from pacs_kernels.reference import reference_pacs_loss
+
+G = 4
+
+
+def batch(n_groups=3, length=7, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    B = n_groups * G
+    logp = (-3 * torch.rand(B, length, generator=gen, dtype=torch.float64)).requires_grad_()
+    old = logp.detach() + 0.3 * torch.randn(B, length, generator=gen, dtype=torch.float64)
+    mask = torch.rand(B, length, generator=gen) > 0.25
+    mask[:, 0] = True
+    labels = torch.tensor([1, 0, 0, 1, 0, 0, 0, 0, 1, 1, 0, 1][:B], dtype=torch.float64)
+    token_rewards = torch.zeros(B, length, dtype=torch.float64)
+    last = mask.cumsum(-1).argmax(-1)  # verl puts the outcome reward on the last response token
+    token_rewards[torch.arange(B), last] = labels
+    return logp, old, mask, labels, token_rewards
+
+
+def actor_config(**overrides):
+    settings = dict(rollout_n=G, use_dynamic_bsz=False, ppo_micro_batch_size_per_gpu=2 * G, shuffle=False,
+                    global_batch_info={})
+    settings.update(overrides)
+    return SimpleNamespace(**settings)
+
+
+def test_label_advantage_and_loss_equal_the_reference():
+    logp, old, mask, labels, token_rewards = batch()
+    advantages, returns = pacs_label_advantage(token_rewards, mask, index=np.repeat(np.arange(3), G))
+    assert torch.equal(advantages, labels[:, None] * mask) and torch.equal(returns, advantages)
+    loss, metrics = compute_policy_loss_pacs(old, logp, advantages, mask, config=actor_config())
+    ref, _ = reference_pacs_loss(logp, old, labels, mask, group_size=G)
+    torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-12)
+    grad, = torch.autograd.grad(loss, logp)
+    ref_grad, = torch.autograd.grad(ref, logp)
+    assert ref_grad.abs().max() > 0
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
+    assert {"actor/pacs/psi_std", "actor/pacs/sigmoid_psi_mean", "actor/pacs/weight_mean"} <= metrics.keys()
+
+
+def test_global_normalisation_and_options(monkeypatch):
+    """With verl's global batch info: sum over the micro-batch / global mini-batch * dp size."""
+    logp, old, mask, labels, token_rewards = batch(seed=1)
+    advantages, _ = pacs_label_advantage(token_rewards, mask)
+    monkeypatch.setenv("PACS_OPTIONS", '{"beta": 0.5, "advantage": "grpo"}')
+    config = actor_config(global_batch_info={"global_batch_size": 48, "dp_size": 2})
+    loss, _ = compute_policy_loss_pacs(old, logp, advantages, mask, config=config)
+    ref, _ = reference_pacs_loss(logp, old, labels, mask, group_size=G, beta=0.5, advantage="grpo")
+    torch.testing.assert_close(loss, ref * 12 / 48 * 2, rtol=1e-10, atol=1e-12)
+    monkeypatch.setenv("PACS_OPTIONS", '{"temperature": 1}')
+    with pytest.raises(ValueError, match="unknown option"):
+        compute_policy_loss_pacs(old, logp, advantages, mask, config=config)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(use_dynamic_bsz=True), "use_dynamic_bsz"),
+    (dict(ppo_micro_batch_size_per_gpu=6), "multiple of rollout.n"),
+    (dict(shuffle=True), "shuffle"),
+])
+def test_group_splitting_settings_refused(overrides, match):
+    logp, old, mask, _, token_rewards = batch()
+    advantages, _ = pacs_label_advantage(token_rewards, mask)
+    with pytest.raises(ValueError, match=match):
+        compute_policy_loss_pacs(old, logp, advantages, mask, config=actor_config(**overrides))
+
+
+def test_bad_inputs_refused():
+    logp, old, mask, _, token_rewards = batch()
+    with pytest.raises(ValueError, match="0/1 rewards"):
+        pacs_label_advantage(token_rewards * 0.5, mask)
+    with pytest.raises(ValueError, match="balance_batch"):
+        check_whole_groups(["a", "a", "b", "b", "a", "a"])
+    with pytest.raises(ValueError, match="equal size"):
+        check_whole_groups(["a", "a", "b"])
+    assert check_whole_groups(["x"] * 4 + ["y"] * 4) == 4
+    advantages, _ = pacs_label_advantage(token_rewards, mask)
+    with pytest.raises(ValueError, match="rollout importance-sampling"):
+        compute_policy_loss_pacs(old, logp, advantages, mask, config=actor_config(),
+                                 rollout_is_weights=torch.ones_like(logp))
+    with pytest.raises(ValueError, match="pacs_label"):
+        compute_policy_loss_pacs(old, logp, advantages * 0.5, mask, config=actor_config())
+
+
+# verl 0.9 imports ray, tensordict, hydra/omegaconf, codetiming and torchdata at package import
+VERL_MODULES = ("verl", "ray", "tensordict", "omegaconf", "hydra", "codetiming", "torchdata")
+verl_missing = any(importlib.util.find_spec(name) is None for name in VERL_MODULES)
+
+
+@pytest.mark.skipif(verl_missing, reason="verl (with ray, tensordict, ...) is not installed: "
+                    "PACS_WITH_VERL=1 bash scripts/setup_env.sh installs it")
+def test_through_verl_hook_and_registries():
+    """A fresh process with VERL_USE_EXTERNAL_MODULES=pacs.integrations.verl: verl imports the plugin;
+    verl's registries return "pacs_label" (called with the arguments verl's compute_advantage passes,
+    uids from a DataProto) and "pacs" (called with a real ActorConfig); the loss equals the reference."""
+    code = r"""
+import numpy as np, torch, verl
+from verl import DataProto
+from verl.trainer.ppo import core_algos
+from verl.workers.config import ActorConfig
+from pacs_kernels.reference import reference_pacs_loss
+import sys; sys.path.insert(0, "tests")
+from test_verl_integration import batch, G
+logp, old, mask, labels, token_rewards = batch(seed=2)
+data = DataProto.from_dict(tensors={"token_level_rewards": token_rewards, "response_mask": mask},
+                           non_tensors={"uid": np.repeat(np.array(["p0", "p1", "p2"], dtype=object), G)})
+estimator = core_algos.get_adv_estimator_fn("pacs_label")
+advantages, _ = estimator(token_level_rewards=data.batch["token_level_rewards"],
+                          response_mask=data.batch["response_mask"], config=None, index=data.non_tensor_batch["uid"])
+config = ActorConfig(strategy="fsdp", rollout_n=G, ppo_mini_batch_size=3, ppo_micro_batch_size_per_gpu=2 * G)
+loss_fn = core_algos.get_policy_loss_fn("pacs")
+loss, metrics = loss_fn(old_log_prob=old, log_prob=logp, advantages=advantages, response_mask=mask,
+                        loss_agg_mode=config.loss_agg_mode, config=config, rollout_is_weights=None)
+ref, _ = reference_pacs_loss(logp, old, labels, mask, group_size=G)
+torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-12)
+try:
+    estimator(token_level_rewards=token_rewards, response_mask=mask, config=None,
+              index=np.array(["p0", "p1"] * 6, dtype=object))
+    raise SystemExit("split groups were not refused")
+except ValueError as error:
+    assert "balance_batch" in str(error)
+print("VERL_OK", verl.__version__)
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo_root(), os.environ.get("PYTHONPATH", "")]),
+           "VERL_USE_EXTERNAL_MODULES": "pacs.integrations.verl"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo_root(), env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "VERL_OK" in done.stdout, (done.stdout[-2000:], done.stderr[-4000:])
+
+
+@pytest.mark.skipif(verl_missing, reason="verl (with ray, tensordict, ...) is not installed: "
+                    "PACS_WITH_VERL=1 bash scripts/setup_env.sh installs it")
+def test_example_config_composes_with_verl_and_passes_the_group_checks():
+    """configs/verl_pacs_qwen2.5_7b.yaml on top of verl's own ppo_trainer config (hydra), its actor
+    section turned into verl's ActorConfig: the paper's settings, and check_actor_config accepts it."""
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from pacs.integrations.verl import check_actor_config
+
+    with initialize_config_dir(config_dir=os.path.join(repo_root(), "configs"), version_base=None):
+        cfg = compose(config_name="verl_pacs_qwen2.5_7b")
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert check_actor_config(actor) == 8
+    assert (cfg.algorithm.adv_estimator, actor.policy_loss.loss_mode) == ("pacs_label", "pacs")
+    assert cfg.actor_rollout_ref.model.external_lib == "pacs.integrations.verl"
+    assert cfg.trainer.balance_batch is False and actor.optim.lr == 1e-6
+    assert cfg.data.max_response_length == 4096 and cfg.actor_rollout_ref.model.use_remove_padding
+    assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing
