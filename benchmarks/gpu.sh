@@ -8,6 +8,10 @@
 #   3. dispatch.json (what backend/path "auto" should pick, by measurement) and the cost model's
 #      predictions next to the measured times (roofline_measured.csv)
 #   4. the long-context sweep (largest N within 40 GiB, naive vs Triton)
+# PACS_GPU_PART=long runs instead, in a second call (limit 6 minutes), "how long can I train here":
+#   5. the longest response whose full training step (Qwen2.5-1.5B-shaped model, random weights)
+#      fits 24 and 80 GiB, padded vs packed, naive vs fused loss, each memory lever
+# (PACS_GPU_PART=all runs both, for the CPU dry run.)
 # Usage: bash benchmarks/gpu.sh OUT_DIR        (run from anywhere; writes CSV, PNG, Markdown, log)
 # Peers: wheels in .whl/ (see benchmarks/README.md) are installed into /tmp/site when present.
 # Environment knobs: PACS_BENCH_SET (gpu | gpu-quick | gpu-full, default gpu), PYTHON (default python3),
@@ -66,11 +70,17 @@ if [ "${PACS_GPU_DRY_RUN:-0}" = "1" ]; then
     check_args=(--device cpu --small)
     bench_args=(--set cpu --device cpu --d 32 --v 512 --n 64 128)
     long_args=(--device cpu --d 32 --v 512 --budget-mib 24 --n-start 256 --n-max 4096)
+    long_train_args=(--dry-run)
 else
     check_args=(--device cuda)
     bench_args=(--set "$bench_set" --device cuda)
     long_args=(--device cuda --budget-gib 40 --n-start 8192 --n-max 1048576)
+    long_train_args=(--device cuda --budget-gib 24 80 --time-budget 300)
 fi
+part="${PACS_GPU_PART:-race}"
+case "$part" in race|long|all) ;; *) echo "PACS_GPU_PART must be race, long or all, got '$part'" >&2; exit 2;; esac
+
+if [ "$part" != "long" ]; then
 
 stamp "1/4 correctness at real shapes (limit 75s)"
 timeout 75 "$py" benchmarks/check_gpu_correctness.py "${check_args[@]}" --peers without
@@ -106,6 +116,14 @@ timeout 10 "$py" benchmarks/roofline.py ${rate:+--matmul-tflops "$rate"} --measu
 stamp "4/4 long-context sweep, 40 GiB budget (30s of trials, limit 60s)"
 timeout 60 "$py" benchmarks/long_context.py "${long_args[@]}" --time-budget 30 --out "$out" \
     || { echo "!!! long-context sweep exited with $?"; status=1; }
+
+fi
+
+if [ "$part" != "race" ]; then
+    stamp "5/5 how long can I train here: Qwen2.5-1.5B shapes, 24 and 80 GiB (limit 345s)"
+    timeout 345 "$py" benchmarks/long_context_train.py "${long_train_args[@]}" --out "$out/long_context_train" \
+        || { echo "!!! long-context training sweep exited with $?"; status=1; }
+fi
 
 stamp "done (exit $status); files in $out:"
 ls -la "$out" "$out"/plots_gpu 2>/dev/null
