@@ -399,6 +399,7 @@ def train(cfg: Config) -> TrainResult:
             "reward_mean": float(batch.rewards.mean()), "entropy": entropy,
             "response_length": response_tokens / len(responses),
             "loss": sum(losses) / len(losses),
+            **task.reward_metrics(),  # math-verify timeouts / errors (each scored 0) since the last step
             **{k: (v / stat_counts[k] if stat_counts[k] else float("nan"))
                for k, v in stat_sums.items() if k != "loss" and k != "reward_mean"},
         }
