@@ -25,7 +25,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def build_config(args: argparse.Namespace) -> Config:
-    cfg = load_config(args.config, args.overrides)
+    from .eval_presets import preset_overrides
+
+    cfg = load_config(args.config, preset_overrides(getattr(args, "preset", None)) + list(args.overrides))
     if args.model is not None:
         cfg.model.path = args.model
     if args.output_dir is not None:
@@ -60,7 +62,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from .config import check_lengths, validate
-    from .evaluate import evaluate
+    from .eval_outputs import write_eval_outputs
+    from .evaluate import run_eval
     from .policy import check_model_path, max_positions
     from .rollout import check_vllm_available, make_rollout_engine
     from .tasks import make_task
@@ -68,12 +71,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     if args.n_samples is not None:
         cfg.eval.n_samples = args.n_samples
+        if not args.k:  # a preset's ks may exceed the new n: keep those that fit
+            cfg.eval.ks = tuple(k for k in cfg.eval.ks if k <= args.n_samples) or (1,)
     if args.temperature is not None:
         cfg.eval.temperature = args.temperature
+    if args.top_p is not None:
+        cfg.eval.top_p = args.top_p
     if args.k:
         cfg.eval.ks = tuple(args.k)
     if args.num_problems is not None:
         cfg.eval.num_problems = args.num_problems
+    if args.data is not None:  # every row of this file is a problem to evaluate
+        cfg.task.name, cfg.task.data_path, cfg.task.eval_path = "math", args.data, args.data
     validate(cfg)
     if cfg.rollout.engine == "vllm":
         check_vllm_available()
@@ -88,17 +97,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
     check_lengths(cfg, max_positions(check_model_path(model_dir, cfg.model.trust_remote_code)))
     task = make_task(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    r = cfg.rollout
+    r, e = cfg.rollout, cfg.eval
     engine = make_rollout_engine(r.engine, model_dir, max_model_len=r.max_prompt_len + r.max_new_tokens,
                                  seed=cfg.seed, dtype=cfg.model.dtype,
                                  gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gib=r.kv_cache_gib,
                                  enforce_eager=r.enforce_eager)
-    result = evaluate(engine, task, tokenizer, task.eval_problems(cfg.eval.num_problems),
-                      n_samples=cfg.eval.n_samples, temperature=cfg.eval.temperature, ks=cfg.eval.ks,
-                      max_new_tokens=r.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id], seed=cfg.seed,
-                      template=cfg.task.prompt_template, use_chat_template=cfg.task.use_chat_template)
-    engine.close()
-    print(json.dumps({"model": model_dir, **result}))
+    try:
+        report = run_eval(engine, task, tokenizer, task.eval_problems(e.num_problems),
+                          n_samples=e.n_samples, temperature=e.temperature, top_p=e.top_p, ks=e.ks,
+                          max_new_tokens=r.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id], seed=cfg.seed,
+                          template=cfg.task.prompt_template, use_chat_template=cfg.task.use_chat_template,
+                          max_prompt_len=r.max_prompt_len)
+    finally:
+        engine.close()
+    info = {"model": model_dir, "data": cfg.task.data_path if cfg.task.name == "math" else cfg.task.name,
+            "preset": args.preset, "temperature": e.temperature, "top_p": e.top_p,
+            "max_new_tokens": r.max_new_tokens, "seed": cfg.seed, "label": os.path.basename(model_dir.rstrip("/"))}
+    out_dir = args.eval_dir or os.path.join(cfg.output_dir, "eval")
+    paths = write_eval_outputs(report, out_dir, info=info, plot=cfg.plot)
+    print(json.dumps({"model": model_dir, **report.metrics, **{f"{kind}_path": p for kind, p in paths.items()}}))
     return 0
 
 
@@ -131,8 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR's latest checkpoint")
     ev = sub.add_parser("eval", help="held-out accuracy and pass@k of a model")
     _add_common(ev)
+    ev.add_argument("--preset", help="evaluation protocol: math (the paper's sampling: 32 samples, T 0.6, top-p "
+                    "0.95, pass@1..32), paper (+ chat template, instruction, 4096 tokens), paper256; see "
+                    "pacs/eval_presets.py")
+    ev.add_argument("--data", help="a .jsonl/.parquet file (or hf:NAME, see pacs/datasets.py) whose every row "
+                    "is evaluated with the math reward")
+    ev.add_argument("--eval-dir", help="where eval_problems.jsonl, eval_metrics.json and pass_at_k.png go "
+                    "(default OUTPUT_DIR/eval)")
     ev.add_argument("--n-samples", type=int, help="samples per problem")
     ev.add_argument("--temperature", type=float)
+    ev.add_argument("--top-p", type=float)
     ev.add_argument("--k", type=int, action="append", help="pass@k to report (repeatable)")
     ev.add_argument("--num-problems", type=int)
     sub.add_parser("bench", help="kernel benchmarks (arguments go to benchmarks/run.py)")

@@ -99,6 +99,7 @@ class EvalConfig:
     num_problems: int = 200
     n_samples: int = 1              # > 1 with temperature > 0 gives pass@k
     temperature: float = 0.0        # 0: greedy
+    top_p: float = 1.0
     ks: tuple[int, ...] = (1,)
 
 
@@ -294,6 +295,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _positive("eval.every", e.every, allow_zero=True)
     _positive("eval.n_samples", e.n_samples)
     _positive("eval.num_problems", e.num_problems)
+    if not 0 < e.top_p <= 1:
+        raise ValueError(f"eval.top_p must be in (0, 1], got {e.top_p}")
     for k in e.ks:
         if not 1 <= k <= e.n_samples:
             raise ValueError(f"eval.ks entries must be in [1, eval.n_samples={e.n_samples}], got {k}")

@@ -85,8 +85,9 @@ def fallback_math_check(response: str, answer: str) -> float:
 def math_verify_check(response: str, answer: str, timeout_s: int) -> tuple[float, str]:
     """(reward, status) of one response, in this thread (which must be the main thread).
 
-    The gold answer is wrapped in ``\\boxed{}`` and read as LaTeX; the response is read as LaTeX
-    and as a plain expression (the public PACS code's settings). status is "ok", "timeout" (parse
+    The gold answer is wrapped in ``\\boxed{}`` and read as LaTeX; the response's last
+    ``\\boxed{}`` is read as LaTeX, and a response without one as a plain expression or LaTeX (the
+    public PACS code's settings). status is "ok", "timeout" (parse
     or comparison ran past ``timeout_s`` seconds) or "error" (math-verify raised).
     """
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -99,8 +100,14 @@ def math_verify_check(response: str, answer: str, timeout_s: int) -> tuple[float
         if not gold:  # an unreadable reference: try it as a plain expression
             gold = parse(answer, extraction_config=(ExprExtractionConfig(),), parsing_timeout=timeout_s,
                          raise_on_error=True)
-        guess = parse(response, extraction_config=(ExprExtractionConfig(), LatexExtractionConfig()),
-                      parsing_timeout=timeout_s, raise_on_error=True)
+        last_box = extract_boxed(response)
+        if last_box is not None:  # several boxes: the last one is the final answer (math-verify alone
+            # would read "\\boxed{3} ... \\boxed{4}" as the set {3, 4})
+            guess = parse("\\boxed{" + last_box + "}", extraction_config=(LatexExtractionConfig(),),
+                          parsing_timeout=timeout_s, raise_on_error=True)
+        else:
+            guess = parse(response, extraction_config=(ExprExtractionConfig(), LatexExtractionConfig()),
+                          parsing_timeout=timeout_s, raise_on_error=True)
         if not gold or not guess:
             return 0.0, "ok"
         return float(bool(verify(gold, guess, timeout_seconds=timeout_s, raise_on_error=True))), "ok"

@@ -200,7 +200,7 @@ def evaluate_policy(cfg: Config, engine, task, tokenizer, stop_ids, dist_info: D
     prompts = [encode_prompt(tokenizer, p, template=cfg.task.prompt_template,
                              use_chat_template=cfg.task.use_chat_template)[-cfg.rollout.max_prompt_len:]
                for p in problems]
-    outputs = engine.generate(prompts, e.n_samples, temperature=e.temperature, top_p=1.0,
+    outputs = engine.generate(prompts, e.n_samples, temperature=e.temperature, top_p=e.top_p,
                               max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=stop_ids,
                               seed=step_seed(cfg.seed + 1, step, first * e.n_samples)) if prompts else []
     counts = [int(sum(task.reward(decode_response(tokenizer, r), p) for r in rs))
