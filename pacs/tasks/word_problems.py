@@ -11,7 +11,8 @@ Every problem starts with a count in [2, 20] and applies ``steps`` changes of 1.
 fewer while the count stays >= 0), so answers are integers in [0, 20 + 9 * steps]. The problems
 are built from a small word vocabulary, so the built-in tiny model can read them with a
 word-level tokenizer (:func:`build_word_tokenizer`). :func:`write_jsonl` writes a file in the
-``{"problem", "answer"}`` schema that ``task.name=math`` reads.
+``{"problem", "answer"}`` schema that ``task.name=math`` reads (``tests/data/wordmath_eval.jsonl`` is
+``write_jsonl(path, 50)``: held-out problems of seed 0).
 """
 
 from __future__ import annotations
@@ -111,9 +112,9 @@ def build_word_tokenizer():
 
 
 def write_jsonl(path: str, count: int, *, steps: int = 2, seed: int = 0) -> None:
-    """Write ``count`` held-out-style problems as ``{"problem": ..., "answer": ...}`` lines."""
-    rng = random.Random(f"wordmath-file-{steps}-{seed}")
+    """Write the first ``count`` held-out problems of ``WordProblemTask(steps, seed)`` as
+    ``{"problem": ..., "answer": ...}`` lines: problems the training stream of that seed never shows."""
+    task = WordProblemTask(steps, seed=seed, eval_size=count)
     with open(path, "w") as fh:
-        for _ in range(count):
-            p = word_problem(rng, steps)
+        for p in task.eval_problems():
             fh.write(json.dumps({"problem": p.prompt, "answer": p.answer}) + "\n")
