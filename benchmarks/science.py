@@ -163,6 +163,8 @@ def cmd_report(args) -> int:
     lines = ["# PACS vs GRPO, and PACS's score-function term, across seeds (small CPU budget)", ""]
     lines += [f"Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC from "
               f"`runs.jsonl` ({len(records)} finished runs) by `python benchmarks/science.py report`.", ""]
+    if args.note:
+        lines += [args.note, ""]
     lines += ["Every cell: mean over seeds +- the half-width of the 95% Student-t interval (n = seeds). "
               f"Metrics on the task's 200 held-out problems after {records[0]['max_steps']} rollout steps, "
               f"{records[0]['n_samples']} samples per problem at temperature 0.6 (pass@1 = mean@n); step 0 is the "
@@ -277,6 +279,7 @@ def main(argv=None) -> int:
     parser.add_argument("--n-samples", type=int, default=16)
     parser.add_argument("--num-problems", type=int, default=200)
     parser.add_argument("--run-timeout", type=float, default=900.0, help="seconds before one run is abandoned")
+    parser.add_argument("--note", help="report: a paragraph to print under the title (e.g. the code's commit)")
     parser.add_argument("--deadline", help="ISO time (with zone) after which no new run starts")
     args = parser.parse_args(argv)
     return cmd_run(args) if args.command == "run" else cmd_report(args)
