@@ -38,7 +38,7 @@ class Task:
     def reward_metrics(self) -> dict[str, float]:
         """Counts of rewards that timed out or failed since the last call (math-verify rewards),
         e.g. ``{"reward_timeouts": 0.0, "reward_errors": 1.0}``; empty for rewards without them."""
-        pop = getattr(self.reward_fn, "pop_counts", None)
+        pop = getattr(getattr(self, "reward_fn", None), "pop_counts", None)
         if pop is None:
             return {}
         counts = pop()
