@@ -83,3 +83,19 @@ def test_cache_is_bounded_and_bad_timeout_refused():
     assert len(reward._cache) == 3
     with pytest.raises(ValueError, match="timeout_s must be an int >= 1"):
         MathVerifyReward(timeout_s=0.5)
+
+
+@needs_math_verify
+def test_task_reports_timeouts_for_the_trainer_metrics(tmp_path):
+    """What the trainer logs per step: a math task's reward timeouts and errors since the last step."""
+    from pacs.tasks import MathTask
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"problem": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    task = MathTask(str(path), eval_path=str(path))
+    task.reward_fn = MathVerifyReward(timeout_s=1)
+    problem = task.eval_problems()[0]
+    assert task.reward("\\boxed{1}", problem) == 1.0
+    assert task.reward(PATHOLOGICAL[0]["response"], problem) == 0.0
+    assert task.reward_metrics() == {"reward_timeouts": 1.0, "reward_errors": 0.0}
+    assert task.reward_metrics() == {"reward_timeouts": 0.0, "reward_errors": 0.0}
