@@ -154,6 +154,11 @@ def cmd_report(args) -> int:
     if not records:
         print("[science] no finished runs yet", file=sys.stderr)
         return 1
+    for r in records:  # entropy of the policy, from the run's own metrics when its directory is still here
+        path = os.path.join(args.runs_dir, f"{r['task']}-{r['variant']}-s{r['seed']}", "metrics.jsonl")
+        rows = [row for row in load_records(path) if row.get("entropy") is not None]
+        r["train"].setdefault("entropy_first10", _mean([row["entropy"] for row in rows[:10]]))
+        r["train"].setdefault("entropy_last10", _mean([row["entropy"] for row in rows[-10:]]))
     by = {}
     for r in records:
         by.setdefault((r["task"], r["variant"]), {})[r["seed"]] = r
@@ -171,8 +176,9 @@ def cmd_report(args) -> int:
               "warmed-up model before any RL step (the same for every variant of a seed).", ""]
     for task in tasks:
         lines += [f"## {task}", "", "| variant | seeds | pass@1 at step 0 | " + " | ".join(
-            f"pass@{k}" for k in ks) + " | train reward (last 10 steps) | reward timeouts |",
-            "|---|---:|---:|" + "---:|" * len(ks) + "---:|---:|"]
+            f"pass@{k}" for k in ks) + " | train reward (last 10 steps) | entropy (first -> last 10 steps) "
+            "| reward timeouts |",
+            "|---|---:|---:|" + "---:|" * len(ks) + "---:|---:|---:|"]
         for variant in variants:
             runs = list(by.get((task, variant), {}).values())
             if not runs:
@@ -184,8 +190,10 @@ def cmd_report(args) -> int:
             m0, h0, _ = t_interval([r["evals"][0]["eval_pass@1"] for r in runs])
             mr, hr, _ = t_interval([r["train"]["reward_last10"] for r in runs])
             timeouts = sum(r["train"]["reward_timeouts"] for r in runs)
+            e0 = _mean([r["train"]["entropy_first10"] for r in runs])
+            e1 = _mean([r["train"]["entropy_last10"] for r in runs])
             lines.append(f"| {variant} | {len(runs)} | {m0:.3f} +- {h0:.3f} | " + " | ".join(cells)
-                         + f" | {mr:.3f} +- {hr:.3f} | {timeouts:.0f} |")
+                         + f" | {mr:.3f} +- {hr:.3f} | {e0:.2f} -> {e1:.2f} | {timeouts:.0f} |")
         lines += ["", "Paired differences (same seed: same warm-up, held-out set and prompts):", "",
                   "| comparison | seeds | " + " | ".join(f"d pass@{k}" for k in ks) + " |",
                   "|---|---:|" + "---:|" * len(ks)]
