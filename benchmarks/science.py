@@ -6,7 +6,9 @@ task and on the generated word-problem task, under one small, equal budget.
 
 ``run`` appends one JSON line per finished run to ``OUT/runs.jsonl`` (OUT defaults to
 benchmarks/results/science), so a partial sweep is still reportable and a restarted sweep skips
-the runs already recorded. Seeds are the outer loop: after s seeds every variant has s runs.
+the runs already recorded. Several ``run`` processes may work on one sweep: each run is claimed
+first (a ``.claim`` file in the runs directory; delete those of runs that were killed to redo
+them). Seeds are the outer loop: after s seeds every variant has s runs.
 Every run uses the same settings except the variant's own (``VARIANTS``); each evaluates the
 held-out set every ``--eval-every`` rollout steps with ``--n-samples`` samples per problem at the
 paper's temperature (0.6; top-p 1), giving pass@1 (= mean@n) and pass@k for k = 1, 2, 4, ..., n.
@@ -97,14 +99,14 @@ def cmd_run(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.runs_dir, exist_ok=True)
     path = os.path.join(args.out, "runs.jsonl")
-    done = {(r["task"], r["variant"], r["seed"]) for r in load_records(path) if r["returncode"] == 0}
     cache_dir = os.path.join(args.runs_dir, "cache")
     deadline = datetime.datetime.fromisoformat(args.deadline) if args.deadline else None
     for seed in args.seeds:
         for task in args.tasks:
             for variant in args.variants:
-                if (task, variant, seed) in done:
-                    continue
+                done = {(r["task"], r["variant"], r["seed"]) for r in load_records(path) if r["returncode"] == 0}
+                if (task, variant, seed) in done or not _claim(args.runs_dir, task, variant, seed):
+                    continue  # finished, or another `run` process (same OUT) has started it
                 now = datetime.datetime.now(datetime.timezone.utc)
                 if deadline is not None and now >= deadline:
                     print(f"[science] deadline {args.deadline} reached: stopping before {task}/{variant}/seed {seed}")
@@ -121,6 +123,15 @@ def cmd_run(args) -> int:
                 print(f"[science]   rc {record['returncode']}, {record['wall_s']} s, final pass@1 "
                       f"{last.get('eval_pass@1', float('nan')):.3f}", flush=True)
     return 0
+
+
+def _claim(runs_dir: str, task: str, variant: str, seed: int) -> bool:
+    """True for the one process that creates the run's claim file: `run` processes may share a sweep."""
+    try:
+        os.close(os.open(os.path.join(runs_dir, f"{task}-{variant}-s{seed}.claim"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------- report
