@@ -2,8 +2,10 @@
 
 Every reward takes the decoded response text and the reference answer and returns 0.0 or 1.0.
 A math reward never raises and never stalls a run: an answer that math-verify cannot parse or
-compare scores 0, and so does one whose parsing or comparison runs past ``timeout_s``; both are
-counted (:meth:`MathVerifyReward.pop_counts`) so the trainer can log them.
+compare scores 0, and so does one whose parsing or comparison runs past ``timeout_s`` (5 s, as
+math-verify's own default; wall-clock limits, so a starved CPU can trip them too); both are counted
+(:meth:`MathVerifyReward.pop_counts`) so the trainer can log them. math-verify's one-time set-up
+(about 2 s for its LaTeX parser) runs before the first timed check.
 
 math-verify's own timeouts use ``signal.alarm``, which only works in the main thread of the main
 interpreter (elsewhere it raises ``ValueError``). :class:`MathVerifyReward` therefore checks
@@ -82,6 +84,22 @@ def fallback_math_check(response: str, answer: str) -> float:
         return 0.0
 
 
+_WARMED_UP = False
+
+
+def _warm_up_math_verify() -> None:
+    """Parse and compare once without a timeout: the first call builds math-verify's LaTeX parser
+    (about 2 s, longer on a busy machine), which must not count against an answer's time limit."""
+    global _WARMED_UP
+    if _WARMED_UP:
+        return
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    gold = parse("\\boxed{\\frac{1}{2}}", extraction_config=(LatexExtractionConfig(),), parsing_timeout=None)
+    verify(gold, parse("$0.5$", parsing_timeout=None), timeout_seconds=None)
+    _WARMED_UP = True
+
+
 def math_verify_check(response: str, answer: str, timeout_s: int) -> tuple[float, str]:
     """(reward, status) of one response, in this thread (which must be the main thread).
 
@@ -95,6 +113,7 @@ def math_verify_check(response: str, answer: str, timeout_s: int) -> tuple[float
 
     gold_text = answer if "\\boxed" in answer else "\\boxed{" + answer + "}"
     try:
+        _warm_up_math_verify()
         gold = parse(gold_text, extraction_config=(LatexExtractionConfig(),), parsing_timeout=timeout_s,
                      raise_on_error=True)
         if not gold:  # an unreadable reference: try it as a plain expression
@@ -119,6 +138,7 @@ def math_verify_check(response: str, answer: str, timeout_s: int) -> tuple[float
 
 def _worker_loop(conn, timeout_s: int) -> None:
     """Helper process: check (response, answer) pairs from ``conn`` in its own main thread."""
+    _warm_up_math_verify()
     conn.send("ready")
     while True:
         try:
@@ -191,7 +211,7 @@ class MathVerifyReward:
     which matters for small models that repeat their answers.
     """
 
-    def __init__(self, timeout_s: int = 2, cache_size: int = 65536):
+    def __init__(self, timeout_s: int = 5, cache_size: int = 65536):
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, int) or timeout_s < 1:
             raise ValueError(f"timeout_s must be an int >= 1 (signal.alarm counts whole seconds), got {timeout_s!r}")
         self.timeout_s, self.cache_size = timeout_s, cache_size

@@ -99,3 +99,19 @@ def test_task_reports_timeouts_for_the_trainer_metrics(tmp_path):
     assert task.reward(PATHOLOGICAL[0]["response"], problem) == 0.0
     assert task.reward_metrics() == {"reward_timeouts": 1.0, "reward_errors": 0.0}
     assert task.reward_metrics() == {"reward_timeouts": 0.0, "reward_errors": 0.0}
+
+
+@needs_math_verify
+def test_first_check_in_a_fresh_process_is_not_timed_out_by_set_up():
+    """math-verify builds its LaTeX parser on first use (about 2 s); that must not count against the
+    first answer's 1 s limit (it did, under load, in the science sweep: see its report)."""
+    import subprocess
+    import sys
+
+    code = ("from pacs.rewards import MathVerifyReward\n"
+            "r = MathVerifyReward(timeout_s=1)\n"
+            "print(r('so \\\\boxed{\\\\frac{3}{4}}', '0.75'), r.pop_counts()['timeouts'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1.0", "0"]
