@@ -226,10 +226,12 @@ def cmd_report(args) -> int:
                   f"![pass@k vs k, {task}]({task}_pass_at_k.png)", ""]
     wall = [r["wall_s"] for r in records]
     lines += ["## Budget and how to reproduce", "",
-              f"Runs: {len(records)}, each one `pacs train` process ({min(wall):.0f}-{max(wall):.0f} s wall each, "
-              f"{sum(wall) / 60:.0f} min in all, sequential, 1 torch thread) on {records[0]['host']} "
-              f"({records[0]['cpus']} CPU cores shared with other jobs). One run's command:", "",
-              "    " + records[0]["command"], "",
+              f"Runs: {len(records)}, each one `pacs train` process with 1 torch thread "
+              f"({min(wall):.0f}-{max(wall):.0f} s wall each, warm-up included when the seed's was not cached yet; "
+              f"{sum(wall) / 60:.0f} min in all) on "
+              f"{records[0]['host']} ({records[0]['cpus']} CPU cores shared with other jobs). One run's command "
+              "(from the repository root):", "",
+              "    python " + records[0]["command"].replace(REPO + os.sep, ""), "",
               "The whole sweep and this report:", "",
               "    python benchmarks/science.py run --seeds 0 1 2 3 4 && python benchmarks/science.py report", ""]
     with open(os.path.join(args.out, "report.md"), "w") as fh:
