@@ -2,7 +2,8 @@ from setuptools import find_packages, setup
 
 extras = {
     # pandas + pyarrow: the tests read a small parquet file with the math-data loader
-    "test": ["pytest>=8", "pyyaml>=6", "matplotlib>=3.8", "tqdm>=4.66", "pandas", "pyarrow"],
+    # math-verify: CI runs the math reward on its shipped set of tricky answers
+    "test": ["pytest>=8", "pyyaml>=6", "matplotlib>=3.8", "tqdm>=4.66", "pandas", "pyarrow", "math-verify"],
     # the lean trainer (pacs/): Hugging Face models, configs, progress bars, plots
     "train": ["transformers>=4.51,<5.20", "safetensors>=0.4", "pyyaml>=6", "tqdm>=4.66", "matplotlib>=3.8"],
     "bench": ["matplotlib>=3.8", "tqdm>=4.66"],

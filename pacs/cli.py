@@ -42,7 +42,9 @@ def _key_list() -> str:
 
 
 def build_config(args: argparse.Namespace) -> Config:
-    cfg = load_config(args.config, args.overrides)
+    from .eval_presets import preset_overrides
+
+    cfg = load_config(args.config, preset_overrides(getattr(args, "preset", None)) + list(args.overrides))
     if args.model is not None:
         cfg.model.path = args.model
     if args.output_dir is not None:
@@ -90,32 +92,46 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from .evaluate import evaluate
+    from .eval_outputs import write_eval_outputs
+    from .evaluate import run_eval
     from .rollout import make_rollout_engine
     from .run_setup import apply_torch_threads, check_config, engine_options, prepare_run
 
     cfg = build_config(args)
     if args.n_samples is not None:
         cfg.eval.n_samples = args.n_samples
+        if not args.k:  # a preset's ks may exceed the new n: keep those that fit
+            cfg.eval.ks = tuple(k for k in cfg.eval.ks if k <= args.n_samples) or (1,)
     if args.temperature is not None:
         cfg.eval.temperature = args.temperature
+    if args.top_p is not None:
+        cfg.eval.top_p = args.top_p
     if args.k:
         cfg.eval.ks = tuple(args.k)
     if args.num_problems is not None:
         cfg.eval.num_problems = args.num_problems
+    if args.data is not None:  # every row of this file is a problem to evaluate
+        cfg.task.name, cfg.task.data_path, cfg.task.eval_path = "math", args.data, args.data
     check_config(cfg)
     apply_torch_threads(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     run = prepare_run(cfg, log=lambda *_: None)
     engine = make_rollout_engine(**engine_options(cfg, run.model_dir, cfg.seed, log=lambda *_: None))
+    r, e = cfg.rollout, cfg.eval
     try:
-        result = evaluate(engine, run.task, run.tokenizer, run.task.eval_problems(cfg.eval.num_problems),
-                          n_samples=cfg.eval.n_samples, temperature=cfg.eval.temperature, ks=cfg.eval.ks,
-                          max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=run.stop_ids, seed=cfg.seed,
+        report = run_eval(engine, run.task, run.tokenizer, run.task.eval_problems(e.num_problems),
+                          n_samples=e.n_samples, temperature=e.temperature, top_p=e.top_p, ks=e.ks,
+                          max_new_tokens=r.max_new_tokens, stop_token_ids=run.stop_ids, seed=cfg.seed,
                           template=cfg.task.prompt_template, use_chat_template=cfg.task.use_chat_template,
-                          max_prompt_len=cfg.rollout.max_prompt_len)
+                          max_prompt_len=r.max_prompt_len)
     finally:
         engine.close()
-    print(json.dumps({"model": run.model_dir, **result}))
+    model_dir = run.model_dir
+    info = {"model": model_dir, "data": cfg.task.data_path if cfg.task.name == "math" else cfg.task.name,
+            "preset": args.preset, "temperature": e.temperature, "top_p": e.top_p,
+            "max_new_tokens": r.max_new_tokens, "seed": cfg.seed, "label": os.path.basename(model_dir.rstrip("/"))}
+    out_dir = args.eval_dir or os.path.join(cfg.output_dir, "eval")
+    paths = write_eval_outputs(report, out_dir, info=info, plot=cfg.plot)
+    print(json.dumps({"model": model_dir, **report.metrics, **{f"{kind}_path": p for kind, p in paths.items()}}))
     return 0
 
 
@@ -148,8 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="held-out accuracy and pass@k of a model", epilog=_key_list(),
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_common(ev)
+    ev.add_argument("--preset", help="evaluation protocol: math (the paper's sampling: 32 samples, T 0.6, top-p "
+                    "0.95, pass@1..32), paper (+ chat template, instruction, 4096 tokens), paper256; see "
+                    "pacs/eval_presets.py")
+    ev.add_argument("--data", help="a .jsonl/.parquet file (or hf:NAME, see pacs/datasets.py) whose every row "
+                    "is evaluated with the math reward")
+    ev.add_argument("--eval-dir", help="where eval_problems.jsonl, eval_metrics.json and pass_at_k.png go "
+                    "(default OUTPUT_DIR/eval)")
     ev.add_argument("--n-samples", type=int, help="samples per problem")
     ev.add_argument("--temperature", type=float)
+    ev.add_argument("--top-p", type=float)
     ev.add_argument("--k", type=int, action="append", help="pass@k to report (repeatable)")
     ev.add_argument("--num-problems", type=int)
     sub.add_parser("bench", help="kernel benchmarks (arguments go to benchmarks/run.py; pacs bench --help)")

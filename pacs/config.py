@@ -31,7 +31,7 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = "embedded"          # embedded | math (jsonl/parquet with prompt/problem + answer)
+    name: str = "embedded"          # embedded | wordmath (generated word problems) | math (jsonl/parquet)
     data_path: str | None = None    # math: training file
     eval_path: str | None = None    # math: held-out file (default: the last eval_size rows of data_path)
     eval_size: int = 200            # held-out problems
@@ -40,6 +40,7 @@ class TaskConfig:
     # embedded task: multi-digit addition "a+b=" -> "c"
     digits: int = 3
     reverse: bool = True            # numbers written least-significant digit first
+    word_steps: int = 2             # wordmath task: changes to the starting count per problem
     cache_dir: str | None = None    # warm-up cache; default $PACS_CACHE_DIR or ~/.cache/pacs
     hidden_size: int = 64
     num_layers: int = 2
@@ -113,6 +114,7 @@ class EvalConfig:
     num_problems: int = 200
     n_samples: int = 1              # > 1 with temperature > 0 gives pass@k
     temperature: float = 0.0        # 0: greedy
+    top_p: float = 1.0
     ks: tuple[int, ...] = (1,)
 
 
@@ -264,7 +266,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     r, o, e, t = cfg.rollout, cfg.optim, cfg.eval, cfg.task
     _choice("optim.algo (--algo)", o.algo, ("pacs", "grpo"))
     _choice("rollout.engine (--rollout)", r.engine, ("auto", "vllm", "hf"))
-    _choice("task.name", t.name, ("embedded", "math"))
+    _choice("task.name", t.name, ("embedded", "wordmath", "math"))
     _choice("model.dtype", cfg.model.dtype, ("auto", "float32", "bfloat16", "float16"))
     _choice("optim.lr_schedule", o.lr_schedule, ("constant", "cosine", "linear"))
     validate_train(cfg, world_size)
@@ -336,6 +338,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _positive("eval.every", e.every, allow_zero=True)
     _positive("eval.n_samples", e.n_samples)
     _positive("eval.num_problems", e.num_problems)
+    if not 0 < e.top_p <= 1:
+        raise ValueError(f"eval.top_p must be in (0, 1], got {e.top_p}")
     for k in e.ks:
         if not 1 <= k <= e.n_samples:
             raise ValueError(f"eval.ks entries must be in [1, eval.n_samples={e.n_samples}], got {k}")
@@ -343,7 +347,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ValueError("eval.n_samples > 1 needs eval.temperature > 0 (greedy samples are identical)")
     if t.name == "math" and not t.data_path:
         raise ValueError("task.name='math' needs task.data_path (a .jsonl or .parquet file)")
-    if t.name == "embedded":
+    if t.name == "wordmath":
+        _positive("task.word_steps", t.word_steps)
+    if t.name in ("embedded", "wordmath"):
         _positive("task.digits", t.digits)
         if e.num_problems > t.eval_size:
             raise ValueError(

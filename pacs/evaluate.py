@@ -1,7 +1,9 @@
-"""Held-out evaluation: accuracy and pass@k with the unbiased estimator of Chen et al. (2021)."""
+"""Held-out evaluation: accuracy, mean@n, response length and pass@k with the unbiased estimator of
+Chen et al. (2021), per problem and overall."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 from .tasks.base import Problem, Task
@@ -60,27 +62,57 @@ def decode_response(tokenizer, tokens: Sequence[int]) -> str:
     return tokenizer.decode(list(tokens), skip_special_tokens=True)
 
 
-def evaluate(engine, task: Task, tokenizer, problems: list[Problem], *, n_samples: int = 1,
+@dataclass
+class EvalReport:
+    """What :func:`run_eval` measured.
+
+    metrics: ``accuracy`` and ``mean@n`` (the mean reward over all samples: greedy accuracy at
+    temperature 0, else mean pass@1), ``pass@k`` for each requested k, ``response_length`` (mean
+    generated tokens per sample, EOS included), ``num_problems``, ``n_samples``.
+    records: one dict per problem: ``index``, ``prompt``, ``answer``, ``n``, ``correct`` (count),
+    ``pass@k`` per k, ``rewards`` and ``lengths`` (per sample) and ``responses`` (decoded texts).
+    """
+
+    metrics: dict[str, float]
+    records: list[dict]
+
+
+def run_eval(engine, task: Task, tokenizer, problems: list[Problem], *, n_samples: int = 1,
              temperature: float = 0.0, top_p: float = 1.0, ks: Sequence[int] = (1,),
              max_new_tokens: int, stop_token_ids: list[int], seed: int = 0,
              template: str = "{prompt}", use_chat_template: bool = False,
-             max_prompt_len: int | None = None) -> dict[str, float]:
-    """Generate ``n_samples`` answers per problem and score them.
-
-    Prompts longer than ``max_prompt_len`` tokens keep their last ``max_prompt_len`` tokens.
-    Returns ``accuracy`` (the mean reward over all samples: greedy accuracy when temperature is 0,
-    else mean pass@1) and ``pass@k`` for each k in ``ks``.
-    """
+             max_prompt_len: int | None = None) -> EvalReport:
+    """Generate ``n_samples`` answers per problem with ``engine`` and score them with the task's
+    reward (prompts longer than ``max_prompt_len`` tokens keep their last ``max_prompt_len``)."""
     if n_samples > 1 and temperature == 0:
         raise ValueError("n_samples > 1 needs temperature > 0 (greedy samples are identical)")
+    for k in ks:
+        if not 1 <= k <= n_samples:
+            raise ValueError(f"ks entries must be in [1, n_samples={n_samples}], got {k}")
+    if not problems:
+        raise ValueError("problems is empty")
     prompts, _ = encode_prompts(tokenizer, problems, template=template, use_chat_template=use_chat_template,
                                 max_prompt_len=max_prompt_len)
     outputs = engine.generate(prompts, n_samples, temperature=temperature, top_p=top_p,
                               max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, seed=seed)
-    counts = []
-    for problem, responses in zip(problems, outputs):
-        counts.append(int(sum(task.reward(decode_response(tokenizer, r), problem) for r in responses)))
-    result = {"accuracy": sum(counts) / (len(counts) * n_samples), "num_problems": float(len(problems))}
+    records = []
+    for index, (problem, responses) in enumerate(zip(problems, outputs)):
+        texts = [decode_response(tokenizer, r) for r in responses]
+        rewards = [float(task.reward(t, problem)) for t in texts]
+        correct = int(sum(rewards))
+        records.append({"index": index, "prompt": problem.prompt, "answer": problem.answer, "n": n_samples,
+                        "correct": correct, **{f"pass@{k}": pass_at_k(n_samples, correct, k) for k in ks},
+                        "rewards": rewards, "lengths": [len(r) for r in responses], "responses": texts})
+    counts = [r["correct"] for r in records]
+    mean = sum(counts) / (len(counts) * n_samples)
+    metrics = {"accuracy": mean, f"mean@{n_samples}": mean, "num_problems": float(len(problems)),
+               "n_samples": float(n_samples),
+               "response_length": sum(sum(r["lengths"]) for r in records) / (len(records) * n_samples)}
     for k in ks:
-        result[f"pass@{k}"] = mean_pass_at_k(counts, n_samples, k)
-    return result
+        metrics[f"pass@{k}"] = mean_pass_at_k(counts, n_samples, k)
+    return EvalReport(metrics=metrics, records=records)
+
+
+def evaluate(engine, task: Task, tokenizer, problems: list[Problem], **kwargs) -> dict[str, float]:
+    """The metrics of :func:`run_eval` (same arguments)."""
+    return run_eval(engine, task, tokenizer, problems, **kwargs).metrics

@@ -218,7 +218,8 @@ def evaluate_policy(cfg: Config, engine, run: Run, dist_info: DistInfo, step: in
     sums = [0.0] * (2 + len(e.ks))
     if problems:
         result = evaluate(engine, run.task, run.tokenizer, problems, n_samples=e.n_samples, temperature=e.temperature,
-                          ks=e.ks, max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=run.stop_ids,
+                          top_p=e.top_p, ks=e.ks, max_new_tokens=cfg.rollout.max_new_tokens,
+                          stop_token_ids=run.stop_ids,
                           seed=step_seed(cfg.seed + 1, step, first * e.n_samples),
                           template=cfg.task.prompt_template, use_chat_template=cfg.task.use_chat_template,
                           max_prompt_len=cfg.rollout.max_prompt_len)
@@ -323,13 +324,15 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
 
 
 def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: float, update: UpdateResult,
-                 scheduler, state: dict, times: dict[str, float], dist_info: DistInfo) -> dict:
-    """One rollout step's metrics row: the per-rank statistics averaged over ranks, then the
-    optimizer's, the throughput, the timings and the peak memory."""
+                 scheduler, state: dict, times: dict[str, float], dist_info: DistInfo,
+                 extra: dict[str, float] | None = None) -> dict:
+    """One rollout step's metrics row: the per-rank statistics averaged over ranks (``extra``: the
+    task's reward counters, e.g. math-verify timeouts, each scored 0), then the optimizer's, the
+    throughput, the timings and the peak memory."""
     response_tokens = sum(len(x) for x in responses)
     local = {"reward_mean": float(batch.rewards.mean()), "entropy": entropy,
              "response_length": response_tokens / len(responses),
-             "loss": sum(update.losses) / len(update.losses),
+             "loss": sum(update.losses) / len(update.losses), **(extra or {}),
              **{k: v for k, v in update.stats.items() if k not in ("loss", "reward_mean")}}
     row = {"step": step, **all_reduce_mean(local, dist_info)}
     row.update({
@@ -488,7 +491,8 @@ def train(cfg: Config) -> TrainResult:
             # metrics (averaged over ranks), held-out evaluation every eval.every steps, checkpoint
             times = {"rollout_time": rollout_time, "update_time": update_time, "sync_time": sync_time,
                      "step_time": time.time() - step_start, "elapsed": time.time() - start_time}
-            row = step_metrics(step, batch, responses, entropy, update, scheduler, state, times, dist_info)
+            row = step_metrics(step, batch, responses, entropy, update, scheduler, state, times, dist_info,
+                               extra=run.task.reward_metrics())
             out_of_time = cfg.max_minutes is not None and time.time() - start_time > 60 * cfg.max_minutes
             last_step = step == cfg.max_steps or out_of_time
             if (cfg.eval.every and step % cfg.eval.every == 0) or last_step:

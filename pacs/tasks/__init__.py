@@ -1,4 +1,5 @@
-"""Tasks: the built-in addition task ("embedded") and math datasets (jsonl / parquet)."""
+"""Tasks: the built-in addition task ("embedded"), generated word problems ("wordmath") and math
+datasets (jsonl / parquet)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from ..config import Config
 from .arithmetic import AdditionTask
 from .base import Problem, Task
 from .math_data import MathTask, load_problems
+from .word_problems import WordProblemTask
 
 
 def make_task(cfg: Config) -> Task:
@@ -14,9 +16,11 @@ def make_task(cfg: Config) -> Task:
     if t.name == "embedded":
         return AdditionTask(t.digits, seed=cfg.seed, eval_size=t.eval_size,
                             reverse=t.reverse)
+    if t.name == "wordmath":
+        return WordProblemTask(t.word_steps, seed=cfg.seed, eval_size=t.eval_size)
     if t.name == "math":
         return MathTask(t.data_path, eval_path=t.eval_path, eval_size=t.eval_size, seed=cfg.seed)
-    raise ValueError(f"task.name must be 'embedded' or 'math', got {t.name!r}")
+    raise ValueError(f"task.name must be 'embedded', 'wordmath' or 'math', got {t.name!r}")
 
 
-__all__ = ["AdditionTask", "MathTask", "Problem", "Task", "load_problems", "make_task"]
+__all__ = ["AdditionTask", "MathTask", "Problem", "Task", "WordProblemTask", "load_problems", "make_task"]

@@ -28,8 +28,21 @@ class Task:
     def eval_problems(self, limit: int | None = None) -> list[Problem]:
         raise NotImplementedError
 
+    def target_text(self, problem: Problem) -> str:
+        """The reply a supervised warm-up teaches for ``problem`` (the bare answer by default)."""
+        return problem.answer
+
     def reward(self, response_text: str, problem: Problem) -> float:
         return float(self.reward_fn(response_text, problem.answer))
+
+    def reward_metrics(self) -> dict[str, float]:
+        """Counts of rewards that timed out or failed since the last call (math-verify rewards),
+        e.g. ``{"reward_timeouts": 0.0, "reward_errors": 1.0}``; empty for rewards without them."""
+        pop = getattr(getattr(self, "reward_fn", None), "pop_counts", None)
+        if pop is None:
+            return {}
+        counts = pop()
+        return {"reward_timeouts": float(counts["timeouts"]), "reward_errors": float(counts["errors"])}
 
     def train_batch(self, start: int, count: int) -> list[Problem]:
         return [self.train_problem(start + i) for i in range(count)]

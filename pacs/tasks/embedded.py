@@ -1,5 +1,7 @@
 """The built-in "embedded" run: a tiny model and a character tokenizer built in code, warmed up by a
-short supervised phase on the addition format, cached on disk in Hugging Face format.
+short supervised phase on the addition format, cached on disk in Hugging Face format. With
+``task.name=wordmath`` the same model family gets the word tokenizer of
+:mod:`pacs.tasks.word_problems` and is warmed up on word problems instead.
 
 The warm-up teaches the format and leaves the task far from solved; PACS then lifts held-out
 accuracy. Everything here is deterministic in the config, so the cache key is a hash of it.
@@ -18,6 +20,7 @@ import torch
 
 from ..config import TaskConfig, config_hash
 from .arithmetic import AdditionTask
+from .base import Task
 
 CHARACTERS = list("0123456789+-*=")
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
@@ -66,16 +69,30 @@ def warmup_key(cfg: TaskConfig, seed: int) -> str:
         "digits", "reverse", "hidden_size", "num_layers", "num_heads", "intermediate_size", "warmup_steps",
         "warmup_batch_size", "warmup_lr", "warmup_target_accuracy")}
     fields.update(seed=seed, version=2, vocab="".join(SPECIAL_TOKENS + CHARACTERS))
+    if cfg.name == "wordmath":  # the addition task's key is left as it was (its caches stay valid)
+        from .word_problems import WORDS
+
+        fields.update(task="wordmath", word_steps=cfg.word_steps, vocab=" ".join(WORDS))
     return config_hash(fields)
 
 
-def _sft_batch(task: AdditionTask, tokenizer, rng: random.Random, size: int):
-    """Token ids, attention mask and loss mask (answer + EOS only) of ``size`` solved problems."""
+def warmup_task_and_tokenizer(cfg: TaskConfig, seed: int):
+    """The task whose problems the warm-up trains on, and the tokenizer of its tiny model."""
+    if cfg.name == "wordmath":
+        from .word_problems import WordProblemTask, build_word_tokenizer
+
+        return WordProblemTask(cfg.word_steps, seed=seed, eval_size=cfg.eval_size), build_word_tokenizer()
+    return AdditionTask(cfg.digits, seed=seed, eval_size=cfg.eval_size, reverse=cfg.reverse), build_tokenizer()
+
+
+def _sft_batch(task: Task, tokenizer, rng: random.Random, size: int):
+    """Token ids, attention mask and loss mask (target + EOS only) of ``size`` solved problems."""
     rows, masks = [], []
     for _ in range(size):
         problem = task.train_problem(rng.randrange(1 << 40))
         prompt = tokenizer(problem.prompt)["input_ids"]
-        answer = tokenizer(problem.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        answer = tokenizer(task.target_text(problem), add_special_tokens=False)["input_ids"] + [
+            tokenizer.eos_token_id]
         rows.append(prompt + answer)
         masks.append([0] * len(prompt) + [1] * len(answer))
     width = max(len(r) for r in rows)
@@ -90,8 +107,9 @@ def _sft_batch(task: AdditionTask, tokenizer, rng: random.Random, size: int):
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, problems) -> float:
-    """Exact-match accuracy of greedy answers (HF generate, left-padded batch)."""
+def greedy_accuracy(model, tokenizer, problems, task: Task | None = None) -> float:
+    """Accuracy of greedy answers (HF generate, left-padded batch): ``task.reward``, or exact match
+    with the answer when no task is given."""
     prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
@@ -99,14 +117,17 @@ def greedy_accuracy(model, tokenizer, problems) -> float:
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         attention[i, width - len(p):] = 1
-    longest_answer = max(len(p.answer) for p in problems) + 1
+    targets = [task.target_text(p) if task is not None else p.answer for p in problems]
+    longest_answer = max(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in targets) + 1
     out = model.generate(input_ids=ids, attention_mask=attention, max_new_tokens=longest_answer, do_sample=False,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-    return sum(t.strip() == p.answer for t, p in zip(texts, problems)) / len(problems)
+    if task is None:
+        return sum(t.strip() == p.answer for t, p in zip(texts, problems)) / len(problems)
+    return sum(task.reward(t, p) for t, p in zip(texts, problems)) / len(problems)
 
 
-def supervised_warmup(model, tokenizer, task: AdditionTask, cfg: TaskConfig, seed: int, log=print) -> dict:
+def supervised_warmup(model, tokenizer, task: Task, cfg: TaskConfig, seed: int, log=print) -> dict:
     """Cross-entropy on the answer tokens (AdamW, constant lr) until greedy accuracy on a validation
     set (training-stream problems, never the held-out ones) reaches ``cfg.warmup_target_accuracy``,
     or for at most ``cfg.warmup_steps`` steps. Stopping at a target, not a step count, leaves the
@@ -127,7 +148,7 @@ def supervised_warmup(model, tokenizer, task: AdditionTask, cfg: TaskConfig, see
         optimizer.step()
         if step % 25 == 0 or step == cfg.warmup_steps:
             model.eval()
-            accuracy = greedy_accuracy(model, tokenizer, validation)
+            accuracy = greedy_accuracy(model, tokenizer, validation, task)
             if step % 250 == 0 or accuracy >= cfg.warmup_target_accuracy:
                 log(f"[warm-up] step {step}: loss {loss.item():.3f}, validation accuracy {accuracy:.3f}")
             if accuracy >= cfg.warmup_target_accuracy:
@@ -144,8 +165,7 @@ def prepare_embedded_model(cfg: TaskConfig, seed: int, log=print) -> str:
         return path
     log(f"[warm-up] building the tiny model; supervised steps until validation accuracy "
         f">= {cfg.warmup_target_accuracy} (at most {cfg.warmup_steps}); cached at {path}")
-    tokenizer = build_tokenizer()
-    task = AdditionTask(cfg.digits, seed=seed, eval_size=cfg.eval_size, reverse=cfg.reverse)
+    task, tokenizer = warmup_task_and_tokenizer(cfg, seed)
     start = time.time()
     with torch.random.fork_rng(devices=[]):
         model = build_model(cfg, len(tokenizer), seed)

@@ -10,8 +10,8 @@ import random
 from ..rewards import extract_boxed, math_reward
 from .base import Problem, Task
 
-QUESTION_KEYS = ("prompt", "problem", "question")
-ANSWER_KEYS = ("answer", "final_answer", "solution")
+QUESTION_KEYS = ("prompt", "problem", "question", "Problem")  # "Problem": AIME 2024's column
+ANSWER_KEYS = ("answer", "final_answer", "Answer", "solution")
 
 
 def _row_to_problem(row: dict, where: str) -> Problem:
@@ -29,8 +29,8 @@ def _row_to_problem(row: dict, where: str) -> Problem:
     return Problem(prompt=str(question), answer=answer)
 
 
-def load_problems(path: str) -> list[Problem]:
-    """All rows of a ``.jsonl``/``.json`` or ``.parquet`` file as problems."""
+def read_rows(path: str) -> list[dict]:
+    """All rows of a ``.jsonl``/``.json`` or ``.parquet`` file as dicts."""
     if not os.path.isfile(path):
         raise ValueError(f"task.data_path: no such file {path!r}")
     if path.endswith(".parquet"):
@@ -38,8 +38,8 @@ def load_problems(path: str) -> list[Problem]:
             import pandas as pd
         except ImportError as exc:
             raise ValueError(f"reading {path!r} needs pandas and pyarrow (pip install pandas pyarrow)") from exc
-        rows = pd.read_parquet(path).to_dict("records")
-    elif path.endswith((".jsonl", ".json")):
+        return pd.read_parquet(path).to_dict("records")
+    if path.endswith((".jsonl", ".json")):
         rows = []
         with open(path) as fh:
             for n, line in enumerate(fh, 1):
@@ -48,8 +48,18 @@ def load_problems(path: str) -> list[Problem]:
                         rows.append(json.loads(line))
                     except json.JSONDecodeError as exc:
                         raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from exc
-    else:
-        raise ValueError(f"task.data_path must end in .jsonl, .json or .parquet, got {path!r}")
+        return rows
+    raise ValueError(f"task.data_path must end in .jsonl, .json or .parquet, got {path!r}")
+
+
+def load_problems(path: str) -> list[Problem]:
+    """All rows of a ``.jsonl``/``.json`` or ``.parquet`` file as problems; ``hf:NAME`` loads a
+    dataset of :data:`pacs.datasets.DATASETS` from the Hugging Face Hub (online only)."""
+    from ..datasets import HF_PREFIX, load_hf
+
+    if path.startswith(HF_PREFIX):
+        return load_hf(path[len(HF_PREFIX):])
+    rows = read_rows(path)
     problems = [_row_to_problem(row, f"{path} row {i}") for i, row in enumerate(rows)]
     if not problems:
         raise ValueError(f"task.data_path: {path!r} holds no rows")

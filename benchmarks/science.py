@@ -1,0 +1,310 @@
+"""PACS vs GRPO (and PACS's score-function term on vs off) across seeds, on the built-in addition
+task and on the generated word-problem task, under one small, equal budget.
+
+    python benchmarks/science.py run     # the sweep: one `pacs train` per (seed, task, variant)
+    python benchmarks/science.py report  # table + plots from the runs recorded so far
+
+``run`` appends one JSON line per finished run to ``OUT/runs.jsonl`` (OUT defaults to
+benchmarks/results/science), so a partial sweep is still reportable and a restarted sweep skips
+the runs already recorded. Several ``run`` processes may work on one sweep: each run is claimed
+first (a ``.claim`` file in the runs directory; delete those of runs that were killed to redo
+them). Seeds are the outer loop: after s seeds every variant has s runs.
+Every run uses the same settings except the variant's own (``VARIANTS``); each evaluates the
+held-out set every ``--eval-every`` rollout steps with ``--n-samples`` samples per problem at the
+paper's temperature (0.6; top-p 1), giving pass@1 (= mean@n) and pass@k for k = 1, 2, 4, ..., n.
+
+``report`` writes ``OUT/report.md`` (mean and 95% t-interval over seeds of the final pass@k, and
+of the paired difference against the baseline variant) and the PNG plots next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+VARIANTS = {
+    "pacs": ["optim.algo=pacs"],
+    "grpo": ["optim.algo=grpo"],
+    "pacs_sft": ["optim.algo=pacs", "optim.score_function_term=true"],
+}
+TASKS = {
+    "embedded": ["task.name=embedded"],
+    "wordmath": ["task.name=wordmath", "rollout.max_new_tokens=7"],
+}
+# what each comparison sets against what (label, variant, baseline variant)
+COMPARISONS = [("PACS - GRPO", "pacs", "grpo"), ("PACS score-function term on - off", "pacs_sft", "pacs")]
+
+
+def run_one(task: str, variant: str, seed: int, args, cache_dir: str) -> dict:
+    """One `pacs train` in a fresh process; returns its record (evals from metrics.jsonl)."""
+    out = os.path.join(args.runs_dir, f"{task}-{variant}-s{seed}")
+    ks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if k <= args.n_samples]
+    cmd = [sys.executable, "-m", "pacs", "train", "--output-dir", out, "--seed", str(seed),
+           "--max-steps", str(args.max_steps), *TASKS[task], *VARIANTS[variant],
+           f"task.cache_dir={cache_dir}", f"eval.every={args.eval_every}", f"eval.n_samples={args.n_samples}",
+           "eval.temperature=0.6", f"eval.ks=[{','.join(map(str, ks))}]", f"eval.num_problems={args.num_problems}",
+           "checkpoint_every=0", "plot=false", "torch_threads=1"]
+    env = dict(os.environ, PYTHONPATH=args.code_dir, VLLM_LOGGING_LEVEL="ERROR")
+    start = time.time()
+    with open(out + ".log", "w") as log:
+        proc = subprocess.run(cmd, cwd=args.code_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                              timeout=args.run_timeout)
+    wall = time.time() - start
+    record = {"task": task, "variant": variant, "seed": seed, "max_steps": args.max_steps,
+              "returncode": proc.returncode, "wall_s": round(wall, 1), "command": " ".join(cmd[1:]),
+              "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "host": platform.node(),
+              "cpus": os.cpu_count(), "n_samples": args.n_samples, "ks": ks}
+    rows = []
+    metrics = os.path.join(out, "metrics.jsonl")
+    if os.path.isfile(metrics):
+        with open(metrics) as fh:
+            rows = [json.loads(line) for line in fh if line.strip()]
+    record["evals"] = [{k: v for k, v in r.items() if k == "step" or k.startswith("eval_")}
+                       for r in rows if "eval_accuracy" in r]
+    train_rows = [r for r in rows if "reward_mean" in r]
+    record["train"] = {
+        "reward_first10": _mean([r["reward_mean"] for r in train_rows[:10]]),
+        "reward_last10": _mean([r["reward_mean"] for r in train_rows[-10:]]),
+        "response_length_last10": _mean([r["response_length"] for r in train_rows[-10:]]),
+        "reward_timeouts": sum(r.get("reward_timeouts", 0.0) for r in train_rows),
+        "reward_errors": sum(r.get("reward_errors", 0.0) for r in train_rows),
+        "loop_s": train_rows[-1]["elapsed"] if train_rows else None,
+    }
+    return record
+
+
+def _mean(values):
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def load_records(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        return []
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def cmd_run(args) -> int:
+    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.runs_dir, exist_ok=True)
+    path = os.path.join(args.out, "runs.jsonl")
+    cache_dir = os.path.join(args.runs_dir, "cache")
+    deadline = datetime.datetime.fromisoformat(args.deadline) if args.deadline else None
+    for seed in args.seeds:
+        for task in args.tasks:
+            for variant in args.variants:
+                done = {(r["task"], r["variant"], r["seed"]) for r in load_records(path) if r["returncode"] == 0}
+                if (task, variant, seed) in done or not _claim(args.runs_dir, task, variant, seed):
+                    continue  # finished, or another `run` process (same OUT) has started it
+                now = datetime.datetime.now(datetime.timezone.utc)
+                if deadline is not None and now >= deadline:
+                    print(f"[science] deadline {args.deadline} reached: stopping before {task}/{variant}/seed {seed}")
+                    return 0
+                print(f"[science] {now:%H:%M:%S} {task} {variant} seed {seed}", flush=True)
+                try:
+                    record = run_one(task, variant, seed, args, cache_dir)
+                except subprocess.TimeoutExpired:
+                    print(f"[science] {task}/{variant}/seed {seed} ran past {args.run_timeout} s: skipped", flush=True)
+                    continue
+                with open(path, "a") as fh:
+                    fh.write(json.dumps(record) + "\n")
+                last = record["evals"][-1] if record["evals"] else {}
+                print(f"[science]   rc {record['returncode']}, {record['wall_s']} s, final pass@1 "
+                      f"{last.get('eval_pass@1', float('nan')):.3f}", flush=True)
+    return 0
+
+
+def _claim(runs_dir: str, task: str, variant: str, seed: int) -> bool:
+    """True for the one process that creates the run's claim file: `run` processes may share a sweep."""
+    try:
+        os.close(os.open(os.path.join(runs_dir, f"{task}-{variant}-s{seed}.claim"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------- report
+# two-sided 95% Student-t quantiles t_{0.975, df} for df = 1..30 (standard table values)
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+        2.045, 2.042]
+
+
+def t_interval(values: list[float]) -> tuple[float, float, int]:
+    """Mean and the half-width of its two-sided 95% Student-t interval (nan below 2 values)."""
+    n = len(values)
+    mean = sum(values) / n if n else float("nan")
+    if n < 2:
+        return mean, float("nan"), n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    return mean, (T975[n - 2] if n - 1 <= len(T975) else 1.96) * sd / math.sqrt(n), n
+
+
+def _final(record: dict, key: str) -> float:
+    return record["evals"][-1][key] if record["evals"] else float("nan")
+
+
+def cmd_report(args) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in load_records(os.path.join(args.out, "runs.jsonl")) if r["returncode"] == 0 and r["evals"]]
+    if not records:
+        print("[science] no finished runs yet", file=sys.stderr)
+        return 1
+    for r in records:  # entropy of the policy, from the run's own metrics when its directory is still here
+        path = os.path.join(args.runs_dir, f"{r['task']}-{r['variant']}-s{r['seed']}", "metrics.jsonl")
+        rows = [row for row in load_records(path) if row.get("entropy") is not None]
+        r["train"].setdefault("entropy_first10", _mean([row["entropy"] for row in rows[:10]]))
+        r["train"].setdefault("entropy_last10", _mean([row["entropy"] for row in rows[-10:]]))
+    by = {}
+    for r in records:
+        by.setdefault((r["task"], r["variant"]), {})[r["seed"]] = r
+    tasks = [t for t in TASKS if any(k[0] == t for k in by)]
+    variants = [v for v in VARIANTS if any(k[1] == v for k in by)]
+    ks = records[0]["ks"]
+    lines = ["# PACS vs GRPO, and PACS's score-function term, across seeds (small CPU budget)", ""]
+    lines += [f"Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC from "
+              f"`runs.jsonl` ({len(records)} finished runs) by `python benchmarks/science.py report`.", ""]
+    if args.note:
+        lines += [args.note, ""]
+    lines += ["Every cell: mean over seeds +- the half-width of the 95% Student-t interval (n = seeds). "
+              f"Metrics on the task's 200 held-out problems after {records[0]['max_steps']} rollout steps, "
+              f"{records[0]['n_samples']} samples per problem at temperature 0.6 (pass@1 = mean@n); step 0 is the "
+              "warmed-up model before any RL step (the same for every variant of a seed).", ""]
+    for task in tasks:
+        lines += [f"## {task}", "", "| variant | seeds | pass@1 at step 0 | " + " | ".join(
+            f"pass@{k}" for k in ks) + " | train reward (last 10 steps) | entropy (first -> last 10 steps) "
+            "| reward timeouts |",
+            "|---|---:|---:|" + "---:|" * len(ks) + "---:|---:|---:|"]
+        for variant in variants:
+            runs = list(by.get((task, variant), {}).values())
+            if not runs:
+                continue
+            cells = []
+            for k in ks:
+                m, h, _ = t_interval([_final(r, f"eval_pass@{k}") for r in runs])
+                cells.append(f"{m:.3f} +- {h:.3f}")
+            m0, h0, _ = t_interval([r["evals"][0]["eval_pass@1"] for r in runs])
+            mr, hr, _ = t_interval([r["train"]["reward_last10"] for r in runs])
+            timeouts = sum(r["train"]["reward_timeouts"] for r in runs)
+            e0 = _mean([r["train"]["entropy_first10"] for r in runs])
+            e1 = _mean([r["train"]["entropy_last10"] for r in runs])
+            lines.append(f"| {variant} | {len(runs)} | {m0:.3f} +- {h0:.3f} | " + " | ".join(cells)
+                         + f" | {mr:.3f} +- {hr:.3f} | {e0:.2f} -> {e1:.2f} | {timeouts:.0f} |")
+        lines += ["", "Paired differences (same seed: same warm-up, held-out set and prompts):", "",
+                  "| comparison | seeds | " + " | ".join(f"d pass@{k}" for k in ks) + " |",
+                  "|---|---:|" + "---:|" * len(ks)]
+        for label, a, b in COMPARISONS:
+            seeds = sorted(set(by.get((task, a), {})) & set(by.get((task, b), {})))
+            if not seeds:
+                continue
+            cells = []
+            for k in ks:
+                diffs = [_final(by[(task, a)][s], f"eval_pass@{k}") - _final(by[(task, b)][s], f"eval_pass@{k}")
+                         for s in seeds]
+                m, h, _ = t_interval(diffs)
+                mark = "" if math.isnan(h) or abs(m) <= h else " *"
+                cells.append(f"{m:+.3f} +- {h:.3f}{mark}")
+            lines.append(f"| {label} | {len(seeds)} | " + " | ".join(cells) + " |")
+        lines += ["", "(* the 95% interval excludes 0)", ""]
+        _plots(plt, task, variants, by, ks, args.out)
+        lines += [f"![pass@1 over training, {task}]({task}_pass1_curve.png)",
+                  f"![pass@k vs k, {task}]({task}_pass_at_k.png)", ""]
+    wall = [r["wall_s"] for r in records]
+    lines += ["## Budget and how to reproduce", "",
+              f"Runs: {len(records)}, each one `pacs train` process with 1 torch thread "
+              f"({min(wall):.0f}-{max(wall):.0f} s wall each, warm-up included when the seed's was not cached yet; "
+              f"{sum(wall) / 60:.0f} min in all) on "
+              f"{records[0]['host']} ({records[0]['cpus']} CPU cores shared with other jobs). One run's command "
+              "(from the repository root):", "",
+              "    python " + records[0]["command"].replace(REPO + os.sep, ""), "",
+              "The whole sweep and this report:", "",
+              "    python benchmarks/science.py run --seeds 0 1 2 3 4 && python benchmarks/science.py report", ""]
+    with open(os.path.join(args.out, "report.md"), "w") as fh:
+        fh.write("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+def _plots(plt, task, variants, by, ks, out):
+    colors = {"pacs": "tab:blue", "grpo": "tab:orange", "pacs_sft": "tab:green"}
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for variant in variants:
+        runs = list(by.get((task, variant), {}).values())
+        if not runs:
+            continue
+        steps = [e["step"] for e in runs[0]["evals"]]
+        stats = [t_interval([r["evals"][i]["eval_pass@1"] for r in runs if len(r["evals"]) > i])
+                 for i in range(len(steps))]
+        mean = [s[0] for s in stats]
+        half = [0.0 if math.isnan(s[1]) else s[1] for s in stats]
+        ax.plot(steps, mean, marker="o", color=colors.get(variant), label=f"{variant} (n={len(runs)})")
+        ax.fill_between(steps, [m - h for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)],
+                        color=colors.get(variant), alpha=0.2)
+    ax.set_xlabel("rollout step")
+    ax.set_ylabel("held-out pass@1 (T = 0.6)")
+    ax.set_title(f"{task}: mean over seeds, 95% t-interval")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, f"{task}_pass1_curve.png"), dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for variant in variants:
+        runs = list(by.get((task, variant), {}).values())
+        if not runs:
+            continue
+        stats = [t_interval([_final(r, f"eval_pass@{k}") for r in runs]) for k in ks]
+        mean = [s[0] for s in stats]
+        half = [0.0 if math.isnan(s[1]) else s[1] for s in stats]
+        ax.errorbar(ks, mean, yerr=half, marker="o", capsize=3, color=colors.get(variant),
+                    label=f"{variant} (n={len(runs)})")
+    base = [r for v in variants for r in by.get((task, v), {}).values()]
+    ax.plot(ks, [_mean([r["evals"][0][f"eval_pass@{k}"] for r in base]) for k in ks], ls="--", color="gray",
+            label="step 0 (warm-up)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("k")
+    ax.set_ylabel("held-out pass@k (T = 0.6)")
+    ax.set_title(f"{task}: pass@k after training, 95% t-interval")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, f"{task}_pass_at_k.png"), dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=("run", "report"))
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "science"))
+    parser.add_argument("--runs-dir", default=os.path.join(REPO, "runs", "science"),
+                        help="the runs' output directories and warm-up cache")
+    parser.add_argument("--code-dir", default=REPO, help="repository whose `pacs` the runs import (PYTHONPATH)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--max-steps", type=int, default=80)
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--n-samples", type=int, default=16)
+    parser.add_argument("--num-problems", type=int, default=200)
+    parser.add_argument("--run-timeout", type=float, default=900.0, help="seconds before one run is abandoned")
+    parser.add_argument("--note", help="report: a paragraph to print under the title (e.g. the code's commit)")
+    parser.add_argument("--deadline", help="ISO time (with zone) after which no new run starts")
+    args = parser.parse_args(argv)
+    return cmd_run(args) if args.command == "run" else cmd_report(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

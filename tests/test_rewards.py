@@ -1,0 +1,117 @@
+"""The math reward on the shipped set of tricky answers (tests/data/math_reward_cases.jsonl), its
+timeouts (counted, scored 0) in the main thread and off it, and the fallback without math-verify."""
+
+import json
+import os
+import threading
+
+import pytest
+
+from pacs import rewards
+from pacs.rewards import MathVerifyReward, fallback_math_check, math_verify_available
+
+CASES_PATH = os.path.join(os.path.dirname(__file__), "data", "math_reward_cases.jsonl")
+with open(CASES_PATH) as fh:
+    CASES = [json.loads(line) for line in fh if line.strip()]
+QUICK = [c for c in CASES if not c["timeout"]]
+PATHOLOGICAL = [c for c in CASES if c["timeout"]]
+
+needs_math_verify = pytest.mark.skipif(not math_verify_available(), reason="math-verify is not installed")
+
+
+def test_case_file_covers_every_kind():
+    kinds = {c["kind"] for c in CASES}
+    assert kinds >= {"boxed", "fraction", "interval", "units", "latex_vs_plain", "several_boxes", "no_answer",
+                     "pathological"}
+    assert {c["expected"] for c in QUICK} == {0.0, 1.0}
+
+
+@needs_math_verify
+@pytest.mark.parametrize("case", QUICK, ids=[f"{c['kind']}-{i}" for i, c in enumerate(QUICK)])
+def test_tricky_answers(case):
+    reward = MathVerifyReward(timeout_s=2)
+    assert reward(case["response"], case["answer"]) == case["expected"], case["note"]
+    counts = reward.pop_counts()
+    assert counts == {"calls": 1, "timeouts": 0, "errors": 0}
+
+
+@needs_math_verify
+def test_pathological_answers_time_out_score_zero_and_are_counted():
+    reward = MathVerifyReward(timeout_s=1)
+    for case in PATHOLOGICAL:
+        assert reward(case["response"], case["answer"]) == 0.0, case["note"]
+    assert reward.pop_counts() == {"calls": len(PATHOLOGICAL), "timeouts": len(PATHOLOGICAL), "errors": 0}
+    # a cached timeout is counted again (it is still a response that could not be checked) but costs nothing
+    assert reward(PATHOLOGICAL[0]["response"], PATHOLOGICAL[0]["answer"]) == 0.0
+    assert reward.pop_counts()["timeouts"] == 1
+    assert reward.pop_counts() == {"calls": 0, "timeouts": 0, "errors": 0}
+
+
+@needs_math_verify
+def test_off_the_main_thread_a_helper_process_checks_and_times_out():
+    """math-verify's signal-based timeouts raise outside the main thread; the reward must not."""
+    reward = MathVerifyReward(timeout_s=1)
+    picked = [c for c in QUICK if c["kind"] in ("fraction", "several_boxes", "units")][:4] + PATHOLOGICAL[:1]
+    results: list = []
+    worker = threading.Thread(target=lambda: results.extend(reward(c["response"], c["answer"]) for c in picked))
+    worker.start()
+    worker.join(timeout=300)
+    try:
+        assert not worker.is_alive()
+        assert results == [c["expected"] for c in picked]
+        counts = reward.pop_counts()
+        assert counts["calls"] == len(picked) and counts["timeouts"] == 1
+        assert reward._helper is not None  # the helper process did the work
+    finally:
+        reward.close()
+
+
+def test_fallback_without_math_verify(monkeypatch):
+    monkeypatch.setattr(rewards, "math_verify_available", lambda: False)
+    reward = MathVerifyReward()
+    assert reward("so \\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}") == 1.0
+    assert reward("the result is 3.0", "3") == 1.0
+    assert reward("no answer here", "3") == 0.0
+    assert fallback_math_check("\\boxed{4} not \\boxed{3}", "3") == 1.0  # last box
+    assert reward.pop_counts() == {"calls": 3, "timeouts": 0, "errors": 0}
+
+
+def test_cache_is_bounded_and_bad_timeout_refused():
+    reward = MathVerifyReward(cache_size=3)
+    for i in range(6):
+        reward(f"\\boxed{{{i}}}", str(i))
+    assert len(reward._cache) == 3
+    with pytest.raises(ValueError, match="timeout_s must be an int >= 1"):
+        MathVerifyReward(timeout_s=0.5)
+
+
+@needs_math_verify
+def test_task_reports_timeouts_for_the_trainer_metrics(tmp_path):
+    """What the trainer logs per step: a math task's reward timeouts and errors since the last step."""
+    from pacs.tasks import MathTask
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"problem": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    task = MathTask(str(path), eval_path=str(path))
+    task.reward_fn = MathVerifyReward(timeout_s=1)
+    problem = task.eval_problems()[0]
+    assert task.reward("\\boxed{1}", problem) == 1.0
+    assert task.reward(PATHOLOGICAL[0]["response"], problem) == 0.0
+    assert task.reward_metrics() == {"reward_timeouts": 1.0, "reward_errors": 0.0}
+    assert task.reward_metrics() == {"reward_timeouts": 0.0, "reward_errors": 0.0}
+
+
+@needs_math_verify
+def test_first_check_in_a_fresh_process_is_not_timed_out_by_set_up():
+    """math-verify builds its LaTeX parser on first use (about 2 s); that must not count against the
+    first answer's 1 s limit (it did, under load, in the science sweep: see its report)."""
+    import subprocess
+    import sys
+
+    code = ("from pacs.rewards import MathVerifyReward\n"
+            "r = MathVerifyReward(timeout_s=1)\n"
+            "print(r('so \\\\boxed{\\\\frac{3}{4}}', '0.75'), r.pop_counts()['timeouts'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1.0", "0"]
