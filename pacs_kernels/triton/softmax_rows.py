@@ -24,6 +24,15 @@ import triton.language as tl
 BLOCK_V = 1024
 
 
+@triton.jit
+def _tempered_slice(row_base, bias_ptr, offs, inside, inv_tau, HAS_BIAS: tl.constexpr):
+    """(z + b) / tau over one slice of a row, float32 (0 where ``inside`` is False)."""
+    z = tl.load(row_base + offs, mask=inside, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(bias_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+    return z * inv_tau
+
+
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias_ptr"] is not None,
                     "WITH_ENTROPY": lambda args: args["entropy_ptr"] is not None})
 @triton.jit
@@ -37,10 +46,7 @@ def _row_lse_kernel(z_ptr, y_ptr, bias_ptr, lse_ptr, target_ptr, entropy_ptr, V,
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
         inside = offs < V
-        z = tl.load(base + offs, mask=inside, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            z += tl.load(bias_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-        z = tl.where(inside, z * inv_tau, float("-inf"))
+        z = tl.where(inside, _tempered_slice(base, bias_ptr, offs, inside, inv_tau, HAS_BIAS), float("-inf"))
         new_max = tl.maximum(running_max, tl.max(z, axis=0))
         rescale = tl.exp(running_max - new_max)
         e = tl.exp(z - new_max)
@@ -72,10 +78,7 @@ def _row_grad_kernel(z_ptr, dz_ptr, y_ptr, bias_ptr, lse_ptr, g_ptr, V, stride_z
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
         inside = offs < V
-        z = tl.load(z_base + offs, mask=inside, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            z += tl.load(bias_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-        dz = -g * tl.exp(z * inv_tau - lse)
+        dz = -g * tl.exp(_tempered_slice(z_base, bias_ptr, offs, inside, inv_tau, HAS_BIAS) - lse)
         dz = tl.where(offs == y, dz + g, dz)
         tl.store(dz_base + offs, dz.to(dz_ptr.dtype.element_ty), mask=inside)
 
