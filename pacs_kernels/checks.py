@@ -66,8 +66,20 @@ def check_targets_in_range(targets: torch.Tensor, vocab_size: int, name: str = "
         )
 
 
+def check_not_sharded(**tensors) -> None:
+    """A DTensor (e.g. an FSDP2-sharded LM head read outside its module's forward) holds only this
+    rank's shard: the kernels need the whole tensor, so refuse it with the fix rather than fail deep."""
+    for name, value in tensors.items():
+        if value is not None and type(value).__name__ == "DTensor":
+            raise TypeError(
+                f"{name} is a DTensor (sharded, e.g. by FSDP2's fully_shard): the kernels need the full tensor. "
+                f"Read it inside the forward of the module FSDP wraps (where it is gathered), or pass "
+                f"{name}.full_tensor()")
+
+
 def check_linear_inputs(hidden, weight, targets, bias) -> tuple[int, int]:
     """Validate the (hidden, weight, targets, bias) quadruple; return (d, V)."""
+    check_not_sharded(hidden=hidden, weight=weight, bias=bias)
     check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES, min_ndim=1)
     check_tensor("weight", weight, dtypes=FLOAT_DTYPES, ndim=2)
     check_tensor("targets", targets, dtypes=INT_DTYPES)

@@ -90,3 +90,29 @@ def test_triton_on_cpu_without_interpreter_says_how_to_fix():
                          cwd=os.path.dirname(os.path.dirname(__file__)))
     assert "ERR backend='triton' needs CUDA tensors" in out.stdout, out.stdout + out.stderr
     assert "TRITON_INTERPRET=1" in out.stdout
+
+
+def test_sharded_dtensor_head_is_refused_with_the_fix():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from pacs_kernels import fused_linear_pacs_loss
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weight = distribute_tensor(torch.randn(11, 4), mesh, [Shard(0)])
+        hidden, targets = torch.randn(2, 3, 4), torch.randint(0, 11, (2, 3))
+        with pytest.raises(TypeError, match="weight is a DTensor.*full_tensor"):
+            linear_logprobs(hidden, weight, targets)
+        with pytest.raises(TypeError, match="weight is a DTensor"):
+            fused_linear_pacs_loss(hidden, weight, targets, torch.ones(2, 3), None, torch.tensor([0.0, 1.0]),
+                                   group_size=2)
+    finally:
+        if created:
+            dist.destroy_process_group()
