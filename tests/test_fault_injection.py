@@ -83,7 +83,9 @@ def test_kill_9_anywhere_in_checkpoint_writes_then_resume_equals_uninterrupted(t
         kills += child.exitcode == -signal.SIGKILL
         assert child.exitcode in (0, -signal.SIGKILL), child.exitcode
         check_invariants(out, expected)
-    assert kills >= 8  # most runs were really killed before finishing
+        if child.exitcode == 0:  # the chain reached the end: start a new one, so later kills land mid-run
+            shutil.rmtree(out)
+    assert kills >= 6, kills  # most runs were really killed before finishing (the timer may miss a fast run)
     fault_worker.run(out, STEPS)  # the last resume runs to the end
     assert read_metrics(os.path.join(out, "metrics.jsonl")) == expected
     assert check_invariants(out, expected) == STEPS
