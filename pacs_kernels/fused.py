@@ -32,7 +32,7 @@ from torch import nn
 from . import dispatch
 from .checks import check_choice, check_linear_inputs, check_targets_in_range, check_temperature
 from .known_grad import linear_logprobs_known_grad
-from .logprobs import linear_logprobs, resolve_backend
+from .logprobs import check_softcap, linear_logprobs, resolve_backend
 from .loss import _pacs_on_layout, _pacs_torch, check_group_inputs, compute_stats
 from .loss_inputs import (
     ResponseLayout,
@@ -84,6 +84,7 @@ def fused_linear_pacs_loss(
     chunk_elements: int | None = None,
     vocab_splits: int | None = None,
     old_lse: torch.Tensor | None = None,
+    logit_softcap: float | None = None,
 ):
     """PACS loss straight from final hidden states and the LM head.
 
@@ -117,6 +118,9 @@ def fused_linear_pacs_loss(
             those that produced old_logp (the first optimizer step after a rollout): then one sweep
             over the vocabulary gives the loss and its gradients. A stale old_lse is detected (the
             recomputed log-probs differ from old_logp) and raises a ValueError.
+        logit_softcap: optional c > 0, Gemma-style soft-capping of the logits (``c * tanh(z / c)``,
+            before the temperature), on every path (the two-pass and one-sweep paths then use the
+            torch backend: the Triton kernels have no soft-cap).
 
     Returns:
         0-d float32 loss (or ``(loss, PACSStats)``), differentiable in hidden, weight and bias.
@@ -133,6 +137,7 @@ def fused_linear_pacs_loss(
     tokens = check_response_tokens(hidden, targets, mask, old_logp, cu_seqlens)
     check_linear_inputs(tokens.hidden, weight, tokens.targets, bias)
     temperature = check_temperature(temperature)
+    logit_softcap = check_softcap(logit_softcap)
     layout = tokens.selected_layout()
     rewards, valid, beta = check_group_inputs(
         rewards, valid, layout, tokens.hidden.device, group_size=group_size, beta=beta, advantage=advantage,
@@ -147,13 +152,15 @@ def fused_linear_pacs_loss(
             raise ValueError("old_lse goes with the old_logp it was computed with; got old_lse with old_logp=None")
         chosen = "one_sweep"
         result = _first_step_after_rollout(tokens, weight, old_lse, rewards, valid, layout, temperature=temperature,
-                                           bias=bias, backend=backend, return_stats=return_stats, **options)
+                                           bias=bias, backend=backend, return_stats=return_stats,
+                                           softcap=logit_softcap, **options)
     else:
         chunks = None
         n_selected = int(tokens.counts.sum())
         measured_slower = path == "auto" and measured_two_pass_faster(weight.device, n_selected, *weight.shape[::-1])
         if path != "two_pass" and backend != "naive" and not measured_slower:
-            budget_tokens = max_chunk_tokens(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype)
+            budget_tokens = max_chunk_tokens(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype,
+                                             softcap=logit_softcap is not None)
             chunks = plan_group_chunks(tokens.counts.tolist(), group_size, budget_tokens)
             if chunks is None and path == "single_pass":
                 biggest = int(tokens.counts.reshape(-1, group_size).sum(1).max())
@@ -167,13 +174,14 @@ def fused_linear_pacs_loss(
             chosen = "single_pass"
             result = _single_pass_loss(tokens, weight, chunks, rewards, valid, temperature=temperature, bias=bias,
                                        return_stats=return_stats, with_entropy=with_entropy,
-                                       row_kernels=row_kernels_for(backend, weight), **options)
+                                       row_kernels=row_kernels_for(backend, weight), softcap=logit_softcap, **options)
         else:
             chosen = "two_pass"
             result = _two_pass_loss(tokens, weight, rewards, valid, layout, temperature=temperature, bias=bias,
                                     backend=backend, return_stats=return_stats, with_entropy=with_entropy,
                                     logprob_options=dict(filter_eps=filter_eps, chunk_elements=chunk_elements,
-                                                         vocab_splits=vocab_splits), **options)
+                                                         vocab_splits=vocab_splits, logit_softcap=logit_softcap),
+                                    **options)
     logger.debug("fused_linear_pacs_loss: %s path, B=%d, %d response tokens", chosen, tokens.n_responses,
                  int(tokens.counts.sum()))
     if return_stats:
@@ -201,7 +209,7 @@ def _chunk_layout(counts: torch.Tensor) -> ResponseLayout:
 
 
 def _single_pass_loss(tokens, weight, chunks, rewards, valid, *, temperature, bias, return_stats, with_entropy,
-                      row_kernels, **options):
+                      row_kernels, softcap, **options):
     """PACS over chunks of whole groups, one logits GEMM per chunk (single_pass.py)."""
     index = selected_index(tokens.mask)
     old_selected = pick(tokens.old_logp, index)
@@ -219,7 +227,7 @@ def _single_pass_loss(tokens, weight, chunks, rewards, valid, *, temperature, bi
 
     loss, extras, _, entropy = single_pass(
         pick(tokens.hidden, index), weight, targets, bias=bias, temperature=temperature, chunks=chunks,
-        chunk_loss=chunk_loss, with_entropy=with_entropy and return_stats, row_kernels=row_kernels)
+        chunk_loss=chunk_loss, with_entropy=with_entropy and return_stats, row_kernels=row_kernels, softcap=softcap)
     loss = loss.float() if loss.dtype != torch.float64 else loss
     if not return_stats:
         return loss
@@ -246,7 +254,7 @@ def _two_pass_loss(tokens, weight, rewards, valid, layout, *, temperature, bias,
 
 
 def _first_step_after_rollout(tokens, weight, old_lse, rewards, valid, layout, *, temperature, bias, backend,
-                              return_stats, **options):
+                              return_stats, softcap, **options):
     """The loss and its exact gradient in one vocabulary sweep, while logp == old_logp.
 
     The loss is a function of the log-probs alone, so its value and its per-token gradient g
@@ -270,7 +278,7 @@ def _first_step_after_rollout(tokens, weight, old_lse, rewards, valid, layout, *
         (grad_logp,) = torch.autograd.grad(loss, at_old)
     surrogate, logp = linear_logprobs_known_grad(
         pick(tokens.hidden, index), weight, pick(tokens.targets, index), grad_logp,
-        pick(old_lse.reshape(-1), index), temperature=temperature, bias=bias, backend=backend)
+        pick(old_lse.reshape(-1), index), temperature=temperature, bias=bias, backend=backend, logit_softcap=softcap)
     drift = (logp - old_selected.float()).abs().max().item() if logp.numel() else 0.0
     if not drift <= 1e-3 * (1.0 + old_selected.abs().max().item()):
         raise ValueError(
@@ -305,6 +313,7 @@ class PACSLoss(nn.Module):
         backend: str = "auto",
         path: str = "auto",
         chunk_budget_mib: float = DEFAULT_CHUNK_BUDGET_MIB,
+        logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
         check_options(score, advantage, weighting)
@@ -319,6 +328,7 @@ class PACSLoss(nn.Module):
         self.score, self.advantage, self.weighting = score, advantage, weighting
         self.score_function_term, self.backend = score_function_term, backend
         self.path, self.chunk_budget_mib = path, check_chunk_budget(chunk_budget_mib)
+        self.logit_softcap = check_softcap(logit_softcap)
 
     def forward(
         self,
@@ -344,11 +354,12 @@ class PACSLoss(nn.Module):
             temperature=self.temperature, bias=bias, cu_seqlens=cu_seqlens, beta=self.beta, score=self.score,
             advantage=self.advantage, weighting=self.weighting, score_function_term=self.score_function_term,
             return_stats=return_stats, with_entropy=with_entropy, group_ids=group_ids, valid=valid,
-            backend=self.backend, path=self.path, chunk_budget_mib=self.chunk_budget_mib, old_lse=old_lse)
+            backend=self.backend, path=self.path, chunk_budget_mib=self.chunk_budget_mib, old_lse=old_lse,
+            logit_softcap=self.logit_softcap)
 
     def extra_repr(self) -> str:
         return (f"group_size={self.group_size}, beta={self.beta}, score={self.score!r}, "
                 f"advantage={self.advantage!r}, weighting={self.weighting!r}, temperature={self.temperature}, "
                 f"score_function_term={self.score_function_term}, backend={self.backend!r}, path={self.path!r}, "
-                f"chunk_budget_mib={self.chunk_budget_mib:g}")
+                f"chunk_budget_mib={self.chunk_budget_mib:g}, logit_softcap={self.logit_softcap}")
 

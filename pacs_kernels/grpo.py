@@ -29,7 +29,7 @@ from .checks import (
     check_tensor,
 )
 from .fused import FUSED_BACKENDS, PATHS, check_chunk_budget, row_kernels_for
-from .logprobs import linear_logprobs
+from .logprobs import check_softcap, linear_logprobs
 from .loss_inputs import GRPO_STD_EPS, check_group_size, check_nonempty_responses, check_token_tensors
 from .single_pass import DEFAULT_CHUNK_BUDGET_MIB, max_chunk_tokens, plan_token_chunks, single_pass
 from .token_selection import check_response_tokens, match_head_dtype, pick, selected_index
@@ -221,6 +221,7 @@ def fused_linear_grpo_loss(
     backend: str = "auto",
     path: str = "auto",
     chunk_budget_mib: float = DEFAULT_CHUNK_BUDGET_MIB,
+    logit_softcap: float | None = None,
 ):
     """``grpo_loss`` straight from hidden states and the LM head, padded (B, T, d) or packed (N, d) with
     ``cu_seqlens`` (layouts as in :func:`fused_linear_pacs_loss`); ``old_logp=None`` means on-policy.
@@ -230,7 +231,7 @@ def fused_linear_grpo_loss(
     response tokens into chunks of at most ``chunk_budget_mib`` MiB of logits, whatever the response
     lengths: one logits GEMM per chunk, 3 matmuls in all. ``path="two_pass"`` runs ``linear_logprobs``
     with ``backend`` and autograd instead (4 matmuls). ``ref_logp`` (for the KL term) is laid out like
-    old_logp.
+    old_logp. ``logit_softcap``: as in :func:`fused_linear_pacs_loss`.
     """
     check_choice("aggregation", aggregation, AGGREGATIONS)
     check_choice("backend", backend, FUSED_BACKENDS)
@@ -240,6 +241,7 @@ def fused_linear_grpo_loss(
     tokens = check_response_tokens(hidden, targets, mask, old_logp, cu_seqlens)
     check_linear_inputs(tokens.hidden, weight, tokens.targets, bias)
     temperature = check_temperature(temperature)
+    logit_softcap = check_softcap(logit_softcap)
     n = tokens.n_responses
     low, high, kl_coef = check_grpo_options(group_size, n, clip_eps, clip_eps_high, kl_coef, ref_logp,
                                             tokens.mask.reshape(tokens.token_shape))
@@ -282,16 +284,18 @@ def fused_linear_grpo_loss(
 
     if path != "two_pass" and backend != "naive":
         check_targets_in_range(targets_sel, weight.shape[0])
-        budget_tokens = max_chunk_tokens(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype)
+        budget_tokens = max_chunk_tokens(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype,
+                                         softcap=logit_softcap is not None)
         chunks = plan_token_chunks(counts.tolist(), budget_tokens)
         loss, extras, _, _ = single_pass(hidden_sel, weight, targets_sel, bias=bias, temperature=temperature,
                                          chunks=chunks, chunk_loss=lambda lp, c: share(lp, c.tok0, c.tok1),
-                                         row_kernels=row_kernels_for(backend, weight))
+                                         row_kernels=row_kernels_for(backend, weight), softcap=logit_softcap)
         all_terms = extras
     else:
         if path == "single_pass":
             raise ValueError("path='single_pass' has no naive backend; use backend='auto', 'torch' or 'triton'")
-        logp = linear_logprobs(hidden_sel, weight, targets_sel, temperature=temperature, bias=bias, backend=backend)
+        logp = linear_logprobs(hidden_sel, weight, targets_sel, temperature=temperature, bias=bias, backend=backend,
+                               logit_softcap=logit_softcap)
         loss, terms = share(logp, 0, logp.shape[0])
         all_terms = [terms]
     loss = loss.float() if loss.dtype != torch.float64 else loss

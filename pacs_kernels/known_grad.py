@@ -21,16 +21,16 @@ from __future__ import annotations
 import torch
 
 from .checks import check_linear_inputs, check_targets_in_range, check_temperature, check_tensor
-from .logprobs import Kernels, LogprobOptions, resolve_backend
+from .logprobs import Kernels, LogprobOptions, check_softcap, resolve_backend
 
 
 class _KnownGradSweep(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, grad_logp, lse, temperature, backend):
+    def forward(ctx, hidden, weight, bias, targets, grad_logp, lse, temperature, backend, softcap):
         logp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         grads = Kernels(backend).backward(hidden, weight, targets, bias, temperature, lse, None, grad_logp, None,
-                                          needs=tuple(ctx.needs_input_grad[:3]), options=LogprobOptions(),
-                                          logp_out=logp)
+                                          needs=tuple(ctx.needs_input_grad[:3]),
+                                          options=LogprobOptions(softcap=softcap), logp_out=logp)
         ctx.save_for_backward(*grads)  # freed after one backward, kept by retain_graph=True
         surrogate = (grad_logp.float() * logp).sum()
         ctx.mark_non_differentiable(logp)
@@ -39,7 +39,7 @@ class _KnownGradSweep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_surrogate, _grad_logp):
         d_hidden, d_weight, d_bias = (None if g is None else g * grad_surrogate.to(g.dtype) for g in ctx.saved_tensors)
-        return d_hidden, d_weight, d_bias, None, None, None, None, None
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None
 
 
 def linear_logprobs_known_grad(
@@ -52,6 +52,7 @@ def linear_logprobs_known_grad(
     temperature: float = 1.0,
     bias: torch.Tensor | None = None,
     backend: str = "auto",
+    logit_softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One-sweep log-probs and gradients for a per-token gradient known in advance.
 
@@ -76,7 +77,12 @@ def linear_logprobs_known_grad(
                              f"got {tuple(value.shape)}")
         if value.device != hidden.device:
             raise ValueError(f"{name} must be on {hidden.device} like hidden, got {value.device}")
+    logit_softcap = check_softcap(logit_softcap)
+    if logit_softcap is not None and backend == "auto":
+        backend = "torch"  # the Triton kernels have no soft-cap
     backend = resolve_backend(backend, hidden.device, hidden.dtype)
+    if logit_softcap is not None and backend == "triton":
+        raise ValueError("logit_softcap needs backend='torch' or 'auto': the Triton kernels have no soft-cap yet")
     if backend == "naive":
         raise ValueError("backend='naive' has no known-gradient fast path; use 'auto', 'triton' or 'torch'")
     check_targets_in_range(targets, weight.shape[0])
@@ -85,5 +91,5 @@ def linear_logprobs_known_grad(
     surrogate, logp = _KnownGradSweep.apply(
         hidden.reshape(-1, width), weight, bias.contiguous() if bias is not None else None,
         targets.reshape(-1).contiguous(), grad_logp.reshape(-1).to(cdt).contiguous(),
-        lse.reshape(-1).to(cdt).contiguous(), temperature, backend)
+        lse.reshape(-1).to(cdt).contiguous(), temperature, backend, logit_softcap)
     return surrogate, logp.reshape(targets.shape)

@@ -69,6 +69,17 @@ class LogprobOptions:
     filter_eps: float | None = None  # triton backward: skip tiles whose |dz| < eps (approximate)
     chunk_elements: int | None = None  # torch: logits per chunk
     vocab_splits: int | None = None  # triton forward: vocabulary slices per token block
+    softcap: float | None = None  # the math, not a knob: Gemma-style logit soft-cap (torch backend)
+
+
+def check_softcap(logit_softcap) -> float | None:
+    """None, or a finite number > 0 (the c of ``c * tanh(z / c)``)."""
+    if logit_softcap is None:
+        return None
+    if isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float)) \
+            or not 0 < logit_softcap < float("inf"):
+        raise ValueError(f"logit_softcap must be None or a finite number > 0, got {logit_softcap!r}")
+    return float(logit_softcap)
 
 
 class Kernels:
@@ -85,7 +96,8 @@ class Kernels:
             return self.impl.logprob_forward(hidden, weight, targets, bias, temperature, with_entropy,
                                              vocab_splits=options.vocab_splits)
         extra = {"chunk_elements": options.chunk_elements} if options.chunk_elements else {}
-        return self.impl.forward(hidden, weight, targets, bias, temperature, with_entropy, **extra)
+        return self.impl.forward(hidden, weight, targets, bias, temperature, with_entropy, softcap=options.softcap,
+                                 **extra)
 
     def backward(self, hidden, weight, targets, bias, temperature, lse, entropy, grad_logp, grad_entropy, *,
                  needs, options: LogprobOptions, logp_out=None):
@@ -96,7 +108,7 @@ class Kernels:
                                               vocab_splits=options.vocab_splits, logp_out=logp_out)
         extra = {"chunk_elements": options.chunk_elements} if options.chunk_elements else {}
         return self.impl.backward(hidden, weight, targets, bias, temperature, lse, entropy, grad_logp, grad_entropy,
-                                  needs=needs, logp_out=logp_out, **extra)
+                                  needs=needs, logp_out=logp_out, softcap=options.softcap, **extra)
 
 
 class _LinearLogprobs(torch.autograd.Function):
@@ -130,6 +142,7 @@ def linear_logprobs(
     chunk_elements: int | None = None,
     vocab_splits: int | None = None,
     return_lse: bool = False,
+    logit_softcap: float | None = None,
 ):
     """Log-prob of ``targets`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
@@ -147,6 +160,9 @@ def linear_logprobs(
         vocab_splits: triton: vocabulary slices per token block (default: enough to fill the GPU).
         return_lse: also return each token's log-sum-exp of the tempered logits (float32,
             detached), the input of the known-gradient fast path (known_grad.py).
+        logit_softcap: optional c > 0: the logits are soft-capped as ``c * tanh(z / c)`` before the
+            temperature (Gemma 2/3's ``final_logit_softcapping``); torch and naive backends ("auto"
+            picks torch then).
 
     Returns:
         logp (...) float32, or (logp, entropy) with ``return_entropy=True``, with lse appended
@@ -164,16 +180,25 @@ def linear_logprobs(
     if vocab_splits is not None and not (isinstance(vocab_splits, int) and vocab_splits > 0):
         raise ValueError(f"vocab_splits must be a positive int, got {vocab_splits!r}")
     vocab, width = weight.shape
+    logit_softcap = check_softcap(logit_softcap)
+    if logit_softcap is not None and backend == "auto":
+        backend = "torch"  # the Triton kernels have no soft-cap
     backend = resolve_backend(backend, hidden.device, hidden.dtype, shape=(hidden.numel() // width, width, vocab))
+    if logit_softcap is not None and backend == "triton":
+        raise ValueError("logit_softcap needs backend='torch' (or 'auto', 'naive'): the Triton kernels have no "
+                         "soft-cap yet")
     check_targets_in_range(targets, vocab)
 
     lead_shape = hidden.shape[:-1]
     if backend == "naive":
-        logp, entropy = naive_linear_logprobs(hidden, weight, targets, temperature=temperature, bias=bias)
+        logp, entropy = naive_linear_logprobs(hidden, weight, targets, temperature=temperature, bias=bias,
+                                              softcap=logit_softcap)
         outputs = [logp.float()] + ([entropy.float()] if return_entropy else [])
         if return_lse:
             with torch.no_grad():
                 logits = hidden.float() @ weight.float().T + (0 if bias is None else bias.float())
+                if logit_softcap is not None:
+                    logits = logit_softcap * torch.tanh(logits / logit_softcap)
                 outputs.append(torch.logsumexp(logits / temperature, -1))
         return tuple(outputs) if len(outputs) > 1 else outputs[0]
 
@@ -183,7 +208,8 @@ def linear_logprobs(
         # the kernels take any strides for hidden and weight; targets and bias are read densely
         targets_1d = targets_1d.contiguous()
         bias = bias.contiguous() if bias is not None else None
-    options = LogprobOptions(filter_eps=filter_eps, chunk_elements=chunk_elements, vocab_splits=vocab_splits)
+    options = LogprobOptions(filter_eps=filter_eps, chunk_elements=chunk_elements, vocab_splits=vocab_splits,
+                             softcap=logit_softcap)
     kernels = Kernels(backend)
 
     needs_grad = torch.is_grad_enabled() and (

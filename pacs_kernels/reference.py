@@ -17,6 +17,7 @@ def naive_linear_logprobs(
     temperature: float = 1.0,
     bias: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of ``targets`` and entropy under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
@@ -29,6 +30,8 @@ def naive_linear_logprobs(
     logits = hidden.to(compute_dtype) @ weight.to(compute_dtype).T
     if bias is not None:
         logits = logits + bias.to(compute_dtype)
+    if softcap is not None:  # Gemma-style logit soft-capping, before the temperature
+        logits = softcap * torch.tanh(logits / softcap)
     logits = logits / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
     logp = log_probs.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from .matmul import addmm_f32_, compute_dtype, gemm_in_input_dtype, mm_f32, mm_into, operand
+from .torch_chunked import softcap_slope
 
 TINY_GRAD = 2.0 ** -100
 DEFAULT_CHUNK_BUDGET_MIB = 256
@@ -50,18 +51,22 @@ class Chunk:
     tok1: int
 
 
-def bytes_per_token(vocab: int, device: torch.device, dtype: torch.dtype) -> int:
+def bytes_per_token(vocab: int, device: torch.device, dtype: torch.dtype, softcap: bool = False) -> int:
     """Working memory of one token of a chunk: its row of float32 logits (float64 for float64),
-    plus a low-precision copy of its dz row where the GEMMs run in the input dtype."""
+    plus a low-precision copy of its dz row where the GEMMs run in the input dtype, plus the
+    soft-cap's slope row when the logits are soft-capped."""
     per_logit = torch.finfo(compute_dtype(dtype)).bits // 8
+    if softcap:
+        per_logit *= 2
     if gemm_in_input_dtype(device, dtype):
         per_logit += torch.finfo(dtype).bits // 8
     return vocab * per_logit
 
 
-def max_chunk_tokens(budget_mib: float, vocab: int, device: torch.device, dtype: torch.dtype) -> int:
+def max_chunk_tokens(budget_mib: float, vocab: int, device: torch.device, dtype: torch.dtype,
+                     softcap: bool = False) -> int:
     """How many tokens one chunk may hold within ``budget_mib`` MiB of working memory."""
-    return int(budget_mib * 2 ** 20) // bytes_per_token(vocab, device, dtype)
+    return int(budget_mib * 2 ** 20) // bytes_per_token(vocab, device, dtype, softcap)
 
 
 def plan_group_chunks(counts: list[int], group_size: int, max_tokens: int) -> list[Chunk] | None:
@@ -122,7 +127,7 @@ def _triton_rows():
 class _SinglePass(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunks, chunk_loss, results, with_entropy,
-                row_kernels):
+                row_kernels, softcap):
         needs_h, needs_w, needs_b = ctx.needs_input_grad[:3]
         device, cdt = hidden.device, compute_dtype(hidden.dtype)
         inv_tau = 1.0 / temperature
@@ -134,7 +139,7 @@ class _SinglePass(torch.autograd.Function):
         logp_all = torch.empty(hidden.shape[0], dtype=cdt, device=device)
         entropy_all = torch.empty_like(logp_all) if with_entropy else None
         loss = torch.zeros((), dtype=cdt, device=device)
-        rows = _triton_rows() if row_kernels == "triton" else None
+        rows = _triton_rows() if row_kernels == "triton" and softcap is None else None
         for chunk in chunks:
             t0, t1 = chunk.tok0, chunk.tok1
             h = operand(hidden[t0:t1])
@@ -149,8 +154,11 @@ class _SinglePass(torch.autograd.Function):
                 z = mm_f32(h, weight_op.T)  # (C, V) logits, float32
                 if bias is not None:
                     z.add_(bias.to(cdt))
+                if softcap is not None:  # c * tanh(z / c), before the temperature
+                    z.div_(softcap).tanh_().mul_(softcap)
                 if inv_tau != 1.0:
                     z.mul_(inv_tau)
+                slope = softcap_slope(z, temperature, softcap) if softcap is not None else None
                 target_logit = z.gather(1, y.unsqueeze(1)).squeeze(1)
                 row_max = z.amax(1, keepdim=True)
                 row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
@@ -180,6 +188,9 @@ class _SinglePass(torch.autograd.Function):
                 g = g * inv_tau
                 z.mul_((-g).unsqueeze(1) / row_sum)
                 z[torch.arange(t1 - t0, device=device), y] += g
+                if slope is not None:  # through the soft-cap: d(c tanh(x / c))/dx = 1 - tanh^2
+                    z.mul_(slope)
+                    del slope
                 if needs_b:
                     d_bias += z.sum(0)
                 dz = z.to(weight_op.dtype) if low_precision_gemm else z
@@ -202,12 +213,12 @@ class _SinglePass(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
         grads = ctx.saved_tensors  # autograd frees them after one backward (retain_graph keeps them)
         scaled = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in grads)
-        return scaled + (None,) * 7
+        return scaled + (None,) * 8
 
 
 def single_pass(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, bias: torch.Tensor | None,
                 temperature: float, chunks: list[Chunk], chunk_loss: ChunkLoss, with_entropy: bool = False,
-                row_kernels: str = "torch"):
+                row_kernels: str = "torch", softcap: float | None = None):
     """Run ``chunk_loss`` over ``chunks`` of the selected tokens with one logits GEMM per chunk.
 
     Args:
@@ -216,7 +227,9 @@ def single_pass(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
         chunks: consecutive :class:`Chunk` s covering 0:N, each holding whatever the loss couples.
         chunk_loss: see :data:`ChunkLoss`; its share must already carry the global normaliser.
         row_kernels: "torch" (eager ops over the logits tile, in place) or "triton" (softmax_rows.py:
-            two passes over the tile instead of about nine; float16/bfloat16/float32 only).
+            two passes over the tile instead of about nine; float16/bfloat16/float32 only; eager
+            PyTorch with a soft-cap).
+        softcap: optional Gemma-style logit soft-cap c: z = c * tanh(z / c) before the temperature.
 
     Returns:
         (loss 0-d float32 (float64 for float64 inputs), differentiable in hidden, weight, bias;
@@ -225,5 +238,5 @@ def single_pass(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
     extras: list = []
     with torch.autocast(hidden.device.type, enabled=False):
         loss, logp, entropy = _SinglePass.apply(hidden, weight, bias, targets, temperature, chunks, chunk_loss,
-                                                extras, with_entropy, row_kernels)
+                                                extras, with_entropy, row_kernels, softcap)
     return loss, extras, logp, entropy

@@ -23,6 +23,9 @@ Gradient, for upstream gradients g_l on logp and g_H on the entropy:
     dz_k       = g_l * onehot(y)_k - p_k * (g_l + g_H * (log p_k + H))
     dlogits = dz / tau;  dh = dlogits @ W;  dW = dlogits.T @ h;  dbias = sum_tokens dlogits
 
+With a logit soft-cap c (Gemma-style, ``softcap``), z = c * tanh((h @ W.T + b) / c) / tau and the
+chain rule adds one factor: dlogits *= 1 - tanh^2 = 1 - (c * tanh / c)^2, read off the capped logits.
+
 
 GEMMs run in the inputs' dtype on CUDA (bf16/fp16 tensor cores, float32 results; matmul.py) and
 in float32 on the CPU; the softmax and the gradient are formed in float32 in place; dW is
@@ -55,14 +58,22 @@ def _chunk_sizes(n_tokens: int, vocab: int, chunk_elements: int) -> tuple[int, i
     return token_chunk, max(1, min(vocab, chunk_elements // token_chunk))
 
 
-def _logits(h, weight, bias, v0, v1, inv_tau, cdt):
-    """(tokens, v1 - v0) float32 logits of a chunk; h and weight already GEMM operands (``operand``)."""
+def _logits(h, weight, bias, v0, v1, inv_tau, cdt, softcap=None):
+    """(tokens, v1 - v0) float32 logits of a chunk, soft-capped (``c * tanh(z / c)``) when ``softcap``
+    is set, then tempered; h and weight already GEMM operands (``operand``)."""
     z = mm_f32(h, weight[v0:v1].T)
     if bias is not None:
         z.add_(bias[v0:v1].to(cdt))
+    if softcap is not None:
+        z.div_(softcap).tanh_().mul_(softcap)
     if inv_tau != 1.0:
         z.mul_(inv_tau)
     return z
+
+
+def softcap_slope(z_tempered: torch.Tensor, temperature: float, softcap: float) -> torch.Tensor:
+    """d(capped)/d(raw) = 1 - tanh^2 = 1 - (capped / c)^2, from the tempered capped logits (new buffer)."""
+    return (z_tempered * (temperature / softcap)).square_().neg_().add_(1.0)
 
 
 def forward(
@@ -73,6 +84,7 @@ def forward(
     temperature: float,
     with_entropy: bool,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """hidden (N, d), weight (V, d), targets (N,) -> (logp, entropy or None, lse), each (N,)."""
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
@@ -92,7 +104,7 @@ def forward(
         target_logit = torch.zeros(n1 - n0, dtype=cdt, device=hidden.device)
         for v0 in starts:
             v1 = min(v0 + vocab_chunk, vocab)
-            z = _logits(h, weight, bias, v0, v1, inv_tau, cdt)
+            z = _logits(h, weight, bias, v0, v1, inv_tau, cdt, softcap)
             inside = (y >= v0) & (y < v1)
             local = (y - v0).clamp(0, v1 - v0 - 1)
             target_logit += torch.where(inside, z.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
@@ -125,6 +137,7 @@ def backward(
     needs: tuple[bool, bool, bool] = (True, True, True),
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
     logp_out: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients (dhidden, dweight, dbias) in the input dtypes; accumulation in float32 (or 64).
 
@@ -157,7 +170,9 @@ def backward(
         for v0 in range(0, vocab, vocab_chunk):
             v1 = min(v0 + vocab_chunk, vocab)
             # in place throughout: two chunk-sized buffers (log p, then dz) live at once
-            log_p = _logits(h, weight, bias, v0, v1, inv_tau, cdt).sub_(lse_c)
+            log_p = _logits(h, weight, bias, v0, v1, inv_tau, cdt, softcap)
+            slope = softcap_slope(log_p, temperature, softcap) if softcap is not None else None
+            log_p.sub_(lse_c)
             inside = (y >= v0) & (y < v1)
             rows = inside.nonzero().squeeze(-1)
             if logp_out is not None:
@@ -172,6 +187,9 @@ def backward(
             del coef
             dz[rows, y[rows] - v0] += gl[rows, 0]
             dz.mul_(inv_tau)
+            if slope is not None:  # through c * tanh(z / c)
+                dz.mul_(slope)
+                del slope
             if need_b:
                 d_bias[v0:v1] += dz.sum(0)
             dz = dz.to(weight.dtype) if weight.dtype != cdt else dz  # the GEMMs' dtype (bf16 on CUDA)

@@ -338,3 +338,69 @@ def test_triton_row_kernels_across_vocabulary_blocks():
     dz = softmax_rows.row_grad(z.clone(), y, bias, 0.8, lse, g, out=torch.empty(rows, vocab, dtype=torch.bfloat16))
     expected = g.double()[:, None] * (torch.nn.functional.one_hot(y, vocab).double() - log_p.exp()) / 0.8
     torch.testing.assert_close(dz.double(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("path", ["single_pass", "two_pass", "one_sweep"])
+def test_logit_softcap_matches_reference_float64(path):
+    """Gemma-style soft-capping c * tanh(z / c) before the temperature, on every path of both losses."""
+    hidden, weight, bias, targets, mask, old, rewards = make_batch(n_groups=2, seed=20, with_bias=True)
+    hidden, weight, bias = 3 * hidden.double(), weight.double(), bias.double()  # logits large enough to cap
+    cap, tau = 2.5, 0.8
+    opts = dict(group_size=4, beta=0.7)
+
+    def reference(h, w, b):
+        logp, _ = naive_linear_logprobs(h, w, targets.clamp(min=0), temperature=tau, bias=b, softcap=cap)
+        return reference_pacs_loss(logp, old_ref, rewards, mask, **opts)[0]
+
+    if path == "one_sweep":
+        with torch.no_grad():
+            old_ref, lse = linear_logprobs(hidden, weight, targets.clamp(min=0), temperature=tau, bias=bias,
+                                           return_lse=True, logit_softcap=cap)
+        extra = {"old_lse": lse}
+    else:
+        old_ref, extra = old.double(), {"path": path}
+    expected, e_grads = grads_of(reference, (hidden, weight, bias))
+    loss, got = grads_of(lambda h, w, b: fused_linear_pacs_loss(
+        h, w, targets, mask, old_ref, rewards, bias=b, temperature=tau, logit_softcap=cap, **opts, **extra),
+        (hidden, weight, bias))
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-8)
+    for g, e in zip(got, e_grads):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5 * e.abs().max().item())
+    if path != "one_sweep":  # (there, the capped old_lse is refused for uncapped logits: stale)
+        plain = fused_linear_pacs_loss(hidden, weight, targets, mask, old_ref, rewards, bias=bias, temperature=tau,
+                                       **opts, **extra)
+        assert abs(plain.item() - loss.item()) > 1e-6  # the cap changes the loss: the test is not vacuous
+        # GRPO's fused loss takes it too
+        logp_ref = naive_linear_logprobs(hidden, weight, targets.clamp(min=0), temperature=tau, bias=bias,
+                                         softcap=cap)[0]
+        expected_grpo = reference_grpo_loss(logp_ref, old, rewards, mask, group_size=4)
+        grpo = fused_linear_grpo_loss(hidden, weight, targets, mask, old, rewards, group_size=4, bias=bias,
+                                      temperature=tau, logit_softcap=cap, path=path)
+        torch.testing.assert_close(grpo.double(), expected_grpo, rtol=1e-6, atol=1e-8)
+
+
+def test_logit_softcap_errors():
+    hidden, weight, _, targets, mask, old, rewards = make_batch(seed=21)
+    for bad in (0, -1.0, float("inf"), "30", True):
+        with pytest.raises(ValueError, match="logit_softcap must be None or a finite number > 0"):
+            fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, logit_softcap=bad)
+    with pytest.raises(ValueError, match="logit_softcap needs backend='torch'"):
+        linear_logprobs(hidden, weight, targets.clamp(min=0), backend="triton", logit_softcap=30.0)
+
+
+def test_logit_softcap_linear_logprobs_any_upstream_gradient():
+    gen = torch.Generator().manual_seed(22)
+    hidden = (3 * torch.randn(13, 8, generator=gen, dtype=torch.float64)).requires_grad_()
+    weight = torch.randn(37, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    targets = torch.randint(0, 37, (13,), generator=gen)
+    g_logp, g_ent = torch.randn(13, generator=gen, dtype=torch.float64), torch.randn(13, generator=gen,
+                                                                                      dtype=torch.float64)
+    results = []
+    for backend, extra in (("naive", {}), ("torch", {"chunk_elements": 64})):  # several vocabulary chunks
+        h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+        logp, ent = linear_logprobs(h, w, targets, temperature=0.9, return_entropy=True, backend=backend,
+                                    logit_softcap=4.0, **extra)
+        (logp.double() * g_logp + ent.double() * g_ent).sum().backward()
+        results.append((logp, ent, h.grad, w.grad))
+    for ours, ref in zip(results[1], results[0]):
+        torch.testing.assert_close(ours.double(), ref.double(), rtol=1e-5, atol=1e-6)

@@ -258,16 +258,31 @@ def test_grpo_only_options_warn(tmp_path):
         check_pacs_config(helpers.config(tmp_path))
 
 
-def test_softcapped_model_refused(tmp_path):
-    from pacs.integrations.model_forward import check_supported_head, logit_scale_of
+def test_softcapped_model_gets_the_cap_in_the_kernels(tmp_path):
+    from pacs.integrations.model_forward import PACSBatch, add_pacs_forward, check_supported_head, logit_scale_of
+    from pacs_kernels import PACSLoss, pacs_loss
+    from pacs_kernels.reference import naive_linear_logprobs
 
-    model = helpers.tiny_model(17)
-    model.config.final_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
-        check_supported_head(model.config)
-    model.config.final_logit_softcapping = None
-    model.config.logits_scaling = 4.0
+    model = helpers.tiny_model(17).double()
+    model.config.final_logit_softcapping = 0.5  # small: the tiny model's logits are small
+    check_supported_head(model.config)
+    loss_fn = PACSLoss(group_size=2)
+    add_pacs_forward(model, loss_fn, temperature=0.9)
+    assert loss_fn.logit_softcap == 0.5
+    gen = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(3, 17, (4, 9), generator=gen)
+    targets, mask = input_ids[:, -4:], torch.ones(4, 4)
+    rewards, valid = torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.ones(4, dtype=torch.bool)
+    old = torch.randn(4, 4, generator=gen, dtype=torch.float64) - 3.0
+    out = model(input_ids, pacs_batch=PACSBatch(targets, mask, rewards, valid, old_logp=old, return_stats=False))
+    hidden = model.model(input_ids).last_hidden_state[:, -5:-1]
+    logp, _ = naive_linear_logprobs(hidden, model.lm_head.weight, targets, temperature=0.9, softcap=0.5)
+    expected = pacs_loss(logp, old, rewards, mask, group_size=2)
+    torch.testing.assert_close(out.loss.double(), expected, rtol=1e-6, atol=1e-8)
+    model.config.logits_scaling = 4.0  # a scale and a cap together: refused
     assert logit_scale_of(model.config) == 0.25
+    with pytest.raises(ValueError, match="both scales .* and soft-caps"):
+        check_supported_head(model.config)
 
 
 @pytest.mark.slow

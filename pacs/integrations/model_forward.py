@@ -76,18 +76,26 @@ def logit_scale_of(config) -> float:
     return 1.0
 
 
-def check_supported_head(config) -> None:
-    """Refuses LM heads whose logits the fused kernels cannot reproduce (ValueError)."""
+def logit_softcap_of(config) -> float | None:
+    """The model's logit soft-cap c (``final_logit_softcapping``: logits = c * tanh(logits / c), Gemma 2/3), or None."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     softcap = getattr(text, "final_logit_softcapping", None)
-    if softcap is not None:
-        raise ValueError(
-            f"the model soft-caps its logits (final_logit_softcapping={softcap}); the PACS kernels compute "
-            "log-probs of the plain logits and would train on a different distribution than the one sampled. "
-            "Expected final_logit_softcapping=None.")
+    return None if softcap is None else float(softcap)
+
+
+def check_supported_head(config) -> None:
+    """Refuses LM heads whose logits the fused kernels cannot reproduce (ValueError)."""
     scale = logit_scale_of(config)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"the model's logit scale must be a finite number > 0, got {scale}")
+    softcap = logit_softcap_of(config)
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"the model's final_logit_softcapping must be a finite number > 0, got {softcap}")
+    if softcap is not None and scale != 1.0:
+        raise ValueError(
+            f"the model both scales (x{scale}) and soft-caps (final_logit_softcapping={softcap}) its logits; the "
+            "kernels apply the cap to the head's output and fold the scale into the temperature, which is exact "
+            "for one of the two only. Expected a logit scale of 1 with a soft-cap.")
 
 
 def _head_tensors(model):
@@ -119,10 +127,12 @@ def add_pacs_forward(model, loss_fn: PACSLoss, *, temperature: float) -> None:
     """Patch ``model.forward`` (a transformers causal LM) to serve ``pacs_batch=`` (see the module doc).
 
     ``temperature``: the sampling temperature; the model's own logit scale (``logit_scale_of``) is
-    folded into it. ``loss_fn.temperature`` is overwritten with the effective value.
+    folded into it. ``loss_fn.temperature`` is overwritten with the effective value, and
+    ``loss_fn.logit_softcap`` with the model's soft-cap (``final_logit_softcapping``, or None).
     """
     check_supported_head(model.config)
     loss_fn.temperature = float(temperature) / logit_scale_of(model.config)
+    loss_fn.logit_softcap = logit_softcap_of(model.config)  # Gemma-style soft-cap, inside the kernels
     previous_forward = model.forward
 
     @functools.wraps(type(model).forward)  # generate() checks its kwargs against this signature

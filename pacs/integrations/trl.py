@@ -22,7 +22,8 @@ what PACS needs differently is done here:
 
 TRL options that PACS cannot honour raise a ValueError (KL to a reference ``beta != 0``, vLLM
 importance-sampling correction, entropy masking ``top_entropy_quantile < 1``, the entropy bonus,
-the off-policy sequence mask, a MoE router auxiliary loss, logit soft-capping, multimodal batches);
+the off-policy sequence mask, a MoE router auxiliary loss, a logit scale together with a soft-cap,
+multimodal batches); a model's logit soft-cap (``final_logit_softcapping``) runs inside the kernels;
 GRPO-only knobs that have no meaning for PACS (clipping epsilons, ``scale_rewards``,
 ``importance_sampling_level``, ...) give a warning when set away from their defaults.
 """
