@@ -146,6 +146,7 @@ def fused_linear_pacs_loss(
         check_nonempty_responses(tokens.counts, "score='mean_logp' (it divides by the response length)")
     options = dict(group_size=group_size, beta=beta, score=score, advantage=advantage, weighting=weighting,
                    score_function_term=score_function_term)
+    n_selected = int(layout.cu_seqlens[-1])  # response tokens (one device sync)
 
     if old_lse is not None:
         if old_logp is None:
@@ -156,7 +157,6 @@ def fused_linear_pacs_loss(
                                            softcap=logit_softcap, **options)
     else:
         chunks = None
-        n_selected = int(tokens.counts.sum())
         measured_slower = path == "auto" and measured_two_pass_faster(weight.device, n_selected, *weight.shape[::-1])
         if path != "two_pass" and backend != "naive" and not measured_slower:
             budget_tokens = max_chunk_tokens(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype,
@@ -183,7 +183,7 @@ def fused_linear_pacs_loss(
                                                          vocab_splits=vocab_splits, logit_softcap=logit_softcap),
                                     **options)
     logger.debug("fused_linear_pacs_loss: %s path, B=%d, %d response tokens", chosen, tokens.n_responses,
-                 int(tokens.counts.sum()))
+                 n_selected)
     if return_stats:
         loss, stats = result
         return loss, replace(stats, path=chosen)
@@ -202,12 +202,6 @@ def row_kernels_for(backend: str, weight: torch.Tensor) -> str:
     return "triton" if resolved == "triton" and weight.dtype != torch.float64 else "torch"
 
 
-def _chunk_layout(counts: torch.Tensor) -> ResponseLayout:
-    offsets = torch.zeros(counts.shape[0] + 1, dtype=torch.int64, device=counts.device)
-    torch.cumsum(counts, 0, out=offsets[1:])
-    return ResponseLayout(counts.shape[0], None, offsets, int(counts.max()) if counts.numel() else 0)
-
-
 def _single_pass_loss(tokens, weight, chunks, rewards, valid, *, temperature, bias, return_stats, with_entropy,
                       row_kernels, softcap, **options):
     """PACS over chunks of whole groups, one logits GEMM per chunk (single_pass.py)."""
@@ -222,7 +216,7 @@ def _single_pass_loss(tokens, weight, chunks, rewards, valid, *, temperature, bi
         r0, r1 = chunk.r0, chunk.r1
         old = logp.detach() if old_selected is None else old_selected[chunk.tok0:chunk.tok1].detach()
         full = torch.ones_like(logp, dtype=torch.bool)
-        return _pacs_torch(logp, old, full, counts[r0:r1], rewards[r0:r1], _chunk_layout(counts[r0:r1]),
+        return _pacs_torch(logp, old, full, counts[r0:r1], rewards[r0:r1], ResponseLayout.from_counts(counts[r0:r1]),
                            valid=None if valid is None else valid[r0:r1], n_total=n_total, **options)
 
     loss, extras, _, entropy = single_pass(

@@ -151,11 +151,10 @@ def grpo_loss(
     if not return_stats:
         return loss
     with torch.no_grad():
-        n_tokens = counts.sum().clamp(min=1).double()
-        sums = terms.stat_sums()
-        stats = [loss.detach().double().item()] + [v / n_tokens.item() for v in sums] + \
-                [adv.abs().mean().double().item()]
-    return loss, GRPOStats(stats[0], stats[1], stats[2], stats[4], stats[3])
+        n_tokens = max(int(counts.sum()), 1)
+        clipped, ratio_sum, kl_sum = terms.stat_sums()
+        return loss, GRPOStats(loss=float(loss.detach()), clip_frac=clipped / n_tokens, ratio_mean=ratio_sum / n_tokens,
+                               advantage_abs_mean=float(adv.abs().mean()), kl_mean=kl_sum / n_tokens)
 
 
 @dataclass
@@ -301,7 +300,7 @@ def fused_linear_grpo_loss(
     loss = loss.float() if loss.dtype != torch.float64 else loss
     if not return_stats:
         return loss
-    sums = torch.tensor([t.stat_sums() for t in all_terms], dtype=torch.float64).sum(0).tolist()
+    clipped, ratio_sum, kl_sum = torch.tensor([t.stat_sums() for t in all_terms], dtype=torch.float64).sum(0).tolist()
     n_tokens = max(int(counts.sum()), 1)
-    return loss, GRPOStats(float(loss.detach()), sums[0] / n_tokens, sums[1] / n_tokens,
-                           float(adv.abs().mean()), sums[2] / n_tokens)
+    return loss, GRPOStats(loss=float(loss.detach()), clip_frac=clipped / n_tokens, ratio_mean=ratio_sum / n_tokens,
+                           advantage_abs_mean=float(adv.abs().mean()), kl_mean=kl_sum / n_tokens)

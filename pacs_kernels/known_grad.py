@@ -78,11 +78,7 @@ def linear_logprobs_known_grad(
         if value.device != hidden.device:
             raise ValueError(f"{name} must be on {hidden.device} like hidden, got {value.device}")
     logit_softcap = check_softcap(logit_softcap)
-    if logit_softcap is not None and backend == "auto":
-        backend = "torch"  # the Triton kernels have no soft-cap
-    backend = resolve_backend(backend, hidden.device, hidden.dtype)
-    if logit_softcap is not None and backend == "triton":
-        raise ValueError("logit_softcap needs backend='torch' or 'auto': the Triton kernels have no soft-cap yet")
+    backend = resolve_backend(backend, hidden.device, hidden.dtype, softcap=logit_softcap is not None)
     if backend == "naive":
         raise ValueError("backend='naive' has no known-gradient fast path; use 'auto', 'triton' or 'torch'")
     check_targets_in_range(targets, weight.shape[0])

@@ -29,11 +29,18 @@ def _triton_module():
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, *, choices=BACKENDS,
-                    inputs: str = "hidden and weight", shape: tuple[int, int, int] | None = None) -> str:
+                    inputs: str = "hidden and weight", shape: tuple[int, int, int] | None = None,
+                    softcap: bool = False) -> str:
     """'auto' -> 'triton' on CUDA (not float64) when triton imports, else 'torch' (and 'torch' on CUDA
-    where the committed GPU run measured it faster at ``shape`` = (N, d, V): dispatch.py); an explicit
-    'triton' is checked to be runnable here (CUDA tensors, or the interpreter) for ``inputs``."""
+    where the committed GPU run measured it faster at ``shape`` = (N, d, V): dispatch.py, or where the
+    logits are soft-capped: the Triton kernels have no soft-cap); an explicit 'triton' is checked to
+    be runnable here (CUDA tensors, or the interpreter) for ``inputs``, and to need no soft-cap."""
     check_choice("backend", backend, choices)
+    if softcap and backend == "triton":
+        raise ValueError("logit_softcap needs backend='torch' (or 'auto', which picks it): the Triton kernels have "
+                         "no soft-cap yet")
+    if softcap and backend == "auto":
+        return "torch"
     if backend == "auto":
         if device.type == "cuda" and dtype != torch.float64:
             if shape is not None and dispatch.logprob_backend(*shape) == "torch":
@@ -181,12 +188,8 @@ def linear_logprobs(
         raise ValueError(f"vocab_splits must be a positive int, got {vocab_splits!r}")
     vocab, width = weight.shape
     logit_softcap = check_softcap(logit_softcap)
-    if logit_softcap is not None and backend == "auto":
-        backend = "torch"  # the Triton kernels have no soft-cap
-    backend = resolve_backend(backend, hidden.device, hidden.dtype, shape=(hidden.numel() // width, width, vocab))
-    if logit_softcap is not None and backend == "triton":
-        raise ValueError("logit_softcap needs backend='torch' (or 'auto', 'naive'): the Triton kernels have no "
-                         "soft-cap yet")
+    backend = resolve_backend(backend, hidden.device, hidden.dtype, shape=(hidden.numel() // width, width, vocab),
+                              softcap=logit_softcap is not None)
     check_targets_in_range(targets, vocab)
 
     lead_shape = hidden.shape[:-1]

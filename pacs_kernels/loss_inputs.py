@@ -42,6 +42,13 @@ class ResponseLayout:
     cu_seqlens: torch.Tensor | None
     max_len: int
 
+    @classmethod
+    def from_counts(cls, counts: torch.Tensor) -> "ResponseLayout":
+        """The packed layout of responses holding ``counts`` (B,) tokens each, back to back."""
+        offsets = torch.zeros(counts.shape[0] + 1, dtype=torch.int64, device=counts.device)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        return cls(counts.shape[0], None, offsets, int(counts.max()) if counts.numel() else 0)
+
     @property
     def packed(self) -> bool:
         return self.cu_seqlens is not None

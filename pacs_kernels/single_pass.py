@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from .matmul import addmm_f32_, compute_dtype, gemm_in_input_dtype, mm_f32, mm_into, operand
-from .torch_chunked import softcap_slope
+from .torch_chunked import apply_softcap_, softcap_slope
 
 TINY_GRAD = 2.0 ** -100
 DEFAULT_CHUNK_BUDGET_MIB = 256
@@ -155,7 +155,7 @@ class _SinglePass(torch.autograd.Function):
                 if bias is not None:
                     z.add_(bias.to(cdt))
                 if softcap is not None:  # c * tanh(z / c), before the temperature
-                    z.div_(softcap).tanh_().mul_(softcap)
+                    apply_softcap_(z, softcap)
                 if inv_tau != 1.0:
                     z.mul_(inv_tau)
                 slope = softcap_slope(z, temperature, softcap) if softcap is not None else None

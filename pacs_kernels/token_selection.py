@@ -37,9 +37,7 @@ class ResponseTokens:
 
     def selected_layout(self) -> ResponseLayout:
         """The packed layout of the selected (mask == 1) tokens: offsets = running sum of counts."""
-        offsets = torch.zeros(self.n_responses + 1, dtype=torch.int64, device=self.counts.device)
-        torch.cumsum(self.counts, 0, out=offsets[1:])
-        return ResponseLayout(self.n_responses, None, offsets, int(self.counts.max()) if self.n_responses else 0)
+        return ResponseLayout.from_counts(self.counts)
 
 
 def match_head_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -65,10 +65,15 @@ def _logits(h, weight, bias, v0, v1, inv_tau, cdt, softcap=None):
     if bias is not None:
         z.add_(bias[v0:v1].to(cdt))
     if softcap is not None:
-        z.div_(softcap).tanh_().mul_(softcap)
+        apply_softcap_(z, softcap)
     if inv_tau != 1.0:
         z.mul_(inv_tau)
     return z
+
+
+def apply_softcap_(z: torch.Tensor, softcap: float) -> torch.Tensor:
+    """z <- c * tanh(z / c), in place (Gemma-style logit soft-capping)."""
+    return z.div_(softcap).tanh_().mul_(softcap)
 
 
 def softcap_slope(z_tempered: torch.Tensor, temperature: float, softcap: float) -> torch.Tensor:
