@@ -28,6 +28,9 @@ Implementations ("impls"):
     single_pass    loss ops only: fused_linear_pacs_loss(path="single_pass") with a chunk budget of
                    one (longest possible) group: one logits GEMM per group, 3 matmuls in all
                    (GEMMs in the input dtype on CUDA)
+    single_pass_lowmem  the same with a budget of a quarter of one group: no group fits, each keeps
+                   the logits of its first tiles and rebuilds the rest (about 3.8 matmuls), memory
+                   near the two passes'
     cce            Apple Cut Cross-Entropy, linear_cross_entropy(reduction="none") = -logp, with
                    its default gradient filter (filter_eps="high": skips tiny softmax entries)
     cce_exact      the same with filter_eps=None (exact gradient, like ours)
@@ -56,7 +59,8 @@ import torch
 
 OPS = ("logprobs_fwd_bwd", "logprobs_nograd", "pacs_loss_fwd_bwd", "pacs_loss_first_step")
 LOSS_OPS = ("pacs_loss_fwd_bwd", "pacs_loss_first_step")
-OUR_IMPLS = ("naive", "torch", "triton", "single_pass")
+OUR_IMPLS = ("naive", "torch", "triton", "single_pass", "single_pass_lowmem")
+SINGLE_PASS_BUDGET_GROUPS = {"single_pass": 1.0, "single_pass_lowmem": 0.25}  # chunk budget, in groups
 PEER_IMPLS = ("cce", "cce_exact", "liger_flce", "liger_chunked")
 IMPLS = OUR_IMPLS + PEER_IMPLS
 
@@ -103,10 +107,10 @@ def impl_unavailable_reason(op: str, impl: str, device: str) -> str | None:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if op in LOSS_OPS and not loss_available():
         return "pacs_kernels has no fused_linear_pacs_loss yet"
-    if impl == "single_pass" and op not in LOSS_OPS:
-        return "single_pass is a path of the fused losses (the log-prob ops have no group to keep whole)"
+    if impl in SINGLE_PASS_BUDGET_GROUPS and op not in LOSS_OPS:
+        return f"{impl} is a path of the fused losses (the log-prob ops have no group to keep whole)"
     if op == "pacs_loss_first_step":
-        if impl not in ("torch", "triton", "single_pass"):
+        if impl not in ("torch", "triton", *SINGLE_PASS_BUDGET_GROUPS):
             return "the one-sweep first step is pacs_kernels' own path (others: see pacs_loss_fwd_bwd)"
         if not first_step_available():
             return "pacs_kernels' fused_linear_pacs_loss has no old_lse (one-sweep first step) yet"
@@ -271,14 +275,15 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
                    weighting="balanced")
     if case.impl in OUR_IMPLS:
         one_sweep = case.op == "pacs_loss_first_step" and case.impl in ("torch", "triton")
-        if case.impl == "single_pass":
-            # the budget of one group (the longest possible), so the single pass always runs with the least
-            # memory it can: one group per chunk; its memory is reported as it is
+        if case.impl in SINGLE_PASS_BUDGET_GROUPS:
+            # single_pass: the budget of one group (the longest possible): one group per chunk, 3 matmuls;
+            # single_pass_lowmem: a quarter of that, most of each group's logits rebuilt
             from pacs_kernels.single_pass import bytes_per_token
 
             group_tokens = LOSS_GROUP_SIZE * (case.n // LOSS_RESPONSES)
             need = group_tokens * bytes_per_token(case.v, torch.device(case.device), case.torch_dtype) / 2 ** 20
-            options.update(backend="auto", path="single_pass", chunk_budget_mib=need)
+            options.update(backend="auto", path="single_pass",
+                           chunk_budget_mib=need * SINGLE_PASS_BUDGET_GROUPS[case.impl])
         else:
             options.update(backend=case.impl, path="two_pass")
 

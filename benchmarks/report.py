@@ -10,7 +10,8 @@ COLUMNS = ("date", "device", "device_name", "op", "impl", "N", "d", "V", "dtype"
            "repeats", "peak_mem_mib", "tflops", "matmul_tflops", "flop_fraction", "floor_ms", "x_floor",
            "threads", "cpu_util", "loadavg", "status", "note")
 
-IMPL_ORDER = ("naive", "torch", "single_pass", "triton", "cce", "cce_exact", "liger_flce", "liger_chunked")
+IMPL_ORDER = ("naive", "torch", "single_pass", "single_pass_lowmem", "triton", "cce", "cce_exact", "liger_flce",
+              "liger_chunked")
 CONTENDED = 0.75  # a CPU row whose cpu_util is below this fraction of its threads ran on a busy machine
 
 

@@ -5,10 +5,12 @@ Three ways to run it, picked per call (``path="auto"``) and reported in the stat
 * ``single_pass`` (single_pass.py): chunks of WHOLE groups, each chunk's logits built once: the
   log-probs, the group loss, its per-token gradient and dh, dW all come from that one tile
   (3 N x V x d matmuls, like the naive implementation). Used when every group fits the chunk
-  budget (``chunk_budget_mib``).
+  budget (``chunk_budget_mib``), and with eager row work (CPU, or backend="torch") also for groups
+  bigger than the budget: their logits are kept in part and the rest rebuilt (3 to 4 matmuls,
+  memory within the budget).
 * ``two_pass``: ``linear_logprobs`` (Triton on CUDA, chunked torch elsewhere) for the log-probs,
   the group loss on them, then the log-prob backward rebuilds the logits (4 matmuls). Memory does
-  not depend on group size: the path for groups too long for the budget (long responses).
+  not depend on group size: on Triton, the path for groups too long for the budget (long responses).
 * ``one_sweep`` (known_grad.py): the first optimizer step after a rollout, with ``old_lse`` from
   the old-policy pass; logp == old_logp so the gradient is known up front (3 matmuls).
 
@@ -41,7 +43,13 @@ from .loss_inputs import (
     check_nonempty_responses,
     check_options,
 )
-from .single_pass import DEFAULT_CHUNK_BUDGET_MIB, max_chunk_tokens, plan_group_chunks, single_pass
+from .single_pass import (
+    DEFAULT_CHUNK_BUDGET_MIB,
+    max_chunk_tokens,
+    plan_group_chunks,
+    recomputed_fraction,
+    single_pass,
+)
 from .token_selection import check_response_tokens, match_head_dtype, pick, selected_index
 
 FUSED_BACKENDS = ("auto", "triton", "torch", "naive")
@@ -107,11 +115,13 @@ def fused_linear_pacs_loss(
         backend: "auto" | "triton" | "torch" | "naive": the kernels of the two-pass path and of
             ``old_lse``'s one sweep, and the single pass's elementwise work (Triton row kernels or
             eager PyTorch around cuBLAS GEMMs); "naive" materializes the logits (tests, benchmarks).
-        path: "auto" (single pass when every group fits ``chunk_budget_mib``, else two passes; on
-            CUDA also two passes where the committed GPU run measured them faster: dispatch.py) |
-            "single_pass" (an error if a group does not fit) | "two_pass".
-        chunk_budget_mib: working memory of one single-pass chunk (float32 logits of its tokens,
-            plus a bf16 copy on CUDA); default 256 MiB.
+        path: "auto" (single pass when every group fits ``chunk_budget_mib`` or the row work is
+            eager PyTorch; two passes for bigger groups where Triton runs, and on CUDA where the
+            committed GPU run measured them faster: dispatch.py) | "single_pass" (a group bigger
+            than the budget keeps part of its logits and rebuilds the rest) | "two_pass".
+        chunk_budget_mib: working memory of the single pass's logits (float32 logits of its
+            tokens, plus a bf16 copy on CUDA); default 256 MiB. A smaller budget trades speed for
+            memory only when a group no longer fits.
         filter_eps, chunk_elements, vocab_splits: the two-pass path's ``linear_logprobs`` options.
         old_lse: optional, like old_logp: the log-sum-exp from the old-policy pass
             (``linear_logprobs(..., return_lse=True)``). Pass it ONLY while the weights are still
@@ -147,6 +157,7 @@ def fused_linear_pacs_loss(
     options = dict(group_size=group_size, beta=beta, score=score, advantage=advantage, weighting=weighting,
                    score_function_term=score_function_term)
     n_selected = int(layout.cu_seqlens[-1])  # response tokens (one device sync)
+    rebuilt = 0.0  # share of the logits the single pass builds twice (groups bigger than the budget)
 
     if old_lse is not None:
         if old_logp is None:
@@ -161,20 +172,21 @@ def fused_linear_pacs_loss(
         if path != "two_pass" and backend != "naive" and not measured_slower:
             budget_tokens = max_chunk_tokens(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype,
                                              softcap=logit_softcap is not None)
+            row_kernels = row_kernels_for(backend, weight)
             chunks = plan_group_chunks(tokens.counts.tolist(), group_size, budget_tokens)
-            if chunks is None and path == "single_pass":
-                biggest = int(tokens.counts.reshape(-1, group_size).sum(1).max())
-                raise ValueError(
-                    f"path='single_pass' needs every group within chunk_budget_mib = {chunk_budget_mib:g} MiB "
-                    f"({budget_tokens} tokens at V = {weight.shape[0]}), but a group holds {biggest} response "
-                    "tokens; raise chunk_budget_mib or use path='auto' (two passes for such batches)")
+            # A group bigger than the budget: the single pass keeps what fits and rebuilds the rest
+            # (3 to 4 matmuls), never slower than two eager passes; where Triton runs, its fused
+            # two-pass kernels are preferred for such groups.
+            if chunks is None and (path == "single_pass" or row_kernels == "torch"):
+                chunks = plan_group_chunks(tokens.counts.tolist(), group_size, budget_tokens, oversized_alone=True)
+                rebuilt = recomputed_fraction(chunks, budget_tokens)
         elif path == "single_pass":
             raise ValueError("path='single_pass' has no naive backend; use backend='auto', 'torch' or 'triton'")
         if chunks is not None:
             chosen = "single_pass"
             result = _single_pass_loss(tokens, weight, chunks, rewards, valid, temperature=temperature, bias=bias,
-                                       return_stats=return_stats, with_entropy=with_entropy,
-                                       row_kernels=row_kernels_for(backend, weight), softcap=logit_softcap, **options)
+                                       return_stats=return_stats, with_entropy=with_entropy, row_kernels=row_kernels,
+                                       softcap=logit_softcap, budget_tokens=budget_tokens, **options)
         else:
             chosen = "two_pass"
             result = _two_pass_loss(tokens, weight, rewards, valid, layout, temperature=temperature, bias=bias,
@@ -182,8 +194,9 @@ def fused_linear_pacs_loss(
                                     logprob_options=dict(filter_eps=filter_eps, chunk_elements=chunk_elements,
                                                          vocab_splits=vocab_splits, logit_softcap=logit_softcap),
                                     **options)
-    logger.debug("fused_linear_pacs_loss: %s path, B=%d, %d response tokens", chosen, tokens.n_responses,
-                 n_selected)
+    logger.debug("fused_linear_pacs_loss: %s path, B=%d, %d response tokens%s", chosen, tokens.n_responses,
+                 n_selected, f", {rebuilt:.0%} of the logits built twice (groups bigger than the budget)"
+                 if rebuilt else "")
     if return_stats:
         loss, stats = result
         return loss, replace(stats, path=chosen)
@@ -203,7 +216,7 @@ def row_kernels_for(backend: str, weight: torch.Tensor) -> str:
 
 
 def _single_pass_loss(tokens, weight, chunks, rewards, valid, *, temperature, bias, return_stats, with_entropy,
-                      row_kernels, softcap, **options):
+                      row_kernels, softcap, budget_tokens, **options):
     """PACS over chunks of whole groups, one logits GEMM per chunk (single_pass.py)."""
     index = selected_index(tokens.mask)
     old_selected = pick(tokens.old_logp, index)
@@ -221,7 +234,8 @@ def _single_pass_loss(tokens, weight, chunks, rewards, valid, *, temperature, bi
 
     loss, extras, _, entropy = single_pass(
         pick(tokens.hidden, index), weight, targets, bias=bias, temperature=temperature, chunks=chunks,
-        chunk_loss=chunk_loss, with_entropy=with_entropy and return_stats, row_kernels=row_kernels, softcap=softcap)
+        chunk_loss=chunk_loss, with_entropy=with_entropy and return_stats, row_kernels=row_kernels, softcap=softcap,
+        budget_tokens=budget_tokens)
     loss = loss.float() if loss.dtype != torch.float64 else loss
     if not return_stats:
         return loss

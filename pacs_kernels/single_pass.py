@@ -16,6 +16,11 @@ gradients are produced in the forward and handed to autograd: the returned loss'
 scales them by the upstream gradient. Losses that are per response (GRPO) can use any chunking
 that keeps responses whole; their chunk loss only needs the global normaliser, known up front.
 
+A group bigger than the budget (long responses) cannot hold all its logits at once. It is cut
+into tiles; the first tiles' logits are kept while they fit, the others keep only their row
+statistics and are built again once g is known: 3 + r matmuls (r: the share rebuilt), never more
+than the 4 of two passes, with memory bounded by the budget whatever the group size.
+
 Entropy (optional, for statistics): H = lse - sum_v p_v z_v, computed in row slices before the
 logits buffer is turned into probabilities.
 
@@ -38,6 +43,7 @@ from .torch_chunked import apply_softcap_, softcap_slope
 TINY_GRAD = 2.0 ** -100
 DEFAULT_CHUNK_BUDGET_MIB = 256
 ENTROPY_ROWS = 64  # rows per slice of the optional entropy pass (bounds its temporary)
+RECOMPUTE_TILES_PER_BUDGET = 4  # a group bigger than the budget is cut into tiles of budget / 4 tokens
 
 
 @dataclass(frozen=True)
@@ -69,13 +75,16 @@ def max_chunk_tokens(budget_mib: float, vocab: int, device: torch.device, dtype:
     return int(budget_mib * 2 ** 20) // bytes_per_token(vocab, device, dtype, softcap)
 
 
-def plan_group_chunks(counts: list[int], group_size: int, max_tokens: int) -> list[Chunk] | None:
+def plan_group_chunks(counts: list[int], group_size: int, max_tokens: int, *,
+                      oversized_alone: bool = False) -> list[Chunk] | None:
     """Chunks of whole groups (``group_size`` contiguous responses), greedy up to ``max_tokens``
-    tokens each; None when one group alone holds more than ``max_tokens`` tokens."""
+    tokens each; None when one group alone holds more than ``max_tokens`` tokens, unless
+    ``oversized_alone``: such a group is then a chunk of its own, whose logits the single pass
+    keeps only in part (:func:`plan_tiles`)."""
     chunks, r0, tok0, tokens = [], 0, 0, 0
     for g0 in range(0, len(counts), group_size):
         group_tokens = sum(counts[g0:g0 + group_size])
-        if group_tokens > max_tokens:
+        if group_tokens > max_tokens and not oversized_alone:
             return None
         if tokens + group_tokens > max_tokens and g0 > r0:
             chunks.append(Chunk(r0, g0, tok0, tok0 + tokens))
@@ -124,10 +133,47 @@ def _triton_rows():
     return softmax_rows
 
 
+@dataclass
+class _Tile:
+    """Logits of tokens t0:t1 of a chunk, kept from the loss to its gradient: ``z`` is exp(z - max)
+    with its ``row_sum`` (eager rows) or the raw logits with their ``lse`` (Triton rows)."""
+
+    t0: int
+    t1: int
+    z: torch.Tensor
+    lse: torch.Tensor
+    row_sum: torch.Tensor | None
+    slope: torch.Tensor | None
+
+
+def plan_tiles(tok0: int, tok1: int, budget_tokens: int | None) -> list[tuple[int, int, bool]]:
+    """Sub-tiles (t0, t1, keep) of a chunk's tokens. A chunk within ``budget_tokens`` is one kept
+    tile. A longer one (a group bigger than the budget) is cut into tiles of a quarter of the
+    budget; the first ones are kept while they leave room for one more tile, the others are built
+    again for the gradient (one extra logits GEMM for those tokens only)."""
+    if budget_tokens is None or tok1 - tok0 <= budget_tokens:
+        return [(tok0, tok1, True)]
+    size = max(1, budget_tokens // RECOMPUTE_TILES_PER_BUDGET)
+    tiles, kept = [], 0
+    for t0 in range(tok0, tok1, size):
+        t1 = min(t0 + size, tok1)
+        keep = kept + (t1 - t0) + size <= budget_tokens
+        kept += (t1 - t0) if keep else 0
+        tiles.append((t0, t1, keep))
+    return tiles
+
+
+def recomputed_fraction(chunks: list[Chunk], budget_tokens: int | None) -> float:
+    """Share of the tokens whose logits the single pass builds twice (0.0 when every chunk fits)."""
+    total = sum(c.tok1 - c.tok0 for c in chunks)
+    again = sum(t1 - t0 for c in chunks for t0, t1, keep in plan_tiles(c.tok0, c.tok1, budget_tokens) if not keep)
+    return again / total if total else 0.0
+
+
 class _SinglePass(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunks, chunk_loss, results, with_entropy,
-                row_kernels, softcap):
+                row_kernels, softcap, budget_tokens):
         needs_h, needs_w, needs_b = ctx.needs_input_grad[:3]
         device, cdt = hidden.device, compute_dtype(hidden.dtype)
         inv_tau = 1.0 / temperature
@@ -140,35 +186,75 @@ class _SinglePass(torch.autograd.Function):
         entropy_all = torch.empty_like(logp_all) if with_entropy else None
         loss = torch.zeros((), dtype=cdt, device=device)
         rows = _triton_rows() if row_kernels == "triton" and softcap is None else None
+
+        def logits_tile(t0, t1, record: bool) -> _Tile:
+            """One logits GEMM for tokens t0:t1 and its row statistics; when ``record``, their
+            log-probs (and entropies) go into logp_all (entropy_all), else it is a rebuild."""
+            entropy_out = entropy_all if record else None
+            z = mm_f32(operand(hidden[t0:t1]), weight_op.T)  # (C, V) logits, float32
+            y = targets[t0:t1].long()
+            if rows is not None:  # one Triton pass over the tile (softmax_rows.py)
+                lse, target_logit, entropy = rows.row_lse(z, y, bias, temperature, entropy_out is not None)
+                if entropy_out is not None:
+                    entropy_out[t0:t1] = entropy
+                if record:
+                    logp_all[t0:t1] = target_logit - lse
+                return _Tile(t0, t1, z, lse, None, None)
+            if bias is not None:
+                z.add_(bias.to(cdt))
+            if softcap is not None:  # c * tanh(z / c), before the temperature
+                apply_softcap_(z, softcap)
+            if inv_tau != 1.0:
+                z.mul_(inv_tau)
+            slope = softcap_slope(z, temperature, softcap) if softcap is not None else None
+            target_logit = z.gather(1, y.unsqueeze(1)).squeeze(1)
+            row_max = z.amax(1, keepdim=True)
+            row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+            z.sub_(row_max)
+            if entropy_out is not None:
+                entropy_out[t0:t1] = _entropy_rows(z)
+            z.exp_()  # z now holds exp(z - max): probabilities up to the row sum
+            row_sum = z.sum(1, keepdim=True)
+            lse = row_max.squeeze(1) + row_sum.squeeze(1).log()
+            if record:
+                logp_all[t0:t1] = target_logit - lse
+            return _Tile(t0, t1, z, lse, row_sum, slope)
+
+        def backprop_tile(tile: _Tile, g: torch.Tensor) -> None:
+            """dz of the tile (over its logits buffer), then dh, dW and db from it."""
+            nonlocal d_bias
+            y = targets[tile.t0:tile.t1].long()
+            z, slope = tile.z, tile.slope
+            tile.z = tile.slope = None
+            if rows is not None:  # one read of z, one write of dz (in place when the dtypes agree)
+                dz = z if not low_precision_gemm else torch.empty(z.shape, dtype=weight_op.dtype, device=device)
+                rows.row_grad(z, y, bias, temperature, tile.lse, g, out=dz)
+                del z
+                if needs_b:
+                    d_bias += dz.sum(0, dtype=cdt)
+            else:  # dz = g * (onehot(y) - p) / tau, in place over the logits buffer
+                g = g * inv_tau
+                z.mul_((-g).unsqueeze(1) / tile.row_sum)
+                z[torch.arange(tile.t1 - tile.t0, device=device), y] += g
+                if slope is not None:  # through the soft-cap: d(c tanh(x / c))/dx = 1 - tanh^2
+                    z.mul_(slope)
+                    del slope
+                if needs_b:
+                    d_bias += z.sum(0)
+                dz = z.to(weight_op.dtype) if low_precision_gemm else z
+                del z
+            if needs_h:
+                mm_into(d_hidden[tile.t0:tile.t1], dz, weight_op)
+            if needs_w:
+                addmm_f32_(d_weight, dz.T, operand(hidden[tile.t0:tile.t1]))
+
         for chunk in chunks:
             t0, t1 = chunk.tok0, chunk.tok1
-            h = operand(hidden[t0:t1])
-            y = targets[t0:t1].long()
-            if t1 > t0 and rows is not None:  # two Triton row kernels (softmax_rows.py)
-                z = mm_f32(h, weight_op.T)
-                lse, target_logit, entropy = rows.row_lse(z, y, bias, temperature, with_entropy)
-                logp_all[t0:t1] = target_logit - lse
-                if with_entropy:
-                    entropy_all[t0:t1] = entropy
-            elif t1 > t0:
-                z = mm_f32(h, weight_op.T)  # (C, V) logits, float32
-                if bias is not None:
-                    z.add_(bias.to(cdt))
-                if softcap is not None:  # c * tanh(z / c), before the temperature
-                    apply_softcap_(z, softcap)
-                if inv_tau != 1.0:
-                    z.mul_(inv_tau)
-                slope = softcap_slope(z, temperature, softcap) if softcap is not None else None
-                target_logit = z.gather(1, y.unsqueeze(1)).squeeze(1)
-                row_max = z.amax(1, keepdim=True)
-                row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-                z.sub_(row_max)
-                if with_entropy:
-                    entropy_all[t0:t1] = _entropy_rows(z)
-                z.exp_()  # z now holds exp(z - max): probabilities up to the row sum
-                row_sum = z.sum(1, keepdim=True)
-                lse = row_max.squeeze(1) + row_sum.squeeze(1).log()
-                logp_all[t0:t1] = target_logit - lse
+            kept: list[_Tile | tuple[int, int]] = []
+            for a, b, keep in plan_tiles(t0, t1, budget_tokens) if t1 > t0 else []:
+                tile = logits_tile(a, b, record=True)
+                kept.append(tile if keep else (a, b))  # a dropped tile is rebuilt for its gradient
+                del tile
             with torch.enable_grad():
                 logp = logp_all[t0:t1].detach().requires_grad_(True)
                 share, extra = chunk_loss(logp, chunk)
@@ -178,28 +264,12 @@ class _SinglePass(torch.autograd.Function):
             if t1 == t0 or grad_logp is None or not (needs_h or needs_w or needs_b):
                 continue
             g = torch.where(grad_logp.abs() < TINY_GRAD, torch.zeros_like(grad_logp), grad_logp)
-            if rows is not None:  # one read of z, one write of dz (in place when the dtypes agree)
-                dz = z if not low_precision_gemm else torch.empty(z.shape, dtype=weight_op.dtype, device=device)
-                rows.row_grad(z, y, bias, temperature, lse, g, out=dz)
-                del z
-                if needs_b:
-                    d_bias += dz.sum(0, dtype=cdt)
-            else:  # dz = g * (onehot(y) - p) / tau, in place over the logits buffer
-                g = g * inv_tau
-                z.mul_((-g).unsqueeze(1) / row_sum)
-                z[torch.arange(t1 - t0, device=device), y] += g
-                if slope is not None:  # through the soft-cap: d(c tanh(x / c))/dx = 1 - tanh^2
-                    z.mul_(slope)
-                    del slope
-                if needs_b:
-                    d_bias += z.sum(0)
-                dz = z.to(weight_op.dtype) if low_precision_gemm else z
-                del z
-            if needs_h:
-                mm_into(d_hidden[t0:t1], dz, weight_op)
-            if needs_w:
-                addmm_f32_(d_weight, dz.T, h)
-            del dz
+            for i, tile in enumerate(kept):
+                kept[i] = None  # the tile's memory goes with its gradient
+                if not isinstance(tile, _Tile):
+                    tile = logits_tile(*tile, record=False)
+                backprop_tile(tile, g[tile.t0 - t0:tile.t1 - t0])
+                del tile
         grads = (None if d_hidden is None else d_hidden.to(hidden.dtype),
                  None if d_weight is None else d_weight.to(weight.dtype),
                  None if d_bias is None else d_bias.to(bias.dtype))
@@ -213,12 +283,12 @@ class _SinglePass(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
         grads = ctx.saved_tensors  # autograd frees them after one backward (retain_graph keeps them)
         scaled = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in grads)
-        return scaled + (None,) * 8
+        return scaled + (None,) * 9
 
 
 def single_pass(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, bias: torch.Tensor | None,
                 temperature: float, chunks: list[Chunk], chunk_loss: ChunkLoss, with_entropy: bool = False,
-                row_kernels: str = "torch", softcap: float | None = None):
+                row_kernels: str = "torch", softcap: float | None = None, budget_tokens: int | None = None):
     """Run ``chunk_loss`` over ``chunks`` of the selected tokens with one logits GEMM per chunk.
 
     Args:
@@ -230,6 +300,10 @@ def single_pass(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
             two passes over the tile instead of about nine; float16/bfloat16/float32 only; eager
             PyTorch with a soft-cap).
         softcap: optional Gemma-style logit soft-cap c: z = c * tanh(z / c) before the temperature.
+        budget_tokens: how many tokens' logits may be held at once (None: no limit). A chunk
+            longer than that (one group bigger than the budget) keeps the logits of its first tiles
+            and builds the others again for their gradient (:func:`plan_tiles`): 3 + r matmuls,
+            r the share of its tokens rebuilt (:func:`recomputed_fraction`).
 
     Returns:
         (loss 0-d float32 (float64 for float64 inputs), differentiable in hidden, weight, bias;
@@ -238,5 +312,5 @@ def single_pass(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
     extras: list = []
     with torch.autocast(hidden.device.type, enabled=False):
         loss, logp, entropy = _SinglePass.apply(hidden, weight, bias, targets, temperature, chunks, chunk_loss,
-                                                extras, with_entropy, row_kernels, softcap)
+                                                extras, with_entropy, row_kernels, softcap, budget_tokens)
     return loss, extras, logp, entropy

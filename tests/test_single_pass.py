@@ -1,7 +1,7 @@
 """The single-pass (group-chunked) fused losses against float64 references, and the paths' choice.
 
 Every PACS variant, padded and packed, chunk budgets that cut the batch into one group per chunk,
-groups too large for the budget (automatic two-pass fallback), on-policy (old_logp=None), the
+groups too large for the budget (logits kept in part and rebuilt; two passes on Triton), on-policy (old_logp=None), the
 validity mask, entropy stats, bf16, autocast, a second backward, and GRPO's token-chunked pass.
 """
 
@@ -14,16 +14,28 @@ from test_fused_loss import grads_of, make_batch, naive_loss
 
 from pacs_kernels import fused_linear_grpo_loss, fused_linear_pacs_loss, grpo_loss, linear_logprobs
 from pacs_kernels.reference import naive_linear_logprobs, reference_grpo_loss, reference_pacs_loss
-from pacs_kernels.single_pass import TINY_GRAD, Chunk, plan_group_chunks, plan_token_chunks
+from pacs_kernels.single_pass import (
+    TINY_GRAD,
+    Chunk,
+    plan_group_chunks,
+    plan_tiles,
+    plan_token_chunks,
+    recomputed_fraction,
+)
 
 SCORES = ("log_ratio", "mean_logp")
 ADVANTAGES = ("rloo", "grpo", "naive")
 WEIGHTINGS = ("balanced", "none", "positive_only", "negative_only")
 
 
+def tokens_mib(tokens: int, dtype=torch.float32):
+    """A chunk budget of ``tokens`` tokens at V = 50 logits of the compute dtype."""
+    return tokens * 50 * (8 if dtype == torch.float64 else 4) / 2 ** 20
+
+
 def one_group_mib(dtype=torch.float32):
-    """A chunk budget of 30 tokens (one group of make_batch's) at V = 50 logits of the compute dtype."""
-    return 30 * 50 * (8 if dtype == torch.float64 else 4) / 2 ** 20
+    """A chunk budget of 30 tokens (one group of make_batch's)."""
+    return tokens_mib(30, dtype)
 
 
 def to_packed(hidden, targets, mask, old):
@@ -59,7 +71,9 @@ def test_single_pass_matches_reference_float64(score, advantage, weighting):
     expected, e_grads = grads_of(
         lambda h, w, b: naive_loss(h, w, b, targets, mask, old, rewards, temperature=0.8, **opts),
         (hidden, weight, bias))
-    for budget in (64.0, one_group_mib(torch.float64)):  # one chunk; one group per chunk
+    # one chunk; one group per chunk; 5 tokens: every group bigger than the budget, its logits kept
+    # in part (tiles of 1 token, 4 kept) and rebuilt for the rest
+    for budget in (64.0, one_group_mib(torch.float64), tokens_mib(5, torch.float64)):
         loss, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, bias=bias,
                                              temperature=0.8, chunk_budget_mib=budget, return_stats=True, **opts)
         assert stats.path == "single_pass"
@@ -98,17 +112,38 @@ def test_single_pass_equals_two_pass_and_packed(score_function_term):
     torch.testing.assert_close(results["packed"][0], results["single_pass"][0], rtol=1e-12, atol=1e-14)
 
 
-def test_group_over_budget_falls_back_to_two_pass():
+def test_plan_tiles_keeps_what_fits_and_rebuilds_the_rest():
+    assert plan_tiles(3, 10, None) == [(3, 10, True)]
+    assert plan_tiles(3, 10, 7) == [(3, 10, True)]  # within the budget: one kept tile
+    # 12 tokens, budget 8: tiles of 2; keep while one more tile still fits (2 + 2 + 2 kept, 6 + 2 <= 8)
+    assert plan_tiles(0, 12, 8) == [(0, 2, True), (2, 4, True), (4, 6, True), (6, 8, False), (8, 10, False),
+                                    (10, 12, False)]
+    assert plan_tiles(0, 5, 3) == [(0, 1, True), (1, 2, True), (2, 3, False), (3, 4, False), (4, 5, False)]
+    chunks = [Chunk(0, 2, 0, 12), Chunk(2, 4, 12, 16)]
+    assert recomputed_fraction(chunks, 8) == pytest.approx(6 / 16)
+    assert recomputed_fraction(chunks, None) == 0.0
+    assert plan_group_chunks([3, 4, 5, 1, 2, 2, 9, 0], 2, 8, oversized_alone=True) == [
+        Chunk(0, 2, 0, 7), Chunk(2, 4, 7, 13), Chunk(4, 6, 13, 17), Chunk(6, 8, 17, 26)]
+
+
+def test_group_over_budget_rebuilds_part_of_its_logits():
+    """A budget smaller than every group: with eager row work (CPU) the single pass keeps what fits
+    and rebuilds the rest (same loss and gradients); on the Triton backend auto falls back to two passes."""
     hidden, weight, _, targets, mask, old, rewards = make_batch(seed=7)
-    tiny = 3 * 200 / 2 ** 20  # three tokens: no group fits
-    loss, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4,
-                                         chunk_budget_mib=tiny, return_stats=True)
+    tiny = tokens_mib(3)  # three tokens: no group fits
+    expected, e_grads = grads_of(lambda h, w: fused_linear_pacs_loss(
+        h, w, targets, mask, old, rewards, group_size=4, path="two_pass"), (hidden, weight))
+    _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4,
+                                      chunk_budget_mib=tiny, return_stats=True)
+    assert stats.path == "single_pass"
+    loss, got = grads_of(lambda h, w: fused_linear_pacs_loss(
+        h, w, targets, mask, old, rewards, group_size=4, chunk_budget_mib=tiny), (hidden, weight))
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7)
+    for g, e in zip(got, e_grads):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6 * e.abs().max().item())
+    _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, backend="triton",
+                                      chunk_budget_mib=tiny, return_stats=True)
     assert stats.path == "two_pass"
-    reference = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4)
-    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=1e-7)
-    with pytest.raises(ValueError, match="path='single_pass' needs every group within chunk_budget_mib"):
-        fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, chunk_budget_mib=tiny,
-                               path="single_pass")
     for bad in (0, -1.0, float("inf"), "big", True):
         with pytest.raises(ValueError, match="chunk_budget_mib must be a finite number"):
             fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, chunk_budget_mib=bad)
@@ -290,9 +325,10 @@ def test_grpo_single_pass_matches_reference(aggregation, layout):
         assert stats.as_dict()[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
 
 
+@pytest.mark.parametrize("budget", [one_group_mib(), tokens_mib(5)])  # whole groups; groups rebuilt in part
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_triton_row_kernels_match_the_torch_single_pass(dtype, with_bias):
+def test_triton_row_kernels_match_the_torch_single_pass(dtype, with_bias, budget):
     """backend='triton' (here: the interpreter) runs the single pass's elementwise work in softmax_rows.py."""
     from pacs_kernels import triton as triton_kernels
 
@@ -300,7 +336,7 @@ def test_triton_row_kernels_match_the_torch_single_pass(dtype, with_bias):
         pytest.skip("needs TRITON_INTERPRET=1 on a machine without CUDA")
     hidden, weight, bias, targets, mask, old, rewards = make_batch(seed=18, dtype=dtype, with_bias=with_bias)
     opts = dict(group_size=4, temperature=0.7, bias=bias, path="single_pass", return_stats=True, with_entropy=True,
-                chunk_budget_mib=one_group_mib())
+                chunk_budget_mib=budget)
     results = {}
     for backend in ("torch", "triton"):
         results[backend] = grads_of(lambda h, w: fused_linear_pacs_loss(
@@ -340,7 +376,7 @@ def test_triton_row_kernels_across_vocabulary_blocks():
     torch.testing.assert_close(dz.double(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("path", ["single_pass", "two_pass", "one_sweep"])
+@pytest.mark.parametrize("path", ["single_pass", "single_pass_rebuild", "two_pass", "one_sweep"])
 def test_logit_softcap_matches_reference_float64(path):
     """Gemma-style soft-capping c * tanh(z / c) before the temperature, on every path of both losses."""
     hidden, weight, bias, targets, mask, old, rewards = make_batch(n_groups=2, seed=20, with_bias=True)
@@ -357,6 +393,8 @@ def test_logit_softcap_matches_reference_float64(path):
             old_ref, lse = linear_logprobs(hidden, weight, targets.clamp(min=0), temperature=tau, bias=bias,
                                            return_lse=True, logit_softcap=cap)
         extra = {"old_lse": lse}
+    elif path == "single_pass_rebuild":  # groups bigger than the budget (the slope rows are rebuilt too)
+        old_ref, extra = old.double(), {"path": "single_pass", "chunk_budget_mib": 2 * tokens_mib(5, torch.float64)}
     else:
         old_ref, extra = old.double(), {"path": path}
     expected, e_grads = grads_of(reference, (hidden, weight, bias))
@@ -375,7 +413,7 @@ def test_logit_softcap_matches_reference_float64(path):
                                          softcap=cap)[0]
         expected_grpo = reference_grpo_loss(logp_ref, old, rewards, mask, group_size=4)
         grpo = fused_linear_grpo_loss(hidden, weight, targets, mask, old, rewards, group_size=4, bias=bias,
-                                      temperature=tau, logit_softcap=cap, path=path)
+                                      temperature=tau, logit_softcap=cap, path=extra["path"])
         torch.testing.assert_close(grpo.double(), expected_grpo, rtol=1e-6, atol=1e-8)
 
 
