@@ -69,11 +69,13 @@ def _is_main_rank() -> bool:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from .policy import close_distributed
     from .trainer import TrainingInterrupted, TrainingStopped, resume_hint, train
 
     cfg = build_config(args)
     try:
         train(cfg)
+        close_distributed()  # under torchrun: every rank leaves the process group together
     except KeyboardInterrupt:  # outside the training loop (warm-up, model loading, export)
         if _is_main_rank():
             print(f"pacs train: interrupted; {resume_hint(cfg)}", file=sys.stderr)

@@ -54,6 +54,16 @@ def setup_distributed() -> DistInfo:
                     mesh=mesh)
 
 
+def close_distributed() -> None:
+    """Leave the process group in step: a barrier (every rank is done with its collectives), then
+    ``destroy_process_group``. A rank that simply exits can close its gloo connections while a
+    slower rank still holds them, and gloo then aborts that rank (SIGABRT, "Connection closed by
+    peer") after the work is done. No-op without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

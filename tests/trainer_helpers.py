@@ -32,3 +32,20 @@ def comparable(rows: list[dict]) -> list[dict]:
 
 def repo_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def check_ran(done, what: str) -> None:
+    """Fail, when a subprocess failed, with the lines that say why: those naming an error (a
+    Python exception, a C++ ``terminate``/``what()``, a signal) and the last lines of each stream,
+    as a plain message (pytest cuts a long assertion repr in the middle, where the cause is)."""
+    if done.returncode == 0:
+        return
+    import pytest
+
+    err = (done.stderr or "").splitlines()
+    words = ("Error", "error:", "terminate", "what()", "Signal", "Traceback", "Exception", "Aborted")
+    named = [line for line in err if any(w in line for w in words)]
+    pytest.fail(f"{what} exited with {done.returncode}\n"
+                + "--- stderr lines naming an error:\n" + "\n".join(named[-40:])
+                + "\n--- stdout, last 20 lines:\n" + "\n".join((done.stdout or "").splitlines()[-20:])
+                + "\n--- stderr, last 60 lines:\n" + "\n".join(err[-60:]), pytrace=False)

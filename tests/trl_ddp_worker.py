@@ -42,6 +42,9 @@ def main(out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"params": digest(trainer.model), "initial_params": initial, "wrapper": trainer.wrapper,
                    "micro_batch_group_ids": seen}, f)
+    if torch.distributed.is_initialized():  # every rank leaves the process group together
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
