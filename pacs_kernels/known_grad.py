@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .checks import check_linear_inputs, check_targets_in_range, check_temperature, check_tensor
+from .forward_grads import scaled_saved_grads
 from .logprobs import Kernels, LogprobOptions, check_softcap, resolve_backend
 
 
@@ -38,8 +39,7 @@ class _KnownGradSweep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_surrogate, _grad_logp):
-        d_hidden, d_weight, d_bias = (None if g is None else g * grad_surrogate.to(g.dtype) for g in ctx.saved_tensors)
-        return d_hidden, d_weight, d_bias, None, None, None, None, None, None
+        return scaled_saved_grads(ctx.saved_tensors, grad_surrogate) + (None,) * 6
 
 
 def linear_logprobs_known_grad(
