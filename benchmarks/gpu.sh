@@ -96,6 +96,7 @@ timeout 30 "$py" benchmarks/check_gpu_correctness.py "${check_args[@]}" --peers 
 stamp "2/4 the race, benchmark set '$bench_set' with peers (budget 140s, limit 170s)"
 timeout 170 "$py" benchmarks/run.py "${bench_args[@]}" --out "$out" --name gpu \
     --ops pacs_loss_fwd_bwd pacs_loss_first_step logprobs_fwd_bwd \
+    --impls naive torch single_pass triton cce cce_exact liger_flce liger_chunked \
     --warmup 1 --repeats 3 --max-seconds 1.5 --time-budget 140 \
     --note "one GPU lent for a single prepared run; peers installed from wheels without network"
 rc=$?

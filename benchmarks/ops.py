@@ -28,9 +28,9 @@ Implementations ("impls"):
     single_pass    loss ops only: fused_linear_pacs_loss(path="single_pass") with a chunk budget of
                    one (longest possible) group: one logits GEMM per group, 3 matmuls in all
                    (GEMMs in the input dtype on CUDA)
-    single_pass_lowmem  the same with a budget of a quarter of one group: no group fits, each keeps
-                   the logits of its first tiles and rebuilds the rest (about 3.8 matmuls), memory
-                   near the two passes'
+    single_pass_lowmem  the same with a budget of a third of one group: no group fits, each is cut
+                   into 3 tiles, the last one's logits kept and the others rebuilt (3.67 matmuls),
+                   memory near the two passes'
     cce            Apple Cut Cross-Entropy, linear_cross_entropy(reduction="none") = -logp, with
                    its default gradient filter (filter_eps="high": skips tiny softmax entries)
     cce_exact      the same with filter_eps=None (exact gradient, like ours)
@@ -60,7 +60,7 @@ import torch
 OPS = ("logprobs_fwd_bwd", "logprobs_nograd", "pacs_loss_fwd_bwd", "pacs_loss_first_step")
 LOSS_OPS = ("pacs_loss_fwd_bwd", "pacs_loss_first_step")
 OUR_IMPLS = ("naive", "torch", "triton", "single_pass", "single_pass_lowmem")
-SINGLE_PASS_BUDGET_GROUPS = {"single_pass": 1.0, "single_pass_lowmem": 0.25}  # chunk budget, in groups
+SINGLE_PASS_BUDGET_GROUPS = {"single_pass": 1.0, "single_pass_lowmem": 1 / 3}  # chunk budget, in groups
 PEER_IMPLS = ("cce", "cce_exact", "liger_flce", "liger_chunked")
 IMPLS = OUR_IMPLS + PEER_IMPLS
 
@@ -277,7 +277,7 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
         one_sweep = case.op == "pacs_loss_first_step" and case.impl in ("torch", "triton")
         if case.impl in SINGLE_PASS_BUDGET_GROUPS:
             # single_pass: the budget of one group (the longest possible): one group per chunk, 3 matmuls;
-            # single_pass_lowmem: a quarter of that, most of each group's logits rebuilt
+            # single_pass_lowmem: a third of that, two thirds of each group's logits rebuilt
             from pacs_kernels.single_pass import bytes_per_token
 
             group_tokens = LOSS_GROUP_SIZE * (case.n // LOSS_RESPONSES)

@@ -44,7 +44,7 @@ from .loss_inputs import (
     check_options,
 )
 from .single_pass import (
-    DEFAULT_CHUNK_BUDGET_MIB,
+    default_chunk_budget_mib,
     max_chunk_tokens,
     plan_group_chunks,
     recomputed_fraction,
@@ -57,10 +57,13 @@ PATHS = ("auto", "single_pass", "two_pass")
 logger = logging.getLogger("pacs_kernels")
 
 
-def check_chunk_budget(chunk_budget_mib) -> float:
+def check_chunk_budget(chunk_budget_mib) -> float | None:
+    """A finite number of MiB > 0, or None (the device's default: single_pass.default_chunk_budget_mib)."""
+    if chunk_budget_mib is None:
+        return None
     if isinstance(chunk_budget_mib, bool) or not isinstance(chunk_budget_mib, (int, float)) \
             or not chunk_budget_mib > 0 or chunk_budget_mib == float("inf"):
-        raise ValueError(f"chunk_budget_mib must be a finite number of MiB > 0, got {chunk_budget_mib!r}")
+        raise ValueError(f"chunk_budget_mib must be a finite number of MiB > 0 or None, got {chunk_budget_mib!r}")
     return float(chunk_budget_mib)
 
 
@@ -87,7 +90,7 @@ def fused_linear_pacs_loss(
     valid: torch.Tensor | None = None,
     backend: str = "auto",
     path: str = "auto",
-    chunk_budget_mib: float = DEFAULT_CHUNK_BUDGET_MIB,
+    chunk_budget_mib: float | None = None,
     filter_eps: float | None = None,
     chunk_elements: int | None = None,
     vocab_splits: int | None = None,
@@ -120,8 +123,9 @@ def fused_linear_pacs_loss(
             committed GPU run measured them faster: dispatch.py) | "single_pass" (a group bigger
             than the budget keeps part of its logits and rebuilds the rest) | "two_pass".
         chunk_budget_mib: working memory of the single pass's logits (float32 logits of its
-            tokens, plus a bf16 copy on CUDA); default 256 MiB. A smaller budget trades speed for
-            memory only when a group no longer fits.
+            tokens, plus a bf16 copy on CUDA); None (default): 256 MiB on the CPU, 2 GiB on CUDA
+            (a GPU chunk needs enough tokens to keep its GEMMs compute-bound). A smaller budget
+            trades speed for memory only when a group no longer fits.
         filter_eps, chunk_elements, vocab_splits: the two-pass path's ``linear_logprobs`` options.
         old_lse: optional, like old_logp: the log-sum-exp from the old-policy pass
             (``linear_logprobs(..., return_lse=True)``). Pass it ONLY while the weights are still
@@ -170,7 +174,8 @@ def fused_linear_pacs_loss(
         chunks = None
         measured_slower = path == "auto" and measured_two_pass_faster(weight.device, n_selected, *weight.shape[::-1])
         if path != "two_pass" and backend != "naive" and not measured_slower:
-            budget_tokens = max_chunk_tokens(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype,
+            budget = chunk_budget_mib if chunk_budget_mib is not None else default_chunk_budget_mib(weight.device)
+            budget_tokens = max_chunk_tokens(budget, weight.shape[0], weight.device, weight.dtype,
                                              softcap=logit_softcap is not None)
             row_kernels = row_kernels_for(backend, weight)
             chunks = plan_group_chunks(tokens.counts.tolist(), group_size, budget_tokens)
@@ -320,7 +325,7 @@ class PACSLoss(nn.Module):
         score_function_term: bool = False,
         backend: str = "auto",
         path: str = "auto",
-        chunk_budget_mib: float = DEFAULT_CHUNK_BUDGET_MIB,
+        chunk_budget_mib: float | None = None,
         logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
@@ -369,5 +374,5 @@ class PACSLoss(nn.Module):
         return (f"group_size={self.group_size}, beta={self.beta}, score={self.score!r}, "
                 f"advantage={self.advantage!r}, weighting={self.weighting!r}, temperature={self.temperature}, "
                 f"score_function_term={self.score_function_term}, backend={self.backend!r}, path={self.path!r}, "
-                f"chunk_budget_mib={self.chunk_budget_mib:g}, logit_softcap={self.logit_softcap}")
+                f"chunk_budget_mib={self.chunk_budget_mib}, logit_softcap={self.logit_softcap}")
 

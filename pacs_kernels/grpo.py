@@ -31,7 +31,7 @@ from .checks import (
 from .fused import FUSED_BACKENDS, PATHS, check_chunk_budget, row_kernels_for
 from .logprobs import check_softcap, linear_logprobs
 from .loss_inputs import GRPO_STD_EPS, check_group_size, check_nonempty_responses, check_token_tensors
-from .single_pass import DEFAULT_CHUNK_BUDGET_MIB, max_chunk_tokens, plan_token_chunks, single_pass
+from .single_pass import default_chunk_budget_mib, max_chunk_tokens, plan_token_chunks, single_pass
 from .token_selection import check_response_tokens, match_head_dtype, pick, selected_index
 
 AGGREGATIONS = ("token_mean", "seq_mean")
@@ -219,7 +219,7 @@ def fused_linear_grpo_loss(
     return_stats: bool = False,
     backend: str = "auto",
     path: str = "auto",
-    chunk_budget_mib: float = DEFAULT_CHUNK_BUDGET_MIB,
+    chunk_budget_mib: float | None = None,
     logit_softcap: float | None = None,
 ):
     """``grpo_loss`` straight from hidden states and the LM head, padded (B, T, d) or packed (N, d) with
@@ -227,9 +227,10 @@ def fused_linear_grpo_loss(
 
     The GRPO term of a token depends only on its own log-prob once the advantages and the normaliser
     (both known from the rewards and the mask) are fixed, so the single pass (the default) cuts the
-    response tokens into chunks of at most ``chunk_budget_mib`` MiB of logits, whatever the response
-    lengths: one logits GEMM per chunk, 3 matmuls in all. ``path="two_pass"`` runs ``linear_logprobs``
-    with ``backend`` and autograd instead (4 matmuls). ``ref_logp`` (for the KL term) is laid out like
+    response tokens into chunks of at most ``chunk_budget_mib`` MiB of logits (None: the device's
+    default, as in :func:`fused_linear_pacs_loss`), whatever the response lengths: one logits GEMM
+    per chunk, 3 matmuls in all. ``path="two_pass"`` runs ``linear_logprobs`` with ``backend`` and
+    autograd instead (4 matmuls). ``ref_logp`` (for the KL term) is laid out like
     old_logp. ``logit_softcap``: as in :func:`fused_linear_pacs_loss`.
     """
     check_choice("aggregation", aggregation, AGGREGATIONS)
@@ -283,7 +284,8 @@ def fused_linear_grpo_loss(
 
     if path != "two_pass" and backend != "naive":
         check_targets_in_range(targets_sel, weight.shape[0])
-        budget_tokens = max_chunk_tokens(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype,
+        budget = chunk_budget_mib if chunk_budget_mib is not None else default_chunk_budget_mib(weight.device)
+        budget_tokens = max_chunk_tokens(budget, weight.shape[0], weight.device, weight.dtype,
                                          softcap=logit_softcap is not None)
         chunks = plan_token_chunks(counts.tolist(), budget_tokens)
         loss, extras, _, _ = single_pass(hidden_sel, weight, targets_sel, bias=bias, temperature=temperature,

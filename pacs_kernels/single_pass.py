@@ -17,9 +17,9 @@ scales them by the upstream gradient. Losses that are per response (GRPO) can us
 that keeps responses whole; their chunk loss only needs the global normaliser, known up front.
 
 A group bigger than the budget (long responses) cannot hold all its logits at once. It is cut
-into tiles; the first tiles' logits are kept while they fit, the others keep only their row
-statistics and are built again once g is known: 3 + r matmuls (r: the share rebuilt), never more
-than the 4 of two passes, with memory bounded by the budget whatever the group size.
+into n tiles within the budget; the last tile's logits are kept, the others keep only their row
+statistics and are built again once g is known: 3 + (n - 1) / n matmuls, never more than the 4 of
+two passes, with memory bounded by the budget whatever the group size.
 
 Entropy (optional, for statistics): H = lse - sum_v p_v z_v, computed in row slices before the
 logits buffer is turned into probabilities.
@@ -37,13 +37,21 @@ from typing import Any, Callable
 
 import torch
 
+from .forward_grads import scaled_saved_grads
 from .matmul import addmm_f32_, compute_dtype, gemm_in_input_dtype, mm_f32, mm_into, operand
 from .torch_chunked import apply_softcap_, softcap_slope
 
 TINY_GRAD = 2.0 ** -100
-DEFAULT_CHUNK_BUDGET_MIB = 256
+DEFAULT_CHUNK_BUDGET_MIB = {"cpu": 256.0, "cuda": 2048.0}  # by device type; others: the CPU's
+
+
+def default_chunk_budget_mib(device: torch.device) -> float:
+    """The chunk budget when the caller gives none: 256 MiB on the CPU, 2 GiB on CUDA. A GPU chunk
+    must hold enough tokens (about 2,300 at V = 152k, float32 logits + a bf16 copy) for its GEMMs to
+    outweigh streaming W and the float32 dW once per chunk: benchmarks/roofline.py predicts 1.5x the
+    3-matmul floor at 256 MiB on an H200 (memory-bound) and 1.17x from about 1.5 GiB."""
+    return DEFAULT_CHUNK_BUDGET_MIB.get(torch.device(device).type, DEFAULT_CHUNK_BUDGET_MIB["cpu"])
 ENTROPY_ROWS = 64  # rows per slice of the optional entropy pass (bounds its temporary)
-RECOMPUTE_TILES_PER_BUDGET = 4  # a group bigger than the budget is cut into tiles of budget / 4 tokens
 
 
 @dataclass(frozen=True)
@@ -135,8 +143,9 @@ def _triton_rows():
 
 @dataclass
 class _Tile:
-    """Logits of tokens t0:t1 of a chunk, kept from the loss to its gradient: ``z`` is exp(z - max)
-    with its ``row_sum`` (eager rows) or the raw logits with their ``lse`` (Triton rows)."""
+    """Logits of tokens t0:t1 of a chunk, from the loss to its gradient. Eager rows: ``z`` holds
+    exp(z - max) with its ``row_sum``, or, rebuilt, the probabilities exp(z - lse) (row_sum None);
+    Triton rows: the raw logits, with their ``lse``."""
 
     t0: int
     t1: int
@@ -147,20 +156,18 @@ class _Tile:
 
 
 def plan_tiles(tok0: int, tok1: int, budget_tokens: int | None) -> list[tuple[int, int, bool]]:
-    """Sub-tiles (t0, t1, keep) of a chunk's tokens. A chunk within ``budget_tokens`` is one kept
-    tile. A longer one (a group bigger than the budget) is cut into tiles of a quarter of the
-    budget; the first ones are kept while they leave room for one more tile, the others are built
-    again for the gradient (one extra logits GEMM for those tokens only)."""
-    if budget_tokens is None or tok1 - tok0 <= budget_tokens:
+    """Tiles (t0, t1, keep) of a chunk's tokens. A chunk within ``budget_tokens`` is one kept tile.
+    A longer one (a group bigger than the budget) is cut into n = ceil(C / budget) tiles of nearly
+    equal size, each within the budget: the last one's logits are kept for the gradient, the others
+    keep only their row statistics and are built again (one more logits GEMM for (n - 1) / n of the
+    tokens). Few, large tiles: every tile's GEMMs stream all of W and the float32 dW once, so many
+    small tiles would turn the pass memory-bound."""
+    count = tok1 - tok0
+    if budget_tokens is None or count <= budget_tokens:
         return [(tok0, tok1, True)]
-    size = max(1, budget_tokens // RECOMPUTE_TILES_PER_BUDGET)
-    tiles, kept = [], 0
-    for t0 in range(tok0, tok1, size):
-        t1 = min(t0 + size, tok1)
-        keep = kept + (t1 - t0) + size <= budget_tokens
-        kept += (t1 - t0) if keep else 0
-        tiles.append((t0, t1, keep))
-    return tiles
+    n = -(-count // max(1, budget_tokens))
+    bounds = [tok0 + count * i // n for i in range(n + 1)]
+    return [(bounds[i], bounds[i + 1], i == n - 1) for i in range(n)]
 
 
 def recomputed_fraction(chunks: list[Chunk], budget_tokens: int | None) -> float:
@@ -184,41 +191,59 @@ class _SinglePass(torch.autograd.Function):
         d_bias = torch.zeros(weight.shape[0], dtype=cdt, device=device) if needs_b else None
         logp_all = torch.empty(hidden.shape[0], dtype=cdt, device=device)
         entropy_all = torch.empty_like(logp_all) if with_entropy else None
+        lse_all = torch.empty_like(logp_all)  # kept for the tiles that are rebuilt
         loss = torch.zeros((), dtype=cdt, device=device)
         rows = _triton_rows() if row_kernels == "triton" and softcap is None else None
 
-        def logits_tile(t0, t1, record: bool) -> _Tile:
-            """One logits GEMM for tokens t0:t1 and its row statistics; when ``record``, their
-            log-probs (and entropies) go into logp_all (entropy_all), else it is a rebuild."""
-            entropy_out = entropy_all if record else None
-            z = mm_f32(operand(hidden[t0:t1]), weight_op.T)  # (C, V) logits, float32
-            y = targets[t0:t1].long()
-            if rows is not None:  # one Triton pass over the tile (softmax_rows.py)
-                lse, target_logit, entropy = rows.row_lse(z, y, bias, temperature, entropy_out is not None)
-                if entropy_out is not None:
-                    entropy_out[t0:t1] = entropy
-                if record:
-                    logp_all[t0:t1] = target_logit - lse
-                return _Tile(t0, t1, z, lse, None, None)
+        def tempered_logits(t0, t1):
+            """One logits GEMM for tokens t0:t1 -> (z float32 (C, V), the soft-cap's slope or None):
+            the raw logits for the Triton rows (which add the bias and the temperature themselves),
+            else (soft-capped (z + b)) / tau in place."""
+            z = mm_f32(operand(hidden[t0:t1]), weight_op.T)
+            if rows is not None:
+                return z, None
             if bias is not None:
                 z.add_(bias.to(cdt))
             if softcap is not None:  # c * tanh(z / c), before the temperature
                 apply_softcap_(z, softcap)
             if inv_tau != 1.0:
                 z.mul_(inv_tau)
-            slope = softcap_slope(z, temperature, softcap) if softcap is not None else None
+            return z, (softcap_slope(z, temperature, softcap) if softcap is not None else None)
+
+        def logits_tile(t0, t1) -> _Tile:
+            """The tile's logits and row statistics; its log-probs (entropies) into logp_all
+            (entropy_all), its log-sum-exp into lse_all."""
+            z, slope = tempered_logits(t0, t1)
+            y = targets[t0:t1].long()
+            if rows is not None:  # one Triton pass over the tile (softmax_rows.py)
+                lse, target_logit, entropy = rows.row_lse(z, y, bias, temperature, with_entropy)
+                if with_entropy:
+                    entropy_all[t0:t1] = entropy
+                logp_all[t0:t1] = target_logit - lse
+                lse_all[t0:t1] = lse
+                return _Tile(t0, t1, z, lse, None, None)
             target_logit = z.gather(1, y.unsqueeze(1)).squeeze(1)
             row_max = z.amax(1, keepdim=True)
             row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
             z.sub_(row_max)
-            if entropy_out is not None:
-                entropy_out[t0:t1] = _entropy_rows(z)
+            if with_entropy:
+                entropy_all[t0:t1] = _entropy_rows(z)
             z.exp_()  # z now holds exp(z - max): probabilities up to the row sum
             row_sum = z.sum(1, keepdim=True)
             lse = row_max.squeeze(1) + row_sum.squeeze(1).log()
-            if record:
-                logp_all[t0:t1] = target_logit - lse
+            logp_all[t0:t1] = target_logit - lse
+            lse_all[t0:t1] = lse
             return _Tile(t0, t1, z, lse, row_sum, slope)
+
+        def rebuilt_tile(t0, t1) -> _Tile:
+            """The logits of a tile that was not kept, built again for its gradient: its log-sum-exp
+            is known, so the probabilities are exp(z - lse) directly (no max, no row sum)."""
+            z, slope = tempered_logits(t0, t1)
+            lse = lse_all[t0:t1]
+            if rows is not None:
+                return _Tile(t0, t1, z, lse, None, None)
+            z.sub_(lse.unsqueeze(1)).exp_()
+            return _Tile(t0, t1, z, lse, None, slope)
 
         def backprop_tile(tile: _Tile, g: torch.Tensor) -> None:
             """dz of the tile (over its logits buffer), then dh, dW and db from it."""
@@ -234,7 +259,7 @@ class _SinglePass(torch.autograd.Function):
                     d_bias += dz.sum(0, dtype=cdt)
             else:  # dz = g * (onehot(y) - p) / tau, in place over the logits buffer
                 g = g * inv_tau
-                z.mul_((-g).unsqueeze(1) / tile.row_sum)
+                z.mul_((-g).unsqueeze(1) if tile.row_sum is None else (-g).unsqueeze(1) / tile.row_sum)
                 z[torch.arange(tile.t1 - tile.t0, device=device), y] += g
                 if slope is not None:  # through the soft-cap: d(c tanh(x / c))/dx = 1 - tanh^2
                     z.mul_(slope)
@@ -250,10 +275,10 @@ class _SinglePass(torch.autograd.Function):
 
         for chunk in chunks:
             t0, t1 = chunk.tok0, chunk.tok1
-            kept: list[_Tile | tuple[int, int]] = []
+            tiles: list = []  # a _Tile whose logits are kept, or the (t0, t1) of one to rebuild
             for a, b, keep in plan_tiles(t0, t1, budget_tokens) if t1 > t0 else []:
-                tile = logits_tile(a, b, record=True)
-                kept.append(tile if keep else (a, b))  # a dropped tile is rebuilt for its gradient
+                tile = logits_tile(a, b)
+                tiles.append(tile if keep else (a, b))
                 del tile
             with torch.enable_grad():
                 logp = logp_all[t0:t1].detach().requires_grad_(True)
@@ -264,10 +289,12 @@ class _SinglePass(torch.autograd.Function):
             if t1 == t0 or grad_logp is None or not (needs_h or needs_w or needs_b):
                 continue
             g = torch.where(grad_logp.abs() < TINY_GRAD, torch.zeros_like(grad_logp), grad_logp)
-            for i, tile in enumerate(kept):
-                kept[i] = None  # the tile's memory goes with its gradient
+            # the kept tile first (its memory goes with its gradient), then the others, rebuilt one by one
+            order = sorted(range(len(tiles)), key=lambda i: not isinstance(tiles[i], _Tile))
+            for i in order:
+                tile, tiles[i] = tiles[i], None
                 if not isinstance(tile, _Tile):
-                    tile = logits_tile(*tile, record=False)
+                    tile = rebuilt_tile(*tile)
                 backprop_tile(tile, g[tile.t0 - t0:tile.t1 - t0])
                 del tile
         grads = (None if d_hidden is None else d_hidden.to(hidden.dtype),
@@ -281,9 +308,8 @@ class _SinglePass(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
-        grads = ctx.saved_tensors  # autograd frees them after one backward (retain_graph keeps them)
-        scaled = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in grads)
-        return scaled + (None,) * 9
+        # autograd frees the saved gradients after one backward (retain_graph keeps them)
+        return scaled_saved_grads(ctx.saved_tensors, grad_loss) + (None,) * 9
 
 
 def single_pass(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, bias: torch.Tensor | None,
@@ -301,7 +327,7 @@ def single_pass(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
             PyTorch with a soft-cap).
         softcap: optional Gemma-style logit soft-cap c: z = c * tanh(z / c) before the temperature.
         budget_tokens: how many tokens' logits may be held at once (None: no limit). A chunk
-            longer than that (one group bigger than the budget) keeps the logits of its first tiles
+            longer than that (one group bigger than the budget) keeps the logits of its last tile
             and builds the others again for their gradient (:func:`plan_tiles`): 3 + r matmuls,
             r the share of its tokens rebuilt (:func:`recomputed_fraction`).
 

@@ -17,6 +17,7 @@ from pacs_kernels.reference import naive_linear_logprobs, reference_grpo_loss, r
 from pacs_kernels.single_pass import (
     TINY_GRAD,
     Chunk,
+    default_chunk_budget_mib,
     plan_group_chunks,
     plan_tiles,
     plan_token_chunks,
@@ -71,8 +72,8 @@ def test_single_pass_matches_reference_float64(score, advantage, weighting):
     expected, e_grads = grads_of(
         lambda h, w, b: naive_loss(h, w, b, targets, mask, old, rewards, temperature=0.8, **opts),
         (hidden, weight, bias))
-    # one chunk; one group per chunk; 5 tokens: every group bigger than the budget, its logits kept
-    # in part (tiles of 1 token, 4 kept) and rebuilt for the rest
+    # one chunk; one group per chunk; 5 tokens: every group bigger than the budget, cut into tiles
+    # of at most 5 tokens, the last one's logits kept, the others rebuilt
     for budget in (64.0, one_group_mib(torch.float64), tokens_mib(5, torch.float64)):
         loss, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, bias=bias,
                                              temperature=0.8, chunk_budget_mib=budget, return_stats=True, **opts)
@@ -112,18 +113,28 @@ def test_single_pass_equals_two_pass_and_packed(score_function_term):
     torch.testing.assert_close(results["packed"][0], results["single_pass"][0], rtol=1e-12, atol=1e-14)
 
 
-def test_plan_tiles_keeps_what_fits_and_rebuilds_the_rest():
+def test_plan_tiles_keeps_the_last_tile_and_rebuilds_the_others():
     assert plan_tiles(3, 10, None) == [(3, 10, True)]
     assert plan_tiles(3, 10, 7) == [(3, 10, True)]  # within the budget: one kept tile
-    # 12 tokens, budget 8: tiles of 2; keep while one more tile still fits (2 + 2 + 2 kept, 6 + 2 <= 8)
-    assert plan_tiles(0, 12, 8) == [(0, 2, True), (2, 4, True), (4, 6, True), (6, 8, False), (8, 10, False),
-                                    (10, 12, False)]
-    assert plan_tiles(0, 5, 3) == [(0, 1, True), (1, 2, True), (2, 3, False), (3, 4, False), (4, 5, False)]
+    # 12 tokens, budget 5: 3 tiles of 4, the last one kept
+    assert plan_tiles(0, 12, 5) == [(0, 4, False), (4, 8, False), (8, 12, True)]
+    assert plan_tiles(2, 9, 4) == [(2, 5, False), (5, 9, True)]  # 7 tokens: tiles of 3 and 4
+    for count, budget in itertools.product(range(1, 40), range(1, 12)):
+        tiles = plan_tiles(5, 5 + count, budget)
+        assert [t[0] for t in tiles[1:]] == [t[1] for t in tiles[:-1]]  # consecutive
+        assert tiles[0][0] == 5 and tiles[-1][1] == 5 + count  # covering the chunk
+        assert all(0 < t1 - t0 <= budget for t0, t1, _ in tiles) or count <= budget
+        assert [keep for *_, keep in tiles] == [False] * (len(tiles) - 1) + [True]
     chunks = [Chunk(0, 2, 0, 12), Chunk(2, 4, 12, 16)]
-    assert recomputed_fraction(chunks, 8) == pytest.approx(6 / 16)
+    assert recomputed_fraction(chunks, 5) == pytest.approx(8 / 16)
     assert recomputed_fraction(chunks, None) == 0.0
     assert plan_group_chunks([3, 4, 5, 1, 2, 2, 9, 0], 2, 8, oversized_alone=True) == [
         Chunk(0, 2, 0, 7), Chunk(2, 4, 7, 13), Chunk(4, 6, 13, 17), Chunk(6, 8, 17, 26)]
+
+
+def test_default_chunk_budget_by_device():
+    assert default_chunk_budget_mib(torch.device("cpu")) == 256
+    assert default_chunk_budget_mib(torch.device("cuda", 0)) == 2048  # no GPU needed: a device object only
 
 
 def test_group_over_budget_rebuilds_part_of_its_logits():
@@ -442,3 +453,19 @@ def test_logit_softcap_linear_logprobs_any_upstream_gradient():
         results.append((logp, ent, h.grad, w.grad))
     for ours, ref in zip(results[1], results[0]):
         torch.testing.assert_close(ours.double(), ref.double(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["single_pass", "one_sweep"])
+def test_an_upstream_gradient_scales_the_gradients_computed_in_the_forward(path):
+    """grad_out == 1 hands the saved gradients over as they are; any other value scales them."""
+    hidden, weight, _, targets, mask, _, rewards = make_batch(seed=24)
+    with torch.no_grad():
+        old, lse = linear_logprobs(hidden, weight, targets.clamp(min=0), return_lse=True)
+    extra = {"old_lse": lse} if path == "one_sweep" else {"path": path}
+    grads = {}
+    for scale in (1.0, -2.5):
+        w = weight.clone().requires_grad_()
+        (scale * fused_linear_pacs_loss(hidden, w, targets, mask, old, rewards, group_size=4, **extra)).backward()
+        grads[scale] = w.grad
+    assert grads[1.0].abs().max() > 0
+    torch.testing.assert_close(grads[-2.5], -2.5 * grads[1.0])
