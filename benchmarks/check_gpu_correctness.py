@@ -225,13 +225,20 @@ def check_loss(pacs_kernels, hidden, weight, targets, tau, gen, chunk, atol, rto
     scale = max(1.0, abs(ref_loss.item()))
     errors = {}
     # every path of the fused loss: two passes (Triton kernels), single pass with the Triton row kernels
-    # and with eager PyTorch around the GEMMs (budget: the whole batch in one chunk)
-    for label, path, backend in (("loss", "two_pass", "triton"), ("single_pass", "single_pass", "triton"),
-                                 ("single_pass_torch", "single_pass", "torch")):
+    # and with eager PyTorch around the GEMMs (budget: the whole batch in one chunk), and the single pass
+    # with a budget of a third of the largest group (each group in 3+ tiles, all but the last rebuilt)
+    from pacs_kernels.single_pass import bytes_per_token
+
+    largest_group = int(mask.reshape(-1, options["group_size"] * t).sum(1).max())
+    third = largest_group / 3 * bytes_per_token(weight.shape[0], weight.device, weight.dtype) / 2 ** 20
+    for label, path, backend, budget in (("loss", "two_pass", "triton", 16384),
+                                         ("single_pass", "single_pass", "triton", 16384),
+                                         ("single_pass_torch", "single_pass", "torch", 16384),
+                                         ("single_pass_rebuild", "single_pass", "triton", third)):
         hh = h.clone().requires_grad_(True)
         ww = weight.clone().requires_grad_(True)
         loss = pacs_kernels.fused_linear_pacs_loss(hh, ww, y, mask, old_logp, rewards, backend=backend, path=path,
-                                                   chunk_budget_mib=16384, **options)
+                                                   chunk_budget_mib=budget, **options)
         loss.backward()
         errors[label] = (abs(loss.item() - ref_loss.item()) / scale, atol * 10)
         errors[f"{label}_dh"] = (_rel_err(hh.grad.reshape(used, d), grads["dh"]), rtol)
