@@ -16,12 +16,17 @@ trainer's switches; pacs/packing.py, pacs/memory.py):
   packed_fused               packed row (train.packing), fused loss
   packed_fused_ckpt          + activation checkpointing (model.gradient_checkpointing)
   packed_fused_ckpt_offload  + checkpointed activations offloaded to host (train.offload_activations)
+  packed_fused_ckpt_split    + the group run in parts, one response each (a token budget below the
+                             group: pacs/split_groups.py): a no-grad pass over the parts (as on a
+                             later mini-batch; free on the first), then each part's forward and
+                             backward with its tokens' gradients fixed: the peak is one response's
+                             step, not the group's
   ..._liger                  + Liger-Kernel RMSNorm/SwiGLU/RoPE (train.liger_patches; CUDA)
   ..._fsdp_cpu               + FSDP2 CPU offload of parameters, gradients and AdamW state
                              (train.fsdp_cpu_offload; one process, CUDA)
 
 On the CPU host memory is the device memory, so the offload variants do not apply there (and
-Liger needs CUDA): CPU sweeps run the first four. The footprint of a step:
+Liger needs CUDA): CPU sweeps run the first five. The footprint of a step:
 
   * CPU: each variant runs in a fresh subprocess (glibc returning freed blocks to the kernel, as
     in benchmarks/measure.py): a warm-up step at a tiny length creates the AdamW state and pages
@@ -69,13 +74,15 @@ MODELS = {
     "tiny": dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=16, tie_word_embeddings=True),
 }
-LEVERS = ("packed", "fused", "ckpt", "offload", "liger", "fsdp_cpu")
+LEVERS = ("packed", "fused", "ckpt", "split", "offload", "liger", "fsdp_cpu")
 VARIANTS = {
     "padded_naive": (),
     "padded_fused": ("fused",),
     "packed_fused": ("packed", "fused"),
     "packed_fused_ckpt": ("packed", "fused", "ckpt"),
+    "packed_fused_ckpt_split": ("packed", "fused", "ckpt", "split"),
     "packed_fused_ckpt_offload": ("packed", "fused", "ckpt", "offload"),
+    "packed_fused_ckpt_offload_split": ("packed", "fused", "ckpt", "offload", "split"),
     "packed_fused_ckpt_offload_fsdp_cpu": ("packed", "fused", "ckpt", "offload", "fsdp_cpu"),
     # last: Liger's RoPE patch replaces a module-level function, so it would leak into later variants
     "packed_fused_ckpt_offload_liger": ("packed", "fused", "ckpt", "offload", "liger"),
@@ -158,11 +165,28 @@ def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.
 
     gen = torch.Generator().manual_seed(1)
     old_logp = (torch.rand(batch.targets.shape, generator=gen) * -4.0).to(device)
-    part = slice_micro_batch(batch, 0, GROUP, "packed" in levers)
+    packed = "packed" in levers
+    part = slice_micro_batch(batch, 0, GROUP, packed)
+    cfg = Config()
+    cfg.rollout.group_size = GROUP
+    if "split" in levers:  # one response per part; the group's per-token gradients first
+        from pacs.split_groups import group_gradients, part_surrogate
+        from pacs.trainer import old_policy_logprobs
+
+        parts = [(row, row + 1) for row in range(GROUP)]
+        logp, lse, _ = old_policy_logprobs(policy, batch, parts, cfg.rollout.temperature, cfg.optim.logprob_backend,
+                                           packed=packed)
+        gradients = group_gradients(cfg, batch, [0], logp, lse, old_logp)
+        for lo, hi in parts:
+            with activation_offload("offload" in levers, device):
+                surrogate = part_surrogate(cfg, policy, batch, lo, hi, gradients, packed=packed)
+            surrogate.backward()
+            del surrogate
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return gradients.losses[0]
     with activation_offload("offload" in levers, device):
         if "fused" in levers:
-            cfg = Config()
-            cfg.rollout.group_size = GROUP
             loss, _ = policy_loss(cfg, policy, part, to_layout(part, 0, old_logp))
         else:  # the usual way: logits of every position, float32 log-softmax, gather
             hidden, weight, bias = forward_micro_batch(policy, part)

@@ -16,13 +16,14 @@ saves is the padding: a micro-batch costs the sum of its sequence lengths instea
 rows x longest row.
 
 Token budgets (``train.max_tokens_per_micro_batch``): whole groups are packed greedily, in order,
-until the next group would exceed the budget. Groups are never split. Why not: PACS's gradient
-for any token of a response depends, through the group's RLOO baseline and the BCE on psi, on the
-log-probs of every response of its group, so one backward over part of a group is not the
-gradient of anything. An exact split would need two passes (the group's scores first, without
-gradient; then each part's backward with the per-response gradients fixed), which this module
-does not do: a group larger than the budget is an error that names the setting and the group's
-token count.
+until the next group would exceed the budget. A group larger than the budget is cut into parts of
+whole responses (``split_groups``), and only such a group: PACS's gradient for any token of a
+response depends, through the group's RLOO baseline and the BCE on psi, on the log-probs of every
+response of its group, so one backward over part of a group is not the gradient of anything by
+itself. The trainer makes it exact in two phases (pacs/split_groups.py): the group's log-probs
+first, without gradient, give every token's gradient; then each part's backward carries those
+fixed gradients. A single sequence larger than the budget is an error that names the setting and
+the sequence's token count (its forward cannot be cut).
 """
 
 from __future__ import annotations
@@ -113,15 +114,17 @@ def pack_rows(batch, lo: int, hi: int) -> PackedMicroBatch:
 
 
 def plan_micro_batches(lengths: list[int], group_size: int, max_tokens: int, *, padded: bool = False,
-                       setting: str = "train.max_tokens_per_micro_batch") -> list[tuple[int, int]]:
+                       setting: str = "train.max_tokens_per_micro_batch",
+                       split_groups: bool = False) -> list[tuple[int, int]]:
     """Row ranges ``[(lo, hi), ...]`` of micro-batches of whole groups that fit ``max_tokens``.
 
     lengths: real tokens (prompt + response) of each row, groups of ``group_size`` rows contiguous.
     A micro-batch costs ``sum(lengths)`` tokens when packed, ``rows * max(lengths)`` when
     ``padded``. Greedy in order: a group joins the current micro-batch while the cost stays within
     the budget, else it starts the next one. A group that alone exceeds the budget raises a
-    ValueError naming ``setting`` and the group's token count (groups are never split; see the
-    module docstring for why).
+    ValueError naming ``setting`` and the group's token count, unless ``split_groups``: it is then
+    cut (greedily, in order) into parts of whole rows within the budget, each a micro-batch of its
+    own (:func:`is_part_of_a_group`); a row that alone exceeds the budget still raises.
     """
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
         raise ValueError(f"{setting} must be a positive integer, got {max_tokens!r}")
@@ -138,17 +141,45 @@ def plan_micro_batches(lengths: list[int], group_size: int, max_tokens: int, *, 
         hi = lo + group_size
         if cost(lo, hi) > max_tokens:
             layout = "padded: rows x longest row" if padded else "packed"
-            raise ValueError(
-                f"{setting}={max_tokens} is smaller than group {lo // group_size} of this step, which needs "
-                f"{cost(lo, hi)} tokens ({layout}; {group_size} responses with prompt). Groups are never split "
-                f"(PACS's gradient needs the whole group): raise {setting} to at least {cost(lo, hi)}, "
-                "or lower rollout.max_new_tokens")
+            if not split_groups:
+                raise ValueError(
+                    f"{setting}={max_tokens} is smaller than group {lo // group_size} of this step, which needs "
+                    f"{cost(lo, hi)} tokens ({layout}; {group_size} responses with prompt). This pass does not "
+                    f"split groups: raise {setting} to at least {cost(lo, hi)}, or lower rollout.max_new_tokens")
+            if start < lo:
+                plan.append((start, lo))
+            plan += _split_group(lengths, lo, hi, max_tokens, cost, setting)
+            start = hi
+            continue
         if cost(start, hi) > max_tokens:
             plan.append((start, lo))
             start = lo
-    if lengths:
+    if start < len(lengths):
         plan.append((start, len(lengths)))
     return plan
+
+
+def _split_group(lengths: list[int], lo: int, hi: int, max_tokens: int, cost, setting: str) -> list[tuple[int, int]]:
+    """Rows [lo, hi) of one group in parts of whole rows within ``max_tokens``, greedily in order."""
+    parts, start = [], lo
+    for row in range(lo, hi):
+        if cost(row, row + 1) > max_tokens:
+            raise ValueError(
+                f"{setting}={max_tokens} is smaller than sequence {row} of this step (prompt + response: "
+                f"{lengths[row]} tokens). Groups are split into parts of whole sequences, but a sequence's "
+                f"forward cannot be cut: raise {setting} to at least {cost(row, row + 1)}, or lower "
+                "rollout.max_new_tokens")
+        if cost(start, row + 1) > max_tokens:
+            parts.append((start, row))
+            start = row
+    parts.append((start, hi))
+    return parts
+
+
+def is_part_of_a_group(lo: int, hi: int, group_size: int) -> bool:
+    """Does micro-batch rows [lo, hi) hold part of a group (rather than whole groups)? Plans hold
+    either whole groups or parts of exactly one group."""
+    return bool(lo % group_size or hi % group_size)
 
 
 def fixed_micro_batches(n_rows: int, rows_per_micro: int) -> list[tuple[int, int]]:
@@ -258,13 +289,15 @@ def packed_forward(policy, packed: PackedMicroBatch):
 def micro_batch_ranges(lengths: list[int], lo: int, hi: int, *, group_size: int, rows_per_micro: int,
                        max_tokens: int | None, packed: bool,
                        setting: str = "train.max_tokens_per_micro_batch") -> list[tuple[int, int]]:
-    """Row ranges of the micro-batches of rows ``[lo, hi)``: ``rows_per_micro`` rows each when
-    ``max_tokens`` is None, else whole groups within the token budget (:func:`plan_micro_batches`,
-    counting packed tokens when ``packed``, rows x longest row otherwise)."""
+    """Row ranges of the micro-batches of rows ``[lo, hi)`` (``lo`` a group boundary):
+    ``rows_per_micro`` rows each when ``max_tokens`` is None, else whole groups within the token
+    budget, a group larger than it in parts of whole rows (:func:`plan_micro_batches`, counting
+    packed tokens when ``packed``, rows x longest row otherwise)."""
     if max_tokens is None:
         plan = fixed_micro_batches(hi - lo, rows_per_micro)
     else:
-        plan = plan_micro_batches(lengths[lo:hi], group_size, max_tokens, padded=not packed, setting=setting)
+        plan = plan_micro_batches(lengths[lo:hi], group_size, max_tokens, padded=not packed, setting=setting,
+                                  split_groups=True)
     return [(lo + a, lo + b) for a, b in plan]
 
 
@@ -299,18 +332,21 @@ def response_positions(part, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def split_to_count(plan: list[tuple[int, int]], count: int, group_size: int) -> list[tuple[int, int]]:
-    """Split micro-batches of ``plan`` (at group boundaries; the one with the most groups first, in
-    half) until there are ``count`` of them. Each part costs no more than the micro-batch it came
-    from, so a plan within a token budget stays within it. Raises ValueError when ``count``
-    exceeds the number of groups."""
+    """Split micro-batches of ``plan`` until there are ``count`` of them: the one with the most rows
+    first, at the group boundary nearest its middle when it holds two groups or more, else between
+    rows (a group then runs in parts, which the trainer makes exact: pacs/split_groups.py). Each part
+    costs no more than the micro-batch it came from, so a plan within a token budget stays within it.
+    Raises ValueError when ``count`` exceeds the number of rows."""
     plan = list(plan)
-    groups = sum(hi - lo for lo, hi in plan) // group_size
-    if count > groups:
-        raise ValueError(f"cannot cut {groups} groups into {count} micro-batches of whole groups")
+    rows = sum(hi - lo for lo, hi in plan)
+    if count > rows:
+        raise ValueError(f"cannot cut {rows} rows into {count} micro-batches")
     while len(plan) < count:
         i = max(range(len(plan)), key=lambda j: plan[j][1] - plan[j][0])
         lo, hi = plan[i]
-        mid = lo + (hi - lo) // group_size // 2 * group_size
+        middle = (lo + hi) / 2
+        boundaries = [b for b in range(lo - lo % group_size + group_size, hi, group_size)]
+        mid = min(boundaries, key=lambda b: abs(b - middle)) if boundaries else (lo + hi) // 2
         plan[i:i + 1] = [(lo, mid), (mid, hi)]
     return plan
 

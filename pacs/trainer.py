@@ -38,6 +38,7 @@ from .metrics import MetricsLog, plot_metrics, read_metrics
 from .packing import (
     PackedMicroBatch,
     forward_micro_batch,
+    is_part_of_a_group,
     micro_batch_ranges,
     response_positions,
     same_count_on_every_rank,
@@ -48,6 +49,7 @@ from .policy import DistInfo, export_hf, full_named_tensors, load_policy, setup_
 from .rollout import make_rollout_engine
 from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
 from .run_setup import Run, apply_torch_threads, check_config, engine_options, prepare_run
+from .split_groups import GroupGradients, group_gradients, part_surrogate, split_group_rows
 
 
 @dataclass
@@ -246,6 +248,7 @@ class UpdateResult:
     grad_norms: list[float]
     stats: dict[str, float]
     last_loss: float
+    split_groups: int = 0  # groups larger than the token budget, run in parts (pacs/split_groups.py)
 
 
 def old_policy_ranges(cfg: Config, batch: Batch, dist_info: DistInfo, packed: bool) -> list[tuple[int, int]]:
@@ -258,6 +261,30 @@ def old_policy_ranges(cfg: Config, batch: Batch, dist_info: DistInfo, packed: bo
         max_tokens=tr.old_policy_max_tokens or tr.max_tokens_per_micro_batch, packed=packed,
         setting="train.old_policy_max_tokens" if tr.old_policy_max_tokens else "train.max_tokens_per_micro_batch")
     return same_count_on_every_rank(ranges, group, dist_info.world_size, dist_info.device)
+
+
+def split_group_gradients(cfg: Config, policy, batch: Batch, micro_batches: list[tuple[int, int]],
+                          old_logp: torch.Tensor, old_lse: torch.Tensor, dist_info: DistInfo, *,
+                          first_mini_batch: bool, packed: bool) -> GroupGradients:
+    """Phases 1-2 of pacs/split_groups.py for the groups this mini-batch runs in parts: their
+    log-probs under the current weights (the old-policy pass's on the first mini-batch after a
+    rollout; else a no-grad pass over their parts, the same number of forwards on every rank), then
+    each group's loss and per-token gradient."""
+    group = cfg.rollout.group_size
+    parts = [(lo, hi) for lo, hi in micro_batches if is_part_of_a_group(lo, hi, group)]
+    current_logp, current_lse = old_logp, old_lse
+    if not first_mini_batch:
+        count = len(parts)
+        if dist_info.world_size > 1:  # FSDP: every rank runs as many no-grad forwards
+            shared = torch.tensor([count], dtype=torch.int64, device=dist_info.device)
+            dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+            count = int(shared)
+        if count:
+            first = micro_batches[0][0]  # a rank without (enough) parts repeats a one-row forward
+            ranges = parts + [(first, first + 1)] * (count - len(parts))
+            current_logp, current_lse, _ = old_policy_logprobs(policy, batch, ranges, cfg.rollout.temperature,
+                                                               cfg.optim.logprob_backend, packed=packed)
+    return group_gradients(cfg, batch, split_group_rows(micro_batches, group), current_logp, current_lse, old_logp)
 
 
 def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_logp: torch.Tensor,
@@ -275,22 +302,34 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
     one_sweep = o.algo == "pacs" and o.one_sweep_first_step
     stat_sums: dict[str, float] = {}
     stat_counts: dict[str, int] = {}
-    losses, grad_norms = [], []
+    losses, grad_norms, split_groups = [], [], 0
     for mini in range(o.mini_batches_per_step):
         micro_batches = micro_batch_ranges(
             lengths, mini * rows_per_mini, (mini + 1) * rows_per_mini, group_size=group,
             rows_per_micro=micro_batch_groups(cfg) * group, max_tokens=tr.max_tokens_per_micro_batch, packed=packed)
         micro_batches = same_count_on_every_rank(micro_batches, group, dist_info.world_size, dist_info.device)
         micro_per_mini = len(micro_batches)
+        # groups larger than the token budget run in parts, made exact by their gradients on the
+        # log-probs, known first (pacs/split_groups.py)
+        split = split_group_gradients(cfg, policy, batch, micro_batches, old_logp, old_lse, dist_info,
+                                      first_mini_batch=mini == 0, packed=packed)
+        split_groups += len(split.losses)
         for lo, hi in micro_batches:
-            part = slice_micro_batch(batch, lo, hi, packed)
-            # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
-            lse = to_layout(part, lo, old_lse) if one_sweep and mini == 0 else None
             with activation_offload(tr.offload_activations, dist_info.device):
-                loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, old_logp), lse)
-            # each loss is a mean over its responses: weigh it by its share of the mini-batch
-            (loss * ((hi - lo) / rows_per_mini)).backward()
-            losses.append(float(loss.detach()))
+                if is_part_of_a_group(lo, hi, group):
+                    group_lo = lo - lo % group
+                    surrogate = part_surrogate(cfg, policy, batch, lo, hi, split, packed=packed)
+                    (surrogate * (group / rows_per_mini)).backward()
+                    loss_value, stats = split.losses[group_lo], split.stats.pop(group_lo, {})  # stats once per group
+                else:
+                    part = slice_micro_batch(batch, lo, hi, packed)
+                    # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
+                    lse = to_layout(part, lo, old_lse) if one_sweep and mini == 0 else None
+                    loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, old_logp), lse)
+                    # each loss is a mean over its responses: weigh it by its share of the mini-batch
+                    (loss * ((hi - lo) / rows_per_mini)).backward()
+                    loss_value = float(loss.detach())
+            losses.append(loss_value)
             for key, value in stats.items():  # NaN: undefined here (e.g. no correct response)
                 stat_sums[key] = stat_sums.get(key, 0.0) + (value if math.isfinite(value) else 0.0)
                 stat_counts[key] = stat_counts.get(key, 0) + math.isfinite(value)
@@ -320,7 +359,8 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     stats = {k: (v / stat_counts[k] if stat_counts[k] else float("nan")) for k, v in stat_sums.items()}
-    return UpdateResult(losses, grad_norms, stats, sum(losses[-micro_per_mini:]) / max(micro_per_mini, 1))
+    return UpdateResult(losses, grad_norms, stats, sum(losses[-micro_per_mini:]) / max(micro_per_mini, 1),
+                        split_groups)
 
 
 def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: float, update: UpdateResult,
@@ -332,7 +372,8 @@ def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: f
     response_tokens = sum(len(x) for x in responses)
     local = {"reward_mean": float(batch.rewards.mean()), "entropy": entropy,
              "response_length": response_tokens / len(responses),
-             "loss": sum(update.losses) / len(update.losses), **(extra or {}),
+             "loss": sum(update.losses) / len(update.losses), "split_groups": float(update.split_groups),
+             **(extra or {}),
              **{k: v for k, v in update.stats.items() if k not in ("loss", "reward_mean")}}
     row = {"step": step, **all_reduce_mean(local, dist_info)}
     row.update({

@@ -1,6 +1,6 @@
 """benchmarks/long_context_train.py: every variant's step computes the same training step (the
-naive logits loss and the fused loss agree; packing and the levers change memory, not the
-result), and the search brackets the edge. Plumbing only: no memory or speed is asserted."""
+naive logits loss and the fused loss agree; packing, the levers and running the group in parts
+change memory, not the result), and the search brackets the edge. Plumbing only: no memory or speed is asserted."""
 
 import pytest
 import torch
@@ -11,8 +11,9 @@ from benchmarks.long_context import doubling_bisection
 CPU_VARIANTS = [v for v in bench.VARIANTS if bench.applicable(v, "cpu") is None]
 
 
-def test_cpu_variants_are_the_four_that_apply():
-    assert CPU_VARIANTS == ["padded_naive", "padded_fused", "packed_fused", "packed_fused_ckpt"]
+def test_cpu_variants_are_the_five_that_apply():
+    assert CPU_VARIANTS == ["padded_naive", "padded_fused", "packed_fused", "packed_fused_ckpt",
+                            "packed_fused_ckpt_split"]
     assert "CUDA only" in bench.applicable("packed_fused_ckpt_offload", "cpu")
 
 

@@ -249,12 +249,19 @@ def test_autocast_and_head_dtype_policy():
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
 
 
-@pytest.mark.parametrize("path", ["single_pass", "one_sweep"])
-def test_second_backward_needs_retain_graph(path):
-    hidden, weight, _, targets, mask, _, rewards = make_batch(seed=13)
+def batch_at_the_old_policy(seed: int, path: str):
+    """A batch whose old log-probs are the current ones, and the options that run ``path`` on it
+    (one_sweep: the old-policy pass's log-sum-exp)."""
+    hidden, weight, _, targets, mask, _, rewards = make_batch(seed=seed)
     with torch.no_grad():
         old, lse = linear_logprobs(hidden, weight, targets.clamp(min=0), return_lse=True)
     extra = {"old_lse": lse} if path == "one_sweep" else {"path": path}
+    return hidden, weight, targets, mask, old, rewards, extra
+
+
+@pytest.mark.parametrize("path", ["single_pass", "one_sweep"])
+def test_second_backward_needs_retain_graph(path):
+    hidden, weight, targets, mask, old, rewards, extra = batch_at_the_old_policy(13, path)
     w = weight.clone().requires_grad_()
     loss = fused_linear_pacs_loss(hidden, w, targets, mask, old, rewards, group_size=4, **extra)
     loss.backward(retain_graph=True)
@@ -458,10 +465,7 @@ def test_logit_softcap_linear_logprobs_any_upstream_gradient():
 @pytest.mark.parametrize("path", ["single_pass", "one_sweep"])
 def test_an_upstream_gradient_scales_the_gradients_computed_in_the_forward(path):
     """grad_out == 1 hands the saved gradients over as they are; any other value scales them."""
-    hidden, weight, _, targets, mask, _, rewards = make_batch(seed=24)
-    with torch.no_grad():
-        old, lse = linear_logprobs(hidden, weight, targets.clamp(min=0), return_lse=True)
-    extra = {"old_lse": lse} if path == "one_sweep" else {"path": path}
+    hidden, weight, targets, mask, old, rewards, extra = batch_at_the_old_policy(24, path)
     grads = {}
     for scale in (1.0, -2.5):
         w = weight.clone().requires_grad_()

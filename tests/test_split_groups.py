@@ -1,0 +1,107 @@
+"""Groups larger than the micro-batch token budget run in parts (pacs/split_groups.py) and train
+exactly like the whole group: same gradients, same weights, for PACS and GRPO, padded and packed,
+on the first mini-batch after a rollout (log-probs from the old-policy pass) and on later ones
+(a no-grad pass over the parts first)."""
+
+import pytest
+import torch
+from test_packing import GROUP, config, random_batch, tiny_policy
+
+from pacs.packing import is_part_of_a_group, plan_micro_batches, split_to_count
+from pacs.policy import DistInfo
+from pacs.split_groups import split_group_rows
+from pacs.trainer import old_policy_logprobs, update_policy
+
+
+def test_plan_splits_only_groups_larger_than_the_budget():
+    lengths = [5, 6, 7, 30, 40, 50, 2, 2, 2]  # 3 groups of 3: 18, 120, 6 tokens (packed)
+    plan = plan_micro_batches(lengths, GROUP, 60, split_groups=True)
+    assert plan == [(0, 3), (3, 4), (4, 5), (5, 6), (6, 9)]
+    assert [is_part_of_a_group(lo, hi, GROUP) for lo, hi in plan] == [False, True, True, True, False]
+    assert split_group_rows(plan, GROUP) == [3]
+    # a part never shares its micro-batch with another group
+    assert plan_micro_batches(lengths, GROUP, 90, split_groups=True) == [(0, 3), (3, 5), (5, 6), (6, 9)]
+    with pytest.raises(ValueError, match=r"smaller than group 1 .*does not split groups"):
+        plan_micro_batches(lengths, GROUP, 60)
+    with pytest.raises(ValueError, match=r"=45 is smaller than sequence 5 .* 50 tokens"):
+        plan_micro_batches(lengths, GROUP, 45, split_groups=True)
+
+
+def test_split_to_count_cuts_groups_into_parts_when_it_must():
+    lengths = [9, 4, 7, 30, 2, 2, 5, 5, 5, 8, 8, 1]  # 4 groups of 3
+    plan = plan_micro_batches(lengths, GROUP, 60)
+    for count in range(len(plan), 13):
+        split = split_to_count(plan, count, GROUP)
+        assert len(split) == count and split[0][0] == 0 and split[-1][1] == len(lengths)
+        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(split, split[1:]))
+        assert all(sum(lengths[lo:hi]) <= 60 for lo, hi in split)
+        # whole groups, or parts of exactly one group
+        assert all(not is_part_of_a_group(lo, hi, GROUP) or lo // GROUP == (hi - 1) // GROUP for lo, hi in split)
+        if count <= 4:
+            assert not any(is_part_of_a_group(lo, hi, GROUP) for lo, hi in split)
+    with pytest.raises(ValueError, match="12 rows into 13"):
+        split_to_count(plan, 13, GROUP)
+
+
+def one_update(cfg, batch, packed: bool):
+    policy = tiny_policy(5)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)  # plain SGD: the step is the gradient
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    n = batch.input_ids.shape[0]
+    old_logp, old_lse, _ = old_policy_logprobs(policy, batch, [(0, n)], cfg.rollout.temperature, "torch",
+                                               packed=packed)
+    state = {"consecutive_nan": 0, "skipped_updates": 0}
+    update = update_policy(cfg, policy, optimizer, scheduler, batch, old_logp, old_lse, state,
+                           DistInfo(device=torch.device("cpu")), step=1, packed=packed)
+    return policy, update
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("algo", ["pacs", "grpo"])
+def test_a_split_group_trains_like_the_whole_group(algo, packed):
+    batch = random_batch(31, n_groups=4)
+    lengths = batch.attention_mask.sum(1).tolist()
+    width = batch.input_ids.shape[1]
+    # a budget of the longest row: every group (3 rows) is cut into parts; two mini-batches, so the
+    # second runs after an optimizer step (its parts need the no-grad pass first)
+    budget = width if not packed else max(lengths)
+    # PACS's mini-batch loss does not depend on how it is cut into micro-batches; GRPO's token mean is
+    # taken per micro-batch, so its whole-group run has one group per micro-batch, like a split group
+    groups_per_micro = 2 if algo == "pacs" else 1
+    common = [f"optim.algo={algo}", "rollout.prompts_per_step=4", "optim.mini_batches_per_step=2",
+              f"optim.micro_batch_groups={groups_per_micro}", f"train.packing={str(packed).lower()}",
+              "rollout.temperature=0.9"]
+    whole_policy, whole = one_update(config(*common), batch, packed)
+    split_policy, split = one_update(config(*common, f"train.max_tokens_per_micro_batch={budget}"), batch, packed)
+    assert len(split.losses) > len(whole.losses)  # it did run groups in parts
+    assert len(whole.grad_norms) == len(split.grad_norms) == 2 and whole.grad_norms[1] > 0
+    # the log-probs the split path reads (the old-policy pass's, then a no-grad pass's) are float32
+    # (linear_logprobs' contract) where the whole path computes them in the policy's float64
+    assert split.grad_norms[0] == pytest.approx(whole.grad_norms[0], rel=1e-6)
+    assert split.grad_norms[1] == pytest.approx(whole.grad_norms[1], rel=1e-5)
+    for (name, a), (_, b) in zip(whole_policy.named_parameters(), split_policy.named_parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_with_split_groups(tmp_path):
+    """2 FSDP ranks with a token budget below every group: the same weights as one process (one
+    mini-batch per step); with two mini-batches the parts' no-grad passes line up across ranks
+    (a rank with fewer parts repeats a small forward) and the ranks stay in sync."""
+    import json
+
+    from test_trainer_fsdp import close, run_worker
+
+    split = ("train.packing=true", "train.max_tokens_per_micro_batch=24")
+    run_worker(tmp_path / "one", tmp_path / "cache", 1, *split)
+    run_worker(tmp_path / "two", tmp_path / "cache", 2, *split)
+    one = json.loads((tmp_path / "one" / "sync_rank0.json").read_text())
+    ranks = [json.loads((tmp_path / "two" / f"sync_rank{r}.json").read_text()) for r in (0, 1)]
+    assert one["metrics"]["split_groups"] == 4 and ranks[0]["metrics"]["split_groups"] == 2  # every group, per rank
+    assert ranks[0]["final"] == ranks[1]["final"]
+    assert ranks[0]["pushes"][0] != ranks[0]["pushes"][1], "training must change the weights"
+    assert close(ranks[0]["final"], one["final"])
+    run_worker(tmp_path / "two_minis", tmp_path / "cache", 2, *split, "optim.mini_batches_per_step=2")
+    ranks = [json.loads((tmp_path / "two_minis" / f"sync_rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["metrics"]["split_groups"] == 2
+    assert ranks[0]["final"] == ranks[1]["final"]
