@@ -38,6 +38,11 @@ Liger needs CUDA): CPU sweeps run the first five. The footprint of a step:
     (parameters, gradients, optimizer state and activations together). It fits when it runs
     without running out of memory.
 
+The fused loss's logits working memory (train.loss_chunk_mib, the kernels' chunk_budget_mib) is
+set to 1/64 of the budget, as a user on that budget would: the CPU default (256 MiB) alone would
+exceed a 192 MiB budget. (Sweeps before 2026-12-01 ran the fused loss as two passes, whose memory
+does not depend on that setting.)
+
 L doubles from --l-start until a step does not fit, then bisection narrows the edge to 1/8.
 Writes OUT/long_context_train_<device>.csv, .md, .png (rows written after every trial).
 """
@@ -99,6 +104,13 @@ DEFAULTS = {
 # ----------------------------------------------------------------------------- one step
 
 
+def trial_loss_chunk_mib(budget_mib: float) -> float:
+    """The fused loss's logits working memory in a trial: 1/64 of the memory budget (3 MiB of 192,
+    384 MiB of 24 GiB), as a user training long responses on that budget would set
+    train.loss_chunk_mib; the default (256 MiB on the CPU) would be more than the whole CPU budget."""
+    return budget_mib / 64
+
+
 def response_lengths(longest: int) -> list[int]:
     """G lengths: L, 3L/4, L/2, L/4 (at least 1 token each)."""
     return [max(1, longest * (GROUP - i) // GROUP) for i in range(GROUP)]
@@ -155,8 +167,10 @@ def build(model: str, levers: tuple[str, ...], device: torch.device, dtype: torc
     return policy, optimizer
 
 
-def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.device) -> float:
-    """One micro-batch = one group: forward, loss, backward, AdamW step. Returns the loss."""
+def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.device,
+               loss_chunk_mib: float | None = None) -> float:
+    """One micro-batch = one group: forward, loss, backward, AdamW step (the fused loss's logits
+    within ``loss_chunk_mib``: train.loss_chunk_mib). Returns the loss."""
     from pacs.config import Config
     from pacs.memory import activation_offload
     from pacs.packing import forward_micro_batch, slice_micro_batch, to_layout
@@ -169,6 +183,7 @@ def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.
     part = slice_micro_batch(batch, 0, GROUP, packed)
     cfg = Config()
     cfg.rollout.group_size = GROUP
+    cfg.train.loss_chunk_mib = loss_chunk_mib
     if "split" in levers:  # one response per part; the group's per-token gradients first
         from pacs.split_groups import group_gradients, part_surrogate
         from pacs.trainer import old_policy_logprobs
@@ -234,7 +249,8 @@ class VariantRunner:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             try:
-                train_step(self.policy, self.optimizer, batch, self.levers, self.device)
+                train_step(self.policy, self.optimizer, batch, self.levers, self.device,
+                           trial_loss_chunk_mib(budget_mib))
                 torch.cuda.synchronize()
                 footprint = torch.cuda.max_memory_allocated() / 2**20
                 result = {"fits": footprint <= budget_mib, "footprint_mib": footprint}
@@ -246,7 +262,8 @@ class VariantRunner:
             torch.cuda.empty_cache()
         else:
             base = reset_peak_rss()
-            train_step(self.policy, self.optimizer, batch, self.levers, self.device)
+            train_step(self.policy, self.optimizer, batch, self.levers, self.device,
+                       trial_loss_chunk_mib(budget_mib))
             footprint = state_mib(self.policy, self.optimizer) + peak_rss_mib() - base
             result = {"fits": footprint <= budget_mib, "footprint_mib": footprint}
         return {**result, "seconds": time.perf_counter() - start}
@@ -456,7 +473,9 @@ def report(summary, args, name: str, date: str) -> str:
     lines = [f"## Longest trainable response ({args.device}{', dry run' if args.dry_run else ''})", "",
              f"Device: {name}; date: {date}. Model: `{args.model}` shapes, random init, {args.dtype}. One step = "
              f"one group of {GROUP} responses (lengths L, 3L/4, L/2, L/4) after a {args.prompt_len}-token prompt: "
-             "forward, PACS loss, backward, AdamW step.", "",
+             "forward, PACS loss, backward, AdamW step. The fused loss's logits working memory "
+             "(train.loss_chunk_mib) is 1/64 of the budget; the split variants run the group one response "
+             "at a time (pacs/split_groups.py).", "",
              "| budget | variant | longest response L that fits | smallest L tried that does not | vs padded_naive |",
              "|---:|---|---:|---:|---:|"]
     base = {b: lo for b, v, lo, _, _ in summary if v == "padded_naive"}

@@ -103,6 +103,9 @@ class TrainConfig:
                                                    # greedily); None: optim.micro_batch_groups counts
     old_policy_max_tokens: int | None = None  # token budget of each no-grad old-policy chunk; None: the
                                               # training micro-batches
+    loss_chunk_mib: float | None = None  # the fused loss's logits working memory (chunk_budget_mib);
+                                         # None: 256 MiB on the CPU, 2 GiB on CUDA; lower it for long
+                                         # responses on little memory (a group over it is rebuilt in part)
     offload_activations: bool = False  # tensors saved for the backward go to host memory
     fsdp_cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads, optimizer state on the host
     liger_patches: bool = False     # CUDA: Liger-Kernel RMSNorm, SwiGLU, RoPE in the model (never its loss)
@@ -393,6 +396,9 @@ def validate_train(cfg: Config, world_size: int = 1) -> None:
         value = getattr(tr, name)
         if value is not None and value <= 0:
             raise ValueError(f"train.{name} must be a positive number of tokens or None, got {value!r}")
+    if tr.loss_chunk_mib is not None and not (isinstance(tr.loss_chunk_mib, (int, float))
+                                              and 0 < tr.loss_chunk_mib < float("inf")):
+        raise ValueError(f"train.loss_chunk_mib must be a positive number of MiB or None, got {tr.loss_chunk_mib!r}")
     if tr.fsdp_cpu_offload and world_size < 2:
         raise ValueError("train.fsdp_cpu_offload needs FSDP, i.e. torchrun with >= 2 processes; got "
                          f"{world_size} process(es)")

@@ -194,7 +194,7 @@ def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: t
     hidden, weight, bias = forward_micro_batch(policy, part)
     o, group = cfg.optim, cfg.rollout.group_size
     common = dict(group_size=group, temperature=cfg.rollout.temperature, bias=bias, return_stats=True,
-                  backend=o.logprob_backend)
+                  backend=o.logprob_backend, chunk_budget_mib=cfg.train.loss_chunk_mib)
     if isinstance(part, PackedMicroBatch):
         common["cu_seqlens"] = part.cu_seqlens
     if o.algo == "pacs":

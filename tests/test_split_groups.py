@@ -105,3 +105,33 @@ def test_two_fsdp_ranks_with_split_groups(tmp_path):
     ranks = [json.loads((tmp_path / "two_minis" / f"sync_rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["metrics"]["split_groups"] == 2
     assert ranks[0]["final"] == ranks[1]["final"]
+
+
+def test_the_loss_chunk_setting_reaches_the_fused_loss(caplog):
+    """train.loss_chunk_mib is the fused loss's chunk budget: below one group, the single pass
+    rebuilds part of each group's logits (said in the kernels' debug log); same loss and gradients."""
+    import logging
+
+    from test_packing import loss_and_grads
+
+    from pacs.config import validate
+    from pacs.trainer import old_policy_logprobs as old_pass
+
+    policy = tiny_policy(9)
+    batch = random_batch(12)
+    n = batch.input_ids.shape[0]
+    old_logp, _, _ = old_pass(policy, batch, [(0, n)], 1.0, "torch")
+    results = {}
+    for chunk in (None, 0.001):  # 0.001 MiB: a few tokens' float64 logits at V = 48
+        cfg = config(*([] if chunk is None else [f"train.loss_chunk_mib={chunk}"]))
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="pacs_kernels"):
+            results[chunk] = loss_and_grads(policy, batch, old_logp, False, cfg)
+        rebuilt = any("built twice" in record.getMessage() for record in caplog.records)
+        assert rebuilt == (chunk is not None)
+    torch.testing.assert_close(results[0.001][0], results[None][0], rtol=1e-10, atol=1e-12)
+    for name, grad in results[None][1].items():
+        torch.testing.assert_close(results[0.001][1][name], grad, rtol=1e-9, atol=1e-12, msg=name)
+    for bad in ("0", "-1"):
+        with pytest.raises(ValueError, match="train.loss_chunk_mib"):
+            validate(config(f"train.loss_chunk_mib={bad}"))
