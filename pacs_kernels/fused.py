@@ -133,8 +133,9 @@ def fused_linear_pacs_loss(
             over the vocabulary gives the loss and its gradients. A stale old_lse is detected (the
             recomputed log-probs differ from old_logp) and raises a ValueError.
         logit_softcap: optional c > 0, Gemma-style soft-capping of the logits (``c * tanh(z / c)``,
-            before the temperature), on every path (the two-pass and one-sweep paths then use the
-            torch backend: the Triton kernels have no soft-cap).
+            before the temperature), on every path (the single pass's Triton row kernels apply it;
+            the two-pass and one-sweep paths then use the torch backend: the Triton log-prob kernels
+            have no soft-cap).
 
     Returns:
         0-d float32 loss (or ``(loss, PACSStats)``), differentiable in hidden, weight and bias.

@@ -193,7 +193,7 @@ class _SinglePass(torch.autograd.Function):
         entropy_all = torch.empty_like(logp_all) if with_entropy else None
         lse_all = torch.empty_like(logp_all)  # kept for the tiles that are rebuilt
         loss = torch.zeros((), dtype=cdt, device=device)
-        rows = _triton_rows() if row_kernels == "triton" and softcap is None else None
+        rows = _triton_rows() if row_kernels == "triton" else None
 
         def tempered_logits(t0, t1):
             """One logits GEMM for tokens t0:t1 -> (z float32 (C, V), the soft-cap's slope or None):
@@ -216,7 +216,7 @@ class _SinglePass(torch.autograd.Function):
             z, slope = tempered_logits(t0, t1)
             y = targets[t0:t1].long()
             if rows is not None:  # one Triton pass over the tile (softmax_rows.py)
-                lse, target_logit, entropy = rows.row_lse(z, y, bias, temperature, with_entropy)
+                lse, target_logit, entropy = rows.row_lse(z, y, bias, temperature, with_entropy, softcap)
                 if with_entropy:
                     entropy_all[t0:t1] = entropy
                 logp_all[t0:t1] = target_logit - lse
@@ -253,7 +253,7 @@ class _SinglePass(torch.autograd.Function):
             tile.z = tile.slope = None
             if rows is not None:  # one read of z, one write of dz (in place when the dtypes agree)
                 dz = z if not low_precision_gemm else torch.empty(z.shape, dtype=weight_op.dtype, device=device)
-                rows.row_grad(z, y, bias, temperature, tile.lse, g, out=dz)
+                rows.row_grad(z, y, bias, temperature, tile.lse, g, out=dz, softcap=softcap)
                 del z
                 if needs_b:
                     d_bias += dz.sum(0, dtype=cdt)
@@ -323,8 +323,8 @@ def single_pass(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
         chunks: consecutive :class:`Chunk` s covering 0:N, each holding whatever the loss couples.
         chunk_loss: see :data:`ChunkLoss`; its share must already carry the global normaliser.
         row_kernels: "torch" (eager ops over the logits tile, in place) or "triton" (softmax_rows.py:
-            two passes over the tile instead of about nine; float16/bfloat16/float32 only; eager
-            PyTorch with a soft-cap).
+            two passes over the tile instead of about nine, the soft-cap included; float16/bfloat16/
+            float32 only).
         softcap: optional Gemma-style logit soft-cap c: z = c * tanh(z / c) before the temperature.
         budget_tokens: how many tokens' logits may be held at once (None: no limit). A chunk
             longer than that (one group bigger than the budget) keeps the logits of its last tile

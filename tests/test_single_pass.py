@@ -343,18 +343,20 @@ def test_grpo_single_pass_matches_reference(aggregation, layout):
         assert stats.as_dict()[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
 
 
+@pytest.mark.parametrize("softcap", [None, 1.5])
 @pytest.mark.parametrize("budget", [one_group_mib(), tokens_mib(5)])  # whole groups; groups rebuilt in part
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_triton_row_kernels_match_the_torch_single_pass(dtype, with_bias, budget):
-    """backend='triton' (here: the interpreter) runs the single pass's elementwise work in softmax_rows.py."""
+def test_triton_row_kernels_match_the_torch_single_pass(dtype, with_bias, budget, softcap):
+    """backend='triton' (here: the interpreter) runs the single pass's elementwise work in softmax_rows.py,
+    the soft-cap included."""
     from pacs_kernels import triton as triton_kernels
 
     if not triton_kernels.INTERPRETED:
         pytest.skip("needs TRITON_INTERPRET=1 on a machine without CUDA")
     hidden, weight, bias, targets, mask, old, rewards = make_batch(seed=18, dtype=dtype, with_bias=with_bias)
     opts = dict(group_size=4, temperature=0.7, bias=bias, path="single_pass", return_stats=True, with_entropy=True,
-                chunk_budget_mib=budget)
+                chunk_budget_mib=2 * budget if softcap else budget, logit_softcap=softcap)
     results = {}
     for backend in ("torch", "triton"):
         results[backend] = grads_of(lambda h, w: fused_linear_pacs_loss(
@@ -383,15 +385,18 @@ def test_triton_row_kernels_across_vocabulary_blocks():
     bias = torch.randn(vocab, generator=gen)
     y = torch.randint(0, vocab, (rows,), generator=gen)
     g = torch.randn(rows, generator=gen)
-    lse, target, entropy = softmax_rows.row_lse(z, y, bias, 0.8, True)
-    zt = (z.double() + bias.double()) / 0.8
-    log_p = torch.log_softmax(zt, -1)
-    torch.testing.assert_close(lse.double(), torch.logsumexp(zt, -1), rtol=1e-6, atol=1e-5)
-    torch.testing.assert_close(target.double(), zt.gather(1, y[:, None]).squeeze(1), rtol=1e-6, atol=1e-5)
-    torch.testing.assert_close(entropy.double(), -(log_p.exp() * log_p).sum(-1), rtol=1e-5, atol=1e-5)
-    dz = softmax_rows.row_grad(z.clone(), y, bias, 0.8, lse, g, out=torch.empty(rows, vocab, dtype=torch.bfloat16))
-    expected = g.double()[:, None] * (torch.nn.functional.one_hot(y, vocab).double() - log_p.exp()) / 0.8
-    torch.testing.assert_close(dz.double(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+    for cap in (None, 2.0):
+        lse, target, entropy = softmax_rows.row_lse(z, y, bias, 0.8, True, softcap=cap)
+        x = (z.double() + bias.double()).requires_grad_(True)
+        zt = (x if cap is None else cap * torch.tanh(x / cap)) / 0.8
+        log_p = torch.log_softmax(zt, -1)
+        torch.testing.assert_close(lse.double(), torch.logsumexp(zt, -1), rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(target.double(), zt.gather(1, y[:, None]).squeeze(1), rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(entropy.double(), -(log_p.exp() * log_p).sum(-1), rtol=1e-5, atol=1e-5)
+        dz = softmax_rows.row_grad(z.clone(), y, bias, 0.8, lse, g, out=torch.empty(rows, vocab, dtype=torch.bfloat16),
+                                   softcap=cap)
+        (expected,) = torch.autograd.grad((log_p.gather(1, y[:, None]).squeeze(1) * g.double()).sum(), x)
+        torch.testing.assert_close(dz.double(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("path", ["single_pass", "single_pass_rebuild", "two_pass", "one_sweep"])

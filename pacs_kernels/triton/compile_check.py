@@ -28,39 +28,54 @@ from . import launch_config
 SHARED_MEMORY_LIMIT = {90: 232448, 80: 166912}  # bytes per block (H100/H200, A100)
 _TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
                  torch.int8: "i8"}
-_FLOAT_SCALARS = ("inv_tau", "filter_eps")
+_FLOAT_SCALARS = ("inv_tau", "filter_eps", "softcap")
 _F32 = torch.float32
 
 
 def _kernels(dtype: torch.dtype):
-    """(name, autotuned kernel, pointer dtypes, optional pointers, fixed constexprs) per kernel."""
+    """(name, kernel (autotuned, or heuristics only), pointer dtypes, optional pointers, fixed
+    constexprs, scalar values its heuristics read) per kernel."""
     forward = importlib.import_module("pacs_kernels.triton.logprob_forward")
     backward = importlib.import_module("pacs_kernels.triton.logprob_backward")
     matmuls = importlib.import_module("pacs_kernels.triton.grad_matmuls")
+    rows = importlib.import_module("pacs_kernels.triton.softmax_rows")
     flags = {"FLAG_N": launch_config.DZ_BLOCK_N, "FLAG_V": launch_config.DZ_BLOCK_V}
     return [
         ("forward", forward._logprob_forward_kernel,
          {"hidden_ptr": dtype, "weight_ptr": dtype, "bias_ptr": dtype, "targets_ptr": torch.int64,
           "lse_part_ptr": _F32, "negent_part_ptr": _F32, "target_logit_part_ptr": _F32},
-         ("bias_ptr", "negent_part_ptr"), {}),
+         ("bias_ptr", "negent_part_ptr"), {}, {}),
         ("dz", backward._dz_kernel,
          {"hidden_ptr": dtype, "weight_ptr": dtype, "bias_ptr": dtype, "targets_ptr": torch.int64,
           "lse_ptr": _F32, "entropy_ptr": _F32, "grad_logp_ptr": _F32, "grad_entropy_ptr": _F32,
           "dz_ptr": dtype, "flags_ptr": torch.int8, "logp_out_ptr": _F32},
          ("bias_ptr", "entropy_ptr", "grad_entropy_ptr", "flags_ptr", "logp_out_ptr"),
-         {"BLOCK_N": launch_config.DZ_BLOCK_N, "BLOCK_V": launch_config.DZ_BLOCK_V}),
+         {"BLOCK_N": launch_config.DZ_BLOCK_N, "BLOCK_V": launch_config.DZ_BLOCK_V}, {}),
         ("dh", matmuls.dh_kernel,
          {"dz_ptr": dtype, "weight_ptr": dtype, "dh_ptr": dtype, "flags_ptr": torch.int8},
-         ("flags_ptr",), flags),
+         ("flags_ptr",), flags, {}),
         ("dw", matmuls.dw_kernel,
          {"dz_ptr": dtype, "hidden_ptr": dtype, "dw_ptr": _F32, "db_ptr": _F32, "flags_ptr": torch.int8},
-         ("db_ptr", "flags_ptr"), {**flags, "ACCUMULATE": True}),
+         ("db_ptr", "flags_ptr"), {**flags, "ACCUMULATE": True}, {}),
+        # the single pass's row kernels, soft-capped (Gemma) as the harder case
+        ("row_lse", rows._row_lse_kernel,
+         {"z_ptr": _F32, "y_ptr": torch.int64, "bias_ptr": dtype, "lse_ptr": _F32, "target_ptr": _F32,
+          "entropy_ptr": _F32}, ("bias_ptr", "entropy_ptr"), {"BLOCK_V": rows.BLOCK_V}, {"softcap": 30.0}),
+        ("row_grad", rows._row_grad_kernel,
+         {"z_ptr": _F32, "dz_ptr": dtype, "y_ptr": torch.int64, "bias_ptr": dtype, "lse_ptr": _F32, "g_ptr": _F32},
+         ("bias_ptr",), {"BLOCK_V": rows.BLOCK_V}, {"softcap": 30.0}),
     ]
 
 
-def compile_kernel(kernel, pointers: dict, absent: set, fixed: dict, config: triton.Config, arch: int):
+def configs_of(kernel) -> list:
+    """An autotuned kernel's candidate configs, or one default config for a heuristics-only kernel."""
+    return kernel.configs if hasattr(kernel, "configs") else [triton.Config({}, num_warps=4, num_stages=2)]
+
+
+def compile_kernel(kernel, pointers: dict, absent: set, fixed: dict, config: triton.Config, arch: int,
+                   scalars: dict | None = None):
     """Compile one (kernel, config, absent pointers) combination; returns the compiled kernel."""
-    heuristics = kernel.fn  # Autotuner -> Heuristics -> JITFunction
+    heuristics = kernel.fn if hasattr(kernel, "configs") else kernel  # [Autotuner ->] Heuristics -> JITFunction
     jit = heuristics.fn
     if not isinstance(jit, triton.runtime.jit.JITFunction):
         raise ValueError(f"kernel must be a JITFunction, got {type(jit).__name__}: unset TRITON_INTERPRET")
@@ -68,7 +83,7 @@ def compile_kernel(kernel, pointers: dict, absent: set, fixed: dict, config: tri
     constexprs = {name: args[name] for name in absent}
     constexprs.update(fixed)
     constexprs.update(config.kwargs)
-    constexprs.update({name: rule(args) for name, rule in heuristics.values.items()})
+    constexprs.update({name: rule({**args, **(scalars or {})}) for name, rule in heuristics.values.items()})
     signature = {}
     for index, name in enumerate(jit.arg_names):
         if name in constexprs or index in jit.constexprs:
@@ -91,7 +106,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
                         choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--all-configs", action="store_true", help="every autotune candidate and flag combination")
-    parser.add_argument("--kernels", nargs="+", default=None, help="forward dz dh dw (default: all)")
+    parser.add_argument("--kernels", nargs="+", default=None,
+                        help="forward dz dh dw row_lse row_grad (default: all)")
     args = parser.parse_args(argv)
     if launch_config.INTERPRETED:
         print("TRITON_INTERPRET is set: the kernels are interpreted functions; unset it", file=sys.stderr)
@@ -100,17 +116,17 @@ def main(argv=None) -> int:
     failures = 0
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
-        for name, kernel, pointers, optional, fixed in _kernels(dtype):
+        for name, kernel, pointers, optional, fixed, scalars in _kernels(dtype):
             if args.kernels and name not in args.kernels:
                 continue
-            configs = kernel.configs if args.all_configs else kernel.configs[:1]
+            configs = configs_of(kernel) if args.all_configs else configs_of(kernel)[:1]
             absents = [set(), set(optional)] if args.all_configs else [set()]
             for config in configs:
                 for absent in absents:
                     label = f"{name:8s} {dtype_name:9s} {config} absent={sorted(absent) or '-'}"
                     start = time.perf_counter()
                     try:
-                        compiled = compile_kernel(kernel, pointers, absent, fixed, config, args.arch)
+                        compiled = compile_kernel(kernel, pointers, absent, fixed, config, args.arch, scalars)
                     except Exception as exc:  # report every failure, then exit non-zero
                         failures += 1
                         print(f"FAIL {label}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
