@@ -180,7 +180,6 @@ def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.
     gen = torch.Generator().manual_seed(1)
     old_logp = (torch.rand(batch.targets.shape, generator=gen) * -4.0).to(device)
     packed = "packed" in levers
-    part = slice_micro_batch(batch, 0, GROUP, packed)
     cfg = Config()
     cfg.rollout.group_size = GROUP
     cfg.train.loss_chunk_mib = loss_chunk_mib
@@ -197,21 +196,22 @@ def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.
                 surrogate = part_surrogate(cfg, policy, batch, lo, hi, gradients, packed=packed)
             surrogate.backward()
             del surrogate
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return gradients.losses[0]
-    with activation_offload("offload" in levers, device):
-        if "fused" in levers:
-            loss, _ = policy_loss(cfg, policy, part, to_layout(part, 0, old_logp))
-        else:  # the usual way: logits of every position, float32 log-softmax, gather
-            hidden, weight, bias = forward_micro_batch(policy, part)
-            logits = torch.nn.functional.linear(hidden, weight, bias).float()
-            logp = torch.log_softmax(logits, dim=-1).gather(-1, part.targets.unsqueeze(-1)).squeeze(-1)
-            loss = pacs_loss(logp, to_layout(part, 0, old_logp), part.rewards, part.mask, group_size=GROUP)
-    loss.backward()
+        loss_value = gradients.losses[0]
+    else:
+        part = slice_micro_batch(batch, 0, GROUP, packed)
+        with activation_offload("offload" in levers, device):
+            if "fused" in levers:
+                loss, _ = policy_loss(cfg, policy, part, to_layout(part, 0, old_logp))
+            else:  # the usual way: logits of every position, float32 log-softmax, gather
+                hidden, weight, bias = forward_micro_batch(policy, part)
+                logits = torch.nn.functional.linear(hidden, weight, bias).float()
+                logp = torch.log_softmax(logits, dim=-1).gather(-1, part.targets.unsqueeze(-1)).squeeze(-1)
+                loss = pacs_loss(logp, to_layout(part, 0, old_logp), part.rewards, part.mask, group_size=GROUP)
+        loss.backward()
+        loss_value = float(loss.detach())
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(loss.detach())
+    return loss_value
 
 
 def state_mib(policy, optimizer) -> float:

@@ -345,7 +345,7 @@ def split_to_count(plan: list[tuple[int, int]], count: int, group_size: int) -> 
         i = max(range(len(plan)), key=lambda j: plan[j][1] - plan[j][0])
         lo, hi = plan[i]
         middle = (lo + hi) / 2
-        boundaries = [b for b in range(lo - lo % group_size + group_size, hi, group_size)]
+        boundaries = range(lo - lo % group_size + group_size, hi, group_size)
         mid = min(boundaries, key=lambda b: abs(b - middle)) if boundaries else (lo + hi) // 2
         plan[i:i + 1] = [(lo, mid), (mid, hi)]
     return plan

@@ -310,10 +310,12 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
         micro_batches = same_count_on_every_rank(micro_batches, group, dist_info.world_size, dist_info.device)
         micro_per_mini = len(micro_batches)
         # groups larger than the token budget run in parts, made exact by their gradients on the
-        # log-probs, known first (pacs/split_groups.py)
-        split = split_group_gradients(cfg, policy, batch, micro_batches, old_logp, old_lse, dist_info,
-                                      first_mini_batch=mini == 0, packed=packed)
-        split_groups += len(split.losses)
+        # log-probs, known first (pacs/split_groups.py); only token budgets cut groups
+        split = None
+        if tr.max_tokens_per_micro_batch is not None:
+            split = split_group_gradients(cfg, policy, batch, micro_batches, old_logp, old_lse, dist_info,
+                                          first_mini_batch=mini == 0, packed=packed)
+            split_groups += len(split.losses)
         for lo, hi in micro_batches:
             with activation_offload(tr.offload_activations, dist_info.device):
                 if is_part_of_a_group(lo, hi, group):

@@ -44,7 +44,6 @@ from .loss_inputs import (
     check_options,
 )
 from .single_pass import (
-    default_chunk_budget_mib,
     max_chunk_tokens,
     plan_group_chunks,
     recomputed_fraction,
@@ -175,8 +174,7 @@ def fused_linear_pacs_loss(
         chunks = None
         measured_slower = path == "auto" and measured_two_pass_faster(weight.device, n_selected, *weight.shape[::-1])
         if path != "two_pass" and backend != "naive" and not measured_slower:
-            budget = chunk_budget_mib if chunk_budget_mib is not None else default_chunk_budget_mib(weight.device)
-            budget_tokens = max_chunk_tokens(budget, weight.shape[0], weight.device, weight.dtype,
+            budget_tokens = max_chunk_tokens(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype,
                                              softcap=logit_softcap is not None)
             row_kernels = row_kernels_for(backend, weight)
             chunks = plan_group_chunks(tokens.counts.tolist(), group_size, budget_tokens)

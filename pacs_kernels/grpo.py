@@ -31,7 +31,7 @@ from .checks import (
 from .fused import FUSED_BACKENDS, PATHS, check_chunk_budget, row_kernels_for
 from .logprobs import check_softcap, linear_logprobs
 from .loss_inputs import GRPO_STD_EPS, check_group_size, check_nonempty_responses, check_token_tensors
-from .single_pass import default_chunk_budget_mib, max_chunk_tokens, plan_token_chunks, single_pass
+from .single_pass import max_chunk_tokens, plan_token_chunks, single_pass
 from .token_selection import check_response_tokens, match_head_dtype, pick, selected_index
 
 AGGREGATIONS = ("token_mean", "seq_mean")
@@ -284,8 +284,7 @@ def fused_linear_grpo_loss(
 
     if path != "two_pass" and backend != "naive":
         check_targets_in_range(targets_sel, weight.shape[0])
-        budget = chunk_budget_mib if chunk_budget_mib is not None else default_chunk_budget_mib(weight.device)
-        budget_tokens = max_chunk_tokens(budget, weight.shape[0], weight.device, weight.dtype,
+        budget_tokens = max_chunk_tokens(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype,
                                          softcap=logit_softcap is not None)
         chunks = plan_token_chunks(counts.tolist(), budget_tokens)
         loss, extras, _, _ = single_pass(hidden_sel, weight, targets_sel, bias=bias, temperature=temperature,

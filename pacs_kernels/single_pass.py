@@ -77,9 +77,12 @@ def bytes_per_token(vocab: int, device: torch.device, dtype: torch.dtype, softca
     return vocab * per_logit
 
 
-def max_chunk_tokens(budget_mib: float, vocab: int, device: torch.device, dtype: torch.dtype,
+def max_chunk_tokens(budget_mib: float | None, vocab: int, device: torch.device, dtype: torch.dtype,
                      softcap: bool = False) -> int:
-    """How many tokens one chunk may hold within ``budget_mib`` MiB of working memory."""
+    """How many tokens one chunk may hold within ``budget_mib`` MiB of working memory (None: the
+    device's default, :func:`default_chunk_budget_mib`)."""
+    if budget_mib is None:
+        budget_mib = default_chunk_budget_mib(device)
     return int(budget_mib * 2 ** 20) // bytes_per_token(vocab, device, dtype, softcap)
 
 

@@ -2,22 +2,16 @@
 forward gives the gradients of the single-process loss over both ranks' groups, LM head included."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from trainer_helpers import check_ran, repo_root
+from trainer_helpers import repo_root, run_torchrun
 
 
 @pytest.mark.slow
 def test_fsdp2_gradients_equal_single_process(tmp_path):
     worker = os.path.join(repo_root(), "tests", "fsdp_forward_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", worker,
-           str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": repo_root(), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, cwd=repo_root(), env=env, capture_output=True, text=True, timeout=600)
-    check_ran(done, "the FSDP forward worker")
+    run_torchrun([worker, tmp_path], "the FSDP forward worker", timeout=600)
     reference = torch.load(tmp_path / "reference.pt")
     assert reference["lm_head.weight"].abs().max() > 0
     for rank in range(2):

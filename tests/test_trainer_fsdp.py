@@ -2,11 +2,9 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from trainer_helpers import TINY, check_ran, comparable, repo_root
+from trainer_helpers import TINY, comparable, repo_root, run_torchrun
 
 # One mini-batch per rollout step: a data-parallel mini-batch is the union of every rank's chunk,
 # so only then do 2 ranks and 1 process group the same responses into each optimizer step.
@@ -16,12 +14,8 @@ STEPS = ["max_steps=2", "rollout.engine=hf", "eval.every=1", "checkpoint_every=0
 
 def run_worker(out_dir, cache_dir, nproc: int, *extra: str) -> None:
     worker = os.path.join(repo_root(), "tests", "trainer_sync_worker.py")
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd = (launcher if nproc > 1 else [sys.executable]) + [worker, str(out_dir), *TINY,
-                                                             f"task.cache_dir={cache_dir}", *STEPS, *extra]
-    env = {**os.environ, "PYTHONPATH": repo_root(), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, cwd=repo_root(), env=env, capture_output=True, text=True, timeout=900)
-    check_ran(done, f"the training worker on {nproc} rank(s)")
+    run_torchrun([worker, out_dir, *TINY, f"task.cache_dir={cache_dir}", *STEPS, *extra],
+                 f"the training worker on {nproc} rank(s)", nproc=nproc)
 
 
 def close(a: dict, b: dict, tol: float = 1e-4) -> bool:
@@ -79,11 +73,8 @@ def test_torchrun_cli_with_the_default_engine(tmp_path):
     from pacs.rollout import vllm_available
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "pacs",
-           "train", "--output-dir", str(out), "--max-steps", "2", *TINY, f"task.cache_dir={tmp_path / 'cache'}"]
-    env = {**os.environ, "PYTHONPATH": repo_root(), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, cwd=repo_root(), env=env, capture_output=True, text=True, timeout=900)
-    check_ran(done, "pacs train under torchrun (2 ranks)")
+    run_torchrun(["-m", "pacs", "train", "--output-dir", out, "--max-steps", "2", *TINY,
+                  f"task.cache_dir={tmp_path / 'cache'}"], "pacs train under torchrun (2 ranks)")
     rows = read_metrics(str(out / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[0]["rollout_engine"] == ("VLLMRolloutEngine" if vllm_available() else "HFGenerateEngine")

@@ -3,8 +3,6 @@
 
 import json
 import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -13,7 +11,7 @@ import torch
 pytest.importorskip("trl")
 
 import trl_helpers as helpers  # noqa: E402
-from trainer_helpers import check_ran, repo_root  # noqa: E402
+from trainer_helpers import repo_root, run_torchrun  # noqa: E402
 
 from pacs_kernels import pacs_loss  # noqa: E402
 from pacs_kernels.reference import reference_pacs_loss  # noqa: E402
@@ -297,11 +295,7 @@ def test_two_processes_stay_in_sync(tmp_path):
     """torchrun, 2 CPU ranks (DDP over gloo): the weights after 2 steps are identical on both ranks,
     they moved, and every micro-batch each rank saw held whole groups."""
     worker = os.path.join(repo_root(), "tests", "trl_ddp_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", worker,
-           str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": repo_root(), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, cwd=repo_root(), env=env, capture_output=True, text=True, timeout=900)
-    check_ran(done, "the 2-process TRL worker")
+    run_torchrun([worker, tmp_path], "the 2-process TRL worker")
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     assert ranks[0]["params"] == ranks[1]["params"]
     assert ranks[0]["params"] != ranks[0]["initial_params"]

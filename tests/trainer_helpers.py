@@ -34,6 +34,21 @@ def repo_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def run_torchrun(script_args: list[str], what: str, *, nproc: int = 2, timeout: int = 900):
+    """``python -m torch.distributed.run --standalone --nproc-per-node=NPROC *script_args`` (one
+    process: plain ``python *script_args``) from the repository root, one thread per rank; fails
+    with :func:`check_ran`'s report. Returns the finished process."""
+    import subprocess
+    import sys
+
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = (launcher if nproc > 1 else [sys.executable]) + [str(a) for a in script_args]
+    env = {**os.environ, "PYTHONPATH": repo_root(), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=repo_root(), env=env, capture_output=True, text=True, timeout=timeout)
+    check_ran(done, what)
+    return done
+
+
 def check_ran(done, what: str) -> None:
     """Fail, when a subprocess failed, with the lines that say why: those naming an error (a
     Python exception, a C++ ``terminate``/``what()``, a signal) and the last lines of each stream,
