@@ -78,7 +78,8 @@ def linear_logprobs_known_grad(
         if value.device != hidden.device:
             raise ValueError(f"{name} must be on {hidden.device} like hidden, got {value.device}")
     logit_softcap = check_softcap(logit_softcap)
-    backend = resolve_backend(backend, hidden.device, hidden.dtype, softcap=logit_softcap is not None)
+    backend = resolve_backend(backend, hidden.device, hidden.dtype, softcap=logit_softcap is not None,
+                              matmul_kernels=True)
     if backend == "naive":
         raise ValueError("backend='naive' has no known-gradient fast path; use 'auto', 'triton' or 'torch'")
     check_targets_in_range(targets, weight.shape[0])

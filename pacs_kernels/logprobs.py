@@ -30,11 +30,15 @@ def _triton_module():
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, *, choices=BACKENDS,
                     inputs: str = "hidden and weight", shape: tuple[int, int, int] | None = None,
-                    softcap: bool = False) -> str:
-    """'auto' -> 'triton' on CUDA (not float64) when triton imports, else 'torch' (and 'torch' on CUDA
-    where the committed GPU run measured it faster at ``shape`` = (N, d, V): dispatch.py, or where the
-    logits are soft-capped: the Triton kernels have no soft-cap); an explicit 'triton' is checked to
-    be runnable here (CUDA tensors, or the interpreter) for ``inputs``, and to need no soft-cap."""
+                    softcap: bool = False, matmul_kernels: bool = False) -> str:
+    """'auto' -> 'triton' on CUDA (not float64) when triton imports, else 'torch'. Also 'torch' on CUDA
+    where the committed GPU run measured it faster at ``shape`` = (N, d, V) (dispatch.py), where the
+    logits are soft-capped (the Triton log-prob kernels have no soft-cap), and, for the log-prob
+    matmul kernels (``matmul_kernels``), for float32 inputs: those kernels are built for 16-bit
+    tensor-core tiles and multiply float32 exactly on CUDA cores, where cuBLAS is faster and keeps
+    its tiles in registers (``compile_check`` shows the float32 tiles spilling). An explicit 'triton'
+    is checked to be runnable here (CUDA tensors, or the interpreter) for ``inputs``, and to need no
+    soft-cap."""
     check_choice("backend", backend, choices)
     if softcap and backend == "triton":
         raise ValueError("logit_softcap needs backend='torch' (or 'auto', which picks it): the Triton kernels have "
@@ -43,6 +47,8 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, *, c
         return "torch"
     if backend == "auto":
         if device.type == "cuda" and dtype != torch.float64:
+            if matmul_kernels and dtype == torch.float32:
+                return "torch"
             if shape is not None and dispatch.logprob_backend(*shape) == "torch":
                 return "torch"
             try:
@@ -160,7 +166,7 @@ def linear_logprobs(
         temperature: > 0, the sampling temperature the logits are divided by.
         bias: optional (V,) LM-head bias.
         return_entropy: also return the entropy of each token's distribution.
-        backend: "auto" (triton on CUDA, torch otherwise) | "triton" | "torch" | "naive".
+        backend: "auto" (triton on CUDA for 16-bit inputs, torch otherwise) | "triton" | "torch" | "naive".
         filter_eps: triton only, opt-in: skip backward tiles whose every |dlogit| < filter_eps
             (approximate; None means exact).
         chunk_elements: torch backend: logits per chunk (default 4M, 16 MiB in float32).
@@ -189,7 +195,7 @@ def linear_logprobs(
     vocab, width = weight.shape
     logit_softcap = check_softcap(logit_softcap)
     backend = resolve_backend(backend, hidden.device, hidden.dtype, shape=(hidden.numel() // width, width, vocab),
-                              softcap=logit_softcap is not None)
+                              softcap=logit_softcap is not None, matmul_kernels=True)
     check_targets_in_range(targets, vocab)
 
     lead_shape = hidden.shape[:-1]

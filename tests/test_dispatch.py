@@ -77,3 +77,15 @@ def test_unreadable_table_is_a_clear_error(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="PACS_DISPATCH_TABLE / the dispatch table .* could not be read"):
         dispatch.table_entries()
     dispatch._load.cache_clear()
+
+
+def test_auto_sends_float32_log_prob_matmuls_to_cublas_on_cuda():
+    """The Triton log-prob kernels are built for 16-bit tensor-core tiles; float32 multiplies exactly on
+    CUDA cores, where cuBLAS is faster: auto picks torch for them, Triton for 16-bit inputs; elementwise
+    Triton kernels (the group loss, the single pass's rows) keep float32."""
+    cuda = torch.device("cuda")
+    assert resolve_backend("auto", cuda, torch.float32, matmul_kernels=True) == "torch"
+    assert resolve_backend("auto", cuda, torch.bfloat16, matmul_kernels=True) == "triton"
+    assert resolve_backend("auto", cuda, torch.float16, matmul_kernels=True) == "triton"
+    assert resolve_backend("auto", cuda, torch.float32) == "triton"
+    assert resolve_backend("auto", torch.device("cpu"), torch.bfloat16, matmul_kernels=True) == "torch"

@@ -54,6 +54,9 @@ CASES = [
     (37, 48, 131, torch.bfloat16, False, 0.7, False, None),
     (70, 40, 150, torch.float32, True, 1.3, True, 32),
     (70, 40, 150, torch.bfloat16, True, 1.0, True, 16),
+    # every tile full (d, V and the chunks multiples of the interpreter's tiles): the unmasked loops
+    (64, 48, 96, torch.float32, True, 0.9, True, 32),
+    (64, 48, 96, torch.bfloat16, False, 1.0, True, None),
 ]
 
 

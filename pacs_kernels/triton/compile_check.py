@@ -5,17 +5,30 @@
 
 GPU time is scarce: this finds, on the CPU, what the interpreter cannot (code that only fails in
 the compiler: loop-carried types, control flow around ``tl.dot``, shared memory beyond the
-device's limit) before the first GPU run. Needs TRITON_INTERPRET unset (the kernels must be
-``JITFunction``s) and Triton's bundled ptxas. Each kernel is compiled with the constexprs its
-``triton.heuristics`` derive from arguments of the given dtypes, with optional pointers present
-or absent. Prints one line per compile and exits non-zero if any fails or exceeds shared memory.
+device's limit) and what decides the speed of a tensor-core kernel: its registers per thread,
+the bytes it spills to local memory (a spill in the inner loop costs more than the matmul), and
+whether its dots became Hopper warpgroup MMAs (HGMMA) or older tensor-core MMAs (HMMA). Needs
+TRITON_INTERPRET unset (the kernels must be ``JITFunction``s) and Triton's bundled ptxas and
+cuobjdump. Each kernel is compiled with the constexprs its ``triton.heuristics`` derive from
+arguments of the given dtypes at Qwen2.5-7B shapes (d=3584, V=152064: every tile full), with
+optional pointers present or absent; ``--all-configs`` adds a ragged shape (the masked loops).
+Prints one line per compile (SPILL marks a candidate that spills inside its tensor-core loop; a
+few spilled registers in the epilogue run once per tile and pass). Exits non-zero if a compile
+fails or exceeds shared memory, or if, for 16-bit inputs, no candidate of a kernel compiles
+without loop spills for some pointer set and shape (the default run compiles only the first
+candidate, so that one must be clean). float32 inputs multiply exactly on CUDA cores, no tensor
+cores, and ``backend="auto"`` sends them to cuBLAS: their spills are reported, not judged.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -30,6 +43,9 @@ _TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
                  torch.int8: "i8"}
 _FLOAT_SCALARS = ("inv_tau", "filter_eps", "softcap")
 _F32 = torch.float32
+# integer arguments the heuristics read: a real model's shape (every tile full), and a ragged one
+SHAPES = {"even": {"width": 3584, "vocab": 152064, "n_tokens": 32768, "chunk_len": 2048},
+          "ragged": {"width": 3580, "vocab": 151655, "n_tokens": 32767, "chunk_len": 2047}}
 
 
 def _kernels(dtype: torch.dtype):
@@ -67,14 +83,19 @@ def _kernels(dtype: torch.dtype):
     ]
 
 
+def _describe(config: triton.Config) -> str:
+    tiles = ",".join(f"{k}={v}" for k, v in config.kwargs.items())
+    return f"[{tiles or '-'} w{config.num_warps} s{config.num_stages}]"
+
+
 def configs_of(kernel) -> list:
     """An autotuned kernel's candidate configs, or one default config for a heuristics-only kernel."""
     return kernel.configs if hasattr(kernel, "configs") else [triton.Config({}, num_warps=4, num_stages=2)]
 
 
 def compile_kernel(kernel, pointers: dict, absent: set, fixed: dict, config: triton.Config, arch: int,
-                   scalars: dict | None = None):
-    """Compile one (kernel, config, absent pointers) combination; returns the compiled kernel."""
+                   scalars: dict | None = None, shape: str = "even"):
+    """Compile one (kernel, config, absent pointers, shape) combination; returns the compiled kernel."""
     heuristics = kernel.fn if hasattr(kernel, "configs") else kernel  # [Autotuner ->] Heuristics -> JITFunction
     jit = heuristics.fn
     if not isinstance(jit, triton.runtime.jit.JITFunction):
@@ -83,7 +104,8 @@ def compile_kernel(kernel, pointers: dict, absent: set, fixed: dict, config: tri
     constexprs = {name: args[name] for name in absent}
     constexprs.update(fixed)
     constexprs.update(config.kwargs)
-    constexprs.update({name: rule({**args, **(scalars or {})}) for name, rule in heuristics.values.items()})
+    seen = {**args, **SHAPES[shape], **(scalars or {}), **constexprs}
+    constexprs.update({name: rule(seen) for name, rule in heuristics.values.items()})
     signature = {}
     for index, name in enumerate(jit.arg_names):
         if name in constexprs or index in jit.constexprs:
@@ -98,6 +120,56 @@ def compile_kernel(kernel, pointers: dict, absent: set, fixed: dict, config: tri
     source = ASTSource(jit, signature, constexprs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+
+
+def _tool(name: str) -> str | None:
+    """Path of a CUDA binary Triton bundles (cuobjdump), or None."""
+    import triton.backends.nvidia as nvidia
+    path = os.path.join(os.path.dirname(nvidia.__file__), "bin", name)
+    return path if os.path.isfile(path) else None
+
+
+def resource_usage(compiled) -> dict:
+    """What a compiled kernel costs per thread, read from its cubin with cuobjdump ({} without it):
+    registers; stack bytes (local memory: spills, wherever they are); HGMMA / HMMA tensor-core
+    instruction counts; and ``loop_spills``, the local loads and stores inside its hot loops (the
+    loops that hold a tensor-core instruction, or every loop of a kernel without one): a spill in
+    the epilogue runs once per tile, one in the loop once per step."""
+    tool = _tool("cuobjdump")
+    if tool is None:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernel.cubin")
+        with open(cubin, "wb") as handle:
+            handle.write(compiled.asm["cubin"])
+        usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    if found is None:
+        return {}
+    return {"registers": int(found.group(1)), "stack": int(found.group(2)), **sass_summary(sass)}
+
+
+def sass_summary(sass: str) -> dict:
+    """Tensor-core instruction counts and local-memory accesses inside hot loops of a SASS listing.
+    A loop is a backward branch (``BRA`` to a lower address); it is hot if it holds an HGMMA/HMMA,
+    or, in a kernel without any, always."""
+    program = []  # (address, opcode text without predicate)
+    for line in sass.splitlines():
+        found = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
+        if found:
+            program.append((int(found.group(1), 16), found.group(2), found.group(3)))
+    mma = {"hgmma": sum(op.startswith("HGMMA") for _, op, _ in program),
+           "hmma": sum(op.startswith("HMMA") for _, op, _ in program)}
+    has_mma = mma["hgmma"] + mma["hmma"] > 0
+    hot = set()
+    for address, op, operands in program:
+        target = re.search(r"0x([0-9a-f]+)", operands)
+        if op.startswith("BRA") and target and int(target.group(1), 16) < address:
+            body = [(a, o) for a, o, _ in program if int(target.group(1), 16) <= a <= address]
+            if not has_mma or any(o.startswith(("HGMMA", "HMMA")) for _, o in body):
+                hot.update(a for a, o in body if o.startswith(("LDL", "STL")))
+    return {**mma, "loop_spills": len(hot)}
 
 
 def main(argv=None) -> int:
@@ -121,21 +193,35 @@ def main(argv=None) -> int:
                 continue
             configs = configs_of(kernel) if args.all_configs else configs_of(kernel)[:1]
             absents = [set(), set(optional)] if args.all_configs else [set()]
-            for config in configs:
-                for absent in absents:
-                    label = f"{name:8s} {dtype_name:9s} {config} absent={sorted(absent) or '-'}"
+            shapes = list(SHAPES) if args.all_configs else ["even"]
+            for absent, shape in ((a, sh) for a in absents for sh in shapes):
+                spill_free = 0
+                for config in configs:
+                    label = f"{name:8s} {dtype_name:9s} {_describe(config)} {shape:6s} absent={sorted(absent) or '-'}"
                     start = time.perf_counter()
                     try:
-                        compiled = compile_kernel(kernel, pointers, absent, fixed, config, args.arch, scalars)
+                        compiled = compile_kernel(kernel, pointers, absent, fixed, config, args.arch, scalars, shape)
                     except Exception as exc:  # report every failure, then exit non-zero
                         failures += 1
                         print(f"FAIL {label}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
                         continue
                     shared = compiled.metadata.shared
-                    over = limit is not None and shared > limit
-                    failures += int(over)
-                    print(f"{'OVER' if over else 'ok  '} {label} shared={shared}B "
-                          f"({time.perf_counter() - start:.1f}s)")
+                    usage = resource_usage(compiled)
+                    verdict = "ok  "
+                    if limit is not None and shared > limit:
+                        verdict = "OVER"
+                        failures += 1
+                    elif usage.get("loop_spills", 0) > 0 and dtype != torch.float32:
+                        verdict = "SPILL"
+                    else:
+                        spill_free += 1
+                    regs = (f"regs={usage['registers']} stack={usage['stack']}B loop_spills={usage['loop_spills']} "
+                            f"hgmma={usage['hgmma']} hmma={usage['hmma']} ") if usage else "regs=? "
+                    print(f"{verdict} {label} {regs}shared={shared}B ({time.perf_counter() - start:.1f}s)")
+                if spill_free == 0 and dtype != torch.float32:  # the autotuner needs one candidate that keeps up
+                    failures += 1
+                    print(f"FAIL {name} {dtype_name} {shape} absent={sorted(absent) or '-'}: no candidate "
+                          "compiled without spilling in its tensor-core loop")
     print(f"{failures} failure(s)")
     return 1 if failures else 0
 

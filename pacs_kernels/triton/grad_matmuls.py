@@ -16,6 +16,13 @@ reproducible for a fixed tile configuration. Each kernel costs 2 C V d FLOPs.
 With gradient filtering the dz kernel leaves one int8 flag per (DZ_BLOCK_N x DZ_BLOCK_V) dz tile,
 0 when the whole tile is negligible; the matmuls skip those reduction steps (their BLOCK_M and
 BLOCK_K divide the dz tile, so a step never straddles two flags).
+
+Register budget (see logits_tile.py): 64-bit block starts, 32-bit offsets inside a tile, pointers
+advanced per step. Along a tensor's contiguous dimension (dz's vocabulary, W's and h's width) the
+indices stay a plain ``tl.arange`` so loads and stores vectorize, with a mask only when the block
+does not divide the dimension (``EVEN_*``); along the other dimension they are clamped onto a
+valid row (no mask). Scalarized loads of a 128 x 64 tile need a 64-bit address per element: that
+alone spills.
 """
 
 from __future__ import annotations
@@ -24,16 +31,18 @@ import triton
 import triton.language as tl
 
 from .launch_config import dot_precision, grad_matmul_configs, upcast_dots
+from .logits_tile import clamped_block
 
 _DZ_FLAGS = {
     "FILTER": lambda args: args["flags_ptr"] is not None,
+    "EVEN_D": lambda args: args["width"] % args["BLOCK_D"] == 0,
     "DOT_PRECISION": lambda args: dot_precision(args["dz_ptr"].dtype),
     "UPCAST_DOTS": lambda args: upcast_dots(args["dz_ptr"].dtype),
 }
 
 
 @triton.autotune(configs=grad_matmul_configs(), key=["width", "vocab"])
-@triton.heuristics(_DZ_FLAGS)
+@triton.heuristics({**_DZ_FLAGS, "EVEN_K": lambda args: args["vocab"] % args["BLOCK_K"] == 0})
 @triton.jit
 def dh_kernel(
     dz_ptr, weight_ptr, dh_ptr, flags_ptr,
@@ -42,6 +51,8 @@ def dh_kernel(
     FLAG_N: tl.constexpr,
     FLAG_V: tl.constexpr,
     FILTER: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -52,10 +63,14 @@ def dh_kernel(
     stored in its own dtype (float32 accumulation)."""
     pid_m = tl.program_id(0)
     pid_d = tl.program_id(1)
-    local = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = local < chunk_len
-    ds = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_ok = ds < width
+    local_start = pid_m.to(tl.int64) * BLOCK_M  # first row of this block in the chunk
+    row_ok, row_idx = clamped_block(local_start, chunk_len, BLOCK_M)
+    d_start = pid_d * BLOCK_D
+    ds = tl.arange(0, BLOCK_D)
+    d_ok = ds < width - d_start
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = dz_ptr + local_start * vocab + (row_idx[:, None] * vocab + ks[None, :])
+    b_ptrs = weight_ptr + d_start * stride_wd + (ks[:, None] * stride_wv + ds[None, :] * stride_wd)
     flag_row = (pid_m * BLOCK_M) // FLAG_N
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for k0 in range(0, vocab, BLOCK_K):
@@ -63,17 +78,26 @@ def dh_kernel(
         if FILTER:
             live = tl.load(flags_ptr + flag_row * n_flag_cols + k0 // FLAG_V) != 0
         if live:
-            ks = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-            k_ok = ks < vocab
-            a = tl.load(dz_ptr + local[:, None] * vocab + ks[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(weight_ptr + ks[:, None] * stride_wv + ds[None, :] * stride_wd,
-                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                if EVEN_D:
+                    b = tl.load(b_ptrs)
+                else:
+                    b = tl.load(b_ptrs, mask=d_ok[None, :], other=0.0)
+            else:
+                k_ok = ks < vocab - k0
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
             if UPCAST_DOTS:
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    out = (row0 + local)[:, None] * width + ds[None, :]
-    tl.store(dh_ptr + out, acc.to(dh_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wv
+    out = dh_ptr + (row0 + local_start) * width + d_start + (tl.arange(0, BLOCK_M)[:, None] * width + ds[None, :])
+    if EVEN_D:
+        tl.store(out, acc.to(dh_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        tl.store(out, acc.to(dh_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.autotune(configs=grad_matmul_configs(), key=["width", "vocab"], restore_value=["dw_ptr", "db_ptr"])
@@ -81,6 +105,8 @@ def dh_kernel(
     **_DZ_FLAGS,
     "HAS_DW": lambda args: args["dw_ptr"] is not None,
     "HAS_DB": lambda args: args["db_ptr"] is not None,
+    "EVEN_K": lambda args: args["chunk_len"] % args["BLOCK_K"] == 0,
+    "EVEN_V": lambda args: args["vocab"] % args["BLOCK_M"] == 0,
 })
 @triton.jit
 def dw_kernel(
@@ -93,6 +119,9 @@ def dw_kernel(
     FILTER: tl.constexpr,
     HAS_DW: tl.constexpr,
     HAS_DB: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_V: tl.constexpr,
+    EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -107,10 +136,15 @@ def dw_kernel(
     """
     pid_v = tl.program_id(0)
     pid_d = tl.program_id(1)
-    cols = pid_v.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    col_ok = cols < vocab
-    ds = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_ok = ds < width
+    col_start = pid_v.to(tl.int64) * BLOCK_M
+    cs = tl.arange(0, BLOCK_M)
+    col_ok = cs < vocab - col_start
+    d_start = pid_d * BLOCK_D
+    ds = tl.arange(0, BLOCK_D)
+    d_ok = ds < width - d_start
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = dz_ptr + col_start + (ks[None, :] * vocab + cs[:, None])  # dz.T tile (BLOCK_M, BLOCK_K)
+    b_ptrs = hidden_ptr + row0 * stride_hn + d_start * stride_hd + (ks[:, None] * stride_hn + ds[None, :] * stride_hd)
     flag_col = (pid_v * BLOCK_M) // FLAG_V
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     bias_acc = tl.zeros((BLOCK_M,), tl.float32)
@@ -119,26 +153,40 @@ def dw_kernel(
         if FILTER:
             live = tl.load(flags_ptr + (k0 // FLAG_N) * n_flag_cols + flag_col) != 0
         if live:
-            ks = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-            k_ok = ks < chunk_len
-            a = tl.load(dz_ptr + ks[None, :] * vocab + cols[:, None],  # dz.T tile (BLOCK_M, BLOCK_K)
-                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            # the token mask runs along the non-contiguous dimension of both tiles (cheap); the
+            # vocabulary and width masks along contiguous ones, only where a block overhangs
+            k_ok = ks < chunk_len - k0
+            if EVEN_K and EVEN_V:
+                a = tl.load(a_ptrs)
+            elif EVEN_V:
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             if HAS_DB:
                 bias_acc += tl.sum(a.to(tl.float32), axis=1)
             if HAS_DW:
-                b = tl.load(hidden_ptr + (row0 + ks)[:, None] * stride_hn + ds[None, :] * stride_hd,
-                            mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                if EVEN_K and EVEN_D:
+                    b = tl.load(b_ptrs)
+                elif EVEN_D:
+                    b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+                else:
+                    b = tl.load(b_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
                 if UPCAST_DOTS:
                     a, b = a.to(tl.float32), b.to(tl.float32)
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * vocab
+        b_ptrs += BLOCK_K * stride_hn
     if HAS_DW:
-        out = cols[:, None] * width + ds[None, :]
-        ok = col_ok[:, None] & d_ok[None, :]
+        out = dw_ptr + col_start * width + d_start + (cs[:, None] * width + ds[None, :])
+        if EVEN_D:
+            ok = col_ok[:, None]
+        else:
+            ok = col_ok[:, None] & d_ok[None, :]
         if ACCUMULATE:
-            acc += tl.load(dw_ptr + out, mask=ok, other=0.0).to(tl.float32)
-        tl.store(dw_ptr + out, acc.to(dw_ptr.dtype.element_ty), mask=ok)
+            acc += tl.load(out, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out, acc.to(dw_ptr.dtype.element_ty), mask=ok)
     if HAS_DB:
         if pid_d == 0:
             if ACCUMULATE:
-                bias_acc += tl.load(db_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            tl.store(db_ptr + cols, bias_acc.to(db_ptr.dtype.element_ty), mask=col_ok)
+                bias_acc += tl.load(db_ptr + col_start + cs, mask=col_ok, other=0.0).to(tl.float32)
+            tl.store(db_ptr + col_start + cs, bias_acc.to(db_ptr.dtype.element_ty), mask=col_ok)

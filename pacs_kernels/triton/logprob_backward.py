@@ -51,7 +51,7 @@ import triton.language as tl
 
 from .grad_matmuls import dh_kernel, dw_kernel
 from .launch_config import DZ_BLOCK_N, DZ_BLOCK_V, dz_chunk_tokens, dz_configs
-from .logits_tile import INPUT_FLAGS, logits_tile
+from .logits_tile import INPUT_FLAGS, clamped_block, logits_tile
 
 
 @triton.autotune(configs=dz_configs(), key=["width", "vocab"])
@@ -62,6 +62,7 @@ from .logits_tile import INPUT_FLAGS, logits_tile
     "STORE_DZ": lambda args: args["dz_ptr"] is not None,
     "WRITE_LOGP": lambda args: args["logp_out_ptr"] is not None,
     "FILTER": lambda args: args["flags_ptr"] is not None,
+    "EVEN_V": lambda args: args["vocab"] % args["BLOCK_V"] == 0,
 })
 @triton.jit
 def _dz_kernel(
@@ -77,6 +78,8 @@ def _dz_kernel(
     STORE_DZ: tl.constexpr,
     WRITE_LOGP: tl.constexpr,
     FILTER: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_V: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -85,44 +88,54 @@ def _dz_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
-    local = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # row in the chunk
-    row_ok = local < chunk_len
-    rows = row0 + local
+    # int64 block starts, int32 offsets inside the tile (see logits_tile.py)
+    local_start = pid_n.to(tl.int64) * BLOCK_N  # first row of this block in the chunk
+    row_start = row0 + local_start
+    row_ok, row_idx = clamped_block(local_start, chunk_len, BLOCK_N)
     col_start = pid_v.to(tl.int64) * BLOCK_V
-    cols = col_start + tl.arange(0, BLOCK_V)
-    col_ok = cols < vocab
-    y = tl.load(targets_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    col_ok, col_idx = clamped_block(col_start, vocab, BLOCK_V)
+    y_local = (tl.load(targets_ptr + row_start + row_idx).to(tl.int64) - col_start).to(tl.int32)
+    lse = tl.load(lse_ptr + row_start + row_idx).to(tl.float32)
 
-    z = logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, row_ok, cols, col_ok, width,
+    z = logits_tile(hidden_ptr, weight_ptr, bias_ptr, row_start, row_idx, col_start, col_idx, width,
                     stride_hn, stride_hd, stride_wv, stride_wd, inv_tau,
-                    HAS_BIAS, DOT_PRECISION, UPCAST_DOTS, BLOCK_N, BLOCK_V, BLOCK_D)
-    valid = row_ok[:, None] & col_ok[None, :]
-    log_p = tl.where(valid, z - lse[:, None], 0.0)
-    is_target = (cols[None, :] == y[:, None]) & valid
+                    HAS_BIAS, EVEN_D, DOT_PRECISION, UPCAST_DOTS, BLOCK_N, BLOCK_V, BLOCK_D)
+    # Rows and columns past the end were clamped onto the block's first row / column, so their
+    # entries are copies of real ones: finite, never masked in the arithmetic below, only at the
+    # stores. They cannot change a filter flag either (a copied row repeats row 0, whose target
+    # already makes the tile live if it lies here; a copied column repeats column 0 and holds no
+    # target, since every target is < V). Fewer 2-D masks and temporaries keep the tile in registers.
+    is_target = tl.arange(0, BLOCK_V)[None, :] == y_local[:, None]
+    rows = row_start + tl.arange(0, BLOCK_N)
     if WRITE_LOGP:  # known-gradient one-sweep path: the forward's log-prob falls out of this tile
-        in_tile = row_ok & (y >= col_start) & (y < col_start + BLOCK_V)
-        tl.store(logp_out_ptr + rows, tl.sum(tl.where(is_target, log_p, 0.0), axis=1), mask=in_tile)
+        in_tile = row_ok & (y_local >= 0) & (y_local < BLOCK_V)
+        tl.store(logp_out_ptr + rows, tl.sum(tl.where(is_target, z, 0.0), axis=1) - lse, mask=in_tile)
     if STORE_DZ:
-        p = tl.where(valid, tl.exp(log_p), 0.0)
+        log_p = z - lse[:, None]
         if HAS_GRAD_LOGP:
-            g_l = tl.load(grad_logp_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            g_l = tl.load(grad_logp_ptr + row_start + row_idx).to(tl.float32)
         else:
             g_l = tl.zeros((BLOCK_N,), tl.float32)
-        coef = g_l[:, None]
         if HAS_GRAD_ENTROPY:
-            g_h = tl.load(grad_entropy_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-            ent = tl.load(entropy_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-            coef = coef + g_h[:, None] * (log_p + ent[:, None])
-        dz = (tl.where(is_target, g_l[:, None], 0.0) - p * coef) * inv_tau
-        out = local[:, None] * vocab + cols[None, :]
+            g_h = tl.load(grad_entropy_ptr + row_start + row_idx).to(tl.float32)
+            ent = tl.load(entropy_ptr + row_start + row_idx).to(tl.float32)
+            coef = g_l[:, None] + g_h[:, None] * (log_p + ent[:, None])
+        else:
+            coef = g_l[:, None]
+        dz = (tl.where(is_target, g_l[:, None], 0.0) - tl.exp(log_p) * coef) * inv_tau
+        dz_tile = dz_ptr + (local_start * vocab + col_start) + (tl.arange(0, BLOCK_N)[:, None] * vocab
+                                                                 + tl.arange(0, BLOCK_V)[None, :])
+        if EVEN_V:  # a mask along the contiguous vocabulary would scalarize the store
+            store_ok = row_ok[:, None]
+        else:
+            store_ok = row_ok[:, None] & col_ok[None, :]
         if FILTER:
             live = (tl.max(tl.abs(dz)) >= filter_eps) | (tl.sum(is_target.to(tl.int32)) > 0)
             tl.store(flags_ptr + pid_n * tl.num_programs(1) + pid_v, live.to(tl.int8))
             if live:
-                tl.store(dz_ptr + out, dz.to(dz_ptr.dtype.element_ty), mask=valid)
+                tl.store(dz_tile, dz.to(dz_ptr.dtype.element_ty), mask=store_ok)
         else:
-            tl.store(dz_ptr + out, dz.to(dz_ptr.dtype.element_ty), mask=valid)
+            tl.store(dz_tile, dz.to(dz_ptr.dtype.element_ty), mask=store_ok)
 
 
 def logprob_backward(

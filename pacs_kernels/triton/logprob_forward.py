@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..lse_math import combine_vocab_chunks
 from .launch_config import forward_configs, vocab_split
-from .logits_tile import INPUT_FLAGS, logits_tile
+from .logits_tile import INPUT_FLAGS, clamped_block, logits_tile
 
 
 @triton.autotune(configs=forward_configs(), key=["width", "vocab"])
@@ -39,6 +39,7 @@ def _logprob_forward_kernel(
     inv_tau, split_size,
     HAS_BIAS: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,
+    EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -47,10 +48,10 @@ def _logprob_forward_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    # int64 offsets: N * d and N * V exceed 2**31 at long contexts
-    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < n_tokens
-    y = tl.load(targets_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    # int64 block starts (N * d and N * V exceed 2**31 at long contexts), int32 offsets inside
+    row_start = pid_n.to(tl.int64) * BLOCK_N
+    row_ok, row_idx = clamped_block(row_start, n_tokens, BLOCK_N)
+    y = tl.load(targets_ptr + row_start + row_idx).to(tl.int64)
 
     m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_N,), tl.float32)
@@ -58,16 +59,17 @@ def _logprob_forward_kernel(
     target_logit = tl.zeros((BLOCK_N,), tl.float32)
 
     split_start = pid_s.to(tl.int64) * split_size
-    span = tl.minimum(vocab - split_start, split_size)  # every split starts inside the vocabulary
-    for v0 in range(0, span, BLOCK_V):
-        cols = split_start + v0 + tl.arange(0, BLOCK_V)
-        col_ok = cols < split_start + span
-        z = logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, row_ok, cols, col_ok, width,
+    split_end = tl.minimum(vocab, split_start + split_size)  # every split starts inside the vocabulary
+    local_cols = tl.arange(0, BLOCK_V)
+    for col_start in range(split_start, split_end, BLOCK_V):
+        col_ok, col_idx = clamped_block(col_start, split_end, BLOCK_V)
+        z = logits_tile(hidden_ptr, weight_ptr, bias_ptr, row_start, row_idx, col_start, col_idx, width,
                         stride_hn, stride_hd, stride_wv, stride_wd, inv_tau,
-                        HAS_BIAS, DOT_PRECISION, UPCAST_DOTS, BLOCK_N, BLOCK_V, BLOCK_D)
+                        HAS_BIAS, EVEN_D, DOT_PRECISION, UPCAST_DOTS, BLOCK_N, BLOCK_V, BLOCK_D)
         z = tl.where(col_ok[None, :], z, float("-inf"))
 
-        target_logit += tl.sum(tl.where(cols[None, :] == y[:, None], z, 0.0), axis=1)
+        y_local = (y - col_start).to(tl.int32)  # in (-V, V): the target's column in this tile, if any
+        target_logit += tl.sum(tl.where(local_cols[None, :] == y_local[:, None], z, 0.0), axis=1)
 
         m_new = tl.maximum(m, tl.max(z, axis=1))
         alpha = tl.exp(m - m_new)
@@ -79,7 +81,7 @@ def _logprob_forward_kernel(
         s = alpha * s + tl.sum(e, axis=1)
         m = m_new
 
-    out = pid_s.to(tl.int64) * n_tokens + rows
+    out = pid_s.to(tl.int64) * n_tokens + row_start + tl.arange(0, BLOCK_N)
     log_s = tl.log(s)
     tl.store(lse_part_ptr + out, m + log_s, mask=row_ok)
     tl.store(target_logit_part_ptr + out, target_logit, mask=row_ok)
