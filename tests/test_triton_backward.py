@@ -174,3 +174,54 @@ def test_chunk_size_respects_the_budget():
     assert dz_chunk_tokens(37, 131, 4) == 37  # everything fits: one chunk of all tokens
     assert dz_chunk_tokens(100, 10, 4, chunk_tokens=1) == DZ_BLOCK_N  # at least one token block
     assert dz_chunk_tokens(100, 10, 4, chunk_tokens=3 * DZ_BLOCK_N + 1) == 3 * DZ_BLOCK_N
+
+
+def test_views_with_strides_too_large_for_int32_tile_offsets_are_copied_not_misaddressed(monkeypatch):
+    """Offsets inside a tile are int32 on the GPU: a hidden-state view whose row stride times a block
+    overflows them (a slice of a much wider buffer) is copied first, by both kernels' wrappers, and
+    gives the same log-probs and gradients. (The interpreter computes offsets without overflow, so
+    the guard itself is checked directly, and the wrappers are checked to call it.)"""
+    import importlib
+
+    from pacs_kernels import linear_logprobs
+    from pacs_kernels.triton import launch_config
+
+    forward_module = importlib.import_module("pacs_kernels.triton.logprob_forward")
+    backward_module = importlib.import_module("pacs_kernels.triton.logprob_backward")
+
+    n, d, vocab, row_stride = 3, 24, 40, 2**24  # 255 * 2**24 > 2**31
+    gen = torch.Generator().manual_seed(5)
+    storage = torch.zeros((n - 1) * row_stride + d, dtype=torch.bfloat16)
+    wide = storage.as_strided((n, d), (row_stride, 1))
+    wide.copy_(torch.randn(n, d, generator=gen).to(torch.bfloat16))
+    weight = (torch.randn(vocab, d, generator=gen) / d**0.5).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+
+    copied = launch_config.with_int32_tile_offsets("hidden", wide)
+    assert copied.is_contiguous() and torch.equal(copied, wide)
+    assert launch_config.with_int32_tile_offsets("weight", weight) is weight  # no copy when it fits
+
+    guarded = []
+    for module in (forward_module, backward_module):
+        def spy(name, tensor, module=module):
+            guarded.append((module.__name__.rsplit(".", 1)[-1], name, tensor.stride(0)))
+            return launch_config.with_int32_tile_offsets(name, tensor)
+        monkeypatch.setattr(module, "with_int32_tile_offsets", spy)
+    results = []
+    for hidden in (wide, wide.contiguous()):
+        leaf = hidden.detach().requires_grad_()
+        logp = linear_logprobs(leaf, weight, targets, backend="triton")
+        logp.sum().backward()
+        results.append((logp.detach(), leaf.grad))
+    assert {("logprob_forward", "hidden", row_stride), ("logprob_backward", "hidden", row_stride),
+            ("logprob_forward", "weight", d), ("logprob_backward", "weight", d)} <= set(guarded)
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)
+
+
+def test_a_width_beyond_int32_tile_offsets_is_refused_by_name():
+    from pacs_kernels.triton.launch_config import with_int32_tile_offsets
+
+    too_wide = torch.empty(2, 2**31 // 255 + 1, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="weight of shape .* too wide for the Triton kernels' int32 offsets"):
+        with_int32_tile_offsets("weight", too_wide)

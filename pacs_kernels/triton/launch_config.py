@@ -117,6 +117,26 @@ def dz_chunk_tokens(n_tokens: int, vocab: int, itemsize: int, chunk_tokens: int 
     return min(blocks * DZ_BLOCK_N, n_tokens)
 
 
+# Offsets inside a tile are int32 (64-bit ones cost registers the tensor-core loops need): every
+# (row, column) offset of a tile, at most (MAX_BLOCK - 1) * (stride_0 + stride_1), must fit.
+MAX_BLOCK = 256
+_INT32_LIMIT = 2**31
+
+
+def with_int32_tile_offsets(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (2-D), or a contiguous copy when a view's strides are too large for int32 offsets
+    inside a tile (a slice of a much wider buffer); a clear error if even the copy's are."""
+    def fits(t):
+        return (MAX_BLOCK - 1) * (abs(t.stride(0)) + abs(t.stride(1))) < _INT32_LIMIT
+    if fits(tensor):
+        return tensor
+    tensor = tensor.contiguous()
+    if not fits(tensor):
+        raise ValueError(f"{name} of shape {tuple(tensor.shape)} is too wide for the Triton kernels' int32 offsets "
+                         f"inside a tile (width x {MAX_BLOCK} must stay below 2**31); use backend='torch'")
+    return tensor
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 inputs get exact fp32 products (no TF32): a log-prob kernel must not be approximate."""
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from .grad_matmuls import dh_kernel, dw_kernel
-from .launch_config import DZ_BLOCK_N, DZ_BLOCK_V, dz_chunk_tokens, dz_configs
+from .launch_config import DZ_BLOCK_N, DZ_BLOCK_V, dz_chunk_tokens, dz_configs, with_int32_tile_offsets
 from .logits_tile import INPUT_FLAGS, clamped_block, logits_tile
 
 
@@ -175,6 +175,8 @@ def logprob_backward(
         None where not needed.
     """
     del vocab_splits  # see the docstring
+    hidden = with_int32_tile_offsets("hidden", hidden)
+    weight = with_int32_tile_offsets("weight", weight)
     n_tokens, width = hidden.shape
     vocab = weight.shape[0]
     need_h, need_w, need_b = needs

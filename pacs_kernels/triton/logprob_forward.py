@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..lse_math import combine_vocab_chunks
-from .launch_config import forward_configs, vocab_split
+from .launch_config import forward_configs, vocab_split, with_int32_tile_offsets
 from .logits_tile import INPUT_FLAGS, clamped_block, logits_tile
 
 
@@ -112,6 +112,8 @@ def logprob_forward(
     Returns:
         (logp, entropy or None, lse), float32, shape (N,) each.
     """
+    hidden = with_int32_tile_offsets("hidden", hidden)
+    weight = with_int32_tile_offsets("weight", weight)
     n_tokens, width = hidden.shape
     vocab = weight.shape[0]
     split_size, n_splits = vocab_split(n_tokens, vocab, hidden.device, vocab_splits)
