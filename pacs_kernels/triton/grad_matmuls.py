@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .launch_config import dot_precision, grad_matmul_configs, upcast_dots
+from .launch_config import dot_precision, float32_gets_one_tile, grad_matmul_configs, upcast_dots
 from .logits_tile import clamped_block
 
 _DZ_FLAGS = {
@@ -41,7 +41,8 @@ _DZ_FLAGS = {
 }
 
 
-@triton.autotune(configs=grad_matmul_configs(), key=["width", "vocab"])
+@triton.autotune(configs=grad_matmul_configs(), key=["width", "vocab"],
+                 prune_configs_by={"early_config_prune": float32_gets_one_tile("grad_matmul", "dz_ptr")})
 @triton.heuristics({**_DZ_FLAGS, "EVEN_K": lambda args: args["vocab"] % args["BLOCK_K"] == 0})
 @triton.jit
 def dh_kernel(
@@ -100,7 +101,8 @@ def dh_kernel(
         tl.store(out, acc.to(dh_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.autotune(configs=grad_matmul_configs(), key=["width", "vocab"], restore_value=["dw_ptr", "db_ptr"])
+@triton.autotune(configs=grad_matmul_configs(), key=["width", "vocab"], restore_value=["dw_ptr", "db_ptr"],
+                 prune_configs_by={"early_config_prune": float32_gets_one_tile("grad_matmul", "dz_ptr")})
 @triton.heuristics({
     **_DZ_FLAGS,
     "HAS_DW": lambda args: args["dw_ptr"] is not None,

@@ -12,7 +12,9 @@ the usual tensor-core tile shapes (bf16 inputs, fp32 accumulation), not measured
 those that compile for sm_90 (Triton 3.9) without spilling inside their tensor-core loop
 (``python -m pacs_kernels.triton.compile_check --all-configs``: 4-warp 128 x 128 tiles, 128 x 256
 output tiles and 32-wide width steps with 256-column logits tiles all spilled there, the 4-warp
-ones by hundreds of bytes per thread, so they could only lose the autotuner's race).
+ones by hundreds of bytes per thread, so they could only lose the autotuner's race), and few:
+every candidate is compiled on first use (a second or two each on the host CPU), and the first
+GPU run has minutes, not hours. float32 inputs get one small tile (FLOAT32_CONFIGS).
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ def forward_configs() -> list[triton.Config]:
     """Candidates for the forward (online log-sum-exp) kernel: BLOCK_N x BLOCK_V logits tiles."""
     if INTERPRETED:
         return [triton.Config({"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_D": 16}, num_warps=4, num_stages=1)]
-    return _configs([{"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_D": 64}, {"BLOCK_N": 64, "BLOCK_V": 256, "BLOCK_D": 64}],
-                    [(8, 3), (8, 4)])
+    return [triton.Config({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_D": 64}, num_warps=8, num_stages=3),
+            triton.Config({"BLOCK_N": 64, "BLOCK_V": 256, "BLOCK_D": 64}, num_warps=8, num_stages=3)]
 
 
 def dz_configs() -> list[triton.Config]:
@@ -64,7 +66,8 @@ def dz_configs() -> list[triton.Config]:
     width step and pipeline stages are tuned."""
     if INTERPRETED:
         return [triton.Config({"BLOCK_D": 16}, num_warps=4, num_stages=1)]
-    return _configs([{"BLOCK_D": 64}, {"BLOCK_D": 32}], [(8, 3), (8, 4)])
+    return [triton.Config({"BLOCK_D": 64}, num_warps=8, num_stages=3),
+            triton.Config({"BLOCK_D": 32}, num_warps=8, num_stages=4)]
 
 
 def grad_matmul_configs() -> list[triton.Config]:
@@ -73,11 +76,30 @@ def grad_matmul_configs() -> list[triton.Config]:
     reduction step never straddles two filter flags."""
     if INTERPRETED:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_D": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
-    return _configs(
-        [{"BLOCK_M": 128, "BLOCK_D": 128, "BLOCK_K": 64}, {"BLOCK_M": 64, "BLOCK_D": 128, "BLOCK_K": 64},
-         {"BLOCK_M": 128, "BLOCK_D": 128, "BLOCK_K": 32}],
-        [(8, 3), (8, 4)],
-    )
+    return _configs([{"BLOCK_M": 128, "BLOCK_D": 128, "BLOCK_K": 64}, {"BLOCK_M": 64, "BLOCK_D": 128, "BLOCK_K": 64},
+                     {"BLOCK_M": 128, "BLOCK_D": 128, "BLOCK_K": 32}], [(8, 3)])
+
+
+# float32 inputs multiply exactly on CUDA cores (no TF32; reached only with an explicit
+# backend="triton", auto sends them to cuBLAS): one small tile per kernel, no autotuning. The
+# tensor-core tiles above spill hundreds of bytes per thread in float32 and take seconds each to
+# compile; these compile for sm_90 without spilling in their loops.
+FLOAT32_CONFIGS = {
+    "forward": triton.Config({"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_D": 32}, num_warps=8, num_stages=2),
+    "dz": triton.Config({"BLOCK_D": 16}, num_warps=8, num_stages=2),
+    "grad_matmul": triton.Config({"BLOCK_M": 64, "BLOCK_D": 64, "BLOCK_K": 32}, num_warps=8, num_stages=2),
+}
+
+
+def float32_gets_one_tile(kind: str, pointer: str):
+    """``early_config_prune`` for ``triton.autotune``: when the tensor named ``pointer`` is float32,
+    the kernel runs FLOAT32_CONFIGS[kind] alone; 16-bit inputs race the tensor-core candidates
+    (the autotuner keys on the argument dtypes, so each dtype keeps its own pick)."""
+    def prune(configs, named_args, **kwargs):
+        if not INTERPRETED and named_args[pointer].dtype == torch.float32:
+            return [FLOAT32_CONFIGS[kind]]
+        return configs
+    return prune
 
 
 def vocab_split(n_tokens: int, vocab: int, device: torch.device, splits: int | None) -> tuple[int, int]:

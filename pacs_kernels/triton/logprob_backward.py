@@ -50,11 +50,19 @@ import triton
 import triton.language as tl
 
 from .grad_matmuls import dh_kernel, dw_kernel
-from .launch_config import DZ_BLOCK_N, DZ_BLOCK_V, dz_chunk_tokens, dz_configs, with_int32_tile_offsets
+from .launch_config import (
+    DZ_BLOCK_N,
+    DZ_BLOCK_V,
+    dz_chunk_tokens,
+    dz_configs,
+    float32_gets_one_tile,
+    with_int32_tile_offsets,
+)
 from .logits_tile import INPUT_FLAGS, clamped_block, logits_tile
 
 
-@triton.autotune(configs=dz_configs(), key=["width", "vocab"])
+@triton.autotune(configs=dz_configs(), key=["width", "vocab"],
+                 prune_configs_by={"early_config_prune": float32_gets_one_tile("dz", "hidden_ptr")})
 @triton.heuristics({
     **INPUT_FLAGS,
     "HAS_GRAD_LOGP": lambda args: args["grad_logp_ptr"] is not None,

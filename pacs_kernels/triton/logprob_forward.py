@@ -24,11 +24,12 @@ import triton
 import triton.language as tl
 
 from ..lse_math import combine_vocab_chunks
-from .launch_config import forward_configs, vocab_split, with_int32_tile_offsets
+from .launch_config import float32_gets_one_tile, forward_configs, vocab_split, with_int32_tile_offsets
 from .logits_tile import INPUT_FLAGS, clamped_block, logits_tile
 
 
-@triton.autotune(configs=forward_configs(), key=["width", "vocab"])
+@triton.autotune(configs=forward_configs(), key=["width", "vocab"],
+                 prune_configs_by={"early_config_prune": float32_gets_one_tile("forward", "hidden_ptr")})
 @triton.heuristics({**INPUT_FLAGS, "HAS_ENTROPY": lambda args: args["negent_part_ptr"] is not None})
 @triton.jit
 def _logprob_forward_kernel(
