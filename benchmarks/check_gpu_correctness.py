@@ -13,6 +13,8 @@ closed form (z = h W^T / tau, p = softmax z, H the entropy, g_l and g_H upstream
 
 Errors: logp, entropy, loss: max |ours - ref|. dh, dW: max |ours - ref| / max |ref|. Where
 pacs_kernels has it, the one-sweep first step after a rollout (``old_lse=``) is checked too.
+At the end it prints which tiles the autotuner picked and each loaded kernel's registers and
+spills (``pacs_kernels/triton/kernel_report.py``).
 """
 
 from __future__ import annotations
@@ -128,6 +130,9 @@ def main(argv=None) -> int:
         del hidden, weight, targets
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    from pacs_kernels.triton.kernel_report import print_report
+
+    print_report()
     if failures:
         print(f"[check] FAILED: {', '.join(failures)}")
         return 1
