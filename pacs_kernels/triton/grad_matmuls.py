@@ -113,7 +113,7 @@ def dh_kernel(
 @triton.jit
 def dw_kernel(
     dz_ptr, hidden_ptr, dw_ptr, db_ptr, flags_ptr,
-    row0, chunk_len, vocab, width,
+    chunk_len, vocab, width,
     stride_hn, stride_hd, n_flag_cols,
     ACCUMULATE: tl.constexpr,
     FLAG_N: tl.constexpr,
@@ -130,7 +130,9 @@ def dw_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """dW[v, :] (+)= sum_t dz[t, v] h[row0 + t, :] and db[v] (+)= sum_t dz[t, v] over the chunk.
+    """dW[v, :] (+)= sum_t dz[t, v] h[t, :] and db[v] (+)= sum_t dz[t, v] over the chunk's tokens t
+    (``hidden_ptr`` points at the chunk's first row: the host passes the slice, so no 32-bit
+    row0 * stride product can overflow at long contexts).
 
     dW (V, d) and db (V,) contiguous; with ACCUMULATE the previous value is read first (one
     read and one write of the owned tile per chunk). ``restore_value`` lets the autotuner
@@ -146,7 +148,7 @@ def dw_kernel(
     d_ok = ds < width - d_start
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = dz_ptr + col_start + (ks[None, :] * vocab + cs[:, None])  # dz.T tile (BLOCK_M, BLOCK_K)
-    b_ptrs = hidden_ptr + row0 * stride_hn + d_start * stride_hd + (ks[:, None] * stride_hn + ds[None, :] * stride_hd)
+    b_ptrs = hidden_ptr + d_start * stride_hd + (ks[:, None] * stride_hn + ds[None, :] * stride_hd)
     flag_col = (pid_v * BLOCK_M) // FLAG_V
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     bias_acc = tl.zeros((BLOCK_M,), tl.float32)

@@ -254,8 +254,8 @@ def _launch_chunks(hidden, weight, targets, bias, temperature, lse, entropy, gra
         if d_weight is not None or d_bias is not None:
             d_tiles = (lambda meta: triton.cdiv(width, meta["BLOCK_D"])) if d_weight is not None else (lambda meta: 1)
             dw_kernel[lambda meta: (triton.cdiv(vocab, meta["BLOCK_M"]), d_tiles(meta))](
-                dz, hidden, d_weight, d_bias, flags,
-                row0, chunk_len, vocab, width,
+                dz, hidden[row0:row0 + chunk_len], d_weight, d_bias, flags,
+                chunk_len, vocab, width,
                 hidden.stride(0), hidden.stride(1), n_flag_cols,
                 ACCUMULATE=index > 0, FLAG_N=DZ_BLOCK_N, FLAG_V=DZ_BLOCK_V,
             )
