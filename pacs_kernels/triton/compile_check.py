@@ -1,4 +1,5 @@
-"""Compile every log-prob kernel for a GPU architecture without a GPU (Triton -> PTX -> cubin).
+"""Compile every Triton kernel (log-probs, single-pass rows, group loss) for a GPU architecture
+without a GPU (Triton -> PTX -> cubin).
 
     python -m pacs_kernels.triton.compile_check                 # first autotune candidate of each kernel
     python -m pacs_kernels.triton.compile_check --all-configs   # every candidate x flag combination
@@ -39,8 +40,8 @@ from . import launch_config
 
 SHARED_MEMORY_LIMIT = {90: 232448, 80: 166912}  # bytes per block (H100/H200, A100)
 _TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
-                 torch.int8: "i8"}
-_FLOAT_SCALARS = ("inv_tau", "filter_eps", "softcap")
+                 torch.int8: "i8", torch.uint8: "u8"}
+_FLOAT_SCALARS = ("inv_tau", "filter_eps", "softcap", "beta", "inv_batch", "g_size")
 _F32 = torch.float32
 # integer arguments the heuristics read: a real model's shape (every tile full), and a ragged one
 SHAPES = {"even": {"width": 3584, "vocab": 152064, "n_tokens": 32768, "chunk_len": 2048},
@@ -48,14 +49,20 @@ SHAPES = {"even": {"width": 3584, "vocab": 152064, "n_tokens": 32768, "chunk_len
 
 
 def _kernels(dtype: torch.dtype):
-    """(name, kernel (autotuned, or heuristics only), pointer dtypes, optional pointers, fixed
-    constexprs, scalar values its heuristics read) per kernel."""
+    """(name, kernel (autotuned, heuristics only, or plain), pointer dtypes, optional pointers, fixed
+    constexprs, scalar values its heuristics read) per kernel whose model-dtype inputs are ``dtype``;
+    the PACS group-loss kernels (float32 log-probs for every model) come with float32."""
     forward = importlib.import_module("pacs_kernels.triton.logprob_forward")
     backward = importlib.import_module("pacs_kernels.triton.logprob_backward")
     matmuls = importlib.import_module("pacs_kernels.triton.grad_matmuls")
     rows = importlib.import_module("pacs_kernels.triton.softmax_rows")
+    group = importlib.import_module("pacs_kernels.triton.group_loss")
+    # the PACS group loss (float32 log-probs whatever the model dtype): the paper's default variant
+    # (RLOO score, balanced weighting, score-function term on), groups of 8, one 512-token tile
+    group_flags = {"SCORE": 0, "ADVANTAGE": 0, "WEIGHTING": 0, "HAS_MASK": True, "SCORE_FUNCTION_TERM": True,
+                   "BLOCK_G": 8, "BLOCK_T": 512}
     flags = {"FLAG_N": launch_config.DZ_BLOCK_N, "FLAG_V": launch_config.DZ_BLOCK_V}
-    return [
+    kernels = [
         ("forward", forward._logprob_forward_kernel,
          {"hidden_ptr": dtype, "weight_ptr": dtype, "bias_ptr": dtype, "targets_ptr": torch.int64,
           "lse_part_ptr": _F32, "negent_part_ptr": _F32, "target_logit_part_ptr": _F32},
@@ -80,6 +87,16 @@ def _kernels(dtype: torch.dtype):
          {"z_ptr": _F32, "dz_ptr": dtype, "y_ptr": torch.int64, "bias_ptr": dtype, "lse_ptr": _F32, "g_ptr": _F32},
          ("bias_ptr",), {"BLOCK_V": rows.BLOCK_V}, {"softcap": 30.0}),
     ]
+    if dtype != torch.float32:  # the group loss reads float32 log-probs whatever the model's dtype
+        return kernels
+    return kernels + [
+        ("group_fwd", group._group_loss_forward_kernel,
+         {"logp_ptr": _F32, "old_ptr": _F32, "mask_ptr": torch.uint8, "offsets_ptr": torch.int64,
+          "rewards_ptr": _F32, "loss_part_ptr": _F32, "per_response_ptr": _F32}, (), group_flags, {}),
+        ("group_bwd", group._group_loss_backward_kernel,
+         {"grad_loss_ptr": _F32, "coef_ptr": _F32, "mask_ptr": torch.uint8, "offsets_ptr": torch.int64,
+          "grad_ptr": _F32}, (), {"HAS_MASK": True, "BLOCK_T": 4096}, {}),
+    ]
 
 
 def _describe(config: triton.Config) -> str:
@@ -102,16 +119,18 @@ def configs_of(kernel, pointers: dict | None = None) -> list:
 def compile_kernel(kernel, pointers: dict, absent: set, fixed: dict, config: triton.Config, arch: int,
                    scalars: dict | None = None, shape: str = "even"):
     """Compile one (kernel, config, absent pointers, shape) combination; returns the compiled kernel."""
-    heuristics = kernel.fn if hasattr(kernel, "configs") else kernel  # [Autotuner ->] Heuristics -> JITFunction
-    jit = heuristics.fn
-    if not isinstance(jit, triton.runtime.jit.JITFunction):
-        raise ValueError(f"kernel must be a JITFunction, got {type(jit).__name__}: unset TRITON_INTERPRET")
+    jit, rules = kernel, {}  # [Autotuner ->] [Heuristics ->] JITFunction
+    while not isinstance(jit, triton.runtime.jit.JITFunction):
+        rules = getattr(jit, "values", rules)
+        if not hasattr(jit, "fn"):
+            raise ValueError(f"kernel must be a JITFunction, got {type(jit).__name__}: unset TRITON_INTERPRET")
+        jit = jit.fn
     args = {name: (None if name in absent else torch.empty(0, dtype=dt)) for name, dt in pointers.items()}
     constexprs = {name: args[name] for name in absent}
     constexprs.update(fixed)
     constexprs.update(config.kwargs)
     seen = {**args, **SHAPES[shape], **(scalars or {}), **constexprs}
-    constexprs.update({name: rule(seen) for name, rule in heuristics.values.items()})
+    constexprs.update({name: rule(seen) for name, rule in rules.items()})
     signature = {}
     for index, name in enumerate(jit.arg_names):
         if name in constexprs or index in jit.constexprs:
@@ -185,7 +204,7 @@ def main(argv=None) -> int:
                         choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--all-configs", action="store_true", help="every autotune candidate and flag combination")
     parser.add_argument("--kernels", nargs="+", default=None,
-                        help="forward dz dh dw row_lse row_grad (default: all)")
+                        help="forward dz dh dw row_lse row_grad group_fwd group_bwd (default: all)")
     args = parser.parse_args(argv)
     if launch_config.INTERPRETED:
         print("TRITON_INTERPRET is set: the kernels are interpreted functions; unset it", file=sys.stderr)

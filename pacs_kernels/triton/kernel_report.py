@@ -1,4 +1,4 @@
-"""What the GPU actually ran: each log-prob kernel's autotune winners and, for every variant the
+"""What the GPU actually ran: each Triton kernel's autotune winners and, for every variant the
 driver loaded, its registers, spills and shared memory.
 
 ``compile_check`` predicts these on the CPU; the first GPU run records them
@@ -19,6 +19,8 @@ _KERNELS = (
     ("dw", "pacs_kernels.triton.grad_matmuls", "dw_kernel"),
     ("row_lse", "pacs_kernels.triton.softmax_rows", "_row_lse_kernel"),
     ("row_grad", "pacs_kernels.triton.softmax_rows", "_row_grad_kernel"),
+    ("group_fwd", "pacs_kernels.triton.group_loss", "_group_loss_forward_kernel"),
+    ("group_bwd", "pacs_kernels.triton.group_loss", "_group_loss_backward_kernel"),
 )
 
 
@@ -43,7 +45,7 @@ def _compiled_variants(jit):
 
 
 def our_kernels() -> list[tuple[str, object]]:
-    """(name, decorated kernel) of every log-prob kernel."""
+    """(name, decorated kernel) of every Triton kernel of ours."""
     return [(name, getattr(importlib.import_module(module), attribute)) for name, module, attribute in _KERNELS]
 
 
@@ -64,7 +66,7 @@ def report_lines(kernels=None) -> list[str]:
             lines.append(f"{name:8s} compiled: warps={meta.num_warps} stages={meta.num_stages} "
                          f"registers={getattr(compiled, 'n_regs', '?')} spills={getattr(compiled, 'n_spills', '?')} "
                          f"shared={meta.shared}B")
-    return lines or ["no Triton log-prob kernel was compiled in this process (CPU or interpreter, or none ran)"]
+    return lines or ["no Triton kernel of ours was compiled in this process (CPU or interpreter, or none ran)"]
 
 
 def print_report() -> None:
