@@ -16,8 +16,9 @@ extras = {
     # peers measured by the benchmarks (GPU)
     "peers": ["liger-kernel", "cut-cross-entropy"],
     "math": ["math-verify", "pandas", "pyarrow"],
-    # pacs.integrations.trl (PACSTrainer); TRL 1.16 works with transformers 5.x and pulls no torch
-    "trl": ["trl==1.16.0", "accelerate>=1.10.1", "datasets>=4.7"],
+    # pacs.integrations.trl (PACSTrainer); TRL 1.16 works with transformers 5.x and pulls no torch;
+    # peft: LoRA models under PACSTrainer (tested)
+    "trl": ["trl==1.16.0", "accelerate>=1.10.1", "datasets>=4.7", "peft>=0.17"],
     # pacs.integrations.verl is imported by verl itself; verl 0.9.1 pins transformers<5.11, so it is
     # installed with --no-deps next to its import-time deps: PACS_WITH_VERL=1 bash scripts/setup_env.sh
 }

@@ -199,6 +199,36 @@ def test_bf16_model_with_float32_head(tmp_path):
 
 
 @pytest.mark.slow
+def test_lora_adapters_get_the_pacs_gradients_and_only_they_train(tmp_path):
+    """A PEFT LoRA model (TRL's usual set-up for large models): the fused loss runs through the
+    PeftModel's forward; loss and adapter gradients equal pacs_loss on the LoRA model's own logits;
+    training moves the adapters and leaves every base weight (the LM head included) untouched."""
+    peft = pytest.importorskip("peft")
+    tok = helpers.tokenizer()
+    lora = peft.get_peft_model(helpers.tiny_model(len(tok)), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"]))
+    trainer = helpers.trainer(tmp_path, model=lora)
+    inputs = first_micro_batch(trainer)
+    model = trainer.model
+    rewards = labels_from_text(tok, inputs, helpers.contains_one)
+    assert 0 < rewards.sum() < len(rewards), "mixed labels keep the gradient from vanishing"
+
+    def reference():
+        logp = naive_logp(model, inputs, 1.0)
+        return pacs_loss(logp, logp.detach(), rewards, inputs["completion_mask"], group_size=helpers.GROUP) / 2
+
+    loss, grads = loss_and_grads(model, lambda: trainer.compute_loss(model, inputs))
+    assert grads and all("lora_" in name for name in grads), sorted(grads)
+    assert any(g.abs().max() > 0 for name, g in grads.items() if "lora_B" in name)
+    assert_same(loss, grads, *loss_and_grads(model, reference))
+
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer.train()
+    moved = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
+    assert moved and all("lora_" in name for name in moved), sorted(moved)
+
+
+@pytest.mark.slow
 def test_micro_batches_hold_whole_groups(tmp_path):
     trainer = helpers.trainer(tmp_path, gradient_accumulation_steps=4, per_device_train_batch_size=helpers.GROUP)
     first_micro_batch(trainer)
