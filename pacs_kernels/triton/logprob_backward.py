@@ -110,9 +110,10 @@ def _dz_kernel(
                     HAS_BIAS, EVEN_D, DOT_PRECISION, UPCAST_DOTS, BLOCK_N, BLOCK_V, BLOCK_D)
     # Rows and columns past the end were clamped onto the block's first row / column, so their
     # entries are copies of real ones: finite, never masked in the arithmetic below, only at the
-    # stores. They cannot change a filter flag either (a copied row repeats row 0, whose target
-    # already makes the tile live if it lies here; a copied column repeats column 0 and holds no
-    # target, since every target is < V). Fewer 2-D masks and temporaries keep the tile in registers.
+    # stores. They cannot change a filter flag either: a copied row repeats row 0 exactly; a copied
+    # column holds no target (every target is < V), so its dz differs from column 0's only where
+    # column 0 is a target, and such a tile is live anyway. Fewer 2-D masks and temporaries keep the
+    # tile in registers.
     is_target = tl.arange(0, BLOCK_V)[None, :] == y_local[:, None]
     rows = row_start + tl.arange(0, BLOCK_N)
     if WRITE_LOGP:  # known-gradient one-sweep path: the forward's log-prob falls out of this tile

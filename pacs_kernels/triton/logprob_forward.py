@@ -70,7 +70,9 @@ def _logprob_forward_kernel(
         z = tl.where(col_ok[None, :], z, float("-inf"))
 
         y_local = (y - col_start).to(tl.int32)  # in (-V, V): the target's column in this tile, if any
-        target_logit += tl.sum(tl.where(local_cols[None, :] == y_local[:, None], z, 0.0), axis=1)
+        # (col_ok: a target past this split's end must not meet a clamped column's -inf)
+        hit = (local_cols[None, :] == y_local[:, None]) & col_ok[None, :]
+        target_logit += tl.sum(tl.where(hit, z, 0.0), axis=1)
 
         m_new = tl.maximum(m, tl.max(z, axis=1))
         alpha = tl.exp(m - m_new)
