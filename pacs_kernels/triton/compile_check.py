@@ -57,8 +57,9 @@ def _kernels(dtype: torch.dtype):
     matmuls = importlib.import_module("pacs_kernels.triton.grad_matmuls")
     rows = importlib.import_module("pacs_kernels.triton.softmax_rows")
     group = importlib.import_module("pacs_kernels.triton.group_loss")
-    # the PACS group loss (float32 log-probs whatever the model dtype): the paper's default variant
-    # (RLOO score, balanced weighting, score-function term on), groups of 8, one 512-token tile
+    # the PACS group loss (float32 log-probs whatever the model dtype): log-ratio score, RLOO
+    # advantage, balanced weighting (the defaults) plus the score-function term (the longer code
+    # path), with a mask; groups of 8, 512-token tiles
     group_flags = {"SCORE": 0, "ADVANTAGE": 0, "WEIGHTING": 0, "HAS_MASK": True, "SCORE_FUNCTION_TERM": True,
                    "BLOCK_G": 8, "BLOCK_T": 512}
     flags = {"FLAG_N": launch_config.DZ_BLOCK_N, "FLAG_V": launch_config.DZ_BLOCK_V}
