@@ -5,8 +5,10 @@ Triton's interpreter; that is how the test-suite checks them on machines without
 
 Files: logits_tile.py (the shared logits tile), logprob_forward.py (online log-sum-exp),
 logprob_backward.py (dz per token chunk; also the one-sweep path), grad_matmuls.py (dh and dW
-from dz, no atomics), group_loss.py (the PACS group part), launch_config.py (autotune candidates,
-vocabulary split, chunk size).
+from dz, no atomics), softmax_rows.py (the single pass's row kernels), group_loss.py (the PACS
+group part), launch_config.py (autotune candidates, vocabulary split, chunk size, int32 offsets),
+compile_check.py (compile for sm_90 on the CPU: registers, spills, tensor cores), kernel_report.py
+(what the GPU compiled and loaded, printed by the GPU run).
 """
 
 from .launch_config import INTERPRETED
