@@ -5,12 +5,13 @@ Three ways to run it, picked per call (``path="auto"``) and reported in the stat
 * ``single_pass`` (single_pass.py): chunks of WHOLE groups, each chunk's logits built once: the
   log-probs, the group loss, its per-token gradient and dh, dW all come from that one tile
   (3 N x V x d matmuls, like the naive implementation). Used when every group fits the chunk
-  budget (``chunk_budget_mib``), and with eager row work (CPU, or backend="torch") also for groups
-  bigger than the budget: their logits are kept in part and the rest rebuilt (3 to 4 matmuls,
-  memory within the budget).
+  budget (``chunk_budget_mib``), and, wherever the two passes would not run the Triton log-prob
+  kernels (CPU, backend="torch", float32 on CUDA), also for groups bigger than the budget: their
+  logits are kept in part and the rest rebuilt (3 to 4 matmuls, memory within the budget).
 * ``two_pass``: ``linear_logprobs`` (Triton on CUDA, chunked torch elsewhere) for the log-probs,
   the group loss on them, then the log-prob backward rebuilds the logits (4 matmuls). Memory does
-  not depend on group size: on Triton, the path for groups too long for the budget (long responses).
+  not depend on group size: with the Triton log-prob kernels (CUDA, 16-bit weights), the path for
+  groups too long for the budget (long responses).
 * ``one_sweep`` (known_grad.py): the first optimizer step after a rollout, with ``old_lse`` from
   the old-policy pass; logp == old_logp so the gradient is known up front (3 matmuls).
 
@@ -117,8 +118,9 @@ def fused_linear_pacs_loss(
         backend: "auto" | "triton" | "torch" | "naive": the kernels of the two-pass path and of
             ``old_lse``'s one sweep, and the single pass's elementwise work (Triton row kernels or
             eager PyTorch around cuBLAS GEMMs); "naive" materializes the logits (tests, benchmarks).
-        path: "auto" (single pass when every group fits ``chunk_budget_mib`` or the row work is
-            eager PyTorch; two passes for bigger groups where Triton runs, and on CUDA where the
+        path: "auto" (single pass when every group fits ``chunk_budget_mib``, or when the two passes
+            would not run the Triton log-prob kernels; two passes for bigger groups where they
+            would (CUDA, 16-bit weights), and on CUDA where the
             committed GPU run measured them faster: dispatch.py) | "single_pass" (a group bigger
             than the budget keeps part of its logits and rebuilds the rest) | "two_pass".
         chunk_budget_mib: working memory of the single pass's logits (float32 logits of its
@@ -179,9 +181,10 @@ def fused_linear_pacs_loss(
             row_kernels = row_kernels_for(backend, weight)
             chunks = plan_group_chunks(tokens.counts.tolist(), group_size, budget_tokens)
             # A group bigger than the budget: the single pass keeps what fits and rebuilds the rest
-            # (3 to 4 matmuls), never slower than two eager passes; where Triton runs, its fused
-            # two-pass kernels are preferred for such groups.
-            if chunks is None and (path == "single_pass" or row_kernels == "torch"):
+            # (3 to 4 matmuls), never slower than two eager passes; where the two passes would run
+            # the Triton log-prob kernels, those are preferred for such groups.
+            if chunks is None and (path == "single_pass" or not two_pass_runs_triton(backend, weight.device,
+                                                                                    weight.dtype)):
                 chunks = plan_group_chunks(tokens.counts.tolist(), group_size, budget_tokens, oversized_alone=True)
                 rebuilt = recomputed_fraction(chunks, budget_tokens)
         elif path == "single_pass":
@@ -210,6 +213,13 @@ def fused_linear_pacs_loss(
 def measured_two_pass_faster(device: torch.device, n_tokens: int, d: int, vocab: int) -> bool:
     """On CUDA: did the committed GPU run (dispatch.py) measure two passes faster at this shape?"""
     return device.type == "cuda" and dispatch.prefer_two_pass(n_tokens, d, vocab)
+
+
+def two_pass_runs_triton(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Would the two-pass path's log-prob matmuls run the Triton kernels? (On CUDA for 16-bit
+    weights; float32 goes to cuBLAS under "auto", and then the rebuilding single pass is the better
+    way to handle a group larger than the chunk budget.)"""
+    return resolve_backend(backend, device, dtype, matmul_kernels=True) == "triton"
 
 
 def row_kernels_for(backend: str, weight: torch.Tensor) -> str:

@@ -89,3 +89,17 @@ def test_auto_sends_float32_log_prob_matmuls_to_cublas_on_cuda():
     assert resolve_backend("auto", cuda, torch.float16, matmul_kernels=True) == "triton"
     assert resolve_backend("auto", cuda, torch.float32) == "triton"
     assert resolve_backend("auto", torch.device("cpu"), torch.bfloat16, matmul_kernels=True) == "torch"
+
+
+def test_groups_larger_than_the_budget_go_two_pass_only_onto_triton_log_prob_kernels():
+    """path="auto" with a group bigger than the chunk budget: two passes where they would run the Triton
+    log-prob kernels (CUDA, 16-bit weights), the rebuilding single pass elsewhere (CPU, torch, and float32
+    on CUDA, whose two passes would be cuBLAS + eager work)."""
+    from pacs_kernels.fused import two_pass_runs_triton
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert two_pass_runs_triton("auto", cuda, torch.bfloat16)
+    assert not two_pass_runs_triton("auto", cuda, torch.float32)
+    assert not two_pass_runs_triton("torch", cuda, torch.bfloat16)
+    assert not two_pass_runs_triton("auto", cpu, torch.float32)
+    assert two_pass_runs_triton("triton", cpu, torch.float32)  # explicit, in the interpreter (the tests)
