@@ -37,6 +37,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import launch_config
+from .kernel_report import our_kernels
 
 SHARED_MEMORY_LIMIT = {90: 232448, 80: 166912}  # bytes per block (H100/H200, A100)
 _TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
@@ -52,11 +53,8 @@ def _kernels(dtype: torch.dtype):
     """(name, kernel (autotuned, heuristics only, or plain), pointer dtypes, optional pointers, fixed
     constexprs, scalar values its heuristics read) per kernel whose model-dtype inputs are ``dtype``;
     the PACS group-loss kernels (float32 log-probs for every model) come with float32."""
-    forward = importlib.import_module("pacs_kernels.triton.logprob_forward")
-    backward = importlib.import_module("pacs_kernels.triton.logprob_backward")
-    matmuls = importlib.import_module("pacs_kernels.triton.grad_matmuls")
+    kernel = dict(our_kernels())
     rows = importlib.import_module("pacs_kernels.triton.softmax_rows")
-    group = importlib.import_module("pacs_kernels.triton.group_loss")
     # the PACS group loss (float32 log-probs whatever the model dtype): log-ratio score, RLOO
     # advantage, balanced weighting (the defaults) plus the score-function term (the longer code
     # path), with a mask; groups of 8, 512-token tiles
@@ -64,45 +62,40 @@ def _kernels(dtype: torch.dtype):
                    "BLOCK_G": 8, "BLOCK_T": 512}
     flags = {"FLAG_N": launch_config.DZ_BLOCK_N, "FLAG_V": launch_config.DZ_BLOCK_V}
     kernels = [
-        ("forward", forward._logprob_forward_kernel,
+        ("forward", kernel["forward"],
          {"hidden_ptr": dtype, "weight_ptr": dtype, "bias_ptr": dtype, "targets_ptr": torch.int64,
           "lse_part_ptr": _F32, "negent_part_ptr": _F32, "target_logit_part_ptr": _F32},
          ("bias_ptr", "negent_part_ptr"), {}, {}),
-        ("dz", backward._dz_kernel,
+        ("dz", kernel["dz"],
          {"hidden_ptr": dtype, "weight_ptr": dtype, "bias_ptr": dtype, "targets_ptr": torch.int64,
           "lse_ptr": _F32, "entropy_ptr": _F32, "grad_logp_ptr": _F32, "grad_entropy_ptr": _F32,
           "dz_ptr": dtype, "flags_ptr": torch.int8, "logp_out_ptr": _F32},
          ("bias_ptr", "entropy_ptr", "grad_entropy_ptr", "flags_ptr", "logp_out_ptr"),
          {"BLOCK_N": launch_config.DZ_BLOCK_N, "BLOCK_V": launch_config.DZ_BLOCK_V}, {}),
-        ("dh", matmuls.dh_kernel,
+        ("dh", kernel["dh"],
          {"dz_ptr": dtype, "weight_ptr": dtype, "dh_ptr": dtype, "flags_ptr": torch.int8},
          ("flags_ptr",), flags, {}),
-        ("dw", matmuls.dw_kernel,
+        ("dw", kernel["dw"],
          {"dz_ptr": dtype, "hidden_ptr": dtype, "dw_ptr": _F32, "db_ptr": _F32, "flags_ptr": torch.int8},
          ("db_ptr", "flags_ptr"), {**flags, "ACCUMULATE": True}, {}),
         # the single pass's row kernels, soft-capped (Gemma) as the harder case
-        ("row_lse", rows._row_lse_kernel,
+        ("row_lse", kernel["row_lse"],
          {"z_ptr": _F32, "y_ptr": torch.int64, "bias_ptr": dtype, "lse_ptr": _F32, "target_ptr": _F32,
           "entropy_ptr": _F32}, ("bias_ptr", "entropy_ptr"), {"BLOCK_V": rows.BLOCK_V}, {"softcap": 30.0}),
-        ("row_grad", rows._row_grad_kernel,
+        ("row_grad", kernel["row_grad"],
          {"z_ptr": _F32, "dz_ptr": dtype, "y_ptr": torch.int64, "bias_ptr": dtype, "lse_ptr": _F32, "g_ptr": _F32},
          ("bias_ptr",), {"BLOCK_V": rows.BLOCK_V}, {"softcap": 30.0}),
     ]
     if dtype != torch.float32:  # the group loss reads float32 log-probs whatever the model's dtype
         return kernels
     return kernels + [
-        ("group_fwd", group._group_loss_forward_kernel,
+        ("group_fwd", kernel["group_fwd"],
          {"logp_ptr": _F32, "old_ptr": _F32, "mask_ptr": torch.uint8, "offsets_ptr": torch.int64,
           "rewards_ptr": _F32, "loss_part_ptr": _F32, "per_response_ptr": _F32}, (), group_flags, {}),
-        ("group_bwd", group._group_loss_backward_kernel,
+        ("group_bwd", kernel["group_bwd"],
          {"grad_loss_ptr": _F32, "coef_ptr": _F32, "mask_ptr": torch.uint8, "offsets_ptr": torch.int64,
           "grad_ptr": _F32}, (), {"HAS_MASK": True, "BLOCK_T": 4096}, {}),
     ]
-
-
-def _describe(config: triton.Config) -> str:
-    tiles = ",".join(f"{k}={v}" for k, v in config.kwargs.items())
-    return f"[{tiles or '-'} w{config.num_warps} s{config.num_stages}]"
 
 
 def configs_of(kernel, pointers: dict | None = None) -> list:
@@ -224,7 +217,8 @@ def main(argv=None) -> int:
             for absent, shape in ((a, sh) for a in absents for sh in shapes):
                 spill_free = 0
                 for config in configs:
-                    label = f"{name:8s} {dtype_name:9s} {_describe(config)} {shape:6s} absent={sorted(absent) or '-'}"
+                    label = (f"{name:8s} {dtype_name:9s} {launch_config.describe_config(config)} {shape:6s} "
+                             f"absent={sorted(absent) or '-'}")
                     start = time.perf_counter()
                     try:
                         compiled = compile_kernel(kernel, pointers, absent, fixed, config, args.arch, scalars, shape)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib
 
+from .launch_config import describe_config
+
 _KERNELS = (
     ("forward", "pacs_kernels.triton.logprob_forward", "_logprob_forward_kernel"),
     ("dz", "pacs_kernels.triton.logprob_backward", "_dz_kernel"),
@@ -29,11 +31,6 @@ def _innermost(kernel):
     while hasattr(kernel, "fn"):
         kernel = kernel.fn
     return kernel
-
-
-def _describe_config(config) -> str:
-    tiles = ",".join(f"{k}={v}" for k, v in config.kwargs.items())
-    return f"[{tiles or '-'} w{config.num_warps} s{config.num_stages}]"
 
 
 def _compiled_variants(jit):
@@ -56,7 +53,7 @@ def report_lines(kernels=None) -> list[str]:
     for name, kernel in (our_kernels() if kernels is None else kernels):
         for key, config in getattr(kernel, "cache", {}).items():
             shown = ", ".join(str(part) for part in key)
-            lines.append(f"{name:8s} autotune winner for ({shown}): {_describe_config(config)}")
+            lines.append(f"{name:8s} autotune winner for ({shown}): {describe_config(config)}")
         for compiled in _compiled_variants(_innermost(kernel)):
             try:
                 compiled._init_handles()  # loads the binary if this variant has not run yet

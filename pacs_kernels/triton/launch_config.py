@@ -49,6 +49,12 @@ SPLIT_ALIGN = 256
 DZ_CHUNK_BYTES = 1 << 30
 
 
+def describe_config(config: triton.Config) -> str:
+    """A config in one short token: [BLOCK_N=128,BLOCK_V=128 w8 s3]."""
+    tiles = ",".join(f"{k}={v}" for k, v in config.kwargs.items())
+    return f"[{tiles or '-'} w{config.num_warps} s{config.num_stages}]"
+
+
 def _configs(tiles, warps_stages):
     return [triton.Config(dict(tile), num_warps=w, num_stages=s) for tile in tiles for (w, s) in warps_stages]
 

@@ -115,8 +115,8 @@ def _dz_kernel(
     # column 0 is a target, and such a tile is live anyway. Fewer 2-D masks and temporaries keep the
     # tile in registers.
     is_target = tl.arange(0, BLOCK_V)[None, :] == y_local[:, None]
-    rows = row_start + tl.arange(0, BLOCK_N)
     if WRITE_LOGP:  # known-gradient one-sweep path: the forward's log-prob falls out of this tile
+        rows = row_start + tl.arange(0, BLOCK_N)
         in_tile = row_ok & (y_local >= 0) & (y_local < BLOCK_V)
         tl.store(logp_out_ptr + rows, tl.sum(tl.where(is_target, z, 0.0), axis=1) - lse, mask=in_tile)
     if STORE_DZ:

@@ -80,13 +80,8 @@ def _row_lse_kernel(z_ptr, y_ptr, bias_ptr, lse_ptr, target_ptr, entropy_ptr, V,
         running_max = new_max
     lse = running_max + tl.log(running_sum)
     y = tl.load(y_ptr + row).to(tl.int64)
-    target = tl.load(base + y).to(tl.float32)
-    if HAS_BIAS:
-        target += tl.load(bias_ptr + y).to(tl.float32)
-    if HAS_SOFTCAP:
-        target = softcap * _tanh(target / softcap)
     tl.store(lse_ptr + row, lse)
-    tl.store(target_ptr + row, target * inv_tau)
+    tl.store(target_ptr + row, _tempered_slice(base, bias_ptr, y, y >= 0, inv_tau, softcap, HAS_BIAS, HAS_SOFTCAP))
     if WITH_ENTROPY:
         tl.store(entropy_ptr + row, lse - running_dot / running_sum)
 
