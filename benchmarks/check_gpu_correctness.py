@@ -232,10 +232,11 @@ def check_loss(pacs_kernels, hidden, weight, targets, tau, gen, chunk, atol, rto
     # every path of the fused loss: two passes (Triton kernels), single pass with the Triton row kernels
     # and with eager PyTorch around the GEMMs (budget: the whole batch in one chunk), and the single pass
     # with a budget of a third of the largest group (each group in 3+ tiles, all but the last rebuilt)
-    from pacs_kernels.single_pass import bytes_per_token
+    from pacs_kernels.single_pass import budget_mib_for_tokens
 
     largest_group = int(mask.reshape(-1, options["group_size"] * t).sum(1).max())
-    third = largest_group / 3 * bytes_per_token(weight.shape[0], weight.device, weight.dtype) / 2 ** 20
+    third = budget_mib_for_tokens(-(-largest_group // 3), weight.shape[0], weight.device, weight.dtype,
+                                  row_kernels="triton")
     for label, path, backend, budget in (("loss", "two_pass", "triton", 16384),
                                          ("single_pass", "single_pass", "triton", 16384),
                                          ("single_pass_torch", "single_pass", "torch", 16384),

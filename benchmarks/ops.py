@@ -52,6 +52,7 @@ responses of a group (RLOO baseline, class weights) before any gradient exists.
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -278,12 +279,15 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
         if case.impl in SINGLE_PASS_BUDGET_GROUPS:
             # single_pass: the budget of one group (the longest possible): one group per chunk, 3 matmuls;
             # single_pass_lowmem: a third of that, two thirds of each group's logits rebuilt
-            from pacs_kernels.single_pass import bytes_per_token
+            from pacs_kernels.fused import row_kernels_for
+            from pacs_kernels.single_pass import budget_mib_for_tokens
 
             group_tokens = LOSS_GROUP_SIZE * (case.n // LOSS_RESPONSES)
-            need = group_tokens * bytes_per_token(case.v, torch.device(case.device), case.torch_dtype) / 2 ** 20
-            options.update(backend="auto", path="single_pass",
-                           chunk_budget_mib=need * SINGLE_PASS_BUDGET_GROUPS[case.impl])
+            device = torch.device(case.device)
+            row_kernels = row_kernels_for("auto", torch.empty(0, device=device, dtype=case.torch_dtype))
+            budget = budget_mib_for_tokens(math.ceil(group_tokens * SINGLE_PASS_BUDGET_GROUPS[case.impl]), case.v,
+                                           device, case.torch_dtype, row_kernels=row_kernels)
+            options.update(backend="auto", path="single_pass", chunk_budget_mib=budget)
         else:
             options.update(backend=case.impl, path="two_pass")
 

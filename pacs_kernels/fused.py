@@ -45,10 +45,10 @@ from .loss_inputs import (
     check_options,
 )
 from .single_pass import (
-    max_chunk_tokens,
     plan_group_chunks,
     recomputed_fraction,
     single_pass,
+    tile_memory,
 )
 from .token_selection import check_response_tokens, match_head_dtype, pick, selected_index
 
@@ -123,10 +123,12 @@ def fused_linear_pacs_loss(
             would (CUDA, 16-bit weights), and on CUDA where the
             committed GPU run measured them faster: dispatch.py) | "single_pass" (a group bigger
             than the budget keeps part of its logits and rebuilds the rest) | "two_pass".
-        chunk_budget_mib: working memory of the single pass's logits (float32 logits of its
-            tokens, plus a bf16 copy on CUDA); None (default): 256 MiB on the CPU, 2 GiB on CUDA
-            (a GPU chunk needs enough tokens to keep its GEMMs compute-bound). A smaller budget
-            trades speed for memory only when a group no longer fits.
+        chunk_budget_mib: working memory of the single pass's logits (single_pass.tile_memory: on
+            a GPU with the Triton row kernels 2 bytes per logit plus a float32 GEMM strip of 1/4 of
+            the budget, about 5,300 tokens per 2 GiB at V = 152k; eager rows hold float32 logits, plus
+            a bf16 dz copy on CUDA); None (default): 256 MiB on the CPU, 2 GiB on CUDA (a GPU chunk
+            needs enough tokens to keep its GEMMs compute-bound). A smaller budget trades speed for
+            memory only when a group no longer fits.
         filter_eps, chunk_elements, vocab_splits: the two-pass path's ``linear_logprobs`` options.
         old_lse: optional, like old_logp: the log-sum-exp from the old-policy pass
             (``linear_logprobs(..., return_lse=True)``). Pass it ONLY while the weights are still
@@ -176,9 +178,10 @@ def fused_linear_pacs_loss(
         chunks = None
         measured_slower = path == "auto" and measured_two_pass_faster(weight.device, n_selected, *weight.shape[::-1])
         if path != "two_pass" and backend != "naive" and not measured_slower:
-            budget_tokens = max_chunk_tokens(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype,
-                                             softcap=logit_softcap is not None)
             row_kernels = row_kernels_for(backend, weight)
+            memory = tile_memory(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype,
+                                 softcap=logit_softcap is not None, row_kernels=row_kernels)
+            budget_tokens = memory.tokens
             chunks = plan_group_chunks(tokens.counts.tolist(), group_size, budget_tokens)
             # A group bigger than the budget: the single pass keeps what fits and rebuilds the rest
             # (3 to 4 matmuls), never slower than two eager passes; where the two passes would run
@@ -193,7 +196,8 @@ def fused_linear_pacs_loss(
             chosen = "single_pass"
             result = _single_pass_loss(tokens, weight, chunks, rewards, valid, temperature=temperature, bias=bias,
                                        return_stats=return_stats, with_entropy=with_entropy, row_kernels=row_kernels,
-                                       softcap=logit_softcap, budget_tokens=budget_tokens, **options)
+                                       softcap=logit_softcap, budget_tokens=budget_tokens,
+                                       strip_rows=memory.strip_rows, **options)
         else:
             chosen = "two_pass"
             result = _two_pass_loss(tokens, weight, rewards, valid, layout, temperature=temperature, bias=bias,
@@ -230,7 +234,7 @@ def row_kernels_for(backend: str, weight: torch.Tensor) -> str:
 
 
 def _single_pass_loss(tokens, weight, chunks, rewards, valid, *, temperature, bias, return_stats, with_entropy,
-                      row_kernels, softcap, budget_tokens, **options):
+                      row_kernels, softcap, budget_tokens, strip_rows, **options):
     """PACS over chunks of whole groups, one logits GEMM per chunk (single_pass.py)."""
     index = selected_index(tokens.mask)
     old_selected = pick(tokens.old_logp, index)
@@ -249,7 +253,7 @@ def _single_pass_loss(tokens, weight, chunks, rewards, valid, *, temperature, bi
     loss, extras, _, entropy = single_pass(
         pick(tokens.hidden, index), weight, targets, bias=bias, temperature=temperature, chunks=chunks,
         chunk_loss=chunk_loss, with_entropy=with_entropy and return_stats, row_kernels=row_kernels, softcap=softcap,
-        budget_tokens=budget_tokens)
+        budget_tokens=budget_tokens, strip_rows=strip_rows)
     loss = loss.float() if loss.dtype != torch.float64 else loss
     if not return_stats:
         return loss

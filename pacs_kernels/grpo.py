@@ -31,7 +31,7 @@ from .checks import (
 from .fused import FUSED_BACKENDS, PATHS, check_chunk_budget, row_kernels_for
 from .logprobs import check_softcap, linear_logprobs
 from .loss_inputs import GRPO_STD_EPS, check_group_size, check_nonempty_responses, check_token_tensors
-from .single_pass import max_chunk_tokens, plan_token_chunks, single_pass
+from .single_pass import plan_token_chunks, single_pass, tile_memory
 from .token_selection import check_response_tokens, match_head_dtype, pick, selected_index
 
 AGGREGATIONS = ("token_mean", "seq_mean")
@@ -284,12 +284,14 @@ def fused_linear_grpo_loss(
 
     if path != "two_pass" and backend != "naive":
         check_targets_in_range(targets_sel, weight.shape[0])
-        budget_tokens = max_chunk_tokens(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype,
-                                         softcap=logit_softcap is not None)
-        chunks = plan_token_chunks(counts.tolist(), budget_tokens)
+        row_kernels = row_kernels_for(backend, weight)
+        memory = tile_memory(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype,
+                             softcap=logit_softcap is not None, row_kernels=row_kernels)
+        chunks = plan_token_chunks(counts.tolist(), memory.tokens)
         loss, extras, _, _ = single_pass(hidden_sel, weight, targets_sel, bias=bias, temperature=temperature,
                                          chunks=chunks, chunk_loss=lambda lp, c: share(lp, c.tok0, c.tok1),
-                                         row_kernels=row_kernels_for(backend, weight), softcap=logit_softcap)
+                                         row_kernels=row_kernels, softcap=logit_softcap,
+                                         strip_rows=memory.strip_rows)
         all_terms = extras
     else:
         if path == "single_pass":

@@ -11,7 +11,11 @@ group, so a chunk of tokens that holds WHOLE groups can do everything from one l
     dh   = dz @ W;   dW += dz.T @ h;   db += sum_tokens dz       two more GEMMs
 
 three matmuls in all, the count of the naive implementation, with memory bounded by the chunk
-(C x V float32, plus a low-precision copy of dz for the GEMMs on a GPU) instead of N x V. The
+instead of N x V. How a chunk's logits are held between the loss and its gradient is the row
+engine's business (single_pass_rows.py): float32 in place (eager, CPU), or, with the Triton row
+kernels on a GPU, as bf16 probabilities relative to each vocabulary slice's max, with dz written
+over them: 2 bytes per logit instead of 6 (float32 logits + a bf16 dz copy). :func:`tile_memory`
+says how many tokens a budget holds for each. The
 gradients are produced in the forward and handed to autograd: the returned loss's backward only
 scales them by the upstream gradient. Losses that are per response (GRPO) can use any chunking
 that keeps responses whole; their chunk loss only needs the global normaliser, known up front.
@@ -21,8 +25,7 @@ into n tiles within the budget; the last tile's logits are kept, the others keep
 statistics and are built again once g is known: 3 + (n - 1) / n matmuls, never more than the 4 of
 two passes, with memory bounded by the budget whatever the group size.
 
-Entropy (optional, for statistics): H = lse - sum_v p_v z_v, computed in row slices before the
-logits buffer is turned into probabilities.
+Entropy (optional, for statistics): H = lse - sum_v p_v z_v, computed with the log-sum-exp.
 
 Per-token gradients below ``TINY_GRAD`` (2^-100) are flushed to 0 before they multiply the
 probabilities: products of such values are float32 denormals, which slow every GEMM on many
@@ -38,8 +41,8 @@ from typing import Any, Callable
 import torch
 
 from .forward_grads import scaled_saved_grads
-from .matmul import addmm_f32_, compute_dtype, gemm_in_input_dtype, mm_f32, mm_into, operand
-from .torch_chunked import apply_softcap_, softcap_slope
+from .matmul import LOW_PRECISION, addmm_f32_, compute_dtype, gemm_in_input_dtype, mm_into, operand
+from .single_pass_rows import EagerRows, TritonRows
 
 TINY_GRAD = 2.0 ** -100
 DEFAULT_CHUNK_BUDGET_MIB = {"cpu": 256.0, "cuda": 2048.0}  # by device type; others: the CPU's
@@ -47,11 +50,11 @@ DEFAULT_CHUNK_BUDGET_MIB = {"cpu": 256.0, "cuda": 2048.0}  # by device type; oth
 
 def default_chunk_budget_mib(device: torch.device) -> float:
     """The chunk budget when the caller gives none: 256 MiB on the CPU, 2 GiB on CUDA. A GPU chunk
-    must hold enough tokens (about 2,300 at V = 152k, float32 logits + a bf16 copy) for its GEMMs to
-    outweigh streaming W and the float32 dW once per chunk: benchmarks/roofline.py predicts 1.5x the
-    3-matmul floor at 256 MiB on an H200 (memory-bound) and 1.17x from about 1.5 GiB."""
+    must hold enough tokens for its GEMMs to outweigh streaming W and the float32 dW once per chunk
+    (benchmarks/roofline.py: 1.5x the 3-matmul floor at 256 MiB of 6-byte logits on an H200,
+    memory-bound, and 1.17x from about 1.5 GiB); at 2 bytes per logit (Triton rows, bf16) 2 GiB
+    holds about 5,300 tokens at V = 152k (eager rows: 2,350)."""
     return DEFAULT_CHUNK_BUDGET_MIB.get(torch.device(device).type, DEFAULT_CHUNK_BUDGET_MIB["cpu"])
-ENTROPY_ROWS = 64  # rows per slice of the optional entropy pass (bounds its temporary)
 
 
 @dataclass(frozen=True)
@@ -65,25 +68,85 @@ class Chunk:
     tok1: int
 
 
-def bytes_per_token(vocab: int, device: torch.device, dtype: torch.dtype, softcap: bool = False) -> int:
-    """Working memory of one token of a chunk: its row of float32 logits (float64 for float64),
-    plus a low-precision copy of its dz row where the GEMMs run in the input dtype, plus the
-    soft-cap's slope row when the logits are soft-capped."""
-    per_logit = torch.finfo(compute_dtype(dtype)).bits // 8
-    if softcap:
-        per_logit *= 2
-    if gemm_in_input_dtype(device, dtype):
-        per_logit += torch.finfo(dtype).bits // 8
-    return vocab * per_logit
+# a 16-bit tile's float32 GEMM strip takes 1/4 of the budget (882 rows at 2 GiB, V = 152k: enough rows
+# in flight for the one-program-per-row lse kernel to stream at HBM speed) ...
+STRIP_SHARE = 4
+MAX_STRIP_ROWS = 1024  # ... and at most this many rows (enough to keep its GEMM compute-bound)
+
+
+@dataclass(frozen=True)
+class TileMemory:
+    """How the single pass spends its chunk budget: ``tokens`` whose logits it may hold at once,
+    ``bytes_per_token`` each, and, for a 16-bit tile, a float32 GEMM strip of ``strip_rows`` rows
+    (``strip_bytes``; 0: the GEMM writes into the tile itself). ``tile_dtype``: what the Triton
+    rows hold the tile in (None: the eager rows' own float32 buffer)."""
+
+    tokens: int
+    bytes_per_token: int
+    strip_rows: int = 0
+    strip_bytes: int = 0
+    tile_dtype: torch.dtype | None = None
+
+
+def tile_dtype_for(device: torch.device, dtype: torch.dtype, row_kernels: str) -> torch.dtype | None:
+    """What the Triton rows hold a tile in: the GEMM operands' dtype (bf16/fp16 where the GEMMs run in
+    16 bits, a GPU; float32 elsewhere); None for the eager rows (their own float32 buffer)."""
+    if row_kernels != "triton":
+        return None
+    return dtype if gemm_in_input_dtype(torch.device(device), dtype) else compute_dtype(dtype)
+
+
+def tile_memory(budget_mib: float | None, vocab: int, device: torch.device, dtype: torch.dtype, *,
+                softcap: bool = False, row_kernels: str = "torch", tile_dtype: torch.dtype | None = None) -> TileMemory:
+    """What a chunk budget of ``budget_mib`` MiB (None: the device's default,
+    :func:`default_chunk_budget_mib`) holds, for the given row engine (single_pass_rows.py):
+
+    * eager rows: float32 logits (float64 for float64), twice that with a soft-cap (its slope), plus
+      a 16-bit dz copy where the GEMMs run in 16 bits: 4 to 10 bytes per logit;
+    * Triton rows: the tile in ``tile_dtype`` (default :func:`tile_dtype_for`: bf16/fp16 on a GPU,
+      float32 elsewhere), so 2 (or 4) bytes per logit, plus, for a 16-bit tile, one float32 GEMM
+      strip of 1/STRIP_SHARE of the budget (at most MAX_STRIP_ROWS rows). The V / 1024 float32
+      slice maxima per token (under 0.2% of a bf16 row) are not counted.
+    """
+    if budget_mib is None:
+        budget_mib = default_chunk_budget_mib(device)
+    device = torch.device(device)
+    budget = int(budget_mib * 2 ** 20)
+    cdt_bytes = torch.finfo(compute_dtype(dtype)).bits // 8
+    if row_kernels != "triton":
+        per_logit = cdt_bytes * (2 if softcap else 1)
+        if gemm_in_input_dtype(device, dtype):
+            per_logit += torch.finfo(dtype).bits // 8
+        return TileMemory(budget // (vocab * per_logit), vocab * per_logit)
+    tile_dtype = tile_dtype or tile_dtype_for(device, dtype, row_kernels)
+    per_token = vocab * (torch.finfo(tile_dtype).bits // 8)
+    if tile_dtype not in LOW_PRECISION:
+        return TileMemory(budget // per_token, per_token, tile_dtype=tile_dtype)
+    strip_rows = max(1, min(MAX_STRIP_ROWS, budget // STRIP_SHARE // (vocab * 4)))
+    strip_bytes = strip_rows * vocab * 4
+    return TileMemory(max(0, budget - strip_bytes) // per_token, per_token, strip_rows, strip_bytes, tile_dtype)
+
+
+def budget_mib_for_tokens(tokens: int, vocab: int, device: torch.device, dtype: torch.dtype, *,
+                          softcap: bool = False, row_kernels: str = "torch") -> float:
+    """The smallest chunk budget (MiB, to 1/1024 MiB) whose :func:`tile_memory` holds ``tokens`` tokens."""
+    def holds(mib):
+        return tile_memory(mib, vocab, device, dtype, softcap=softcap, row_kernels=row_kernels).tokens >= tokens
+
+    low, high = 0.0, 1.0
+    while not holds(high):
+        low, high = high, 2 * high
+    while high - low > 2 ** -10:
+        mid = (low + high) / 2
+        low, high = (low, mid) if holds(mid) else (mid, high)
+    return high
 
 
 def max_chunk_tokens(budget_mib: float | None, vocab: int, device: torch.device, dtype: torch.dtype,
-                     softcap: bool = False) -> int:
+                     softcap: bool = False, row_kernels: str = "torch") -> int:
     """How many tokens one chunk may hold within ``budget_mib`` MiB of working memory (None: the
-    device's default, :func:`default_chunk_budget_mib`)."""
-    if budget_mib is None:
-        budget_mib = default_chunk_budget_mib(device)
-    return int(budget_mib * 2 ** 20) // bytes_per_token(vocab, device, dtype, softcap)
+    device's default): :func:`tile_memory`'s ``tokens``."""
+    return tile_memory(budget_mib, vocab, device, dtype, softcap=softcap, row_kernels=row_kernels).tokens
 
 
 def plan_group_chunks(counts: list[int], group_size: int, max_tokens: int, *,
@@ -127,37 +190,6 @@ def plan_token_chunks(counts: list[int], max_tokens: int) -> list[Chunk]:
 ChunkLoss = Callable[[torch.Tensor, Chunk], "tuple[torch.Tensor, Any]"]
 
 
-def _entropy_rows(shifted: torch.Tensor) -> torch.Tensor:
-    """Entropy of each row of logits already shifted by their max (slices bound the temporary)."""
-    out = torch.empty(shifted.shape[0], dtype=shifted.dtype, device=shifted.device)
-    for r0 in range(0, shifted.shape[0], ENTROPY_ROWS):
-        rows = shifted[r0:r0 + ENTROPY_ROWS]
-        e = rows.exp()
-        total = e.sum(1)
-        out[r0:r0 + ENTROPY_ROWS] = total.log() - (e * rows).sum(1) / total
-    return out
-
-
-def _triton_rows():
-    from .triton import softmax_rows
-
-    return softmax_rows
-
-
-@dataclass
-class _Tile:
-    """Logits of tokens t0:t1 of a chunk, from the loss to its gradient. Eager rows: ``z`` holds
-    exp(z - max) with its ``row_sum``, or, rebuilt, the probabilities exp(z - lse) (row_sum None);
-    Triton rows: the raw logits, with their ``lse``."""
-
-    t0: int
-    t1: int
-    z: torch.Tensor
-    lse: torch.Tensor
-    row_sum: torch.Tensor | None
-    slope: torch.Tensor | None
-
-
 def plan_tiles(tok0: int, tok1: int, budget_tokens: int | None) -> list[tuple[int, int, bool]]:
     """Tiles (t0, t1, keep) of a chunk's tokens. A chunk within ``budget_tokens`` is one kept tile.
     A longer one (a group bigger than the budget) is cut into n = ceil(C / budget) tiles of nearly
@@ -183,12 +215,10 @@ def recomputed_fraction(chunks: list[Chunk], budget_tokens: int | None) -> float
 class _SinglePass(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunks, chunk_loss, results, with_entropy,
-                row_kernels, softcap, budget_tokens):
+                row_kernels, softcap, budget_tokens, strip_rows, tile_dtype):
         needs_h, needs_w, needs_b = ctx.needs_input_grad[:3]
         device, cdt = hidden.device, compute_dtype(hidden.dtype)
-        inv_tau = 1.0 / temperature
         weight_op = operand(weight)  # as it is on CUDA (tensor cores); widened once on the CPU
-        low_precision_gemm = weight_op.dtype != cdt
         d_hidden = torch.empty(hidden.shape, dtype=weight_op.dtype, device=device) if needs_h else None
         d_weight = torch.zeros(weight.shape, dtype=cdt, device=device) if needs_w else None
         d_bias = torch.zeros(weight.shape[0], dtype=cdt, device=device) if needs_b else None
@@ -196,93 +226,26 @@ class _SinglePass(torch.autograd.Function):
         entropy_all = torch.empty_like(logp_all) if with_entropy else None
         lse_all = torch.empty_like(logp_all)  # kept for the tiles that are rebuilt
         loss = torch.zeros((), dtype=cdt, device=device)
-        rows = _triton_rows() if row_kernels == "triton" else None
+        engine_args = (hidden, weight_op, bias, targets, temperature, softcap, (logp_all, entropy_all, lse_all), d_bias)
+        if row_kernels == "triton":
+            rows = TritonRows(*engine_args, tile_dtype=tile_dtype or tile_dtype_for(device, hidden.dtype, "triton"),
+                              strip_rows=strip_rows or MAX_STRIP_ROWS)
+        else:
+            rows = EagerRows(*engine_args)
 
-        def tempered_logits(t0, t1):
-            """One logits GEMM for tokens t0:t1 -> (z float32 (C, V), the soft-cap's slope or None):
-            the raw logits for the Triton rows (which add the bias and the temperature themselves),
-            else (soft-capped (z + b)) / tau in place."""
-            z = mm_f32(operand(hidden[t0:t1]), weight_op.T)
-            if rows is not None:
-                return z, None
-            if bias is not None:
-                z.add_(bias.to(cdt))
-            if softcap is not None:  # c * tanh(z / c), before the temperature
-                apply_softcap_(z, softcap)
-            if inv_tau != 1.0:
-                z.mul_(inv_tau)
-            return z, (softcap_slope(z, temperature, softcap) if softcap is not None else None)
-
-        def logits_tile(t0, t1) -> _Tile:
-            """The tile's logits and row statistics; its log-probs (entropies) into logp_all
-            (entropy_all), its log-sum-exp into lse_all."""
-            z, slope = tempered_logits(t0, t1)
-            y = targets[t0:t1].long()
-            if rows is not None:  # one Triton pass over the tile (softmax_rows.py)
-                lse, target_logit, entropy = rows.row_lse(z, y, bias, temperature, with_entropy, softcap)
-                if with_entropy:
-                    entropy_all[t0:t1] = entropy
-                logp_all[t0:t1] = target_logit - lse
-                lse_all[t0:t1] = lse
-                return _Tile(t0, t1, z, lse, None, None)
-            target_logit = z.gather(1, y.unsqueeze(1)).squeeze(1)
-            row_max = z.amax(1, keepdim=True)
-            row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-            z.sub_(row_max)
-            if with_entropy:
-                entropy_all[t0:t1] = _entropy_rows(z)
-            z.exp_()  # z now holds exp(z - max): probabilities up to the row sum
-            row_sum = z.sum(1, keepdim=True)
-            lse = row_max.squeeze(1) + row_sum.squeeze(1).log()
-            logp_all[t0:t1] = target_logit - lse
-            lse_all[t0:t1] = lse
-            return _Tile(t0, t1, z, lse, row_sum, slope)
-
-        def rebuilt_tile(t0, t1) -> _Tile:
-            """The logits of a tile that was not kept, built again for its gradient: its log-sum-exp
-            is known, so the probabilities are exp(z - lse) directly (no max, no row sum)."""
-            z, slope = tempered_logits(t0, t1)
-            lse = lse_all[t0:t1]
-            if rows is not None:
-                return _Tile(t0, t1, z, lse, None, None)
-            z.sub_(lse.unsqueeze(1)).exp_()
-            return _Tile(t0, t1, z, lse, None, slope)
-
-        def backprop_tile(tile: _Tile, g: torch.Tensor) -> None:
-            """dz of the tile (over its logits buffer), then dh, dW and db from it."""
-            nonlocal d_bias
-            y = targets[tile.t0:tile.t1].long()
-            z, slope = tile.z, tile.slope
-            tile.z = tile.slope = None
-            if rows is not None:  # one read of z, one write of dz (in place when the dtypes agree)
-                dz = z if not low_precision_gemm else torch.empty(z.shape, dtype=weight_op.dtype, device=device)
-                rows.row_grad(z, y, bias, temperature, tile.lse, g, out=dz, softcap=softcap)
-                del z
-                if needs_b:
-                    d_bias += dz.sum(0, dtype=cdt)
-            else:  # dz = g * (onehot(y) - p) / tau, in place over the logits buffer
-                g = g * inv_tau
-                z.mul_((-g).unsqueeze(1) if tile.row_sum is None else (-g).unsqueeze(1) / tile.row_sum)
-                z[torch.arange(tile.t1 - tile.t0, device=device), y] += g
-                if slope is not None:  # through the soft-cap: d(c tanh(x / c))/dx = 1 - tanh^2
-                    z.mul_(slope)
-                    del slope
-                if needs_b:
-                    d_bias += z.sum(0)
-                dz = z.to(weight_op.dtype) if low_precision_gemm else z
-                del z
+        def gemms(t0: int, t1: int, dz: torch.Tensor) -> None:
+            """dh = dz @ W and dW += dz^T @ h for tokens t0:t1 (dz in the GEMM operands' dtype)."""
             if needs_h:
-                mm_into(d_hidden[tile.t0:tile.t1], dz, weight_op)
+                mm_into(d_hidden[t0:t1], dz, weight_op)
             if needs_w:
-                addmm_f32_(d_weight, dz.T, operand(hidden[tile.t0:tile.t1]))
+                addmm_f32_(d_weight, dz.T, operand(hidden[t0:t1]))
 
         for chunk in chunks:
             t0, t1 = chunk.tok0, chunk.tok1
-            tiles: list = []  # a _Tile whose logits are kept, or the (t0, t1) of one to rebuild
-            for a, b, keep in plan_tiles(t0, t1, budget_tokens) if t1 > t0 else []:
-                tile = logits_tile(a, b)
-                tiles.append(tile if keep else (a, b))
-                del tile
+            # each tile's logits once: a kept tile is held for its gradient, the others only leave
+            # their log-sum-exp (lse_all) and are built again below
+            tiles = [(a, b, rows.kept(a, b, hold=keep))
+                     for a, b, keep in (plan_tiles(t0, t1, budget_tokens) if t1 > t0 else [])]
             with torch.enable_grad():
                 logp = logp_all[t0:t1].detach().requires_grad_(True)
                 share, extra = chunk_loss(logp, chunk)
@@ -292,14 +255,15 @@ class _SinglePass(torch.autograd.Function):
             if t1 == t0 or grad_logp is None or not (needs_h or needs_w or needs_b):
                 continue
             g = torch.where(grad_logp.abs() < TINY_GRAD, torch.zeros_like(grad_logp), grad_logp)
-            # the kept tile first (its memory goes with its gradient), then the others, rebuilt one by one
-            order = sorted(range(len(tiles)), key=lambda i: not isinstance(tiles[i], _Tile))
-            for i in order:
-                tile, tiles[i] = tiles[i], None
-                if not isinstance(tile, _Tile):
-                    tile = rebuilt_tile(*tile)
-                backprop_tile(tile, g[tile.t0 - t0:tile.t1 - t0])
-                del tile
+            # the kept tile first (its memory goes with its gradient), then the others, rebuilt one by
+            # one; each leaves the list before the next is built, so one tile is alive at a time
+            for i in sorted(range(len(tiles)), key=lambda i: tiles[i][2] is None):
+                (a, b, held), tiles[i] = tiles[i], None
+                ga = g[a - t0:b - t0]
+                dz = rows.dz(held, ga) if held is not None else rows.rebuilt_dz(a, b, ga)
+                del held
+                gemms(a, b, dz)
+                del dz
         grads = (None if d_hidden is None else d_hidden.to(hidden.dtype),
                  None if d_weight is None else d_weight.to(weight.dtype),
                  None if d_bias is None else d_bias.to(bias.dtype))
@@ -312,12 +276,13 @@ class _SinglePass(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
         # autograd frees the saved gradients after one backward (retain_graph keeps them)
-        return scaled_saved_grads(ctx.saved_tensors, grad_loss) + (None,) * 9
+        return scaled_saved_grads(ctx.saved_tensors, grad_loss) + (None,) * 11
 
 
 def single_pass(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, bias: torch.Tensor | None,
                 temperature: float, chunks: list[Chunk], chunk_loss: ChunkLoss, with_entropy: bool = False,
-                row_kernels: str = "torch", softcap: float | None = None, budget_tokens: int | None = None):
+                row_kernels: str = "torch", softcap: float | None = None, budget_tokens: int | None = None,
+                strip_rows: int | None = None, tile_dtype: torch.dtype | None = None):
     """Run ``chunk_loss`` over ``chunks`` of the selected tokens with one logits GEMM per chunk.
 
     Args:
@@ -326,13 +291,16 @@ def single_pass(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
         chunks: consecutive :class:`Chunk` s covering 0:N, each holding whatever the loss couples.
         chunk_loss: see :data:`ChunkLoss`; its share must already carry the global normaliser.
         row_kernels: "torch" (eager ops over the logits tile, in place) or "triton" (softmax_rows.py:
-            two passes over the tile instead of about nine, the soft-cap included; float16/bfloat16/
-            float32 only).
+            two reads of the tile instead of about nine passes, the soft-cap included, the tile held
+            in 16 bits on a GPU; float16/bfloat16/float32 only). See single_pass_rows.py.
         softcap: optional Gemma-style logit soft-cap c: z = c * tanh(z / c) before the temperature.
         budget_tokens: how many tokens' logits may be held at once (None: no limit). A chunk
             longer than that (one group bigger than the budget) keeps the logits of its last tile
             and builds the others again for their gradient (:func:`plan_tiles`): 3 + r matmuls,
             r the share of its tokens rebuilt (:func:`recomputed_fraction`).
+        strip_rows, tile_dtype: Triton rows only (:func:`tile_memory` gives both for a budget): rows
+            of one float32 GEMM strip of a 16-bit tile (None: MAX_STRIP_ROWS), and the tile's dtype
+            (None: :func:`tile_dtype_for`, the GEMM operands' dtype: bf16 on a GPU, float32 elsewhere).
 
     Returns:
         (loss 0-d float32 (float64 for float64 inputs), differentiable in hidden, weight, bias;
@@ -341,5 +309,6 @@ def single_pass(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
     extras: list = []
     with torch.autocast(hidden.device.type, enabled=False):
         loss, logp, entropy = _SinglePass.apply(hidden, weight, bias, targets, temperature, chunks, chunk_loss,
-                                                extras, with_entropy, row_kernels, softcap, budget_tokens)
+                                                extras, with_entropy, row_kernels, softcap, budget_tokens,
+                                                strip_rows, tile_dtype)
     return loss, extras, logp, entropy

@@ -79,12 +79,18 @@ def _kernels(dtype: torch.dtype):
          {"dz_ptr": dtype, "hidden_ptr": dtype, "dw_ptr": _F32, "db_ptr": _F32, "flags_ptr": torch.int8},
          ("db_ptr", "flags_ptr"), {**flags, "ACCUMULATE": True}, {}),
         # the single pass's row kernels, soft-capped (Gemma) as the harder case
+        # (row_lse writes the 16-bit tile when probs_ptr is given; absent: the statistics alone)
         ("row_lse", kernel["row_lse"],
          {"z_ptr": _F32, "y_ptr": torch.int64, "bias_ptr": dtype, "lse_ptr": _F32, "target_ptr": _F32,
-          "entropy_ptr": _F32}, ("bias_ptr", "entropy_ptr"), {"BLOCK_V": rows.BLOCK_V}, {"softcap": 30.0}),
+          "entropy_ptr": _F32, "probs_ptr": dtype, "slice_max_ptr": _F32, "coef_ptr": _F32},
+         ("bias_ptr", "entropy_ptr", "probs_ptr", "slice_max_ptr", "coef_ptr"), {"BLOCK_V": rows.BLOCK_V},
+         {"softcap": 30.0}),
         ("row_grad", kernel["row_grad"],
          {"z_ptr": _F32, "dz_ptr": dtype, "y_ptr": torch.int64, "bias_ptr": dtype, "lse_ptr": _F32, "g_ptr": _F32},
          ("bias_ptr",), {"BLOCK_V": rows.BLOCK_V}, {"softcap": 30.0}),
+        ("row_grad_probs", kernel["row_grad_probs"],
+         {"probs_ptr": dtype, "dz_ptr": dtype, "y_ptr": torch.int64, "slice_max_ptr": _F32, "lse_ptr": _F32,
+          "coef_ptr": _F32, "g_ptr": _F32}, (), {"BLOCK_V": rows.BLOCK_V}, {}),
     ]
     if dtype != torch.float32:  # the group loss reads float32 log-probs whatever the model's dtype
         return kernels
@@ -198,7 +204,7 @@ def main(argv=None) -> int:
                         choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--all-configs", action="store_true", help="every autotune candidate and flag combination")
     parser.add_argument("--kernels", nargs="+", default=None,
-                        help="forward dz dh dw row_lse row_grad group_fwd group_bwd (default: all)")
+                        help="forward dz dh dw row_lse row_grad row_grad_probs group_fwd group_bwd (default: all)")
     args = parser.parse_args(argv)
     if launch_config.INTERPRETED:
         print("TRITON_INTERPRET is set: the kernels are interpreted functions; unset it", file=sys.stderr)

@@ -21,6 +21,7 @@ _KERNELS = (
     ("dw", "pacs_kernels.triton.grad_matmuls", "dw_kernel"),
     ("row_lse", "pacs_kernels.triton.softmax_rows", "_row_lse_kernel"),
     ("row_grad", "pacs_kernels.triton.softmax_rows", "_row_grad_kernel"),
+    ("row_grad_probs", "pacs_kernels.triton.softmax_rows", "_row_grad_probs_kernel"),
     ("group_fwd", "pacs_kernels.triton.group_loss", "_group_loss_forward_kernel"),
     ("group_bwd", "pacs_kernels.triton.group_loss", "_group_loss_backward_kernel"),
 )
