@@ -25,7 +25,7 @@ from benchmarks.ops import Case, selected_tokens
 OURS = ("torch", "triton", "single_pass")
 # benchmark impl -> cost-model variant, per op
 ROOFLINE_VARIANT = {
-    "naive": "naive", "torch": "torch_two_pass", "single_pass": "chunked_single_pass",
+    "naive": "naive", "torch": "torch_two_pass", "single_pass": "single_pass_compact",
     "triton": "triton_two_pass", "liger_chunked": "liger_chunked", "cce_exact": "cce",
 }
 

@@ -31,9 +31,13 @@ Variants (names shared with the GPU benchmark):
                             (recompute) and two atomic-free matmul kernels (dh, dW): 4 matmuls
     triton_one_sweep        known-gradient first step: the backward alone, logp read off the same
                             tiles (lse known from the rollout's no-grad pass): 3 matmuls
-    chunked_single_pass     group-chunked torch path: per chunk, logits GEMM (bf16 in, fp32 out),
-                            in-place fp32 softmax/gradient, dz cast to bf16, dh GEMM, dW addmm into
-                            one fp32 (V, d) buffer: 3 matmuls
+    chunked_single_pass     group-chunked path with eager row ops (backend="torch" on CUDA): per
+                            chunk, logits GEMM (bf16 in, fp32 out), in-place fp32 softmax/gradient,
+                            dz cast to bf16, dh GEMM, dW addmm into one fp32 (V, d) buffer: 3 matmuls
+    single_pass_compact     the same with the Triton row kernels (the default on a GPU): logits GEMM
+                            in float32 strips, one lse pass writing the tile as bf16 probabilities,
+                            one pass writing dz over them, dh GEMM, dW addmm: 3 matmuls, 2 bytes a
+                            logit held (a 2 GiB budget: tiles of 5,297 tokens at V = 152k)
     torch_two_pass          the same chunked math in two passes (log-probs, then recompute): 4 matmuls
     liger_chunked           Liger-Kernel's chunked PPO/GRPO step: per chunk of sequences, bf16
                             logits, fp32 log_softmax, autograd gradient in the forward: 3 matmuls
@@ -52,6 +56,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pacs_kernels.single_pass import MAX_STRIP_ROWS, STRIP_SHARE
+
 SPEC_MATMUL_TFLOPS = 989.0  # H200 SXM dense bf16, spec sheet (not measured)
 SPEC_HBM_TBPS = 4.8  # H200 HBM3e, spec sheet (not measured)
 SPEC_FP32_TFLOPS = 67.0  # H200 SXM FP32 without tensor cores (the Triton kernels' exact fp32 dots), spec
@@ -60,9 +66,9 @@ SPEC_SMS = 132  # H200 SXM streaming multiprocessors
 SPEC_HBM_GIB = 141.0
 
 VARIANTS = ("naive", "triton_two_pass_atomic", "triton_two_pass", "triton_one_sweep",
-            "chunked_single_pass", "torch_two_pass", "liger_chunked", "cce")
+            "chunked_single_pass", "single_pass_compact", "torch_two_pass", "liger_chunked", "cce")
 MATMULS = {"naive": 3, "triton_two_pass_atomic": 4, "triton_two_pass": 4, "triton_one_sweep": 3,
-           "chunked_single_pass": 3, "torch_two_pass": 4, "liger_chunked": 3, "cce": 4}
+           "chunked_single_pass": 3, "single_pass_compact": 3, "torch_two_pass": 4, "liger_chunked": 3, "cce": 4}
 QWEN_7B = (3584, 152064)
 DEFAULT_SHAPES = [(n, *QWEN_7B, "bfloat16") for n in (8192, 16384, 32768, 65536)] + [(2048, 512, 32768, "float32")]
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -92,6 +98,9 @@ class Options:
     """Design parameters of the variants (defaults follow the code as written, or the peers' docs)."""
 
     chunk_mib: float = 1024.0  # chunked torch paths: budget of the fp32 (C, V) logits chunk
+    compact_budget_mib: float = 2048.0  # single_pass_compact: the chunk budget (pacs_kernels' CUDA default)
+    strip_share: int = STRIP_SHARE  # ... of which the float32 GEMM strip takes 1/strip_share
+    max_strip_rows: int = MAX_STRIP_ROWS  # ... and at most this many rows
     triton_dz_chunk_mib: float = 1024.0  # pacs_kernels.triton: DZ_CHUNK_BYTES, the (C, V) dz chunk
     liger_chunk_tokens: int = 4096  # Liger's chunked loss: chunk_size=1 sequence of up to 4096 tokens
     cce_live_fraction: float = 1.0  # share of (token, vocab) tiles CCE's gradient filter keeps
@@ -222,6 +231,18 @@ def cost(variant: str, n: int, d: int, v: int, dtype: str = "bfloat16", *,
                    Phase("dh gemm", gemm, nv * s + chunks * vd * s + nd * s),
                    Phase("dW addmm (fp32 buffer)", gemm, nv * s + nd * s + chunks * 8.0 * vd)]
         peak = chunk * v * (4 + s) + 4.0 * vd
+    elif variant == "single_pass_compact":
+        # tile_memory's arithmetic (pacs_kernels/single_pass.py), for a 16-bit tile
+        budget = options.compact_budget_mib * 2**20
+        strip = max(1, min(options.max_strip_rows, int(budget // options.strip_share // (v * 4))))
+        tile = max(1, int((budget - strip * v * 4) // (v * s)))
+        strips, tiles = math.ceil(n / strip), math.ceil(n / min(n, tile))
+        phases += [Phase("logits gemm, float32 strips", gemm, nd * s + strips * vd * s + nv * 4),
+                   Phase("lse rows: read the strip, write bf16 probabilities", 0.0, nv * (4 + s)),
+                   Phase("gradient rows: dz over the probabilities", 0.0, nv * (s + s)),
+                   Phase("dh gemm", gemm, nv * s + tiles * vd * s + nd * s),
+                   Phase("dW addmm (fp32 buffer)", gemm, nv * s + nd * s + tiles * 8.0 * vd)]
+        peak = min(n, tile) * v * s + min(n, strip) * v * 4 + 4.0 * vd
     elif variant == "liger_chunked":
         chunk = min(n, options.liger_chunk_tokens)
         chunks = math.ceil(n / chunk)

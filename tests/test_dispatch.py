@@ -45,7 +45,7 @@ def test_table_written_from_the_csv(table):
                     ("pacs_loss_fwd_bwd", 65536): "triton"}
     measured = list(csv.DictReader(open(out / "measured_for_roofline.csv")))
     variants = {r["variant"] for r in measured}
-    assert {"chunked_single_pass", "triton_two_pass", "cce"} <= variants
+    assert {"single_pass_compact", "triton_two_pass", "cce"} <= variants
     # N in the roofline file counts the tokens that get log-probs (about 3/4 of the loss op's positions)
     assert {int(r["n"]) for r in measured if r["op"] == "pacs_loss_fwd_bwd"} == {6151, 49159}
 

@@ -50,6 +50,23 @@ def test_chunked_single_pass_reads_w_per_chunk_and_accumulates_dw_in_float32():
     assert c.peak_extra_bytes == 64 * V * (4 + s) + 4 * vd
 
 
+def test_compact_single_pass_streams_float32_strips_and_holds_two_bytes_a_logit():
+    # a budget of 100 rows of float32 logits: the strip takes a quarter (25 rows), the bf16 tile the
+    # rest (150 tokens): 11 strips and 2 tiles for 256 tokens
+    options = roofline.Options(compact_budget_mib=100 * V * 4 / 2**20)
+    c = roofline.cost("single_pass_compact", N, D, V, "bfloat16", options=options)
+    nv, nd, vd, s = N * V, N * D, V * D, 2
+    strips, tiles = math.ceil(N / 25), math.ceil(N / 150)
+    expected = ((nd * s + strips * vd * s + nv * 4) + nv * (4 + s) + nv * (s + s)
+                + (nv * s + tiles * vd * s + nd * s) + (nv * s + nd * s + tiles * 8 * vd))
+    assert c.hbm_bytes == expected
+    assert c.peak_extra_bytes == 150 * V * s + 25 * V * 4 + 4 * vd
+    # at the default 2 GiB, Qwen2.5-7B's head: fewer bytes moved than the eager rows, closer to the floor
+    rates, n, (d, v) = roofline.Rates(), 32768, roofline.QWEN_7B
+    compact, eager = (roofline.cost(name, n, d, v) for name in ("single_pass_compact", "chunked_single_pass"))
+    assert compact.hbm_bytes < eager.hbm_bytes and compact.predict_ms(rates) < eager.predict_ms(rates)
+
+
 def test_prediction_is_the_matmul_floor_when_compute_bound():
     rates = roofline.Rates()
     n, (d, v) = 32768, roofline.QWEN_7B
