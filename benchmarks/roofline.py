@@ -233,16 +233,19 @@ def cost(variant: str, n: int, d: int, v: int, dtype: str = "bfloat16", *,
         peak = chunk * v * (4 + s) + 4.0 * vd
     elif variant == "single_pass_compact":
         # tile_memory's arithmetic (pacs_kernels/single_pass.py), for a 16-bit tile
+        # (float32 models: the GEMM writes the tile itself, no separate strip)
         budget = options.compact_budget_mib * 2**20
         strip = max(1, min(options.max_strip_rows, int(budget // options.strip_share // (v * 4))))
         tile = max(1, int((budget - strip * v * 4) // (v * s)))
+        if s == 4:
+            strip = tile = max(1, int(budget // (v * 4)))
         strips, tiles = math.ceil(n / strip), math.ceil(n / min(n, tile))
         phases += [Phase("logits gemm, float32 strips", gemm, nd * s + strips * vd * s + nv * 4),
                    Phase("lse rows: read the strip, write bf16 probabilities", 0.0, nv * (4 + s)),
                    Phase("gradient rows: dz over the probabilities", 0.0, nv * (s + s)),
                    Phase("dh gemm", gemm, nv * s + tiles * vd * s + nd * s),
                    Phase("dW addmm (fp32 buffer)", gemm, nv * s + nd * s + tiles * 8.0 * vd)]
-        peak = min(n, tile) * v * s + min(n, strip) * v * 4 + 4.0 * vd
+        peak = min(n, tile) * v * s + (min(n, strip) * v * 4 if s < 4 else 0.0) + 4.0 * vd
     elif variant == "liger_chunked":
         chunk = min(n, options.liger_chunk_tokens)
         chunks = math.ceil(n / chunk)
