@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trl_helpers as helpers  # noqa: E402
+from trainer_helpers import leave_distributed_run  # noqa: E402
 
 from pacs.integrations.model_forward import PACSBatch, add_pacs_forward  # noqa: E402
 from pacs_kernels import PACSLoss  # noqa: E402
@@ -59,7 +60,7 @@ def main(out_dir: str) -> None:
         add_pacs_forward(reference, PACSLoss(group_size=G), temperature=1.0)
         ((loss_of(reference, 0) + loss_of(reference, 1)) / 2).backward()
         torch.save({name: p.grad for name, p in reference.named_parameters()}, os.path.join(out_dir, "reference.pt"))
-    dist.destroy_process_group()
+    leave_distributed_run()  # every rank's results are written: leave without teardown
 
 
 if __name__ == "__main__":

@@ -64,3 +64,26 @@ def check_ran(done, what: str) -> None:
                 + "--- stderr lines naming an error:\n" + "\n".join(named[-40:])
                 + "\n--- stdout, last 20 lines:\n" + "\n".join((done.stdout or "").splitlines()[-20:])
                 + "\n--- stderr, last 60 lines:\n" + "\n".join(err[-60:]), pytrace=False)
+
+
+def leave_distributed_run() -> None:
+    """End one rank of a torchrun test worker once its results are on disk: every rank waits at a
+    barrier (so all of them have written theirs), then the process exits at once with status 0,
+    without ``destroy_process_group`` or interpreter teardown.
+
+    Why: CI and this suite have seen a rank that had written its results abort during teardown
+    (std::terminate, "terminate called without an active exception", SIGABRT), after the work
+    was done, failing the test on nothing it checks (1 run in about 30 of the 2-rank TRL test,
+    2026-12-01, and a 2-rank trainer run before). Background threads of gloo and of the libraries
+    are then destroyed while the interpreter shuts down. The test workers only; ``pacs train``
+    ends with pacs.policy.close_distributed."""
+    import sys
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+

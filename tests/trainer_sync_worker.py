@@ -12,7 +12,10 @@ import torch
 
 import pacs.trainer as trainer
 from pacs.config import load_config
-from pacs.policy import close_distributed, full_named_tensors
+from pacs.policy import full_named_tensors
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from trainer_helpers import leave_distributed_run  # noqa: E402
 
 
 def checksum(named) -> dict[str, list[float]]:
@@ -50,7 +53,7 @@ def main() -> None:
     with open(os.path.join(out_dir, f"sync_rank{rank}.json"), "w") as fh:
         json.dump({"pushes": pushes, "final": final, "metrics": result.metrics,
                    "world_size": int(os.environ.get("WORLD_SIZE", "1"))}, fh)
-    close_distributed()
+    leave_distributed_run()  # every rank's results are written: leave without teardown
 
 
 if __name__ == "__main__":

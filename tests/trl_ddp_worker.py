@@ -12,6 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trl_helpers as helpers  # noqa: E402
+from trainer_helpers import leave_distributed_run  # noqa: E402
 
 
 def digest(model) -> str:
@@ -42,9 +43,7 @@ def main(out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"params": digest(trainer.model), "initial_params": initial, "wrapper": trainer.wrapper,
                    "micro_batch_group_ids": seen}, f)
-    if torch.distributed.is_initialized():  # every rank leaves the process group together
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    leave_distributed_run()  # every rank's results are written: leave without teardown
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ from safetensors.torch import load_file
 
 from pacs.rollout.vllm import VLLMRolloutEngine
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trainer_helpers import leave_distributed_run  # noqa: E402
+
 PROMPTS_BY_RANK = [[[1, 2, 3, 4]], [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]]
 
 
@@ -36,7 +39,7 @@ def main() -> None:
     dist.all_reduce(total)  # the trainer's group outlives the engine
     result = {"prompts": prompts, "before": before, "after": after, "all_reduce": total.item()}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    leave_distributed_run()  # every rank's results are written: leave without teardown
 
 
 if __name__ == "__main__":
