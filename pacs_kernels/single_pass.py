@@ -142,13 +142,6 @@ def budget_mib_for_tokens(tokens: int, vocab: int, device: torch.device, dtype: 
     return high
 
 
-def max_chunk_tokens(budget_mib: float | None, vocab: int, device: torch.device, dtype: torch.dtype,
-                     softcap: bool = False, row_kernels: str = "torch") -> int:
-    """How many tokens one chunk may hold within ``budget_mib`` MiB of working memory (None: the
-    device's default): :func:`tile_memory`'s ``tokens``."""
-    return tile_memory(budget_mib, vocab, device, dtype, softcap=softcap, row_kernels=row_kernels).tokens
-
-
 def plan_group_chunks(counts: list[int], group_size: int, max_tokens: int, *,
                       oversized_alone: bool = False) -> list[Chunk] | None:
     """Chunks of whole groups (``group_size`` contiguous responses), greedy up to ``max_tokens``
