@@ -3,7 +3,7 @@
     python benchmarks/dispatch_table.py OUT/gpu.csv --out OUT
 
 Writes ``OUT/dispatch.json``: per (op, d, V, dtype, N) the measured times of our implementations
-(torch, triton, single_pass) and the fastest of them, and ``OUT/measured_for_roofline.csv``: the
+(torch, triton, single_pass, single_pass_lowmem) and the fastest of them, and ``OUT/measured_for_roofline.csv``: the
 same times under the cost model's variant names (``benchmarks/roofline.py --measured``), with N the
 tokens that get log-probs. Copy ``dispatch.json`` to ``pacs_kernels/gpu_dispatch.json`` and commit
 it with the run's results: pacs_kernels then picks by measurement, not by guess (dispatch.py).
@@ -22,7 +22,7 @@ if __package__ in (None, ""):
 
 from benchmarks.ops import Case, selected_tokens
 
-OURS = ("torch", "triton", "single_pass")
+OURS = ("torch", "triton", "single_pass", "single_pass_lowmem")
 # benchmark impl -> cost-model variant, per op
 ROOFLINE_VARIANT = {
     "naive": "naive", "torch": "torch_two_pass", "single_pass": "single_pass_compact",

@@ -3,7 +3,8 @@
 #   1. correctness at real shapes against a float32 chunked reference: the Triton kernels, and every
 #      path of the fused loss (two passes, single pass with Triton row kernels and with eager torch)
 #   2. the race at Qwen2.5-7B's head (d=3584, V=152064, N 8k-64k, bf16): naive, torch (two passes),
-#      single_pass, triton, and the peers (Cut Cross-Entropy, Liger-Kernel) when importable; each
+#      single_pass, single_pass_lowmem (groups larger than the budget, rebuilt in part), triton, and
+#      the peers (Cut Cross-Entropy, Liger-Kernel) when importable; each
 #      time over the 3-matmul floor at the matmul rate measured in the same run
 #   3. dispatch.json (what backend/path "auto" should pick, by measurement) and the cost model's
 #      predictions next to the measured times (roofline_measured.csv)
@@ -98,7 +99,7 @@ timeout 25 "$py" benchmarks/check_gpu_correctness.py "${check_args[@]}" --peers 
 stamp "2/4 the race, benchmark set '$bench_set' with peers (budget 125s, limit 155s)"
 timeout 155 "$py" benchmarks/run.py "${bench_args[@]}" --out "$out" --name gpu \
     --ops pacs_loss_fwd_bwd pacs_loss_first_step logprobs_fwd_bwd \
-    --impls naive torch single_pass triton cce cce_exact liger_flce liger_chunked \
+    --impls naive torch single_pass single_pass_lowmem triton cce cce_exact liger_flce liger_chunked \
     --warmup 1 --repeats 3 --max-seconds 1.5 --time-budget 125 \
     --note "one GPU lent for a single prepared run; peers installed from wheels without network"
 rc=$?

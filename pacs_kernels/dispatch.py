@@ -6,7 +6,9 @@ to by the ``PACS_DISPATCH_TABLE`` environment variable) it decides, on CUDA:
 
 * the fused losses' ``path="auto"``: two passes where the run measured them faster than the single
   pass at the nearest measured size (the single pass is still only taken when the groups fit
-  ``chunk_budget_mib``);
+  ``chunk_budget_mib``); and, for groups larger than the budget, the rebuilding single pass
+  instead of the Triton two passes where the run measured it faster (its ``single_pass_lowmem``:
+  a budget of a third of a group, each group in 3 tiles, 2 rebuilt);
 * ``backend="auto"`` for the log-probs: "torch" where the run measured the torch backend faster than
   the Triton kernels, "triton" otherwise.
 
@@ -58,6 +60,12 @@ def prefer_two_pass(n_tokens: int, d: int, vocab: int) -> bool:
     """True where the table measured the two-pass PACS loss faster than the single pass."""
     best = fastest("pacs_loss_fwd_bwd", n_tokens, d, vocab, ("single_pass", "triton", "torch"))
     return best is not None and best != "single_pass"
+
+
+def prefer_rebuild(n_tokens: int, d: int, vocab: int) -> bool:
+    """True where the table measured the single pass rebuilding part of each group (groups larger than
+    the budget) faster than the Triton two passes."""
+    return fastest("pacs_loss_fwd_bwd", n_tokens, d, vocab, ("single_pass_lowmem", "triton")) == "single_pass_lowmem"
 
 
 def logprob_backend(n_tokens: int, d: int, vocab: int) -> str | None:

@@ -120,9 +120,10 @@ def fused_linear_pacs_loss(
             eager PyTorch around cuBLAS GEMMs); "naive" materializes the logits (tests, benchmarks).
         path: "auto" (single pass when every group fits ``chunk_budget_mib``, or when the two passes
             would not run the Triton log-prob kernels; two passes for bigger groups where they
-            would (CUDA, 16-bit weights), and on CUDA where the
-            committed GPU run measured them faster: dispatch.py) | "single_pass" (a group bigger
-            than the budget keeps part of its logits and rebuilds the rest) | "two_pass".
+            would (CUDA, 16-bit weights) unless the committed GPU run measured the rebuilding
+            single pass faster, and on CUDA where that run measured two passes faster: dispatch.py)
+            | "single_pass" (a group bigger than the budget keeps part of its logits and rebuilds
+            the rest) | "two_pass".
         chunk_budget_mib: working memory of the single pass's logits (single_pass.tile_memory: on
             a GPU with the Triton row kernels 2 bytes per logit plus a float32 GEMM strip of 1/4 of
             the budget, about 5,300 tokens per 2 GiB at V = 152k; eager rows hold float32 logits, plus
@@ -185,9 +186,11 @@ def fused_linear_pacs_loss(
             chunks = plan_group_chunks(tokens.counts.tolist(), group_size, budget_tokens)
             # A group bigger than the budget: the single pass keeps what fits and rebuilds the rest
             # (3 to 4 matmuls), never slower than two eager passes; where the two passes would run
-            # the Triton log-prob kernels, those are preferred for such groups.
-            if chunks is None and (path == "single_pass" or not two_pass_runs_triton(backend, weight.device,
-                                                                                    weight.dtype)):
+            # the Triton log-prob kernels, those are preferred for such groups, unless the committed
+            # GPU run measured the rebuilding single pass faster there.
+            if chunks is None and (path == "single_pass"
+                                   or not two_pass_runs_triton(backend, weight.device, weight.dtype)
+                                   or measured_rebuild_faster(weight.device, n_selected, *weight.shape[::-1])):
                 chunks = plan_group_chunks(tokens.counts.tolist(), group_size, budget_tokens, oversized_alone=True)
                 rebuilt = recomputed_fraction(chunks, budget_tokens)
         elif path == "single_pass":
@@ -217,6 +220,12 @@ def fused_linear_pacs_loss(
 def measured_two_pass_faster(device: torch.device, n_tokens: int, d: int, vocab: int) -> bool:
     """On CUDA: did the committed GPU run (dispatch.py) measure two passes faster at this shape?"""
     return device.type == "cuda" and dispatch.prefer_two_pass(n_tokens, d, vocab)
+
+
+def measured_rebuild_faster(device: torch.device, n_tokens: int, d: int, vocab: int) -> bool:
+    """On CUDA: did the committed GPU run measure the rebuilding single pass (groups larger than the
+    budget) faster than the Triton two passes at this shape?"""
+    return device.type == "cuda" and dispatch.prefer_rebuild(n_tokens, d, vocab)
 
 
 def two_pass_runs_triton(backend: str, device: torch.device, dtype: torch.dtype) -> bool:

@@ -8,7 +8,7 @@ import torch
 
 from benchmarks import dispatch_table
 from pacs_kernels import dispatch
-from pacs_kernels.fused import measured_two_pass_faster
+from pacs_kernels.fused import measured_rebuild_faster, measured_two_pass_faster
 from pacs_kernels.logprobs import resolve_backend
 
 
@@ -22,6 +22,9 @@ def table(tmp_path, monkeypatch):
     rows = [
         _row("pacs_loss_fwd_bwd", "single_pass", 8192, 20.0), _row("pacs_loss_fwd_bwd", "triton", 8192, 25.0),
         _row("pacs_loss_fwd_bwd", "single_pass", 65536, 300.0), _row("pacs_loss_fwd_bwd", "triton", 65536, 250.0),
+        # groups larger than the budget: the rebuilding single pass slower than two passes at 8k, faster at 64k
+        _row("pacs_loss_fwd_bwd", "single_pass_lowmem", 8192, 27.0),
+        _row("pacs_loss_fwd_bwd", "single_pass_lowmem", 65536, 240.0),
         _row("pacs_loss_fwd_bwd", "naive", 65536, 1.0, status="oom"),
         _row("pacs_loss_fwd_bwd", "cce_exact", 8192, 90.0),
         _row("logprobs_fwd_bwd", "triton", 8192, 30.0), _row("logprobs_fwd_bwd", "torch", 8192, 28.0),
@@ -42,7 +45,7 @@ def test_table_written_from_the_csv(table):
     data, out = table
     best = {(e["op"], e["N"]): e["best"] for e in data["entries"]}
     assert best == {("logprobs_fwd_bwd", 8192): "torch", ("pacs_loss_fwd_bwd", 8192): "single_pass",
-                    ("pacs_loss_fwd_bwd", 65536): "triton"}
+                    ("pacs_loss_fwd_bwd", 65536): "single_pass_lowmem"}
     measured = list(csv.DictReader(open(out / "measured_for_roofline.csv")))
     variants = {r["variant"] for r in measured}
     assert {"single_pass_compact", "triton_two_pass", "cce"} <= variants
@@ -58,6 +61,11 @@ def test_auto_follows_the_table_on_cuda_only(table):
     assert not measured_two_pass_faster(torch.device("cpu"), 60000, 3584, 152064)
     assert dispatch.logprob_backend(8000, 3584, 152064) == "torch"
     assert resolve_backend("auto", torch.device("cuda"), torch.bfloat16, shape=(8000, 3584, 152064)) == "torch"
+    # groups larger than the budget: rebuild where measured faster than the Triton two passes
+    assert dispatch.prefer_rebuild(60000, 3584, 152064) and not dispatch.prefer_rebuild(7000, 3584, 152064)
+    assert measured_rebuild_faster(torch.device("cuda"), 60000, 3584, 152064)
+    assert not measured_rebuild_faster(torch.device("cpu"), 60000, 3584, 152064)
+    assert not dispatch.prefer_rebuild(60000, 4096, 152064)  # no entry for that width
     assert resolve_backend("auto", torch.device("cpu"), torch.bfloat16, shape=(8000, 3584, 152064)) == "torch"
 
 
@@ -66,6 +74,7 @@ def test_no_table_means_defaults(monkeypatch, tmp_path):
     monkeypatch.setattr(dispatch, "PACKAGED_TABLE", tmp_path / "absent.json")
     assert dispatch.table_entries() == ()
     assert not dispatch.prefer_two_pass(8192, 3584, 152064)
+    assert not dispatch.prefer_rebuild(8192, 3584, 152064)
     assert dispatch.logprob_backend(8192, 3584, 152064) is None
 
 
