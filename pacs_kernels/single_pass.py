@@ -233,10 +233,13 @@ class _SinglePass(torch.autograd.Function):
             if needs_w:
                 addmm_f32_(d_weight, dz.T, operand(hidden[t0:t1]))
 
+        tiles: list = []
         for chunk in chunks:
             t0, t1 = chunk.tok0, chunk.tok1
             # each tile's logits once: a kept tile is held for its gradient, the others only leave
-            # their log-sum-exp (lse_all) and are built again below
+            # their log-sum-exp (lse_all) and are built again below (the last chunk's tiles are let
+            # go first: a chunk without gradients keeps its tile until here)
+            tiles.clear()
             tiles = [(a, b, rows.kept(a, b, hold=keep))
                      for a, b, keep in (plan_tiles(t0, t1, budget_tokens) if t1 > t0 else [])]
             with torch.enable_grad():
