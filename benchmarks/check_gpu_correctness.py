@@ -78,6 +78,8 @@ def main(argv=None) -> int:
     has_loss = hasattr(pacs_kernels, "fused_linear_pacs_loss") and hasattr(pacs_kernels, "pacs_loss")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter)"
     print(f"[check] {name}; torch {torch.__version__}; fused loss: {'yes' if has_loss else 'not in pacs_kernels'}")
+    if args.peers != "only":
+        print_tile_memory(device)
 
     failures = []
     for case_name, n, d, v, dtype_name, tau in cases:
@@ -254,6 +256,25 @@ def check_loss(pacs_kernels, hidden, weight, targets, tau, gen, chunk, atol, rto
     if "old_lse" in inspect.signature(pacs_kernels.fused_linear_pacs_loss).parameters:
         errors.update(check_first_step(pacs_kernels, h, weight, y, mask, rewards, options, ref, chunk, atol, rtol))
     return errors
+
+
+def print_tile_memory(device) -> None:
+    """How the single pass holds its chunks on this device at Qwen2.5-7B's head and the default budget
+    (single_pass.tile_memory), so the run's log says which row engine its single-pass numbers used."""
+    import torch
+
+    try:
+        from pacs_kernels.fused import row_kernels_for
+        from pacs_kernels.single_pass import default_chunk_budget_mib, tile_memory
+    except ImportError:  # an older pacs_kernels
+        return
+    vocab = 152064
+    rows = row_kernels_for("auto", torch.empty(0, device=device, dtype=torch.bfloat16))
+    memory = tile_memory(None, vocab, device, torch.bfloat16, row_kernels=rows)
+    held = "its own float32 buffer" if memory.tile_dtype is None else str(memory.tile_dtype).replace("torch.", "")
+    print(f"[check] single pass here (bf16, V={vocab}, default budget {default_chunk_budget_mib(device):g} MiB): "
+          f"{rows} rows, tile in {held}, {memory.bytes_per_token / vocab:g} B a logit, {memory.tokens} tokens "
+          f"a chunk, float32 strip of {memory.strip_rows} rows")
 
 
 def check_first_step(pacs_kernels, h, weight, y, mask, rewards, options, ref, chunk, atol, rtol) -> dict:
