@@ -22,8 +22,8 @@ writes, and let the chunk be held in 16 bits between them:
 Why 16 bits are enough: on a GPU dz is rounded to the GEMM dtype anyway before dh = dz W and
 dW = dz^T h. Storing e_v in bf16 adds one more rounding of the same size (relative 2^-9) to every
 entry but the target's, which is kept in float32 because 1 - p_y cancels when p_y is near 1. The
-chunk then costs 2 bytes per logit instead of 6 (float32 logits + a bf16 dz copy), so the same
-budget holds 3x the tokens.
+chunk then costs 2 bytes per logit instead of 6 (float32 logits + a bf16 dz copy): after its
+float32 strip (a quarter of the budget) the same budget holds 2.25x the tokens.
 
 The bias, the temperature and an optional Gemma-style soft-cap (c * tanh(x / c), before the
 temperature; its slope 1 - tanh^2 multiplies dz) are applied inside the kernels, so they cost no
