@@ -185,3 +185,28 @@ def test_budget_for_tokens_is_the_smallest_that_holds_them(row_kernels, device, 
         holds = tile_memory(mib, vocab, torch.device(device), dtype, row_kernels=row_kernels).tokens
         short = tile_memory(mib - 2 ** -10, vocab, torch.device(device), dtype, row_kernels=row_kernels).tokens
         assert holds >= tokens > short
+
+
+def test_fused_grpo_loss_with_gpu_style_tiles(monkeypatch):
+    """GRPO's token-chunked single pass on bf16 tiles (strips from the budget), against float64."""
+    needs_interpreter()
+    from pacs_kernels import fused_linear_grpo_loss
+    from pacs_kernels.reference import reference_grpo_loss
+
+    monkeypatch.setattr(single_pass_module, "tile_dtype_for", lambda device, dtype, rows: torch.bfloat16)
+    hidden, weight, _, targets, mask, old, rewards = make_batch(n_groups=2, seed=34)
+    opts = dict(group_size=4, clip_eps=0.1, clip_eps_high=0.3, kl_coef=0.05)
+    ref_lp = old + 0.1
+    budget = budget_mib_for_tokens(7, weight.shape[0], weight.device, weight.dtype, row_kernels="triton")
+
+    def expected(h, w):
+        logp = naive_linear_logprobs(h.double(), w.double(), targets.clamp(min=0))[0]
+        return reference_grpo_loss(logp, old.double(), rewards, mask, ref_logp=ref_lp.double(), **opts)
+
+    want, want_grads = grads_of(expected, (hidden, weight))
+    got, got_grads = grads_of(lambda h, w: fused_linear_grpo_loss(
+        h, w, targets, mask, old, rewards, ref_logp=ref_lp, backend="triton", path="single_pass",
+        chunk_budget_mib=budget, **opts), (hidden, weight))
+    torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-6)
+    for g, e in zip(got_grads, want_grads):
+        torch.testing.assert_close(g.double(), e.double(), rtol=2e-2, atol=2e-2 * e.abs().max().item())
