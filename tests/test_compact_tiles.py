@@ -210,3 +210,38 @@ def test_fused_grpo_loss_with_gpu_style_tiles(monkeypatch):
     torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-6)
     for g, e in zip(got_grads, want_grads):
         torch.testing.assert_close(g.double(), e.double(), rtol=2e-2, atol=2e-2 * e.abs().max().item())
+
+
+def test_target_coefficient_keeps_its_precision_where_p_rounds_to_one():
+    """1 - p_y is summed as the other entries' share, so a target whose probability rounds to 1 in
+    float32 (1 - exp(z_y - lse) == 0 there) still gets its true gradient coefficient."""
+    needs_interpreter()
+    from pacs_kernels.triton import softmax_rows
+
+    vocab = 3000
+    z = torch.zeros(2, vocab)
+    z[:, 7] = torch.tensor([20.0, 12.0])  # 1 - p_y ~ 6e-6 and ~ 1.8e-2 (a float32 1 - exp(...) loses 1e-2 and all)
+    y = torch.tensor([7, 7])
+    held = softmax_rows.RowProbs.empty(2, vocab, torch.bfloat16, z.device)
+    lse, _, _ = softmax_rows.row_lse(z.clone(), y, None, 1.0, False, probs_out=held)
+    exact = 1.0 - torch.softmax(z.double(), -1)[:, 7]
+    torch.testing.assert_close(held.target_coef.double(), exact, rtol=1e-5, atol=0.0)
+    naive = 1.0 - torch.exp(z[:, 7] - lse)  # what the float32 formula gives: off by over 1% at p ~ 1
+    assert float((naive.double() - exact).abs().div(exact)[0]) > 1e-2
+
+
+def test_tile_precision_study_runs_and_the_new_tiles_cost_no_precision():
+    """benchmarks/tile_precision.py at a small shape: its PyTorch emulation follows the kernels, and with
+    the GPU's rounding the 16-bit tiles' dz, dh, dW errors stay within 10% of the float32-logits design's,
+    the target column no worse."""
+    needs_interpreter()
+    from benchmarks.tile_precision import measure
+
+    for scale in (1.0, 10.0):
+        rows = {(r["arithmetic"], r["design"]): r for r in measure(16, 2100, 32, scale, seed=3)}
+        assert all(r["emulation_matches_kernels"] for r in rows.values())
+        gpu = "GPU (round to nearest)"
+        old, new = rows[(gpu, "float32 logits")], rows[(gpu, "bf16 probabilities")]
+        for key in ("dz_rel", "dh_rel", "dw_rel"):
+            assert new[key] <= 1.1 * old[key] and new[key] < 5e-3, (scale, key, old[key], new[key])
+        assert new["target_col_max_rel"] <= old["target_col_max_rel"] + 1e-12

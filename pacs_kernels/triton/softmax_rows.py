@@ -12,9 +12,10 @@ writes, and let the chunk be held in 16 bits between them:
                probabilities in the tile's dtype (bf16 on a GPU), slice by slice,
                    e_v = exp(zt_v - m_s) * slope_v,   m_s = max of the BLOCK_V slice s holding v,
                with m_s kept per slice (float32, V / BLOCK_V per row) and, per row, the target's
-               coefficient (1 - p_y) * slope_y in float32 (slope: the soft-cap's, else 1).
+               coefficient (1 - p_y) * slope_y in float32 (slope: the soft-cap's, else 1), 1 - p_y
+               summed as the other entries' share: exact to float32 even where p_y rounds to 1.
     row_grad_from_probs:  dz_v = -(g / tau) * e_v * exp(m_s - lse)   (v != y)
-                          dz_y =  (g / tau) * (1 - p_y) * slope_y      (float32: no cancellation)
+                          dz_y =  (g / tau) * (1 - p_y) * slope_y      (float32, no cancellation)
                one read of e and one write of dz (in place: dz over e).
     row_grad:  the same dz from the float32 logits themselves (a tile rebuilt once g is known):
                dz_v = (g / tau) * ([v == y] - exp(zt_v - lse)) * slope_v
@@ -77,6 +78,7 @@ def _row_lse_kernel(z_ptr, y_ptr, bias_ptr, lse_ptr, target_ptr, entropy_ptr, pr
     running_max = tl.zeros((), dtype=tl.float32) - float("inf")
     running_sum = tl.zeros((), dtype=tl.float32)
     running_dot = tl.zeros((), dtype=tl.float32)  # sum_v exp(zt_v - max) * zt_v, for the entropy
+    running_other = tl.zeros((), dtype=tl.float32)  # the sum without the target: 1 - p_y, no cancellation
     target = tl.zeros((), dtype=tl.float32)  # read in the sweep: probs_out may overwrite z in place
     target_tanh = tl.zeros((), dtype=tl.float32)
     for v0 in range(0, V, BLOCK_V):
@@ -97,6 +99,8 @@ def _row_lse_kernel(z_ptr, y_ptr, bias_ptr, lse_ptr, target_ptr, entropy_ptr, pr
         rescale = tl.exp(running_max - new_max)
         weight = tl.exp(slice_max - new_max)
         running_sum = running_sum * rescale + tl.sum(e, axis=0) * weight
+        if WRITE_PROBS:
+            running_other = running_other * rescale + tl.sum(tl.where(is_target, 0.0, e), axis=0) * weight
         if WITH_ENTROPY:
             running_dot = running_dot * rescale + tl.sum(tl.where(e > 0.0, e * z, 0.0), axis=0) * weight
         running_max = new_max
@@ -112,7 +116,7 @@ def _row_lse_kernel(z_ptr, y_ptr, bias_ptr, lse_ptr, target_ptr, entropy_ptr, pr
     if WITH_ENTROPY:
         tl.store(entropy_ptr + row, lse - running_dot / running_sum)
     if WRITE_PROBS:
-        coef = 1.0 - tl.exp(target - lse)
+        coef = running_other / running_sum  # = 1 - p_y to float32's relative precision, even at p_y ~ 1
         if HAS_SOFTCAP:
             coef = coef * (1.0 - target_tanh * target_tanh)
         tl.store(coef_ptr + row, coef)
