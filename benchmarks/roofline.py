@@ -56,7 +56,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pacs_kernels.single_pass import MAX_STRIP_ROWS, STRIP_SHARE
+import torch
+
+from pacs_kernels.single_pass import tile_memory
 
 SPEC_MATMUL_TFLOPS = 989.0  # H200 SXM dense bf16, spec sheet (not measured)
 SPEC_HBM_TBPS = 4.8  # H200 HBM3e, spec sheet (not measured)
@@ -72,6 +74,7 @@ MATMULS = {"naive": 3, "triton_two_pass_atomic": 4, "triton_two_pass": 4, "trito
 QWEN_7B = (3584, 152064)
 DEFAULT_SHAPES = [(n, *QWEN_7B, "bfloat16") for n in (8192, 16384, 32768, 65536)] + [(2048, 512, 32768, "float32")]
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CSV_COLUMNS = ("variant", "n", "d", "v", "dtype", "matmuls", "gflop", "hbm_gb", "atomic_gb", "peak_extra_gib",
                "fits", "predicted_ms", "floor_ms", "predicted_over_floor", "bound", "matmul_tflops", "hbm_tbps",
                "atomic_tbps", "rates")
@@ -99,8 +102,6 @@ class Options:
 
     chunk_mib: float = 1024.0  # chunked torch paths: budget of the fp32 (C, V) logits chunk
     compact_budget_mib: float = 2048.0  # single_pass_compact: the chunk budget (pacs_kernels' CUDA default)
-    strip_share: int = STRIP_SHARE  # ... of which the float32 GEMM strip takes 1/strip_share
-    max_strip_rows: int = MAX_STRIP_ROWS  # ... and at most this many rows
     triton_dz_chunk_mib: float = 1024.0  # pacs_kernels.triton: DZ_CHUNK_BYTES, the (C, V) dz chunk
     liger_chunk_tokens: int = 4096  # Liger's chunked loss: chunk_size=1 sequence of up to 4096 tokens
     cce_live_fraction: float = 1.0  # share of (token, vocab) tiles CCE's gradient filter keeps
@@ -232,13 +233,11 @@ def cost(variant: str, n: int, d: int, v: int, dtype: str = "bfloat16", *,
                    Phase("dW addmm (fp32 buffer)", gemm, nv * s + nd * s + chunks * 8.0 * vd)]
         peak = chunk * v * (4 + s) + 4.0 * vd
     elif variant == "single_pass_compact":
-        # tile_memory's arithmetic (pacs_kernels/single_pass.py), for a 16-bit tile
-        # (float32 models: the GEMM writes the tile itself, no separate strip)
-        budget = options.compact_budget_mib * 2**20
-        strip = max(1, min(options.max_strip_rows, int(budget // options.strip_share // (v * 4))))
-        tile = max(1, int((budget - strip * v * 4) // (v * s)))
-        if s == 4:
-            strip = tile = max(1, int(budget // (v * 4)))
+        # the tile layout pacs_kernels picks on a GPU (a float32 model writes its tile in place: no strip)
+        memory = tile_memory(options.compact_budget_mib, v, torch.device("cuda"), TORCH_DTYPE[dtype],
+                             row_kernels="triton")
+        tile = max(1, memory.tokens)
+        strip = memory.strip_rows or tile
         strips, tiles = math.ceil(n / strip), math.ceil(n / min(n, tile))
         phases += [Phase("logits gemm, float32 strips", gemm, nd * s + strips * vd * s + nv * 4),
                    Phase("lse rows: read the strip, write bf16 probabilities", 0.0, nv * (4 + s)),

@@ -199,8 +199,7 @@ def fused_linear_pacs_loss(
             chosen = "single_pass"
             result = _single_pass_loss(tokens, weight, chunks, rewards, valid, temperature=temperature, bias=bias,
                                        return_stats=return_stats, with_entropy=with_entropy, row_kernels=row_kernels,
-                                       softcap=logit_softcap, budget_tokens=budget_tokens,
-                                       strip_rows=memory.strip_rows, **options)
+                                       softcap=logit_softcap, budget_tokens=budget_tokens, memory=memory, **options)
         else:
             chosen = "two_pass"
             result = _two_pass_loss(tokens, weight, rewards, valid, layout, temperature=temperature, bias=bias,
@@ -243,7 +242,7 @@ def row_kernels_for(backend: str, weight: torch.Tensor) -> str:
 
 
 def _single_pass_loss(tokens, weight, chunks, rewards, valid, *, temperature, bias, return_stats, with_entropy,
-                      row_kernels, softcap, budget_tokens, strip_rows, **options):
+                      row_kernels, softcap, budget_tokens, memory, **options):
     """PACS over chunks of whole groups, one logits GEMM per chunk (single_pass.py)."""
     index = selected_index(tokens.mask)
     old_selected = pick(tokens.old_logp, index)
@@ -262,7 +261,7 @@ def _single_pass_loss(tokens, weight, chunks, rewards, valid, *, temperature, bi
     loss, extras, _, entropy = single_pass(
         pick(tokens.hidden, index), weight, targets, bias=bias, temperature=temperature, chunks=chunks,
         chunk_loss=chunk_loss, with_entropy=with_entropy and return_stats, row_kernels=row_kernels, softcap=softcap,
-        budget_tokens=budget_tokens, strip_rows=strip_rows)
+        budget_tokens=budget_tokens, strip_rows=memory.strip_rows, tile_dtype=memory.tile_dtype)
     loss = loss.float() if loss.dtype != torch.float64 else loss
     if not return_stats:
         return loss

@@ -291,7 +291,7 @@ def fused_linear_grpo_loss(
         loss, extras, _, _ = single_pass(hidden_sel, weight, targets_sel, bias=bias, temperature=temperature,
                                          chunks=chunks, chunk_loss=lambda lp, c: share(lp, c.tok0, c.tok1),
                                          row_kernels=row_kernels, softcap=logit_softcap,
-                                         strip_rows=memory.strip_rows)
+                                         strip_rows=memory.strip_rows, tile_dtype=memory.tile_dtype)
         all_terms = extras
     else:
         if path == "single_pass":

@@ -132,13 +132,9 @@ class TritonRows(_RowEngine):
         self.in_place = tile_dtype == self.cdt
         self.strip_rows = max(1, int(strip_rows))
 
-    @staticmethod
-    def _strips_of(t0: int, t1: int, rows: int):
-        return [(s0, min(s0 + rows, t1)) for s0 in range(t0, t1, rows)]
-
-    def _strips(self, t0: int, t1: int):
-        """(s0, s1) spans of one GEMM each: the whole tile in place, else strips of float32 logits."""
-        return [(t0, t1)] if self.in_place else self._strips_of(t0, t1, self.strip_rows)
+    def _strips(self, t0: int, t1: int, whole: bool):
+        """(s0, s1) spans of one GEMM each: the whole tile (written in place), or strips of float32 logits."""
+        return [(t0, t1)] if whole else [(s0, min(s0 + self.strip_rows, t1)) for s0 in range(t0, t1, self.strip_rows)]
 
     def kept(self, t0: int, t1: int, hold: bool = True):
         """Holds the tile as its gradient will read it (softmax_rows.RowProbs); without ``hold``
@@ -147,7 +143,7 @@ class TritonRows(_RowEngine):
         in_place = self.in_place and hold
         held = rows.RowProbs.empty(t1 - t0, self.vocab, self.tile_dtype, self.device) \
             if hold and not in_place else None
-        for s0, s1 in self._strips(t0, t1) if hold else self._strips_of(t0, t1, self.strip_rows):
+        for s0, s1 in self._strips(t0, t1, whole=in_place):
             z = self.raw_logits(s0, s1)
             if not hold:
                 out = None
@@ -175,7 +171,7 @@ class TritonRows(_RowEngine):
     def rebuilt_dz(self, t0: int, t1: int, g: torch.Tensor) -> torch.Tensor:
         """One more GEMM per strip, dz straight from its float32 logits and the known lse."""
         dz = None if self.in_place else torch.empty(t1 - t0, self.vocab, dtype=self.tile_dtype, device=self.device)
-        for s0, s1 in self._strips(t0, t1):
+        for s0, s1 in self._strips(t0, t1, whole=self.in_place):
             z = self.raw_logits(s0, s1)
             out = z if self.in_place else dz[s0 - t0:s1 - t0]
             self.kernels.row_grad(z, self.targets[s0:s1], self.bias, self.temperature, self.lse[s0:s1],

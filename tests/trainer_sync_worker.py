@@ -9,13 +9,11 @@ import os
 import sys
 
 import torch
+from trainer_helpers import leave_distributed_run  # the script's folder is on sys.path
 
 import pacs.trainer as trainer
 from pacs.config import load_config
 from pacs.policy import full_named_tensors
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from trainer_helpers import leave_distributed_run  # noqa: E402
 
 
 def checksum(named) -> dict[str, list[float]]:

@@ -15,11 +15,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from trainer_helpers import leave_distributed_run  # the script's folder is on sys.path
 
 from pacs.rollout.vllm import VLLMRolloutEngine
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_helpers import leave_distributed_run  # noqa: E402
 
 PROMPTS_BY_RANK = [[[1, 2, 3, 4]], [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]]
 
