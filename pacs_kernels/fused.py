@@ -6,7 +6,7 @@ Three ways to run it, picked per call (``path="auto"``) and reported in the stat
   log-probs, the group loss, its per-token gradient and dh, dW all come from that one tile
   (3 N x V x d matmuls, like the naive implementation). Used when every group fits the chunk
   budget (``chunk_budget_mib``), and, wherever the two passes would not run the Triton log-prob
-  kernels (CPU, backend="torch", float32 on CUDA), also for groups bigger than the budget: their
+  kernels (CPU, backend="torch", float32 on CUDA, a logit soft-cap), also for groups bigger than the budget: their
   logits are kept in part and the rest rebuilt (3 to 4 matmuls, memory within the budget).
 * ``two_pass``: ``linear_logprobs`` (Triton on CUDA, chunked torch elsewhere) for the log-probs,
   the group loss on them, then the log-prob backward rebuilds the logits (4 matmuls). Memory does
@@ -120,7 +120,7 @@ def fused_linear_pacs_loss(
             eager PyTorch around cuBLAS GEMMs); "naive" materializes the logits (tests, benchmarks).
         path: "auto" (single pass when every group fits ``chunk_budget_mib``, or when the two passes
             would not run the Triton log-prob kernels; two passes for bigger groups where they
-            would (CUDA, 16-bit weights) unless the committed GPU run measured the rebuilding
+            would (CUDA, 16-bit weights, no soft-cap) unless the committed GPU run measured the rebuilding
             single pass faster, and on CUDA where that run measured two passes faster: dispatch.py)
             | "single_pass" (a group bigger than the budget keeps part of its logits and rebuilds
             the rest) | "two_pass".
@@ -189,7 +189,8 @@ def fused_linear_pacs_loss(
             # the Triton log-prob kernels, those are preferred for such groups, unless the committed
             # GPU run measured the rebuilding single pass faster there.
             if chunks is None and (path == "single_pass"
-                                   or not two_pass_runs_triton(backend, weight.device, weight.dtype)
+                                   or not two_pass_runs_triton(backend, weight.device, weight.dtype,
+                                                               softcap=logit_softcap is not None)
                                    or measured_rebuild_faster(weight.device, n_selected, *weight.shape[::-1])):
                 chunks = plan_group_chunks(tokens.counts.tolist(), group_size, budget_tokens, oversized_alone=True)
                 rebuilt = recomputed_fraction(chunks, budget_tokens)
@@ -227,11 +228,13 @@ def measured_rebuild_faster(device: torch.device, n_tokens: int, d: int, vocab: 
     return device.type == "cuda" and dispatch.prefer_rebuild(n_tokens, d, vocab)
 
 
-def two_pass_runs_triton(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
+def two_pass_runs_triton(backend: str, device: torch.device, dtype: torch.dtype, *, softcap: bool = False) -> bool:
     """Would the two-pass path's log-prob matmuls run the Triton kernels? (On CUDA for 16-bit
     weights; float32 goes to cuBLAS under "auto", and then the rebuilding single pass is the better
-    way to handle a group larger than the chunk budget.)"""
-    return resolve_backend(backend, device, dtype, matmul_kernels=True) == "triton"
+    way to handle a group larger than the chunk budget. Never with a soft-cap: the Triton log-prob
+    kernels have none, so the two passes would run eager PyTorch, or refuse backend="triton", where
+    the single pass's row kernels apply the cap.)"""
+    return not softcap and resolve_backend(backend, device, dtype, matmul_kernels=True) == "triton"
 
 
 def row_kernels_for(backend: str, weight: torch.Tensor) -> str:

@@ -112,3 +112,6 @@ def test_groups_larger_than_the_budget_go_two_pass_only_onto_triton_log_prob_ker
     assert not two_pass_runs_triton("torch", cuda, torch.bfloat16)
     assert not two_pass_runs_triton("auto", cpu, torch.float32)
     assert two_pass_runs_triton("triton", cpu, torch.float32)  # explicit, in the interpreter (the tests)
+    # a soft-cap never runs on the Triton log-prob kernels: the single pass's row kernels take such groups
+    assert not two_pass_runs_triton("auto", cuda, torch.bfloat16, softcap=True)
+    assert not two_pass_runs_triton("triton", cpu, torch.float32, softcap=True)

@@ -155,6 +155,19 @@ def test_group_over_budget_rebuilds_part_of_its_logits():
     _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, backend="triton",
                                       chunk_budget_mib=tiny, return_stats=True)
     assert stats.path == "two_pass"
+    # with a soft-cap the Triton two passes cannot run (no cap in the log-prob kernels): auto rebuilds instead
+    # of refusing, and matches the torch two passes
+    capped = dict(group_size=4, chunk_budget_mib=tiny, logit_softcap=2.0)
+    expected, e_grads = grads_of(lambda h, w: fused_linear_pacs_loss(
+        h, w, targets, mask, old, rewards, path="two_pass", backend="torch", **capped), (hidden, weight))
+    _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, backend="triton",
+                                      return_stats=True, **capped)
+    assert stats.path == "single_pass"
+    loss, got = grads_of(lambda h, w: fused_linear_pacs_loss(
+        h, w, targets, mask, old, rewards, backend="triton", **capped), (hidden, weight))
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for g, e in zip(got, e_grads):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5 * e.abs().max().item())
     for bad in (0, -1.0, float("inf"), "big", True):
         with pytest.raises(ValueError, match="chunk_budget_mib must be a finite number"):
             fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, chunk_budget_mib=bad)
