@@ -19,10 +19,10 @@ pytest.importorskip("trl")
 import trl_helpers as helpers  # noqa: E402
 
 TEMPERATURE = 0.7  # not 1: vLLM's sampling log-probs match the policy's only if both use the trainer's temperature
-# vLLM serves TRL's float32 checkpoint in bfloat16 (its dtype "auto"), the trainer holds float32: measured 3e-3
+# vLLM serves TRL's float32 checkpoint in bfloat16 (its dtype "auto"), the trainer holds float32: measured 3e-3 to 7e-3
 SAMPLER_TOLERANCE = 0.02
 # what the weights must have moved (largest log-prob change of a batch's tokens) for the check to see a stale engine
-# (measured 0.9 and 1.1 after one and two optimizer steps)
+# (measured 1.4 and 2.0 after one and two optimizer steps)
 MOVED_AT_LEAST = 0.2
 
 
@@ -140,7 +140,7 @@ def test_colocated_vllm_generates_from_the_trained_policy(colocated_trainer):
     for row in rows:
         assert torch.isfinite(torch.tensor(row["loss"]))
         assert {"reward", "entropy", "pacs/weight_mean", "pacs/sigmoid_psi_mean"} <= row.keys()
-        # old = current at every step: vLLM's bf16 sampling log-probs (3e-3 off) would give psi != 0
+        # old = current at every step: vLLM's bf16 sampling log-probs (up to 7e-3 off) would give psi != 0
         assert row["pacs/psi_mean"] == 0.0 and row["pacs/psi_std"] == 0.0
     assert 0 < sum(row["reward"] for row in rows) < 3, "the rewards were all 0 or all 1: no PACS gradient"
     assert any(not torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
