@@ -268,12 +268,28 @@ def test_shuffle_groups_and_split_keeps_groups():
     (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
     (dict(loss_type="dapo"), "loss_type must be 'pacs'"),
     (dict(num_generations_eval=2), "num_generations_eval"),
+    (dict(use_vllm=True, vllm_importance_sampling_correction=True), "vllm_importance_sampling_correction"),
 ])
 def test_refused_options(tmp_path, overrides, match):
     from pacs.integrations.trl import check_pacs_config
 
     with pytest.raises(ValueError, match=match):
         check_pacs_config(helpers.config(tmp_path, **overrides))
+
+
+def test_use_vllm_alone_is_accepted(tmp_path):
+    """PACSConfig turns off TRL's vLLM importance-sampling correction (GRPOConfig's default is on, which
+    PACSTrainer refuses), so use_vllm=True needs no other setting."""
+    from dataclasses import fields
+
+    from trl import GRPOConfig
+
+    from pacs.integrations.trl import check_pacs_config
+
+    assert next(f.default for f in fields(GRPOConfig) if f.name == "vllm_importance_sampling_correction") is True
+    args = helpers.config(tmp_path, use_vllm=True)
+    assert not args.vllm_importance_sampling_correction
+    check_pacs_config(args)
 
 
 def test_grpo_only_options_warn(tmp_path):

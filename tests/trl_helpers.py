@@ -17,14 +17,16 @@ def tokenizer():
 
 
 def tiny_model(vocab_size: int, seed: int = 0, **config):
+    """A 2-layer Llama (hidden 32, 4 heads of head_dim 8); ``config`` overrides any LlamaConfig field."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    settings = dict(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    settings.update(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return LlamaForCausalLM(LlamaConfig(
-            vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
-            bos_token_id=1, eos_token_id=2, **config))
+        return LlamaForCausalLM(LlamaConfig(**settings))
 
 
 def prompts(n: int = 64):

