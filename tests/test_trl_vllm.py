@@ -5,6 +5,7 @@ tokenizer built in code and saved to a directory, since TRL's colocate mode star
 
 import functools
 import gc
+import os
 
 import pytest
 import torch
@@ -61,8 +62,10 @@ def colocated_trainer(tmp_path, monkeypatch):
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: fast start, tensors in place
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; TRL passes no KV-cache size
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)  # TRL sets them for vLLM; restored after the test
+    # TRL sets RANK, WORLD_SIZE, MASTER_ADDR, ... for vLLM: the whole environment is put back after the test
+    # (monkeypatch does not record a variable that was absent, and with them set accelerate takes every later
+    # trainer in this process for a distributed CPU run)
+    environment = os.environ.copy()
     tokenizer = helpers.tokenizer()
     # head_dim 32: vLLM's CPU attention needs head_dim >= 32
     model = helpers.tiny_model(len(tokenizer), hidden_size=64, intermediate_size=128, num_attention_heads=2,
@@ -87,11 +90,14 @@ def colocated_trainer(tmp_path, monkeypatch):
         yield trainer, initial_policy, trl_sync
     finally:
         trainer.vllm_generation.llm.llm_engine.engine_core.shutdown()
+        os.environ.clear()
+        os.environ.update(environment)
         gc.unfreeze()  # vLLM gc.freeze()s what it allocates at start-up
         gc.collect()
 
 
 def test_colocated_vllm_generates_from_the_trained_policy(colocated_trainer):
+    assert "WORLD_SIZE" in os.environ  # what the fixture must undo (set by TRL for vLLM), checked after it below
     trainer, initial_policy, trl_sync = colocated_trainer
     if not torch.cuda.is_available():  # why the CPU run replaces TRL's sync; when this fails, drop the patch
         with pytest.raises(AttributeError, match="weight_loader"):
@@ -144,3 +150,12 @@ def test_colocated_vllm_generates_from_the_trained_policy(colocated_trainer):
         assert row["pacs/psi_mean"] == 0.0 and row["pacs/psi_std"] == 0.0
     assert 0 < sum(row["reward"] for row in rows) < 3, "the rewards were all 0 or all 1: no PACS gradient"
     assert any(not torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
+
+
+def test_the_colocated_engine_left_no_distributed_state(tmp_path):
+    """Runs after the vLLM test: no TRL/vLLM launcher variables and no process group are left behind
+    (with them, accelerate takes a later trainer in this process for a distributed CPU run)."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        assert name not in os.environ, name
+    assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    assert helpers.config(tmp_path).parallel_mode.name == "NOT_PARALLEL"
