@@ -11,8 +11,9 @@ the Trainer wraps the model in DDP. No setting turns FSDP on for a CPU run: ``AC
 meets the same branch, and ``use_cpu=False`` on a machine without an accelerator is no distributed
 run at all (transformers: "Using fsdp only works in distributed training.").
 
-``CPUFSDP2Trainer`` makes, right after the Trainer built its Accelerator, the assignments that
-branch makes on a GPU (and the Trainer's ``is_fsdp_enabled``, computed from them). From there on
+``CPUFSDP2Trainer`` does, right after the Trainer built its Accelerator, what that branch does on a
+GPU (the distributed type, the plugin with the run's mixed precision; and the Trainer's
+``is_fsdp_enabled``, computed from them). From there on
 the run is accelerate's, transformers' and TRL's own FSDP2 code: ``Accelerator.prepare`` ->
 ``fsdp2_prepare_model`` (``fully_shard`` per decoder layer, the input embedding, the final norm with
 the LM head, then the root, on torch's default CPU mesh) and the optimizer's switch to the sharded
@@ -38,7 +39,10 @@ class CPUFSDP2Trainer(PACSTrainer):
         if state.distributed_type != DistributedType.MULTI_CPU:
             raise ValueError(f"CPUFSDP2Trainer is for a multi-process CPU run (torchrun, gloo), got distributed type "
                              f"{state.distributed_type}")
-        state.distributed_type = DistributedType.FSDP
+        plugin = FullyShardedDataParallelPlugin(**plugin_args)  # as the Trainer builds it
+        state.distributed_type = DistributedType.FSDP  # from here: the branch of AcceleratorState.__init__
+        if state.mixed_precision != "no":
+            plugin.set_mixed_precision(state.mixed_precision)
+        state.fsdp_plugin = plugin
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState.__init__ ends
-        state.fsdp_plugin = FullyShardedDataParallelPlugin(**plugin_args)  # as the Trainer builds it
         self.is_fsdp_enabled = True
