@@ -1,9 +1,12 @@
 """One rank of tests/test_model_forward_fsdp.py (run under torchrun, 2 CPU ranks, gloo).
 
-A tiny Llama (untied LM head) sharded with FSDP2 (each decoder layer, then the root), the PACS loss
-called through ``model(..., pacs_batch=...)``: each rank trains on its own group; the gathered
-gradients are written to OUT_DIR/rank{R}.pt, and rank 0 also writes the single-process reference
-(the unsharded model, the mean of the two groups' losses)."""
+A tiny Llama (untied LM head) sharded with FSDP2 in each of ``LAYOUTS`` (each decoder layer, then
+the LM head where the layout puts it, then the root), the PACS loss called through
+``model(..., pacs_batch=...)``: each rank trains on its own group; the gathered gradients are
+written to OUT_DIR/rank{R}_{layout}.pt, and rank 0 also writes the single-process reference
+OUT_DIR/reference.pt (the unsharded model, the mean of the two groups' losses). Last, an LM head whose
+weight is a DTensor without FSDP's hooks (as tensor parallelism makes it): the ValueError's message
+goes to OUT_DIR/rank{R}_refused.txt."""
 
 import copy
 import os
@@ -20,6 +23,10 @@ from pacs.integrations.model_forward import PACSBatch, add_pacs_forward  # noqa:
 from pacs_kernels import PACSLoss  # noqa: E402
 
 G, P, C, V = 4, 5, 6, 17
+# Where the LM head's parameters live: in the root unit (pacs/policy.py's layout); a unit of its own,
+# resharded after its forward; with the final norm, kept unsharded (accelerate 1.15's FSDP2 layout,
+# the input embedding a unit of its own).
+LAYOUTS = ("head_in_root", "head_alone", "head_with_norm")
 
 
 def group_batch(rank: int):
@@ -41,21 +48,50 @@ def loss_of(model, rank: int):
     return model(input_ids=input_ids, attention_mask=attention, pacs_batch=batch).loss
 
 
-def main(out_dir: str) -> None:
+def shard(model, layout: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
+    for layer in model.model.layers:
+        fully_shard(layer)
+    if layout == "head_alone":
+        fully_shard(model.lm_head)
+    elif layout == "head_with_norm":
+        fully_shard(model.model.embed_tokens)
+        fully_shard([model.model.norm, model.lm_head], reshard_after_forward=False)
+    elif layout != "head_in_root":
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    fully_shard(model)
+
+
+def refusal_of_a_distributed_head(rank: int) -> str:
+    """The message of the ValueError that the loss raises on a DTensor LM head, or '' if none is raised."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    model = helpers.tiny_model(V)
+    add_pacs_forward(model, PACSLoss(group_size=G), temperature=1.0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model.lm_head.weight = torch.nn.Parameter(distribute_tensor(model.lm_head.weight.detach(), mesh, [Shard(0)]))
+    try:
+        loss_of(model, rank)
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def main(out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = helpers.tiny_model(V)
-    reference = copy.deepcopy(model)
-    add_pacs_forward(model, PACSLoss(group_size=G), temperature=1.0)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    loss_of(model, rank).backward()
-    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
-    torch.save(grads, os.path.join(out_dir, f"rank{rank}.pt"))
+    reference = helpers.tiny_model(V)
+    for layout in LAYOUTS:
+        model = copy.deepcopy(reference)
+        add_pacs_forward(model, PACSLoss(group_size=G), temperature=1.0)
+        shard(model, layout)
+        loss_of(model, rank).backward()
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+        torch.save(grads, os.path.join(out_dir, f"rank{rank}_{layout}.pt"))
+    with open(os.path.join(out_dir, f"rank{rank}_refused.txt"), "w") as f:
+        f.write(refusal_of_a_distributed_head(rank))
     if rank == 0:
         add_pacs_forward(reference, PACSLoss(group_size=G), temperature=1.0)
         ((loss_of(reference, 0) + loss_of(reference, 1)) / 2).backward()

@@ -1,5 +1,6 @@
 """PACSTrainer (TRL GRPOTrainer subclass) on CPU: training steps, loss and gradients against
-``pacs_loss`` on naive log-probs, whole groups per micro-batch, refused options, 2 DDP processes."""
+``pacs_loss`` on naive log-probs, whole groups per micro-batch, refused options, 2 processes under
+DDP and under FSDP2 (equal weights after training)."""
 
 import json
 import os
@@ -336,23 +337,80 @@ def test_non_binary_reward_refused(tmp_path):
         first_micro_batch(trainer)
 
 
+def two_rank_run(out_dir, mode: str):
+    """tests/trl_torchrun_worker.py under torchrun, 2 CPU ranks -> ([rank records], [rank full weights])."""
+    worker = os.path.join(repo_root(), "tests", "trl_torchrun_worker.py")
+    run_torchrun([worker, mode, out_dir], f"the 2-process TRL worker ({mode})")
+    return ([json.load(open(out_dir / f"rank{r}.json")) for r in range(2)],
+            [torch.load(out_dir / f"rank{r}_weights.pt") for r in range(2)])
+
+
+def initial_weights() -> dict:
+    """The weights both 2-rank runs start from (helpers.tiny_model is seeded)."""
+    return {name: p.detach() for name, p in helpers.tiny_model(len(helpers.tokenizer())).named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    return two_rank_run(tmp_path_factory.mktemp("trl_ddp"), "ddp")
+
+
 @pytest.mark.slow
-def test_two_processes_stay_in_sync(tmp_path):
+def test_two_processes_stay_in_sync(ddp_run):
     """torchrun, 2 CPU ranks (DDP over gloo): the weights after 2 steps are identical on both ranks,
     they moved, and every micro-batch each rank saw held whole groups."""
-    worker = os.path.join(repo_root(), "tests", "trl_ddp_worker.py")
-    run_torchrun([worker, tmp_path], "the 2-process TRL worker")
-    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
-    assert ranks[0]["params"] == ranks[1]["params"]
-    assert ranks[0]["params"] != ranks[0]["initial_params"]
-    assert ranks[0]["wrapper"] == "DistributedDataParallel"
-    for rank in ranks:
+    records, weights = ddp_run
+    initial = initial_weights()
+    assert weights[0].keys() == weights[1].keys() == initial.keys()
+    for name in initial:
+        assert torch.equal(weights[0][name], weights[1][name]), name
+    assert any(not torch.equal(weights[0][name], initial[name]) for name in initial)
+    assert records[0]["wrapper"] == "DistributedDataParallel"
+    for rank in records:
         assert len(rank["micro_batch_group_ids"]) == 4  # 2 steps x 2 accumulation steps
         for ids in rank["micro_batch_group_ids"]:
             groups = torch.tensor(ids).reshape(-1, helpers.GROUP)
             assert torch.equal(groups, groups[:, :1].expand_as(groups))
-    seen = [set(sum(rank["micro_batch_group_ids"], [])) for rank in ranks]
+    seen = [set(sum(rank["micro_batch_group_ids"], [])) for rank in records]
     assert not seen[0] & seen[1], "each rank trains on its own groups"
+
+
+@pytest.mark.slow
+def test_fsdp2_training_equals_ddp(ddp_run, tmp_path):
+    """torchrun, 2 CPU ranks, fsdp=True (accelerate's FSDP2; on CPU turned on by
+    tests/accelerate_cpu_fsdp2.py): the loss is called through the FSDP2 model (every parameter a
+    Shard(0) DTensor on the 2-rank CPU mesh; each decoder layer, the embedding, the final norm with
+    the LM head, and the root are FSDP units); each rank's first rollout is exactly DDP's (same seed,
+    same initial weights: the comparison is valid), its second too (the first step trained alike), and
+    the full weights after the 2 SGD steps equal DDP's (float32, 1e-5 relative) on both ranks, every
+    tensor moved well beyond that tolerance, the LM head included (its PACS gradient arrived through
+    FSDP2's reduce-scatter)."""
+    records, weights = two_rank_run(tmp_path, "fsdp2")
+    ddp_records, ddp_weights = ddp_run
+    for rank, (record, ddp_record) in enumerate(zip(records, ddp_records)):
+        assert record["wrapper"] == "FSDPLlamaForCausalLM", record["wrapper"]
+        sharding = record["sharding"]
+        assert sharding["not_dtensor"] == [], sharding
+        assert sharding["placements"] == ["(Shard(dim=0),)"], sharding
+        assert sharding["mesh_devices"] == ["cpu"] and sharding["mesh_sizes"] == [2], sharding
+        assert sharding["fsdp_units"] == ["<root>", "lm_head", "model.embed_tokens", "model.layers.0",
+                                          "model.layers.1", "model.norm"], sharding
+        assert record["micro_batch_group_ids"] == ddp_record["micro_batch_group_ids"], f"rank {rank}"
+        completions, ddp_completions = record["micro_batch_completion_ids"], ddp_record["micro_batch_completion_ids"]
+        assert len(completions) == 4  # 2 steps x 2 accumulation steps, one rollout per step
+        assert completions[:2] == ddp_completions[:2], (
+            f"rank {rank}: the first rollout (initial weights) differs from DDP's: the runs sample differently, the "
+            "comparison below would not be valid")
+        assert completions[2:] == ddp_completions[2:], (
+            f"rank {rank}: the second rollout differs from DDP's: the first step trained the FSDP2 model differently")
+    initial = initial_weights()
+    assert weights[0].keys() == weights[1].keys() == ddp_weights[0].keys() == initial.keys()
+    rtol, atol = 1e-5, 1e-7
+    for name, expected in ddp_weights[0].items():
+        tolerance = atol + rtol * expected.abs().max()
+        assert (expected - initial[name]).abs().max() > 10 * tolerance, f"{name} barely moved: the check is weak"
+        for rank in range(2):
+            torch.testing.assert_close(weights[rank][name], expected, rtol=rtol, atol=atol, msg=f"rank {rank}: {name}")
 
 
 @pytest.mark.slow

@@ -3,11 +3,19 @@
 A trainer that wants hidden states must not call the unwrapped backbone: DDP would not sync the
 gradients of that call and FSDP2 would not gather the parameters. ``add_pacs_forward(model, ...)``
 therefore teaches the model's forward one more keyword: ``model(input_ids, attention_mask,
-pacs_batch=PACSBatch(...))`` (called through whatever wraps the model) runs the backbone, takes the
-final hidden states of the completion positions and the LM-head weight (gathered when FSDP2 has
-sharded it into a DTensor), and returns the fused PACS loss without materialising logits. Without
-``pacs_batch`` the forward is the one the model had before (generation and any other patch keep
-working).
+pacs_batch=PACSBatch(...))`` (called through whatever wraps the model) runs the backbone, hands the
+final hidden states of the completion positions to the LM head, and returns the fused PACS loss
+without materialising logits. Without ``pacs_batch`` the forward is the one the model had before
+(generation and any other patch keep working).
+
+The loss is computed inside the LM head module's own forward (``head(hidden, pacs_batch=...)``: the
+head is taught the same keyword), not by reading ``head.weight`` from outside. Where FSDP2 made the
+head a unit of its own (alone, or together with the final norm as accelerate does), only a call of
+that module runs FSDP's hooks, which gather the weight and reduce-scatter (average) its gradient
+over the ranks. Read from outside, such a weight is still the local shard (a DTensor); gathered
+with ``full_tensor()`` it gives the right loss, but the backward of ``full_tensor()`` only slices
+each rank's own gradient (no average over the ranks): each rank's shard of the head would be
+trained on that rank's data alone (tests/test_model_forward_fsdp.py, layout "head_alone").
 
 Shapes: input_ids / attention_mask (B, P + C): prompt then completion; completion tensors (B, C):
 ``hidden[:, -C-1:-1]`` predicts ``input_ids[:, -C:]``.
@@ -98,16 +106,6 @@ def check_supported_head(config) -> None:
             "for one of the two only. Expected a logit scale of 1 with a soft-cap.")
 
 
-def _head_tensors(model):
-    """(weight (V, d), bias (V,) or None) of the output embedding; FSDP2 DTensors gathered (differentiable)."""
-    head = model.get_output_embeddings()
-    weight, bias = head.weight, head.bias
-    if hasattr(weight, "full_tensor"):
-        weight = weight.full_tensor()
-        bias = None if bias is None else bias.full_tensor()
-    return weight, bias
-
-
 def pacs_head_loss(loss_fn: PACSLoss, hidden, weight, bias, batch: PACSBatch):
     """The fused loss on (B, C, d) hidden states -> (loss, stats dict or None).
 
@@ -133,6 +131,7 @@ def add_pacs_forward(model, loss_fn: PACSLoss, *, temperature: float) -> None:
     check_supported_head(model.config)
     loss_fn.temperature = float(temperature) / logit_scale_of(model.config)
     loss_fn.logit_softcap = logit_softcap_of(model.config)  # Gemma-style soft-cap, inside the kernels
+    add_pacs_head_forward(model.get_output_embeddings(), loss_fn)
     previous_forward = model.forward
 
     @functools.wraps(type(model).forward)  # generate() checks its kwargs against this signature
@@ -142,8 +141,29 @@ def add_pacs_forward(model, loss_fn: PACSLoss, *, temperature: float) -> None:
         kwargs["use_cache"] = False
         completion_len = pacs_batch.targets.shape[1]
         hidden = self.base_model(*args, **kwargs).last_hidden_state[:, -completion_len - 1:-1]
-        weight, bias = _head_tensors(self)
-        loss, stats = pacs_head_loss(loss_fn, hidden, weight, bias, pacs_batch)
+        loss, stats = self.get_output_embeddings()(hidden, pacs_batch=pacs_batch)  # a module call: module doc
         return PACSModelOutput(loss=loss, stats=stats)
 
     model.forward = types.MethodType(forward, model)
+
+
+def add_pacs_head_forward(head, loss_fn: PACSLoss) -> None:
+    """Patch the LM head's forward: ``head(hidden (B, C, d), pacs_batch=...)`` -> (loss, stats dict or None).
+
+    It runs inside the head module's call, so that FSDP2's hooks gather the weight before and
+    reduce its gradient after (module doc). Without ``pacs_batch`` the previous forward runs (logits).
+    """
+    previous_forward = head.forward
+
+    def forward(self, hidden, *args, pacs_batch: PACSBatch | None = None, **kwargs):
+        if pacs_batch is None:
+            return previous_forward(hidden, *args, **kwargs)
+        weight, bias = self.weight, getattr(self, "bias", None)
+        if hasattr(weight, "full_tensor"):  # FSDP2 would have gathered it: sharded some other way
+            raise ValueError(
+                f"the LM head's weight is a DTensor ({tuple(weight.placements)}) inside the head's own forward: the "
+                "fused loss needs the full (V, d) weight, gathered by FSDP2 (which also reduces its gradient); a "
+                "tensor-parallel or otherwise distributed LM head is not supported")
+        return pacs_head_loss(loss_fn, hidden, weight, bias, pacs_batch)
+
+    head.forward = types.MethodType(forward, head)

@@ -12,7 +12,8 @@ what PACS needs differently is done here:
   TRL zeroes its advantage), and so is one without loss tokens (``mask_truncated_completions``
   masks truncated completions); a reward other than 0/1 is refused;
 - the loss is computed inside the model's forward (``model_forward.add_pacs_forward``) called
-  through the wrapped model, so DDP syncs the gradients and FSDP2 gathers the head; a PEFT model
+  through the wrapped model, and inside the LM head's own call, so DDP syncs the gradients and FSDP2
+  (``fsdp=True, fsdp_config={"version": 2}``) gathers the head and averages its gradient; a PEFT model
   gets the patch on its base model and is still called through the PeftModel (LoRA layers active);
 - on-policy (TRL's default: one iteration, generation aligned with optimizer steps, so TRL keeps no
   old log-probs) the old log-probs are the current ones, and the first-step path gives the loss and

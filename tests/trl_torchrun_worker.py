@@ -1,0 +1,86 @@
+"""One rank of the 2-process PACSTrainer runs of tests/test_trl_integration.py (run under torchrun, CPU, gloo).
+
+``python trl_torchrun_worker.py MODE OUT_DIR``, MODE ``ddp`` (accelerate's DDP) or ``fsdp2``
+(``fsdp=True``: accelerate's FSDP2, turned on for CPU by tests/accelerate_cpu_fsdp2.py). Both modes
+train the same tiny Llama for 2 steps with the same config, plain SGD and no gradient clipping (so
+the weights after training are the initial ones minus lr times the summed gradients: a gradient
+error of any size or direction shows in them). Writes OUT_DIR/rank{R}.json (the wrapper type of the
+model the loss was called through, the group ids and completion ids of every micro-batch, and for
+``fsdp2`` how the model is sharded) and OUT_DIR/rank{R}_weights.pt (the full weights after training,
+gathered from the shards under FSDP2)."""
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import trl_helpers as helpers  # noqa: E402
+from trainer_helpers import leave_distributed_run  # noqa: E402
+
+MODES = ("ddp", "fsdp2")
+# Plain SGD (momentum 0) without clipping: see the module doc.
+TRAINING = dict(max_steps=2, optim="sgd", learning_rate=0.1, max_grad_norm=0.0)
+
+
+def sharding_of(model) -> dict:
+    """How FSDP2 sharded ``model``: which modules are FSDP units, the parameters that are not DTensors,
+    and the placements, mesh device types and mesh sizes of those that are."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    params = dict(model.named_parameters())
+    dtensors = {name: p for name, p in params.items() if isinstance(p, DTensor)}
+    return {
+        "fsdp_units": sorted(name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)),
+        "not_dtensor": sorted(set(params) - set(dtensors)),
+        "placements": sorted({str(p.placements) for p in dtensors.values()}),
+        "mesh_devices": sorted({p.device_mesh.device_type for p in dtensors.values()}),
+        "mesh_sizes": sorted({p.device_mesh.size() for p in dtensors.values()}),
+    }
+
+
+def full_weights(model) -> dict:
+    """{name: full float32 tensor}; FSDP2's DTensor shards are gathered (a collective: every rank calls it)."""
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for name, p in model.named_parameters()}
+
+
+def main(mode: str, out_dir: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    from pacs.integrations.trl import PACSTrainer
+
+    if mode == "fsdp2":
+        from accelerate_cpu_fsdp2 import CPUFSDP2Trainer as Base
+        options = dict(fsdp=True, fsdp_config={"version": 2})
+    else:
+        Base, options = PACSTrainer, {}
+    seen = {"micro_batch_group_ids": [], "micro_batch_completion_ids": []}
+
+    class RecordingTrainer(Base):
+        def _compute_loss(self, model, inputs):
+            seen["micro_batch_group_ids"].append(inputs["pacs_group_ids"].tolist())
+            seen["micro_batch_completion_ids"].append(inputs["completion_ids"].tolist())
+            seen["wrapper"] = type(model).__name__
+            if mode == "fsdp2":
+                seen["sharding"] = sharding_of(model)
+            return super()._compute_loss(model, inputs)
+
+    tok = helpers.tokenizer()
+    trainer = RecordingTrainer(helpers.tiny_model(len(tok)), helpers.contains_one,
+                               args=helpers.config(out_dir, **TRAINING, **options), train_dataset=helpers.prompts(),
+                               processing_class=tok)
+    trainer.train()
+    rank = trainer.accelerator.process_index
+    weights = full_weights(trainer.model)
+    torch.save(weights, os.path.join(out_dir, f"rank{rank}_weights.pt"))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    leave_distributed_run()  # every rank's results are written: leave without teardown
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(sys.argv[1], sys.argv[2])
