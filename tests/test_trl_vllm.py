@@ -51,9 +51,10 @@ def naive_logp(model, batch, temperature):
 
 
 @pytest.fixture
-def colocated_trainer(tmp_path, monkeypatch):
+def colocated_trainer(tmp_path, monkeypatch, request):
     """A PACSTrainer with TRL's colocated vLLM engine on a model saved in ``tmp_path / "model"``; the
-    engine is shut down afterwards (with the 1-process torch.distributed group vLLM created for it)."""
+    engine is shut down afterwards (with the 1-process torch.distributed group vLLM created for it). Config
+    overrides through indirect parametrization (``request.param``)."""
     from transformers import AutoModelForCausalLM
     from trl.generation import vllm_generation
     from trl.generation.vllm_generation import VLLMGeneration
@@ -80,7 +81,8 @@ def colocated_trainer(tmp_path, monkeypatch):
     if not torch.cuda.is_available():
         monkeypatch.setattr(VLLMGeneration, "sync_weights", reload_weights_sync)
     args = helpers.config(tmp_path / "out", use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64,
-                          vllm_gpu_memory_utilization=0.2, temperature=TEMPERATURE)
+                          vllm_gpu_memory_utilization=0.2, temperature=TEMPERATURE,
+                          **getattr(request, "param", {}))
     # vLLM's start-up pins torch to one thread and makes torch.set_num_threads a no-op: undone for later tests
     with vllm_compat.process_state_kept():
         trainer = PACSTrainer(str(model_dir), helpers.contains_one, args=args, train_dataset=helpers.prompts(),
@@ -159,3 +161,35 @@ def test_the_colocated_engine_left_no_distributed_state(tmp_path):
         assert name not in os.environ, name
     assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
     assert helpers.config(tmp_path).parallel_mode.name == "NOT_PARALLEL"
+
+
+@pytest.mark.parametrize("colocated_trainer", [{"num_iterations": 2}], indirect=True)
+def test_colocated_vllm_with_two_iterations_uses_trl_old_logprobs(colocated_trainer):
+    """num_iterations=2: each vLLM batch is trained on twice; TRL computes the old log-probs with the
+    trainer's model when it generates (never vLLM's), and PACS uses them: psi = 0 on a batch's first
+    iteration, non-zero on its second (the policy moved in between)."""
+    trainer, _, _ = colocated_trainer
+    batches = []  # (batch, log-probs under the policy at generation time)
+    generate_and_score = trainer._generate_and_score_completions
+
+    def recording_generate_and_score(inputs):
+        batch = generate_and_score(inputs)
+        batches.append((batch, naive_logp(trainer.model, batch, TEMPERATURE)))
+        return batch
+
+    trainer._generate_and_score_completions = recording_generate_and_score
+    trainer.args.max_steps = 4
+    trainer.train()
+
+    assert len(batches) == 2  # 4 optimizer steps, each batch used twice
+    for batch, policy_logp in batches:
+        mask = batch["completion_mask"].bool()
+        # the trainer's float32 log-probs at generation time (vLLM's bf16 ones are up to 7e-3 away)
+        off = (batch["old_per_token_logps"] - policy_logp)[mask].abs().max().item()
+        assert off < 1e-5, f"TRL's old log-probs are {off:.3g} off the policy's at generation time"
+    psi_std = [row["pacs/psi_std"] for row in trainer.state.log_history if "loss" in row]
+    assert len(psi_std) == 4
+    # first iteration on a batch: old = current up to float32 rounding (measured 0.0 on CPU); second: the policy
+    # moved since generation (measured 3.1 and 2.1)
+    assert psi_std[0] < 1e-4 and psi_std[2] < 1e-4, psi_std
+    assert psi_std[1] > 0.1 and psi_std[3] > 0.1, psi_std
