@@ -425,3 +425,31 @@ def test_evaluate_logs_pacs_metrics(tmp_path):
     metrics = trainer.evaluate()
     assert torch.isfinite(torch.tensor(metrics["eval_loss"]))
     assert {"eval_pacs/psi_std", "eval_pacs/weight_mean", "eval_entropy"} <= metrics.keys()
+
+
+@pytest.mark.slow
+def test_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    """A run stopped after a checkpoint and resumed with TRL's resume_from_checkpoint ends with the weights
+    (and the logged losses and rewards) of the run that was never stopped: nothing PACSTrainer adds (the
+    forward patch, the group shuffle, the raw rewards in the batch) is lost across a restart."""
+    def parameters(trainer):
+        return torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+
+    settings = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    whole = helpers.trainer(tmp_path / "whole", **settings)
+    initial = parameters(whole)
+    whole.train()
+    assert (tmp_path / "whole" / "checkpoint-2").is_dir()
+
+    resumed = helpers.trainer(tmp_path / "resumed", **settings)
+    generated = []
+    generate_and_score = resumed._generate_and_score_completions
+    resumed._generate_and_score_completions = lambda inputs: generated.append(1) or generate_and_score(inputs)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    assert len(generated) == 2, "the resumed run should generate for steps 3 and 4 only"
+    assert (parameters(whole) - initial).abs().max() > 1e-3, "the weights did not move: the check would be vacuous"
+    torch.testing.assert_close(parameters(resumed), parameters(whole), rtol=1e-6, atol=1e-7)
+
+    def logged(trainer):
+        return [(row["step"], row["loss"], row["reward"]) for row in trainer.state.log_history if "loss" in row]
+    assert logged(resumed) == logged(whole) and len(logged(whole)) == 4
