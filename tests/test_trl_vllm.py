@@ -80,13 +80,19 @@ def colocated_trainer(tmp_path, monkeypatch, request):
     trl_sync = VLLMGeneration.sync_weights
     if not torch.cuda.is_available():
         monkeypatch.setattr(VLLMGeneration, "sync_weights", reload_weights_sync)
+    overrides = dict(getattr(request, "param", {}))
+    extra = {}
+    if overrides.pop("lora", False):  # TRL builds the PeftModel; TRL's sync merges the adapters into vLLM's weights
+        import peft
+
+        extra["peft_config"] = peft.LoraConfig(r=4, lora_alpha=32, lora_dropout=0.0,
+                                               target_modules=["q_proj", "v_proj", "down_proj"])
     args = helpers.config(tmp_path / "out", use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64,
-                          vllm_gpu_memory_utilization=0.2, temperature=TEMPERATURE,
-                          **getattr(request, "param", {}))
+                          vllm_gpu_memory_utilization=0.2, temperature=TEMPERATURE, **overrides)
     # vLLM's start-up pins torch to one thread and makes torch.set_num_threads a no-op: undone for later tests
     with vllm_compat.process_state_kept():
         trainer = PACSTrainer(str(model_dir), helpers.contains_one, args=args, train_dataset=helpers.prompts(),
-                              processing_class=tokenizer)
+                              processing_class=tokenizer, **extra)
     initial_policy = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     try:
         yield trainer, initial_policy, trl_sync
@@ -193,3 +199,39 @@ def test_colocated_vllm_with_two_iterations_uses_trl_old_logprobs(colocated_trai
     # moved since generation (measured 3.1 and 2.1)
     assert psi_std[0] < 1e-4 and psi_std[2] < 1e-4, psi_std
     assert psi_std[1] > 0.1 and psi_std[3] > 0.1, psi_std
+
+
+@pytest.mark.parametrize("colocated_trainer", [{"lora": True, "learning_rate": 5e-2}], indirect=True)
+def test_colocated_vllm_with_lora_generates_from_the_merged_adapters(colocated_trainer):
+    """LoRA (TRL's peft_config): only the adapters train, and TRL's sync merges them into vLLM's weights
+    before each generation: vLLM's log-probs equal the adapted policy's at generation time."""
+    pytest.importorskip("peft")
+    trainer, initial_policy, _ = colocated_trainer
+    batches = []  # (batch, log-probs under the adapted policy at generation time, under the initial policy)
+    generate_and_score = trainer._generate_and_score_completions
+
+    def recording_generate_and_score(inputs):
+        batch = generate_and_score(inputs)
+        batches.append((batch, naive_logp(trainer.model, batch, TEMPERATURE),
+                        naive_logp(initial_policy, batch, TEMPERATURE)))
+        return batch
+
+    trainer._generate_and_score_completions = recording_generate_and_score
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+
+    assert len(batches) == 3
+    for step, (batch, policy_logp, initial_logp) in enumerate(batches):
+        mask = batch["completion_mask"].bool()
+        off = (batch["sampling_per_token_logps"] - policy_logp)[mask].abs().max().item()
+        assert off < SAMPLER_TOLERANCE, f"batch {step}: vLLM's log-probs are up to {off:.3g} off the adapted policy's"
+        if step > 0:  # the adapters moved the policy, so an engine without them would fail the check above
+            moved = (policy_logp - initial_logp)[mask].abs().max().item()
+            assert moved > MOVED_AT_LEAST, f"batch {step}: the adapters moved the policy only {moved:.3g}"
+    change = {name: (p.detach() - before[name]).abs().max().item() for name, p in trainer.model.named_parameters()}
+    adapters = {name: c for name, c in change.items() if "lora_" in name}
+    assert adapters and min(adapters.values()) > 1e-2, adapters  # measured 0.04 (A) and 0.1 (B)
+    # the base weights stay, up to the float32 rounding of TRL's merge_adapter / unmerge_adapter around each sync
+    # (measured 2e-8)
+    base = {name: c for name, c in change.items() if "lora_" not in name}
+    assert max(base.values()) < 1e-6, {name: c for name, c in base.items() if c >= 1e-6}
