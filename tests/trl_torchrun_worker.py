@@ -1,13 +1,14 @@
 """One rank of the 2-process PACSTrainer runs of tests/test_trl_integration.py (run under torchrun, CPU, gloo).
 
-``python trl_torchrun_worker.py MODE OUT_DIR``, MODE ``ddp`` (accelerate's DDP) or ``fsdp2``
+``python trl_torchrun_worker.py MODE OUT_DIR [tied]``, MODE ``ddp`` (accelerate's DDP) or ``fsdp2``
 (``fsdp=True``: accelerate's FSDP2, turned on for CPU by tests/accelerate_cpu_fsdp2.py). Both modes
 train the same tiny Llama for 2 steps with the same config, plain SGD and no gradient clipping (so
 the weights after training are the initial ones minus lr times the summed gradients: a gradient
 error of any size or direction shows in them). Writes OUT_DIR/rank{R}.json (the wrapper type of the
 model the loss was called through, the group ids and completion ids of every micro-batch, and for
 ``fsdp2`` how the model is sharded) and OUT_DIR/rank{R}_weights.pt (the full weights after training,
-gathered from the shards under FSDP2)."""
+gathered from the shards under FSDP2). ``tied``: the model's LM head is its input embedding
+(``tie_word_embeddings=True``, as in Qwen2.5's small models)."""
 
 import json
 import os
@@ -47,7 +48,7 @@ def full_weights(model) -> dict:
             for name, p in model.named_parameters()}
 
 
-def main(mode: str, out_dir: str) -> None:
+def main(mode: str, out_dir: str, tied: bool = False) -> None:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     from pacs.integrations.trl import PACSTrainer
@@ -69,7 +70,7 @@ def main(mode: str, out_dir: str) -> None:
             return super()._compute_loss(model, inputs)
 
     tok = helpers.tokenizer()
-    trainer = RecordingTrainer(helpers.tiny_model(len(tok)), helpers.contains_one,
+    trainer = RecordingTrainer(helpers.tiny_model(len(tok), tie_word_embeddings=tied), helpers.contains_one,
                                args=helpers.config(out_dir, **TRAINING, **options), train_dataset=helpers.prompts(),
                                processing_class=tok)
     trainer.train()
@@ -83,4 +84,6 @@ def main(mode: str, out_dir: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main(sys.argv[1], sys.argv[2])
+    if len(sys.argv) not in (3, 4) or sys.argv[3:] not in ([], ["tied"]):
+        raise SystemExit("usage: python trl_torchrun_worker.py ddp|fsdp2 OUT_DIR [tied]")
+    main(sys.argv[1], sys.argv[2], tied=sys.argv[3:] == ["tied"])
