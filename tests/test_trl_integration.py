@@ -391,9 +391,9 @@ def test_fsdp2_training_equals_ddp(ddp_run, tmp_path):
 
 @pytest.mark.slow
 def test_fsdp2_with_tied_embeddings_equals_ddp(tmp_path):
-    """As above with the LM head tied to the input embedding (Qwen2.5's small models): one parameter
-    that both the embedding's and the head's FSDP2 units use; the PACS gradient of the head and the
-    embedding's own add up on it as under DDP."""
+    """As above with the LM head tied to the input embedding (Qwen2.5's small models): accelerate puts the
+    final norm, the embedding and the head in one FSDP2 group (the shared parameter in one group only);
+    the PACS gradient of the head and the embedding's own add up on it as under DDP."""
     ddp = two_rank_run(tmp_path / "ddp", "ddp", tied=True)
     assert_fsdp2_run_equals_ddp(two_rank_run(tmp_path / "fsdp2", "fsdp2", tied=True), ddp, initial_weights(tied=True))
 
