@@ -177,7 +177,10 @@ def fused_linear_pacs_loss(
                                            softcap=logit_softcap, **options)
     else:
         chunks = None
-        measured_slower = path == "auto" and measured_two_pass_faster(weight.device, n_selected, *weight.shape[::-1])
+        # two passes where the committed GPU run measured them faster, if they can run the Triton kernels here
+        measured_slower = (path == "auto" and two_pass_runs_triton(backend, weight.device, weight.dtype,
+                                                                   softcap=logit_softcap is not None)
+                           and measured_two_pass_faster(weight.device, n_selected, *weight.shape[::-1]))
         if path != "two_pass" and backend != "naive" and not measured_slower:
             row_kernels = row_kernels_for(backend, weight)
             memory = tile_memory(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype,
