@@ -6,9 +6,11 @@ the LM head where the layout puts it, then the root), the PACS loss called throu
 written to OUT_DIR/rank{R}_{layout}.pt, and rank 0 also writes the single-process reference
 OUT_DIR/reference.pt (the unsharded model, the mean of the two groups' losses). Last, an LM head whose
 weight is a DTensor without FSDP's hooks (as tensor parallelism makes it): the ValueError's message
-goes to OUT_DIR/rank{R}_refused.txt."""
+goes to OUT_DIR/rank{R}_refused.txt. And under FSDP2's bf16 mixed precision (which casts the float
+tensors of the forward's arguments): the dtypes the loss receives, OUT_DIR/rank{R}_bf16_inputs.json."""
 
 import copy
+import json
 import os
 import sys
 
@@ -78,6 +80,33 @@ def refusal_of_a_distributed_head(rank: int) -> str:
     return ""
 
 
+def dtypes_under_bf16_mixed_precision(model, rank: int) -> dict:
+    """{name: dtype} of the PACSBatch tensors the loss receives when FSDP2 runs in bf16 (accelerate's bf16
+    policy: parameters in bf16, cast_forward_inputs=True), the caller passing float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from pacs.integrations import model_forward
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    seen = {}
+    head_loss = model_forward.pacs_head_loss
+
+    def recording_head_loss(loss_fn, hidden, weight, bias, batch):
+        seen.update({name: str(getattr(batch, name).dtype) for name in ("old_logp", "rewards", "mask")})
+        seen["hidden"], seen["weight"] = str(hidden.dtype), str(weight.dtype)
+        return head_loss(loss_fn, hidden, weight, bias, batch)
+
+    model_forward.pacs_head_loss = recording_head_loss
+    try:
+        loss_of(model, rank)
+    finally:
+        model_forward.pacs_head_loss = head_loss
+    return seen
+
+
 def main(out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -92,6 +121,10 @@ def main(out_dir: str) -> None:
         torch.save(grads, os.path.join(out_dir, f"rank{rank}_{layout}.pt"))
     with open(os.path.join(out_dir, f"rank{rank}_refused.txt"), "w") as f:
         f.write(refusal_of_a_distributed_head(rank))
+    model = copy.deepcopy(reference)
+    add_pacs_forward(model, PACSLoss(group_size=G), temperature=1.0)
+    with open(os.path.join(out_dir, f"rank{rank}_bf16_inputs.json"), "w") as f:
+        json.dump(dtypes_under_bf16_mixed_precision(model, rank), f)
     if rank == 0:
         add_pacs_forward(reference, PACSLoss(group_size=G), temperature=1.0)
         ((loss_of(reference, 0) + loss_of(reference, 1)) / 2).backward()

@@ -3,6 +3,7 @@ forward gives the gradients of the single-process loss over both ranks' groups, 
 wherever the LM head's parameters are sharded (the root unit, a unit of its own, with the final norm);
 a DTensor LM head that FSDP does not gather (tensor parallel) is refused."""
 
+import json
 import os
 
 import pytest
@@ -35,3 +36,14 @@ def test_distributed_head_without_fsdp_is_refused(fsdp_run):
     for rank in range(2):
         refused = (fsdp_run / f"rank{rank}_refused.txt").read_text()
         assert "LM head's weight is a DTensor" in refused and "not supported" in refused, refused
+
+
+@pytest.mark.slow
+def test_bf16_mixed_precision_leaves_the_loss_inputs_in_float32(fsdp_run):
+    """FSDP2's bf16 policy casts the float tensors of the forward's arguments (dataclasses, dicts, tuples) to
+    bf16; PACSBatch is a plain object, so the old log-probs reach the loss in float32 (bf16 would bias psi)
+    while the backbone and the head run in bf16."""
+    for rank in range(2):
+        seen = json.loads((fsdp_run / f"rank{rank}_bf16_inputs.json").read_text())
+        assert seen == {"old_logp": "torch.float32", "rewards": "torch.float32", "mask": "torch.int64",
+                        "hidden": "torch.bfloat16", "weight": "torch.bfloat16"}, seen

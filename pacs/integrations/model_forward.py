@@ -34,7 +34,6 @@ from transformers.utils import ModelOutput
 from pacs_kernels import PACSLoss
 
 
-@dataclass
 class PACSBatch:
     """One micro-batch of whole groups, as the loss needs it (B = n_groups * group_size rows).
 
@@ -47,15 +46,25 @@ class PACSBatch:
         still those that sampled: old = current, detached).
     group_ids: optional (B,) int, checked to hold whole groups contiguously.
     return_stats: also compute the PACS stats (with the policy's mean token entropy) for logging.
+
+    A plain class, not a dataclass: FSDP2's mixed precision (``cast_forward_inputs``, on in
+    accelerate's bf16 policy) casts the float tensors of a forward's dataclass, dict and tuple
+    arguments to the parameter dtype, and ``old_logp`` in bf16 would bias psi by up to 2^-8 of each
+    log-prob. Tensors inside a plain object reach the loss as the caller made them.
     """
 
-    targets: torch.Tensor
-    mask: torch.Tensor
-    rewards: torch.Tensor
-    valid: torch.Tensor
-    old_logp: torch.Tensor | None = None
-    group_ids: torch.Tensor | None = None
-    return_stats: bool = True
+    __slots__ = ("targets", "mask", "rewards", "valid", "old_logp", "group_ids", "return_stats")
+
+    def __init__(self, targets: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor, valid: torch.Tensor,
+                 old_logp: torch.Tensor | None = None, group_ids: torch.Tensor | None = None,
+                 return_stats: bool = True):
+        self.targets, self.mask, self.rewards, self.valid = targets, mask, rewards, valid
+        self.old_logp, self.group_ids, self.return_stats = old_logp, group_ids, return_stats
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{name}={None if getattr(self, name) is None else tuple(getattr(self, name).shape)}"
+                           for name in self.__slots__[:-1])
+        return f"PACSBatch({shapes}, return_stats={self.return_stats})"
 
 
 @dataclass
@@ -122,29 +131,46 @@ def pacs_head_loss(loss_fn: PACSLoss, hidden, weight, bias, batch: PACSBatch):
 
 
 def add_pacs_forward(model, loss_fn: PACSLoss, *, temperature: float) -> None:
-    """Patch ``model.forward`` (a transformers causal LM) to serve ``pacs_batch=`` (see the module doc).
+    """Patch ``model.forward`` (a transformers causal LM) and its LM head's forward
+    (``model.get_output_embeddings()``) to serve ``pacs_batch=`` (see the module doc). Patch after
+    any change to the head (a PEFT model built afterwards must not wrap ``lm_head``).
 
     ``temperature``: the sampling temperature; the model's own logit scale (``logit_scale_of``) is
     folded into it. ``loss_fn.temperature`` is overwritten with the effective value, and
     ``loss_fn.logit_softcap`` with the model's soft-cap (``final_logit_softcapping``, or None).
     """
     check_supported_head(model.config)
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__}.get_output_embeddings() returned None: the fused PACS loss needs "
+                         "the model's LM head (a module with a (V, d) weight)")
     loss_fn.temperature = float(temperature) / logit_scale_of(model.config)
     loss_fn.logit_softcap = logit_softcap_of(model.config)  # Gemma-style soft-cap, inside the kernels
-    add_pacs_head_forward(model.get_output_embeddings(), loss_fn)
-    previous_forward = model.forward
+    add_pacs_head_forward(head, loss_fn)
+    previous_forward = unbound_forward(model)
 
     @functools.wraps(type(model).forward)  # generate() checks its kwargs against this signature
     def forward(self, *args, pacs_batch: PACSBatch | None = None, **kwargs):
         if pacs_batch is None:
-            return previous_forward(*args, **kwargs)
+            return previous_forward(self, *args, **kwargs)
+        head = self.get_output_embeddings()
+        if not getattr(head, "serves_pacs_batch", False):
+            raise ValueError(f"the LM head ({type(head).__name__}) was replaced after add_pacs_forward: call "
+                             "add_pacs_forward again on the model as it is now")
         kwargs["use_cache"] = False
         completion_len = pacs_batch.targets.shape[1]
         hidden = self.base_model(*args, **kwargs).last_hidden_state[:, -completion_len - 1:-1]
-        loss, stats = self.get_output_embeddings()(hidden, pacs_batch=pacs_batch)  # a module call: module doc
+        loss, stats = head(hidden, pacs_batch=pacs_batch)  # a module call: module doc
         return PACSModelOutput(loss=loss, stats=stats)
 
     model.forward = types.MethodType(forward, model)
+
+
+def unbound_forward(module):
+    """``module.forward`` as a function of (self, ...): a patched forward calls it with the module it
+    runs on, so that a deep copy of a patched model runs its own weights, not the original's."""
+    bound = module.forward
+    return bound.__func__ if getattr(bound, "__self__", None) is module else (lambda self, *a, **k: bound(*a, **k))
 
 
 def add_pacs_head_forward(head, loss_fn: PACSLoss) -> None:
@@ -152,12 +178,18 @@ def add_pacs_head_forward(head, loss_fn: PACSLoss) -> None:
 
     It runs inside the head module's call, so that FSDP2's hooks gather the weight before and
     reduce its gradient after (module doc). Without ``pacs_batch`` the previous forward runs (logits).
+    A PEFT adapter on the head (LoRA in ``target_modules``) is refused: the loss reads the head's
+    weight, which would leave the adapter out (``modules_to_save=["lm_head"]`` trains the head itself).
     """
-    previous_forward = head.forward
+    if hasattr(head, "base_layer"):
+        raise ValueError(f"the LM head is a PEFT adapter layer ({type(head).__module__}.{type(head).__name__}): the "
+                         "fused PACS loss reads the head's (V, d) weight and would leave the adapter out. Leave "
+                         "lm_head out of LoRA's target_modules (modules_to_save=['lm_head'] trains the head itself)")
+    previous_forward = unbound_forward(head)
 
     def forward(self, hidden, *args, pacs_batch: PACSBatch | None = None, **kwargs):
         if pacs_batch is None:
-            return previous_forward(hidden, *args, **kwargs)
+            return previous_forward(self, hidden, *args, **kwargs)
         weight, bias = self.weight, getattr(self, "bias", None)
         if hasattr(weight, "full_tensor"):  # FSDP2 would have gathered it: sharded some other way
             raise ValueError(
@@ -167,3 +199,4 @@ def add_pacs_head_forward(head, loss_fn: PACSLoss) -> None:
         return pacs_head_loss(loss_fn, hidden, weight, bias, pacs_batch)
 
     head.forward = types.MethodType(forward, head)
+    head.serves_pacs_batch = True
