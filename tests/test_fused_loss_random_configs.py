@@ -5,10 +5,11 @@ soft-cap, budgets, old_lse, valid, ...); here each case draws all of them at onc
 so that options meet in combinations no hand-written test lists. Every path (auto, single pass,
 two passes; the one sweep where ``old_lse`` is drawn) of every backend must give the loss and the
 gradients of hidden, weight and bias that float64 autograd through the full logits gives, to within
-float32 rounding: the error may be 1e-4 of the gradient's scale, or, for an ill-conditioned draw (GRPO
-advantages of a group of 2, whose gradient is the std's epsilon alone), 20 times what float32 autograd
+float32 rounding: the error may be 1e-4 of the gradient's scale, or 20 times what float32 autograd
 through the materialized logits is off by, or the group loss run in float32 on the exact log-probs
-(what the fused losses do). float64 inputs on the single pass: 1e-8.
+(what the fused losses do), whichever is larger. Draws too ill-conditioned for that to mean anything
+(an all-zero gradient, GRPO advantages of a group of 2 whose gradient is the std's epsilon alone) are
+drawn again, so the tolerance stays below 1% of every quantity. float64 inputs on the single pass: 1e-8.
 
 A run of this generator over 300 draws found that ``path="auto"`` sent a soft-capped group larger
 than the budget to two passes that cannot run the Triton log-prob kernels (fixed: it rebuilds).
@@ -121,7 +122,7 @@ def fused(case: Draw, backend: str, path: str, budget):
     hidden, weight = case.hidden.clone().requires_grad_(), case.weight.clone().requires_grad_()
     bias = None if case.bias is None else case.bias.clone().requires_grad_()
     extra = {}
-    if case.with_old_lse and path != "single_pass":
+    if case.with_old_lse and path == "auto":  # the one sweep (two_pass keeps running two passes)
         _, extra["old_lse"] = linear_logprobs(case.hidden, case.weight, case.targets,
                                               temperature=case.options["temperature"], bias=case.bias,
                                               return_lse=True, backend="torch",
@@ -133,15 +134,30 @@ def fused(case: Draw, backend: str, path: str, budget):
     return [loss.detach().double()] + [g.double() for g in grads]
 
 
+CONDITIONING = 1e-2  # a draw is kept when 20x its float32 yardstick is below this share of every scale
+REDRAWS = 20
+
+
+def conditioned_draw(seed: int, backend: str):
+    """The first of the draws seed, seed + 1000, ... whose loss and gradients are non-zero and well enough
+    conditioned that the tolerance below stays under 1% of each: (case, exact results, yardstick)."""
+    for attempt in range(REDRAWS):
+        case = draw(seed + 1000 * attempt, allow_float64=backend == "torch")
+        exact = materialized(case)
+        # how ill-conditioned the draw is: what float32 autograd through the logits is off by, and what the
+        # group loss in float32 on the exact log-probs (rounded to float32) is off by
+        off = [materialized(case, torch.float32), materialized(case, loss_dtype=torch.float32)]
+        yardstick = [max((a[i] - e).abs().max().item() for a in off) for i, e in enumerate(exact)]
+        scales = [e.abs().max().item() for e in exact]
+        if all(scale > 0 and 20 * base < CONDITIONING * scale for scale, base in zip(scales, yardstick)):
+            return case, exact, yardstick
+    raise AssertionError(f"no well-conditioned draw among {REDRAWS} from seed {seed}: the generator needs a look")
+
+
 def check_case(seed: int, backend: str):
-    case = draw(seed, allow_float64=backend == "torch")
-    exact = materialized(case)
-    # the yardstick of how ill-conditioned this draw is: what float32 autograd through the logits is off by, and
-    # what the group loss in float32 on the exact log-probs (rounded to float32) is off by
-    off = [materialized(case, torch.float32), materialized(case, loss_dtype=torch.float32)]
-    yardstick = [max((a[i] - e).abs().max().item() for a in off) for i, e in enumerate(exact)]
+    case, exact, yardstick = conditioned_draw(seed, backend)
     for path, budget in zip(("auto", "single_pass", "two_pass"), case.budgets):
-        one_sweep = case.with_old_lse and path != "single_pass"
+        one_sweep = case.with_old_lse and path == "auto"
         if backend == "triton" and (path == "two_pass" or one_sweep) and case.options["logit_softcap"] is not None:
             # the Triton log-prob kernels have no soft-cap: refused by name (auto takes the torch kernels there)
             with pytest.raises(ValueError, match="logit_softcap needs backend='torch'"):
@@ -151,7 +167,7 @@ def check_case(seed: int, backend: str):
         single_pass_float64 = case.hidden.dtype == torch.float64 and path == "single_pass"
         for name, g, e, base in zip(("loss", "d hidden", "d weight", "d bias"), got, exact, yardstick):
             err, scale = (g - e).abs().max().item(), e.abs().max().item()
-            allowed = 1e-8 * (scale + 1e-3) if single_pass_float64 else max(1e-4 * (scale + 1e-3), 20 * base)
+            allowed = 1e-8 * scale if single_pass_float64 else max(1e-4 * scale, 20 * base)
             assert err <= allowed, (f"seed {seed}, {backend}/{path}, budget {budget}: {name} off by {err:.3g} "
                                     f"(scale {scale:.3g}, allowed {allowed:.3g}); {case.describe()}")
 
