@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from fsdp_forward_worker import LAYOUTS
 from trainer_helpers import repo_root, run_torchrun
 
 
@@ -20,7 +21,7 @@ def fsdp_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["head_in_root", "head_alone", "head_with_norm"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_fsdp2_gradients_equal_single_process(fsdp_run, layout):
     reference = torch.load(fsdp_run / "reference.pt")
     assert reference["lm_head.weight"].abs().max() > 0

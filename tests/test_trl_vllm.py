@@ -40,14 +40,23 @@ def reload_weights_sync(self):
     self.llm.reset_prefix_cache()
 
 
-def naive_logp(model, batch, temperature):
-    """(B, C) float32 log-probs of the batch's completion tokens under ``model`` at ``temperature``."""
-    completion = batch["completion_ids"]
-    input_ids = torch.cat([batch["prompt_ids"], completion], 1)
-    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    with torch.no_grad():
-        logits = model(input_ids=input_ids, attention_mask=attention).logits[:, -completion.shape[1] - 1:-1]
-    return torch.log_softmax(logits.float() / temperature, -1).gather(-1, completion[..., None])[..., 0]
+def record_generations(trainer, *policies):
+    """Wrap ``trainer._generate_and_score_completions``: the returned list gets, for every generation batch,
+    (batch, log-probs of its completions under each of ``policies`` at that moment, at TEMPERATURE)."""
+    batches = []
+    generate_and_score = trainer._generate_and_score_completions
+
+    def recording_generate_and_score(inputs):
+        batch = generate_and_score(inputs)
+        with torch.no_grad():
+            batches.append((batch, *(helpers.naive_logp(policy, batch, TEMPERATURE) for policy in policies)))
+        return batch
+
+    trainer._generate_and_score_completions = recording_generate_and_score
+    return batches
+
+
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture
@@ -63,49 +72,54 @@ def colocated_trainer(tmp_path, monkeypatch, request):
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: fast start, tensors in place
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; TRL passes no KV-cache size
-    # TRL sets RANK, WORLD_SIZE, MASTER_ADDR, ... for vLLM: the whole environment is put back after the test
-    # (monkeypatch does not record a variable that was absent, and with them set accelerate takes every later
-    # trainer in this process for a distributed CPU run)
+    # TRL sets RANK, WORLD_SIZE, MASTER_ADDR, ... for vLLM: the whole environment is put back after the test, also
+    # when the set-up fails (monkeypatch does not record a variable that was absent)
     environment = os.environ.copy()
-    tokenizer = helpers.tokenizer()
-    # head_dim 32: vLLM's CPU attention needs head_dim >= 32
-    model = helpers.tiny_model(len(tokenizer), hidden_size=64, intermediate_size=128, num_attention_heads=2,
-                               num_key_value_heads=1)
-    model_dir = tmp_path / "model"
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)  # vLLM loads the tokenizer from the model directory
-    # TRL does not pass enforce_eager, so vLLM compiles the model (torch.compile) at start-up; eager saves about
-    # 3 s of this test's 10 on CPU (start-up 8 s -> 2.5 s, but the first eager generate then takes 2 s)
-    monkeypatch.setattr(vllm_generation, "LLM", functools.partial(vllm_generation.LLM, enforce_eager=True))
-    trl_sync = VLLMGeneration.sync_weights
-    if not torch.cuda.is_available():
-        monkeypatch.setattr(VLLMGeneration, "sync_weights", reload_weights_sync)
     overrides = dict(getattr(request, "param", {}))
     extra = {}
     if overrides.pop("lora", False):  # TRL builds the PeftModel; TRL's sync merges the adapters into vLLM's weights
-        import peft
-
+        peft = pytest.importorskip("peft")
         extra["peft_config"] = peft.LoraConfig(r=4, lora_alpha=32, lora_dropout=0.0,
                                                target_modules=["q_proj", "v_proj", "down_proj"])
-    args = helpers.config(tmp_path / "out", use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64,
-                          vllm_gpu_memory_utilization=0.2, temperature=TEMPERATURE, **overrides)
-    # vLLM's start-up pins torch to one thread and makes torch.set_num_threads a no-op: undone for later tests
-    with vllm_compat.process_state_kept():
-        trainer = PACSTrainer(str(model_dir), helpers.contains_one, args=args, train_dataset=helpers.prompts(),
-                              processing_class=tokenizer, **extra)
-    initial_policy = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    trainer = None
     try:
+        tokenizer = helpers.tokenizer()
+        # head_dim 32: vLLM's CPU attention needs head_dim >= 32
+        model = helpers.tiny_model(len(tokenizer), hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                                   num_key_value_heads=1)
+        model_dir = tmp_path / "model"
+        model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)  # vLLM loads the tokenizer from the model directory
+        # TRL does not pass enforce_eager, so vLLM compiles the model (torch.compile) at start-up; eager saves
+        # about 3 s of this test's 10 on CPU (start-up 8 s -> 2.5 s, but the first eager generate then takes 2 s)
+        monkeypatch.setattr(vllm_generation, "LLM", functools.partial(vllm_generation.LLM, enforce_eager=True))
+        trl_sync = VLLMGeneration.sync_weights
+        if not torch.cuda.is_available():
+            monkeypatch.setattr(VLLMGeneration, "sync_weights", reload_weights_sync)
+        args = helpers.config(tmp_path / "out", use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64,
+                              vllm_gpu_memory_utilization=0.2, temperature=TEMPERATURE, **overrides)
+        # vLLM's start-up pins torch to one thread and makes torch.set_num_threads a no-op: undone for later tests
+        with vllm_compat.process_state_kept():
+            trainer = PACSTrainer(str(model_dir), helpers.contains_one, args=args, train_dataset=helpers.prompts(),
+                                  processing_class=tokenizer, **extra)
+        assert all(name in os.environ for name in LAUNCHER_VARIABLES)  # what TRL set for vLLM, undone below
+        initial_policy = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         yield trainer, initial_policy, trl_sync
     finally:
-        trainer.vllm_generation.llm.llm_engine.engine_core.shutdown()
+        if trainer is not None and getattr(trainer, "vllm_generation", None) is not None:
+            trainer.vllm_generation.llm.llm_engine.engine_core.shutdown()
         os.environ.clear()
         os.environ.update(environment)
         gc.unfreeze()  # vLLM gc.freeze()s what it allocates at start-up
         gc.collect()
+    # nothing distributed is left behind: with it, accelerate would take a later trainer in this process for a
+    # distributed CPU run
+    assert not any(name in os.environ for name in LAUNCHER_VARIABLES)
+    assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    assert helpers.config(tmp_path / "after").parallel_mode.name == "NOT_PARALLEL"
 
 
 def test_colocated_vllm_generates_from_the_trained_policy(colocated_trainer):
-    assert "WORLD_SIZE" in os.environ  # what the fixture must undo (set by TRL for vLLM), checked after it below
     trainer, initial_policy, trl_sync = colocated_trainer
     if not torch.cuda.is_available():  # why the CPU run replaces TRL's sync; when this fails, drop the patch
         with pytest.raises(AttributeError, match="weight_loader"):
@@ -121,16 +135,8 @@ def test_colocated_vllm_generates_from_the_trained_policy(colocated_trainer):
         return outputs
 
     llm.generate = counting_generate
-    batches = []  # (batch, log-probs under the policy at generation time, under the initial policy)
-    generate_and_score = trainer._generate_and_score_completions
-
-    def recording_generate_and_score(inputs):
-        batch = generate_and_score(inputs)
-        batches.append((batch, naive_logp(trainer.model, batch, TEMPERATURE),
-                        naive_logp(initial_policy, batch, TEMPERATURE)))
-        return batch
-
-    trainer._generate_and_score_completions = recording_generate_and_score
+    # (batch, log-probs under the policy at generation time, under the initial policy)
+    batches = record_generations(trainer, trainer.model, initial_policy)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
 
@@ -160,30 +166,13 @@ def test_colocated_vllm_generates_from_the_trained_policy(colocated_trainer):
     assert any(not torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
 
 
-def test_the_colocated_engine_left_no_distributed_state(tmp_path):
-    """Runs after the vLLM test: no TRL/vLLM launcher variables and no process group are left behind
-    (with them, accelerate takes a later trainer in this process for a distributed CPU run)."""
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        assert name not in os.environ, name
-    assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
-    assert helpers.config(tmp_path).parallel_mode.name == "NOT_PARALLEL"
-
-
 @pytest.mark.parametrize("colocated_trainer", [{"num_iterations": 2}], indirect=True)
 def test_colocated_vllm_with_two_iterations_uses_trl_old_logprobs(colocated_trainer):
     """num_iterations=2: each vLLM batch is trained on twice; TRL computes the old log-probs with the
     trainer's model when it generates (never vLLM's), and PACS uses them: psi = 0 on a batch's first
     iteration, non-zero on its second (the policy moved in between)."""
     trainer, _, _ = colocated_trainer
-    batches = []  # (batch, log-probs under the policy at generation time)
-    generate_and_score = trainer._generate_and_score_completions
-
-    def recording_generate_and_score(inputs):
-        batch = generate_and_score(inputs)
-        batches.append((batch, naive_logp(trainer.model, batch, TEMPERATURE)))
-        return batch
-
-    trainer._generate_and_score_completions = recording_generate_and_score
+    batches = record_generations(trainer, trainer.model)  # (batch, log-probs under the policy at generation time)
     trainer.args.max_steps = 4
     trainer.train()
 
@@ -205,18 +194,9 @@ def test_colocated_vllm_with_two_iterations_uses_trl_old_logprobs(colocated_trai
 def test_colocated_vllm_with_lora_generates_from_the_merged_adapters(colocated_trainer):
     """LoRA (TRL's peft_config): only the adapters train, and TRL's sync merges them into vLLM's weights
     before each generation: vLLM's log-probs equal the adapted policy's at generation time."""
-    pytest.importorskip("peft")
     trainer, initial_policy, _ = colocated_trainer
-    batches = []  # (batch, log-probs under the adapted policy at generation time, under the initial policy)
-    generate_and_score = trainer._generate_and_score_completions
-
-    def recording_generate_and_score(inputs):
-        batch = generate_and_score(inputs)
-        batches.append((batch, naive_logp(trainer.model, batch, TEMPERATURE),
-                        naive_logp(initial_policy, batch, TEMPERATURE)))
-        return batch
-
-    trainer._generate_and_score_completions = recording_generate_and_score
+    # (batch, log-probs under the adapted policy at generation time, under the initial policy)
+    batches = record_generations(trainer, trainer.model, initial_policy)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
 

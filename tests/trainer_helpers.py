@@ -66,6 +66,13 @@ def check_ran(done, what: str) -> None:
                 + "\n--- stderr, last 60 lines:\n" + "\n".join(err[-60:]), pytrace=False)
 
 
+def full_weights(model) -> dict:
+    """{name: full tensor of every parameter, detached, on the CPU}; FSDP2's DTensor shards are gathered
+    (a collective: every rank calls it)."""
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+            for name, p in model.named_parameters()}
+
+
 def leave_distributed_run() -> None:
     """End one rank of a torchrun test worker once its results are on disk: every rank waits at a
     barrier (so all of them have written theirs), then the process exits at once with status 0,

@@ -64,3 +64,13 @@ def trainer(tmp_dir, reward=contains_one, model=None, **overrides):
     model = tiny_model(len(tok)) if model is None else model
     return PACSTrainer(model, reward, args=config(tmp_dir, **overrides), train_dataset=prompts(),
                        processing_class=tok)
+
+
+def naive_logp(model, batch, temperature):
+    """(B, C) float32 log-probs of a TRL batch's completion tokens from the model's full logits, at
+    ``temperature`` (differentiable; wrap in torch.no_grad() for values only)."""
+    completion = batch["completion_ids"]
+    input_ids = torch.cat([batch["prompt_ids"], completion], 1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, -completion.shape[1] - 1:-1]
+    return torch.log_softmax(logits.float() / temperature, -1).gather(-1, completion[..., None])[..., 0]

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trl_helpers as helpers  # noqa: E402
-from trainer_helpers import leave_distributed_run  # noqa: E402
+from trainer_helpers import full_weights, leave_distributed_run  # noqa: E402
 
 MODES = ("ddp", "fsdp2")
 # Plain SGD (momentum 0) without clipping: see the module doc.
@@ -40,12 +40,6 @@ def sharding_of(model) -> dict:
         "mesh_devices": sorted({p.device_mesh.device_type for p in dtensors.values()}),
         "mesh_sizes": sorted({p.device_mesh.size() for p in dtensors.values()}),
     }
-
-
-def full_weights(model) -> dict:
-    """{name: full float32 tensor}; FSDP2's DTensor shards are gathered (a collective: every rank calls it)."""
-    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for name, p in model.named_parameters()}
 
 
 def main(mode: str, out_dir: str, tied: bool = False) -> None:

@@ -43,7 +43,7 @@ if "RANK" not in os.environ:  # one process, not started by torchrun
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import verl_cpu_platform  # noqa: E402,F401  (registers the "cpu" platform before verl resolves its platform)
-from trainer_helpers import leave_distributed_run  # noqa: E402
+from trainer_helpers import full_weights, leave_distributed_run  # noqa: E402
 
 
 def actor_config(run_dir: str, settings: dict):
@@ -54,15 +54,6 @@ def actor_config(run_dir: str, settings: dict):
     overrides = [f"actor_rollout_ref.model.path={os.path.join(run_dir, 'model')}", *settings["overrides"]]
     with initialize_config_dir(config_dir=os.path.join(repo, "configs"), version_base=None):
         return compose(config_name="verl_pacs_qwen2.5_7b", overrides=overrides)
-
-
-def full_weights(module) -> dict:
-    """name -> full float tensor of every parameter (FSDP2 DTensors gathered), detached, on the CPU."""
-    out = {}
-    for name, param in module.named_parameters():
-        value = param.full_tensor() if hasattr(param, "full_tensor") else param
-        out[name] = value.detach().cpu().clone()
-    return out
 
 
 class LocalWorkerGroup:
