@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 from .config import Config, config_keys, load_config
@@ -70,7 +71,7 @@ def _is_main_rank() -> bool:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from .policy import close_distributed
-    from .trainer import TrainingInterrupted, TrainingStopped, resume_hint, train
+    from .trainer import TrainingInterrupted, TrainingPreempted, TrainingStopped, resume_hint, train
 
     cfg = build_config(args)
     try:
@@ -87,7 +88,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     except TrainingInterrupted as exc:
         if _is_main_rank():
             print(f"pacs train: {exc}", file=sys.stderr)
-        return 130
+        # the shell's code for a process ended by that signal (SIGTERM: 143; Ctrl-C: 130), which schedulers
+        # read as "stopped by the signal", not as a failed job
+        return 128 + getattr(signal, exc.signal_name) if isinstance(exc, TrainingPreempted) else 130
     return 0
 
 

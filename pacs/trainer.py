@@ -50,6 +50,7 @@ from .rollout import make_rollout_engine
 from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
 from .run_setup import Run, apply_torch_threads, check_config, engine_options, prepare_run
 from .split_groups import GroupGradients, group_gradients, part_surrogate, split_group_rows
+from .stop_signals import StopSignals
 
 
 @dataclass
@@ -68,6 +69,15 @@ class TrainingStopped(RuntimeError):
 
 class TrainingInterrupted(RuntimeError):
     """Ctrl-C during training; the message says where the last checkpoint is and how to resume."""
+
+
+class TrainingPreempted(TrainingInterrupted):
+    """SIGTERM / SIGUSR1 (a scheduler's preemption or time-limit warning): the step in progress was
+    finished and checkpointed (pacs/stop_signals.py); the message says how to resume."""
+
+    def __init__(self, message: str, signal_name: str):
+        super().__init__(message)
+        self.signal_name = signal_name
 
 
 @dataclass
@@ -483,83 +493,92 @@ def train(cfg: Config) -> TrainResult:
     start_time = time.time()
     row: dict = {}
     progress = None
-    try:
-        if resume is None:
-            row = {"step": 0, "rollout_engine": type(engine).__name__,
-                   **evaluate_policy(cfg, engine, run, dist_info, 0)}
-            metrics.write(row)
-            say(f"[eval] step 0: held-out accuracy {row['eval_accuracy']:.3f}")
-        progress = tqdm(total=cfg.max_steps, initial=state["step"], desc="rollout steps",
-                        disable=not dist_info.is_main, dynamic_ncols=True)
-        per_rank = r.prompts_per_step // dist_info.world_size
-        warned_cut = False
-        for step in range(state["step"] + 1, cfg.max_steps + 1):
-            step_start = time.time()
-            # 1. prompts (this rank's share), G responses each, groups contiguous; seeds depend on
-            #    (seed, step, row) only, so a resumed run samples what the uninterrupted one did
-            problems = run.task.train_batch(state["data_position"] + dist_info.rank * per_rank, per_rank)
-            state["data_position"] += r.prompts_per_step
-            prompts, cut = encode_prompts(run.tokenizer, problems, template=cfg.task.prompt_template,
-                                          use_chat_template=cfg.task.use_chat_template, max_prompt_len=r.max_prompt_len)
-            if cut and not warned_cut:
-                warned_cut = True
-                say(f"[warning] prompts longer than rollout.max_prompt_len={r.max_prompt_len} tokens are cut to "
-                    "their last max_prompt_len tokens")
-            outputs = engine.generate(prompts, r.group_size, temperature=r.temperature, top_p=r.top_p,
-                                      max_new_tokens=r.max_new_tokens, stop_token_ids=run.stop_ids,
-                                      seed=step_seed(cfg.seed, step, dist_info.rank * per_rank * r.group_size))
-            rollout_time = time.time() - step_start
+    # SIGTERM / SIGUSR1 (a scheduler's preemption): finish the step, checkpoint it, stop (pacs/stop_signals.py)
+    with StopSignals() as stop_signals:
+        try:
+            if resume is None:
+                row = {"step": 0, "rollout_engine": type(engine).__name__,
+                       **evaluate_policy(cfg, engine, run, dist_info, 0)}
+                metrics.write(row)
+                say(f"[eval] step 0: held-out accuracy {row['eval_accuracy']:.3f}")
+            progress = tqdm(total=cfg.max_steps, initial=state["step"], desc="rollout steps",
+                            disable=not dist_info.is_main, dynamic_ncols=True)
+            per_rank = r.prompts_per_step // dist_info.world_size
+            warned_cut = False
+            for step in range(state["step"] + 1, cfg.max_steps + 1):
+                step_start = time.time()
+                # 1. prompts (this rank's share), G responses each, groups contiguous; seeds depend on
+                #    (seed, step, row) only, so a resumed run samples what the uninterrupted one did
+                problems = run.task.train_batch(state["data_position"] + dist_info.rank * per_rank, per_rank)
+                state["data_position"] += r.prompts_per_step
+                prompts, cut = encode_prompts(run.tokenizer, problems, template=cfg.task.prompt_template,
+                                              use_chat_template=cfg.task.use_chat_template,
+                                              max_prompt_len=r.max_prompt_len)
+                if cut and not warned_cut:
+                    warned_cut = True
+                    say(f"[warning] prompts longer than rollout.max_prompt_len={r.max_prompt_len} tokens are cut to "
+                        "their last max_prompt_len tokens")
+                outputs = engine.generate(prompts, r.group_size, temperature=r.temperature, top_p=r.top_p,
+                                          max_new_tokens=r.max_new_tokens, stop_token_ids=run.stop_ids,
+                                          seed=step_seed(cfg.seed, step, dist_info.rank * per_rank * r.group_size))
+                rollout_time = time.time() - step_start
 
-            # 2. verifiable rewards, one row per response
-            responses = [resp for group_out in outputs for resp in group_out]
-            rewards = [run.task.reward(decode_response(run.tokenizer, resp), problem)
-                       for problem, group_out in zip(problems, outputs) for resp in group_out]
-            batch = build_batch([p for p in prompts for _ in range(r.group_size)], responses, rewards,
-                                run.pad_id).to(dist_info.device)
+                # 2. verifiable rewards, one row per response
+                responses = [resp for group_out in outputs for resp in group_out]
+                rewards = [run.task.reward(decode_response(run.tokenizer, resp), problem)
+                           for problem, group_out in zip(problems, outputs) for resp in group_out]
+                batch = build_batch([p for p in prompts for _ in range(r.group_size)], responses, rewards,
+                                    run.pad_id).to(dist_info.device)
 
-            # 3. old-policy log-probs (the PACS reference, reset every rollout step)
-            update_start = time.time()
-            old_logp, old_lse, entropy = old_policy_logprobs(
-                policy, batch, old_policy_ranges(cfg, batch, dist_info, packed), r.temperature, o.logprob_backend,
-                packed)
+                # 3. old-policy log-probs (the PACS reference, reset every rollout step)
+                update_start = time.time()
+                old_logp, old_lse, entropy = old_policy_logprobs(
+                    policy, batch, old_policy_ranges(cfg, batch, dist_info, packed), r.temperature, o.logprob_backend,
+                    packed)
 
-            # 4. the updates (NaN-skipping); 5. new weights into the rollout engine
-            update = update_policy(cfg, policy, optimizer, scheduler, batch, old_logp, old_lse, state, dist_info,
-                                   step, say, packed=packed)
-            update_time = time.time() - update_start
-            sync_start = time.time()
-            engine.sync_weights(full_named_tensors(policy))
-            sync_time = time.time() - sync_start
+                # 4. the updates (NaN-skipping); 5. new weights into the rollout engine
+                update = update_policy(cfg, policy, optimizer, scheduler, batch, old_logp, old_lse, state, dist_info,
+                                       step, say, packed=packed)
+                update_time = time.time() - update_start
+                sync_start = time.time()
+                engine.sync_weights(full_named_tensors(policy))
+                sync_time = time.time() - sync_start
 
-            # metrics (averaged over ranks), held-out evaluation every eval.every steps, checkpoint
-            times = {"rollout_time": rollout_time, "update_time": update_time, "sync_time": sync_time,
-                     "step_time": time.time() - step_start, "elapsed": time.time() - start_time}
-            row = step_metrics(step, batch, responses, entropy, update, scheduler, state, times, dist_info,
-                               extra=run.task.reward_metrics())
-            out_of_time = cfg.max_minutes is not None and time.time() - start_time > 60 * cfg.max_minutes
-            last_step = step == cfg.max_steps or out_of_time
-            if (cfg.eval.every and step % cfg.eval.every == 0) or last_step:
-                row.update(evaluate_policy(cfg, engine, run, dist_info, step))
-            metrics.write(row)
-            # the last mini-batch's loss (the first one's is ln 2 for PACS) and the grad norm: both move
-            progress.set_postfix(reward=f"{row['reward_mean']:.2f}", loss=f"{update.last_loss:.3f}",
-                                 gnorm=f"{row['grad_norm']:.3f}",
-                                 **({"acc": f"{row['eval_accuracy']:.2f}"} if "eval_accuracy" in row else {}))
-            progress.update(1)
-            state["step"] = step
-            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or last_step:
-                save_checkpoint(cfg.output_dir, step, policy, optimizer, scheduler, state, dist_info)
-            if out_of_time:
-                say(f"[train] max_minutes={cfg.max_minutes} reached after step {step}: stopping")
-                break
-    except BaseException as exc:
-        if progress is not None:
-            progress.close()
-        engine.close()
-        if isinstance(exc, KeyboardInterrupt):
-            raise TrainingInterrupted(f"interrupted at step {state['step'] + 1}; {resume_hint(cfg)}") from None
-        raise
-    progress.close()
+                # metrics (averaged over ranks), held-out evaluation every eval.every steps, checkpoint
+                times = {"rollout_time": rollout_time, "update_time": update_time, "sync_time": sync_time,
+                         "step_time": time.time() - step_start, "elapsed": time.time() - start_time}
+                row = step_metrics(step, batch, responses, entropy, update, scheduler, state, times, dist_info,
+                                   extra=run.task.reward_metrics())
+                out_of_time = cfg.max_minutes is not None and time.time() - start_time > 60 * cfg.max_minutes
+                stop_signal = stop_signals.agreed(dist_info.world_size, dist_info.device)  # every rank, every step
+                last_step = step == cfg.max_steps or out_of_time or stop_signal is not None
+                # a preempted run keeps only the scheduled evaluations (its resumed run then logs what an
+                # uninterrupted one does, and a scheduler's grace period is better spent on the checkpoint)
+                if (cfg.eval.every and step % cfg.eval.every == 0) or (last_step and stop_signal is None):
+                    row.update(evaluate_policy(cfg, engine, run, dist_info, step))
+                metrics.write(row)
+                # the last mini-batch's loss (the first one's is ln 2 for PACS) and the grad norm: both move
+                progress.set_postfix(reward=f"{row['reward_mean']:.2f}", loss=f"{update.last_loss:.3f}",
+                                     gnorm=f"{row['grad_norm']:.3f}",
+                                     **({"acc": f"{row['eval_accuracy']:.2f}"} if "eval_accuracy" in row else {}))
+                progress.update(1)
+                state["step"] = step
+                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or last_step:
+                    save_checkpoint(cfg.output_dir, step, policy, optimizer, scheduler, state, dist_info)
+                if stop_signal is not None:
+                    raise TrainingPreempted(f"{stop_signal} received: stopped after step {step}, its checkpoint "
+                                            f"written; {resume_hint(cfg)}", stop_signal)
+                if out_of_time:
+                    say(f"[train] max_minutes={cfg.max_minutes} reached after step {step}: stopping")
+                    break
+        except BaseException as exc:
+            if progress is not None:
+                progress.close()
+            engine.close()
+            if isinstance(exc, KeyboardInterrupt):
+                raise TrainingInterrupted(f"interrupted at step {state['step'] + 1}; {resume_hint(cfg)}") from None
+            raise
+        progress.close()
 
     # ---- final export (HF format, servable by vLLM), the curves, one summary line
     export_hf(policy, run.tokenizer, os.path.join(cfg.output_dir, "final_model"), dist_info)

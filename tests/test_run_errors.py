@@ -1,6 +1,7 @@
 """Everyday mistakes end in one line and exit code 2, never in a traceback or a lost run: unusable
 or occupied output directories, a model without weights, a data set too small for its held-out
-split, nonsense settings; Ctrl-C says how to resume; --overwrite moves the old run aside."""
+split, nonsense settings; Ctrl-C says how to resume; --overwrite moves the old run aside. (A scheduler's
+SIGTERM: tests/test_trainer_e2e.py.)"""
 
 from __future__ import annotations
 

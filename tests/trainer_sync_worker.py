@@ -2,10 +2,15 @@
 of every weight push into the rollout engine and of the final full parameters.
 
 usage: python trainer_sync_worker.py OUT_DIR KEY=VALUE...
+
+With PACS_TEST_SIGTERM_RANK0_AT_UPDATE=K in the environment, rank 0 (only) sends itself SIGTERM in its
+K-th policy update, as a scheduler's preemption reaching one rank first; the run's TrainingPreempted
+is then recorded (preempted_by, the step the run stopped after) instead of the results.
 """
 
 import json
 import os
+import signal
 import sys
 
 import torch
@@ -43,11 +48,27 @@ def main() -> None:
         return engine
 
     trainer.make_rollout_engine = recording_engine
+    rank = int(os.environ.get("RANK", "0"))
+    signal_at = int(os.environ.get("PACS_TEST_SIGTERM_RANK0_AT_UPDATE", "0"))
+    if signal_at and rank == 0:
+        update, calls = trainer.update_policy, []
+
+        def signalled_update(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == signal_at:
+                os.kill(os.getpid(), signal.SIGTERM)  # the handler only sets a flag
+            return update(*args, **kwargs)
+
+        trainer.update_policy = signalled_update
     cfg = load_config(None, overrides)
     cfg.output_dir = out_dir
-    result = trainer.train(cfg)
+    try:
+        result = trainer.train(cfg)
+    except trainer.TrainingPreempted as stopped:
+        with open(os.path.join(out_dir, f"sync_rank{rank}.json"), "w") as fh:
+            json.dump({"preempted_by": stopped.signal_name, "message": str(stopped)}, fh)
+        leave_distributed_run()
     final = checksum(full_named_tensors(result.policy))
-    rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(out_dir, f"sync_rank{rank}.json"), "w") as fh:
         json.dump({"pushes": pushes, "final": final, "metrics": result.metrics,
                    "world_size": int(os.environ.get("WORLD_SIZE", "1"))}, fh)
