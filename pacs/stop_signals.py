@@ -1,12 +1,14 @@
-"""Preemption without lost steps: SIGTERM and SIGUSR1 stop a run at the end of the step in progress.
+"""Preemption without lost steps: SIGTERM, SIGUSR1 and Ctrl-C stop a run at the end of the step in progress.
 
 Schedulers send SIGTERM before they kill a job (SLURM on preemption, ``scancel`` and time limits;
 Kubernetes on eviction), and SLURM sends SIGUSR1 ahead of the time limit with
 ``#SBATCH --signal=USR1@SECONDS``. Without a handler either ends the process at once, and the run
-resumes from its last periodic checkpoint (up to ``checkpoint_every`` steps lost). Inside
-:class:`StopSignals` they only set a flag; the training loop finishes the step in progress, writes
-its checkpoint and stops with a line that says how to resume. The same signal a second time ends
-the process at once (the signal's default action), for a run that must not wait for its step.
+resumes from its last periodic checkpoint (up to ``checkpoint_every`` steps lost). Ctrl-C (SIGINT)
+is the same at a terminal. Inside :class:`StopSignals` they only set a flag; the training loop
+finishes the step in progress, writes its checkpoint and stops with a line that says how to resume.
+The same signal a second time does at once what it would have done without the handler (SIGTERM
+and SIGUSR1 end the process; Ctrl-C raises KeyboardInterrupt: the run stops with the last periodic
+checkpoint), for a run that must not wait for its step.
 
 Under torchrun every rank must stop after the same step (the checkpoint is written collectively),
 but a signal reaches the ranks at different moments: :meth:`StopSignals.agreed` takes the flag of
@@ -22,16 +24,18 @@ import threading
 import torch
 import torch.distributed as dist
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class StopSignals:
-    """While inside the ``with`` block: SIGTERM / SIGUSR1 set :attr:`received` (the signal's name)
-    instead of ending the process; the previous handlers are put back on leaving it. Handlers can
-    only be installed from the main thread; elsewhere the block changes nothing."""
+    """While inside the ``with`` block: SIGTERM / SIGUSR1 / SIGINT set :attr:`received` (the signal's
+    name) instead of ending the process, and ``notice(name)`` is called once (say what will happen);
+    the previous handlers are put back on leaving it. Handlers can only be installed from the main
+    thread; elsewhere the block changes nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, notice=None) -> None:
         self.received: str | None = None
+        self._notice = notice
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopSignals:
@@ -51,6 +55,8 @@ class StopSignals:
             os.kill(os.getpid(), signum)
             return
         self.received = signal.Signals(signum).name
+        if self._notice is not None:
+            self._notice(self.received)
 
     def agreed(self, world_size: int, device: torch.device) -> str | None:
         """The signal that stops the run after this step, or None; under torchrun the same answer on

@@ -68,12 +68,13 @@ class TrainingStopped(RuntimeError):
 
 
 class TrainingInterrupted(RuntimeError):
-    """Ctrl-C during training; the message says where the last checkpoint is and how to resume."""
+    """A second Ctrl-C during training (the first one finishes the step: TrainingPreempted); the message
+    says where the last checkpoint is and how to resume."""
 
 
 class TrainingPreempted(TrainingInterrupted):
-    """SIGTERM / SIGUSR1 (a scheduler's preemption or time-limit warning): the step in progress was
-    finished and checkpointed (pacs/stop_signals.py); the message says how to resume."""
+    """SIGTERM / SIGUSR1 (a scheduler's preemption or time-limit warning) or a first Ctrl-C: the step in
+    progress was finished and checkpointed (pacs/stop_signals.py); the message says how to resume."""
 
     def __init__(self, message: str, signal_name: str):
         super().__init__(message)
@@ -493,8 +494,13 @@ def train(cfg: Config) -> TrainResult:
     start_time = time.time()
     row: dict = {}
     progress = None
-    # SIGTERM / SIGUSR1 (a scheduler's preemption): finish the step, checkpoint it, stop (pacs/stop_signals.py)
-    with StopSignals() as stop_signals:
+    # SIGTERM / SIGUSR1 (a scheduler's preemption), Ctrl-C: finish the step, checkpoint it, stop
+    # (pacs/stop_signals.py)
+    def stop_notice(name: str) -> None:
+        say(f"\n[train] {name} received: the step in progress is finished and checkpointed, then the run stops "
+            f"(the same signal again stops at once)")
+
+    with StopSignals(notice=stop_notice) as stop_signals:
         try:
             if resume is None:
                 row = {"step": 0, "rollout_engine": type(engine).__name__,

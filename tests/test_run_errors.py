@@ -1,13 +1,14 @@
 """Everyday mistakes end in one line and exit code 2, never in a traceback or a lost run: unusable
 or occupied output directories, a model without weights, a data set too small for its held-out
-split, nonsense settings; Ctrl-C says how to resume; --overwrite moves the old run aside. (A scheduler's
-SIGTERM: tests/test_trainer_e2e.py.)"""
+split, nonsense settings; Ctrl-C twice says how to resume; --overwrite moves the old run aside. (One
+Ctrl-C or a scheduler's SIGTERM finishes the step: tests/test_trainer_e2e.py.)"""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -154,8 +155,9 @@ def test_ctrl_c_resume_and_overwrite(tmp_path, capsys, tiny_model, monkeypatch):
 
     def interrupted_at_step_3(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
+        if calls["n"] == 3:  # Ctrl-C twice: the first would finish the step, the second stops at once
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)  # KeyboardInterrupt from here
         return real_update(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "update_policy", interrupted_at_step_3)

@@ -191,13 +191,13 @@ def test_one_sweep_first_step_matches_the_usual_update(tmp_path, cache_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGUSR1])
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
 def test_a_preempted_run_checkpoints_its_step_and_resumes_as_if_never_stopped(tmp_path, cache_dir, capsys,
                                                                              monkeypatch, stop_signal):
-    """A scheduler's signal during step 3 (SIGTERM: preemption, scancel; SIGUSR1: SLURM's --signal warning),
-    with no checkpoint due before step 100: the step is finished and checkpointed, the run stops with the
-    shell's code for that signal and one line saying how to resume, and the resumed run logs what a run
-    that was never stopped logs. The handlers are gone afterwards."""
+    """A scheduler's signal during step 3 (SIGTERM: preemption, scancel; SIGUSR1: SLURM's --signal warning; or
+    a first Ctrl-C), with no checkpoint due before step 100: the step is finished and checkpointed, the run
+    stops with the shell's code for that signal and one line saying how to resume, and the resumed run logs
+    what a run that was never stopped logs. The handlers are gone afterwards."""
     from trainer_helpers import TINY
 
     import pacs.trainer as trainer
@@ -228,7 +228,9 @@ def test_a_preempted_run_checkpoints_its_step_and_resumes_as_if_never_stopped(tm
         f"checkpoint is {out}/checkpoints/step_000003 (step 3); resume with: pacs train --config "
         f"{out}/config.yaml --resume"]
     assert [r["step"] for r in read_metrics(str(out / "metrics.jsonl"))] == [0, 1, 2, 3]
-    assert signal.getsignal(stop_signal) is signal.SIG_DFL  # the trainer's handler is gone
+    # the trainer's handler is gone, the previous one back
+    assert signal.getsignal(stop_signal) is (signal.default_int_handler if stop_signal == signal.SIGINT
+                                             else signal.SIG_DFL)
 
     assert main(["train", "--config", str(out / "config.yaml"), "--resume"]) == 0
     assert comparable(read_metrics(str(out / "metrics.jsonl"))) == expected
