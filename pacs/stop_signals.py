@@ -29,7 +29,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 class StopSignals:
     """While inside the ``with`` block: SIGTERM / SIGUSR1 / SIGINT set :attr:`received` (the signal's
-    name) instead of ending the process, and ``notice(name)`` is called once (say what will happen);
+    name) instead of ending the process, and ``notice(name)`` is called once to say what will happen (from
+    the signal handler: an unbuffered ``os.write``, as ``print`` could re-enter a write it interrupted);
     the previous handlers are put back on leaving it. Handlers can only be installed from the main
     thread; elsewhere the block changes nothing."""
 

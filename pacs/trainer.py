@@ -496,11 +496,11 @@ def train(cfg: Config) -> TrainResult:
     progress = None
     # SIGTERM / SIGUSR1 (a scheduler's preemption), Ctrl-C: finish the step, checkpoint it, stop
     # (pacs/stop_signals.py)
-    def stop_notice(name: str) -> None:
-        say(f"\n[train] {name} received: the step in progress is finished and checkpointed, then the run stops "
-            f"(the same signal again stops at once)")
+    def stop_notice(name: str) -> None:  # runs in the signal handler: an unbuffered write (print could re-enter)
+        os.write(2, f"\n[train] {name} received: the step in progress is finished and checkpointed, then the run "
+                    f"stops (the same signal again stops at once)\n".encode())
 
-    with StopSignals(notice=stop_notice) as stop_signals:
+    with StopSignals(notice=stop_notice if dist_info.is_main else None) as stop_signals:
         try:
             if resume is None:
                 row = {"step": 0, "rollout_engine": type(engine).__name__,
