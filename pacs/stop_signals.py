@@ -27,6 +27,14 @@ import torch.distributed as dist
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
+class StoppedBySignal(RuntimeError):
+    """A run stopped by one of STOP_SIGNALS after checkpointing its last step; the message says how to resume."""
+
+    def __init__(self, message: str, signal_name: str):
+        super().__init__(message)
+        self.signal_name = signal_name
+
+
 class StopSignals:
     """While inside the ``with`` block: SIGTERM / SIGUSR1 / SIGINT set :attr:`received` (the signal's
     name) instead of ending the process, and ``notice(name)`` is called once to say what will happen (from

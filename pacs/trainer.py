@@ -50,7 +50,7 @@ from .rollout import make_rollout_engine
 from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
 from .run_setup import Run, apply_torch_threads, check_config, engine_options, prepare_run
 from .split_groups import GroupGradients, group_gradients, part_surrogate, split_group_rows
-from .stop_signals import StopSignals
+from .stop_signals import StoppedBySignal, StopSignals
 
 
 @dataclass
@@ -72,13 +72,12 @@ class TrainingInterrupted(RuntimeError):
     says where the last checkpoint is and how to resume."""
 
 
-class TrainingPreempted(TrainingInterrupted):
+class TrainingPreempted(TrainingInterrupted, StoppedBySignal):
     """SIGTERM / SIGUSR1 (a scheduler's preemption or time-limit warning) or a first Ctrl-C: the step in
     progress was finished and checkpointed (pacs/stop_signals.py); the message says how to resume."""
 
     def __init__(self, message: str, signal_name: str):
-        super().__init__(message)
-        self.signal_name = signal_name
+        StoppedBySignal.__init__(self, message, signal_name)
 
 
 @dataclass

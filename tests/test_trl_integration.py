@@ -4,6 +4,7 @@ DDP and under FSDP2 (equal weights after training)."""
 
 import json
 import os
+import signal
 import warnings
 
 import pytest
@@ -460,3 +461,38 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path):
                 for value in (row["step"], row["loss"], row["reward"])]
     assert logged_after_the_checkpoint(whole)[::3] == [3, 4]
     assert logged_after_the_checkpoint(resumed) == pytest.approx(logged_after_the_checkpoint(whole), rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_the_step_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path, stop_signal):
+    """SIGTERM (a scheduler's preemption) or Ctrl-C during step 2 of 4, no checkpoint scheduled: PACSTrainer
+    finishes the optimizer step, saves checkpoint-2 and raises StoppedBySignal saying how to resume; resumed
+    from it, the run ends with the uninterrupted run's weights. The handlers are put back."""
+    from transformers import TrainerCallback
+
+    from pacs.stop_signals import StoppedBySignal
+
+    def parameters(trainer):
+        return torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+
+    whole = helpers.trainer(tmp_path / "whole", max_steps=4)
+    whole.train()
+
+    class SignalDuringStep2(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                os.kill(os.getpid(), stop_signal)  # the handler only sets a flag
+
+    before = signal.getsignal(stop_signal)
+    stopped = helpers.trainer(tmp_path / "stopped", max_steps=4)
+    stopped.add_callback(SignalDuringStep2())
+    with pytest.raises(StoppedBySignal, match=f"{stop_signal.name} received: stopped after step 2, its checkpoint "
+                                              "saved in .*checkpoint-2; resume with trainer.train"):
+        stopped.train()
+    assert signal.getsignal(stop_signal) is before
+    assert (tmp_path / "stopped" / "checkpoint-2").is_dir()
+
+    resumed = helpers.trainer(tmp_path / "stopped", max_steps=4)
+    resumed.train(resume_from_checkpoint=True)
+    torch.testing.assert_close(parameters(resumed), parameters(whole), rtol=1e-6, atol=1e-7)

@@ -35,14 +35,17 @@ when set away from their defaults.
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field, fields
 
 import torch
+from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from pacs_kernels import PACSLoss
 
+from ..stop_signals import StoppedBySignal, StopSignals
 from .model_forward import PACSBatch, add_pacs_forward, check_supported_head
 
 # GRPOConfig fields that only shape GRPO's loss or advantages: ignored by PACS (warning when changed).
@@ -76,6 +79,9 @@ class PACSConfig(GRPOConfig):
         default=False, metadata={"help": "Add the paper's Eq. 6 score-function term to the gradient."})
     pacs_backend: str = field(
         default="auto", metadata={"help": "Log-prob backend: 'auto' | 'triton' | 'torch' | 'naive'."})
+    pacs_checkpoint_on_signal: bool = field(
+        default=True, metadata={"help": "SIGTERM / SIGUSR1 / Ctrl-C during train(): finish the optimizer step, save "
+                                        "a checkpoint, stop (pacs/stop_signals.py)."})
     # GRPOConfig defaults this to True, a value PACSTrainer refuses with use_vllm=True (the correction multiplies
     # GRPO's per-token loss, which PACS does not have): so that use_vllm=True alone turns vLLM on, it is off here.
     vllm_importance_sampling_correction: bool = field(
@@ -128,6 +134,26 @@ def check_pacs_config(args: PACSConfig) -> None:
                       f"loss): {', '.join(f'{n}={getattr(args, n)!r}' for n in changed)}", stacklevel=3)
 
 
+class StopOnSignal(TrainerCallback):
+    """While PACSTrainer.train() runs: after an optimizer step during which one of pacs.stop_signals'
+    signals arrived (on any rank: the flag is all-reduced), have the Trainer save a checkpoint and stop."""
+
+    def __init__(self) -> None:
+        self.signals: StopSignals | None = None
+        self.stopped_by: str | None = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.signals is None:
+            return control
+        world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        name = self.signals.agreed(world_size, args.device)
+        if name is not None:
+            self.stopped_by = name
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+
 class PACSTrainer(GRPOTrainer):
     """``GRPOTrainer`` with the PACS loss; same constructor, ``args`` a :class:`PACSConfig`.
 
@@ -154,6 +180,32 @@ class PACSTrainer(GRPOTrainer):
         target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         add_pacs_forward(target, self.pacs_loss, temperature=args.temperature)
         self._pacs_rewards_per_func = None
+        self._stop_on_signal = StopOnSignal()
+        if args.pacs_checkpoint_on_signal:
+            self.add_callback(self._stop_on_signal)
+
+    def train(self, *args, **kwargs):
+        """TRL's train(); with ``pacs_checkpoint_on_signal`` (the default) SIGTERM / SIGUSR1 / Ctrl-C finish
+        the optimizer step in progress, save a checkpoint and raise :class:`StoppedBySignal` saying how to
+        resume (``trainer.train(resume_from_checkpoint=True)``); the same signal again acts at once."""
+        if not self.args.pacs_checkpoint_on_signal:
+            return super().train(*args, **kwargs)
+        notice = (lambda name: os.write(2, f"\n[PACSTrainer] {name} received: the optimizer step in progress is "
+                                           "finished and checkpointed, then training stops (the same signal again "
+                                           "stops at once)\n".encode())) if self.is_world_process_zero() else None
+        with StopSignals(notice=notice) as signals:
+            self._stop_on_signal.signals, self._stop_on_signal.stopped_by = signals, None
+            try:
+                output = super().train(*args, **kwargs)
+            finally:
+                self._stop_on_signal.signals = None
+        if self._stop_on_signal.stopped_by is not None:
+            step = self.state.global_step
+            raise StoppedBySignal(
+                f"{self._stop_on_signal.stopped_by} received: stopped after step {step}, its checkpoint saved in "
+                f"{os.path.join(self.args.output_dir, f'checkpoint-{step}')}; resume with "
+                "trainer.train(resume_from_checkpoint=True)", self._stop_on_signal.stopped_by)
+        return output
 
     # ------------------------------------------------------------------ batch: rewards, validity, groups
 
