@@ -496,3 +496,16 @@ def test_a_signal_saves_the_step_and_the_resumed_run_equals_an_uninterrupted_one
     resumed = helpers.trainer(tmp_path / "stopped", max_steps=4)
     resumed.train(resume_from_checkpoint=True)
     torch.testing.assert_close(parameters(resumed), parameters(whole), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_ddp_rank_stops_both_after_the_same_step(tmp_path, monkeypatch):
+    """torchrun, 2 CPU ranks (DDP): SIGTERM to rank 0 alone during step 1 of 2: both ranks save checkpoint-1
+    together and raise StoppedBySignal (the flag is all-reduced; otherwise rank 1 would wait in a collective)."""
+    monkeypatch.setenv("PACS_TEST_SIGTERM_RANK0_AT_STEP", "1")
+    records, _ = two_rank_run(tmp_path, "ddp")
+    for rank in records:
+        assert rank["stopped"]["signal"] == "SIGTERM", rank.get("stopped")
+        assert "stopped after step 1" in rank["stopped"]["message"]
+        assert len(rank["micro_batch_group_ids"]) == 2  # one step of 2 accumulation micro-batches, not 4
+    assert (tmp_path / "checkpoint-1").is_dir()

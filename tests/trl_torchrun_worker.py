@@ -8,10 +8,13 @@ error of any size or direction shows in them). Writes OUT_DIR/rank{R}.json (the 
 model the loss was called through, the group ids and completion ids of every micro-batch, and for
 ``fsdp2`` how the model is sharded) and OUT_DIR/rank{R}_weights.pt (the full weights after training,
 gathered from the shards under FSDP2). ``tied``: the model's LM head is its input embedding
-(``tie_word_embeddings=True``, as in Qwen2.5's small models)."""
+(``tie_word_embeddings=True``, as in Qwen2.5's small models). With PACS_TEST_SIGTERM_RANK0_AT_STEP=K in
+the environment, rank 0 alone sends itself SIGTERM during optimizer step K (a preemption reaching one
+rank first): each rank then records the StoppedBySignal it raised ("stopped") in its JSON."""
 
 import json
 import os
+import signal
 import sys
 
 import torch
@@ -19,6 +22,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trl_helpers as helpers  # noqa: E402
 from trainer_helpers import full_weights, leave_distributed_run  # noqa: E402
+
+from pacs.stop_signals import StoppedBySignal  # noqa: E402
 
 MODES = ("ddp", "fsdp2")
 # Plain SGD (momentum 0) without clipping: see the module doc.
@@ -67,8 +72,21 @@ def main(mode: str, out_dir: str, tied: bool = False) -> None:
     trainer = RecordingTrainer(helpers.tiny_model(len(tok), tie_word_embeddings=tied), helpers.contains_one,
                                args=helpers.config(out_dir, **TRAINING, **options), train_dataset=helpers.prompts(),
                                processing_class=tok)
-    trainer.train()
     rank = trainer.accelerator.process_index
+    signal_at = int(os.environ.get("PACS_TEST_SIGTERM_RANK0_AT_STEP", "0"))
+    if signal_at and rank == 0:
+        from transformers import TrainerCallback
+
+        class SignalRank0(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                if state.global_step == signal_at - 1:
+                    os.kill(os.getpid(), signal.SIGTERM)  # the handler only sets a flag
+
+        trainer.add_callback(SignalRank0())
+    try:
+        trainer.train()
+    except StoppedBySignal as stopped:
+        seen["stopped"] = {"signal": stopped.signal_name, "message": str(stopped)}
     weights = full_weights(trainer.model)
     torch.save(weights, os.path.join(out_dir, f"rank{rank}_weights.pt"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
