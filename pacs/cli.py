@@ -95,9 +95,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# pacs eval generates this many sequences (problems x samples) per call, journaling each chunk
+EVAL_CHUNK_SEQUENCES = 1024
+
+
+def problems_digest(problems) -> str:
+    """SHA-256 of the problems' prompts and answers: a journal of other problems is not resumed."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for problem in problems:
+        digest.update(json.dumps([problem.prompt, problem.answer]).encode())
+    return digest.hexdigest()
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
+    from .eval_journal import EvalJournal
     from .eval_outputs import write_eval_outputs
     from .evaluate import run_eval
     from .rollout import make_rollout_engine
@@ -123,20 +138,30 @@ def cmd_eval(args: argparse.Namespace) -> int:
     run = prepare_run(cfg, log=lambda *_: None)
     engine = make_rollout_engine(**engine_options(cfg, run.model_dir, cfg.seed, log=lambda *_: None))
     r, e = cfg.rollout, cfg.eval
-    try:
-        report = run_eval(engine, run.task, run.tokenizer, run.task.eval_problems(e.num_problems),
-                          n_samples=e.n_samples, temperature=e.temperature, top_p=e.top_p, ks=e.ks,
-                          max_new_tokens=r.max_new_tokens, stop_token_ids=run.stop_ids, seed=cfg.seed,
-                          template=cfg.task.prompt_template, use_chat_template=cfg.task.use_chat_template,
-                          max_prompt_len=r.max_prompt_len)
-    finally:
-        engine.close()
     model_dir = run.model_dir
     info = {"model": model_dir, "data": cfg.task.data_path if cfg.task.name == "math" else cfg.task.name,
             "preset": args.preset, "temperature": e.temperature, "top_p": e.top_p,
             "max_new_tokens": r.max_new_tokens, "seed": cfg.seed, "label": os.path.basename(model_dir.rstrip("/"))}
     out_dir = args.eval_dir or os.path.join(cfg.output_dir, "eval")
+    problems = run.task.eval_problems(e.num_problems)
+    sampling = dict(n_samples=e.n_samples, temperature=e.temperature, top_p=e.top_p, ks=e.ks,
+                    max_new_tokens=r.max_new_tokens, seed=cfg.seed, template=cfg.task.prompt_template,
+                    use_chat_template=cfg.task.use_chat_template, max_prompt_len=r.max_prompt_len,
+                    chunk_problems=max(1, EVAL_CHUNK_SEQUENCES // e.n_samples))
+    # an interrupted evaluation started again with the same settings generates only what it had not finished
+    journal = EvalJournal(out_dir, {"info": info, **sampling, "problems": problems_digest(problems)},
+                          say=lambda line: print(line, file=sys.stderr))
+    try:
+        report = run_eval(engine, run.task, run.tokenizer, problems, stop_token_ids=run.stop_ids, journal=journal,
+                          progress=True, **sampling)
+    except KeyboardInterrupt:
+        print(f"pacs eval: interrupted after {len(journal.done)} of {len(problems)} problems, which are kept in "
+              f"{journal.path}: the same command again continues from there", file=sys.stderr)
+        return 130
+    finally:
+        engine.close()
     paths = write_eval_outputs(report, out_dir, info=info, plot=cfg.plot)
+    journal.finish()
     print(json.dumps({"model": model_dir, **report.metrics, **{f"{kind}_path": p for kind, p in paths.items()}}))
     return 0
 

@@ -81,9 +81,17 @@ def run_eval(engine, task: Task, tokenizer, problems: list[Problem], *, n_sample
              temperature: float = 0.0, top_p: float = 1.0, ks: Sequence[int] = (1,),
              max_new_tokens: int, stop_token_ids: list[int], seed: int = 0,
              template: str = "{prompt}", use_chat_template: bool = False,
-             max_prompt_len: int | None = None) -> EvalReport:
+             max_prompt_len: int | None = None, chunk_problems: int | None = None,
+             journal=None, progress: bool = False) -> EvalReport:
     """Generate ``n_samples`` answers per problem with ``engine`` and score them with the task's
-    reward (prompts longer than ``max_prompt_len`` tokens keep their last ``max_prompt_len``)."""
+    reward (prompts longer than ``max_prompt_len`` tokens keep their last ``max_prompt_len``).
+
+    ``chunk_problems``: generate that many problems at a time (default: all in one call); chunk c
+    starts at problem i and samples with seed ``seed + i * n_samples``, which is what the one call
+    gives each row with the HF engine (row j: seed + j) and a reproducible choice with vLLM's.
+    ``journal`` (:class:`pacs.eval_journal.EvalJournal`): problems it holds are not generated again,
+    and each finished chunk is appended to it. ``progress``: a progress bar over the problems.
+    """
     if n_samples > 1 and temperature == 0:
         raise ValueError("n_samples > 1 needs temperature > 0 (greedy samples are identical)")
     for k in ks:
@@ -91,18 +99,35 @@ def run_eval(engine, task: Task, tokenizer, problems: list[Problem], *, n_sample
             raise ValueError(f"ks entries must be in [1, n_samples={n_samples}], got {k}")
     if not problems:
         raise ValueError("problems is empty")
+    if chunk_problems is not None and (isinstance(chunk_problems, bool) or not isinstance(chunk_problems, int)
+                                       or chunk_problems < 1):
+        raise ValueError(f"chunk_problems must be an int >= 1 or None, got {chunk_problems!r}")
     prompts, _ = encode_prompts(tokenizer, problems, template=template, use_chat_template=use_chat_template,
                                 max_prompt_len=max_prompt_len)
-    outputs = engine.generate(prompts, n_samples, temperature=temperature, top_p=top_p,
-                              max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, seed=seed)
-    records = []
-    for index, (problem, responses) in enumerate(zip(problems, outputs)):
-        texts = [decode_response(tokenizer, r) for r in responses]
-        rewards = [float(task.reward(t, problem)) for t in texts]
-        correct = int(sum(rewards))
-        records.append({"index": index, "prompt": problem.prompt, "answer": problem.answer, "n": n_samples,
-                        "correct": correct, **{f"pass@{k}": pass_at_k(n_samples, correct, k) for k in ks},
-                        "rewards": rewards, "lengths": [len(r) for r in responses], "responses": texts})
+    chunk = chunk_problems or len(problems)
+    done = dict(journal.done) if journal is not None else {}
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(problems), initial=len(done), desc="eval problems", unit="problem", disable=not progress,
+               dynamic_ncols=True)
+    try:
+        for first in range(0, len(problems), chunk):
+            last = min(first + chunk, len(problems))
+            if all(i in done for i in range(first, last)):
+                continue
+            # the whole chunk again, with its own seed, even if a torn journal kept part of it: the same samples
+            outputs = engine.generate(prompts[first:last], n_samples, temperature=temperature, top_p=top_p,
+                                      max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+                                      seed=seed + first * n_samples if chunk_problems else seed)
+            finished = [_score(task, tokenizer, index, problems[index], responses, n_samples, ks)
+                        for index, responses in zip(range(first, last), outputs) if index not in done]
+            if journal is not None:
+                journal.append(finished)
+            done.update((r["index"], r) for r in finished)
+            bar.update(len(finished))
+    finally:
+        bar.close()
+    records = [done[i] for i in range(len(problems))]
     counts = [r["correct"] for r in records]
     mean = sum(counts) / (len(counts) * n_samples)
     metrics = {"accuracy": mean, f"mean@{n_samples}": mean, "num_problems": float(len(problems)),
@@ -111,6 +136,16 @@ def run_eval(engine, task: Task, tokenizer, problems: list[Problem], *, n_sample
     for k in ks:
         metrics[f"pass@{k}"] = mean_pass_at_k(counts, n_samples, k)
     return EvalReport(metrics=metrics, records=records)
+
+
+def _score(task: Task, tokenizer, index: int, problem: Problem, responses, n_samples: int, ks) -> dict:
+    """The record of one problem: its responses decoded, each rewarded, pass@k."""
+    texts = [decode_response(tokenizer, r) for r in responses]
+    rewards = [float(task.reward(t, problem)) for t in texts]
+    correct = int(sum(rewards))
+    return {"index": index, "prompt": problem.prompt, "answer": problem.answer, "n": n_samples, "correct": correct,
+            **{f"pass@{k}": pass_at_k(n_samples, correct, k) for k in ks}, "rewards": rewards,
+            "lengths": [len(r) for r in responses], "responses": texts}
 
 
 def evaluate(engine, task: Task, tokenizer, problems: list[Problem], **kwargs) -> dict[str, float]:
