@@ -99,20 +99,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 EVAL_CHUNK_SEQUENCES = 1024
 
 
-def problems_digest(problems) -> str:
-    """SHA-256 of the problems' prompts and answers: a journal of other problems is not resumed."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for problem in problems:
-        digest.update(json.dumps([problem.prompt, problem.answer]).encode())
-    return digest.hexdigest()
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from .eval_journal import EvalJournal
+    from .eval_journal import EvalJournal, model_files, problems_digest
     from .eval_outputs import write_eval_outputs
     from .evaluate import run_eval
     from .rollout import make_rollout_engine
@@ -149,7 +139,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                     use_chat_template=cfg.task.use_chat_template, max_prompt_len=r.max_prompt_len,
                     chunk_problems=max(1, EVAL_CHUNK_SEQUENCES // e.n_samples))
     # an interrupted evaluation started again with the same settings generates only what it had not finished
-    journal = EvalJournal(out_dir, {"info": info, **sampling, "problems": problems_digest(problems)},
+    journal = EvalJournal(out_dir, {"model_files": model_files(model_dir), "engine": type(engine).__name__,
+                                    "dtype": cfg.model.dtype, "problems": problems_digest(problems), **sampling},
                           say=lambda line: print(line, file=sys.stderr))
     try:
         report = run_eval(engine, run.task, run.tokenizer, problems, stop_token_ids=run.stop_ids, journal=journal,

@@ -2,20 +2,39 @@
 
 pass@k with many samples (the paper's protocol: 32 to 256 samples of up to 4096 tokens for each of
 hundreds of problems) runs for hours on a GPU. ``eval_problems.partial.jsonl`` in the eval directory
-holds a header line (the settings that decide the samples: model, data, prompts, sampling, seed,
-chunking) and then one line per finished problem, flushed and fsynced after every chunk. A ``pacs
-eval`` started again with the same settings takes the finished problems from it and generates only
-the rest, with the same per-chunk seeds, so the report equals that of a run never interrupted; with
-other settings it starts afresh (and says so). The journal is removed once the outputs are written.
-A torn last line (a kill in the middle of a write) is dropped.
+holds a header line (what decides the samples: the model's files, the engine and its dtype, the
+problems, sampling, seed, chunking) and then one line per finished problem, flushed and fsynced after
+every chunk. A ``pacs eval`` started again with the same settings takes the finished problems from it
+and generates only the rest, with the same per-chunk seeds, so the report equals that of a run never
+interrupted; with other settings it starts afresh, the old journal moved aside to
+``eval_problems.partial.jsonl.old`` (and says so). The journal is removed once the outputs are
+written. A torn last line (a kill in the middle of a write) is dropped.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
 JOURNAL_NAME = "eval_problems.partial.jsonl"
+
+
+def problems_digest(problems) -> str:
+    """SHA-256 of the problems' prompts and answers: a journal of other problems is not resumed."""
+    digest = hashlib.sha256()
+    for problem in problems:
+        digest.update(json.dumps([problem.prompt, problem.answer]).encode())
+    return digest.hexdigest()
+
+
+def model_files(model_dir: str) -> list | str:
+    """(name, size, modification time) of each file of a local model directory, the id itself for a hub
+    model: a journal of other weights (a directory rewritten since) is not resumed."""
+    if not os.path.isdir(model_dir):
+        return model_dir
+    return [[entry.name, entry.stat().st_size, entry.stat().st_mtime_ns]
+            for entry in sorted(os.scandir(model_dir), key=lambda e: e.name) if entry.is_file()]
 
 
 class EvalJournal:
@@ -34,7 +53,9 @@ class EvalJournal:
             self._rewrite()  # drops a torn last line before anything is appended
         else:
             if previous is not None:
-                say(f"[eval] {self.path} holds an evaluation with other settings: starting afresh")
+                os.replace(self.path, self.path + ".old")
+                say(f"[eval] {self.path} held an evaluation with other settings: moved to {self.path}.old, "
+                    "starting afresh")
             self._rewrite()
 
     def _read(self) -> tuple[dict, dict[int, dict]] | None:

@@ -6,13 +6,19 @@ Kubernetes on eviction), and SLURM sends SIGUSR1 ahead of the time limit with
 resumes from its last periodic checkpoint (up to ``checkpoint_every`` steps lost). Ctrl-C (SIGINT)
 is the same at a terminal. Inside :class:`StopSignals` they only set a flag; the training loop
 finishes the step in progress, writes its checkpoint and stops with a line that says how to resume.
-The same signal a second time does at once what it would have done without the handler (SIGTERM
-and SIGUSR1 end the process; Ctrl-C raises KeyboardInterrupt: the run stops with the last periodic
-checkpoint), for a run that must not wait for its step.
+A second one of these signals, REPEAT_SECONDS or more after the first, does at once what it would have
+done without the handler (SIGTERM and SIGUSR1 end the process; Ctrl-C raises KeyboardInterrupt: the
+run stops with its last periodic checkpoint), for a run that must not wait for its step; one sooner is
+taken for the same request delivered twice (``srun torchrun``: SLURM signals every process of the
+step and torchrun forwards the signal too). A signal the process was started with ignored (``nohup``,
+``&`` in a script) stays ignored.
 
 Under torchrun every rank must stop after the same step (the checkpoint is written collectively),
 but a signal reaches the ranks at different moments: :meth:`StopSignals.agreed` takes the flag of
-every rank (one all-reduce of one number a step) and stops all of them if any was signalled.
+every rank (one all-reduce a step) and stops all of them if any was signalled. torchrun forwards
+SIGTERM and SIGINT to its workers, SIGUSR1 only with ``--signals-to-handle
+SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1``, and kills them ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (30
+by default) after forwarding: that limit too must cover a step and its checkpoint.
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import torch
 import torch.distributed as dist
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+REPEAT_SECONDS = 2.0  # a second signal sooner than this after the first is the same request delivered twice
 
 
 class StoppedBySignal(RuntimeError):
@@ -37,19 +45,25 @@ class StoppedBySignal(RuntimeError):
 
 class StopSignals:
     """While inside the ``with`` block: SIGTERM / SIGUSR1 / SIGINT set :attr:`received` (the signal's
-    name) instead of ending the process, and ``notice(name)`` is called once to say what will happen (from
-    the signal handler: an unbuffered ``os.write``, as ``print`` could re-enter a write it interrupted);
+    name) instead of ending the process, and a notice (``notice_prefix``, on stderr) says what will
+    happen, written unbuffered from the handler (``print`` could re-enter a write it interrupted);
     the previous handlers are put back on leaving it. Handlers can only be installed from the main
-    thread; elsewhere the block changes nothing."""
+    thread; elsewhere the block changes nothing. ``notice_prefix=None``: no notice (other ranks)."""
 
-    def __init__(self, notice=None) -> None:
+    def __init__(self, notice_prefix: str | None = None, what_stops: str = "the step in progress is finished "
+                 "and checkpointed, then the run stops") -> None:
         self.received: str | None = None
-        self._notice = notice
+        self._received_at = 0.0
+        self._notice = None if notice_prefix is None else (
+            f"{notice_prefix} {{name}} received: {what_stops} (a second signal, {REPEAT_SECONDS:.0f} s or more "
+            "later, stops at once)")
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
+                if signal.getsignal(sig) is signal.SIG_IGN:  # ignored on purpose (nohup, a script's &): left so
+                    continue
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -59,20 +73,30 @@ class StopSignals:
         self._previous.clear()
 
     def _handle(self, signum: int, frame) -> None:
-        if self.received is not None:  # the second signal: what it would have done without us, now
-            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+        if self.received is not None:
+            if time.monotonic() - self._received_at < REPEAT_SECONDS:
+                return  # the same request delivered twice (scheduler and launcher)
+            # a second request: what it would have done without us, now
+            previous = self._previous.get(signum)
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        self.received = signal.Signals(signum).name
+        self.received, self._received_at = signal.Signals(signum).name, time.monotonic()
         if self._notice is not None:
-            self._notice(self.received)
+            try:
+                os.write(2, ("\n" + self._notice.format(name=self.received) + "\n").encode())
+            except OSError:
+                pass
 
-    def agreed(self, world_size: int, device: torch.device) -> str | None:
-        """The signal that stops the run after this step, or None; under torchrun the same answer on
-        every rank (a collective: every rank calls it once a step)."""
-        if world_size <= 1:
-            return self.received
+    def agreed(self, world_size: int, device: torch.device, *, out_of_time: bool = False) -> tuple[str | None, bool]:
+        """(the signal that stops the run after this step or None, whether any rank is out of time): under
+        torchrun the same answer on every rank (a collective: every rank calls it once a step). Wall-clock
+        limits are decided per rank, so they are agreed on here too: ranks that disagreed on the last step
+        would wait for each other in its collectives."""
         names = [sig.name for sig in STOP_SIGNALS]
-        code = torch.tensor([0 if self.received is None else names.index(self.received) + 1], device=device)
-        dist.all_reduce(code, op=dist.ReduceOp.MAX)
-        return None if int(code) == 0 else names[int(code) - 1]
+        code = 0 if self.received is None else names.index(self.received) + 1
+        if world_size > 1:
+            flags = torch.tensor([code, int(out_of_time)], device=device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            code, out_of_time = int(flags[0]), bool(flags[1])
+        return (None if code == 0 else names[code - 1]), out_of_time

@@ -495,11 +495,7 @@ def train(cfg: Config) -> TrainResult:
     progress = None
     # SIGTERM / SIGUSR1 (a scheduler's preemption), Ctrl-C: finish the step, checkpoint it, stop
     # (pacs/stop_signals.py)
-    def stop_notice(name: str) -> None:  # runs in the signal handler: an unbuffered write (print could re-enter)
-        os.write(2, f"\n[train] {name} received: the step in progress is finished and checkpointed, then the run "
-                    f"stops (the same signal again stops at once)\n".encode())
-
-    with StopSignals(notice=stop_notice if dist_info.is_main else None) as stop_signals:
+    with StopSignals(notice_prefix="[train]" if dist_info.is_main else None) as stop_signals:
         try:
             if resume is None:
                 row = {"step": 0, "rollout_engine": type(engine).__name__,
@@ -554,8 +550,12 @@ def train(cfg: Config) -> TrainResult:
                          "step_time": time.time() - step_start, "elapsed": time.time() - start_time}
                 row = step_metrics(step, batch, responses, entropy, update, scheduler, state, times, dist_info,
                                    extra=run.task.reward_metrics())
-                out_of_time = cfg.max_minutes is not None and time.time() - start_time > 60 * cfg.max_minutes
-                stop_signal = stop_signals.agreed(dist_info.world_size, dist_info.device)  # every rank, every step
+                # every rank, every step: the same answer on all of them (a stop signal, the wall-clock limit)
+                stop_signal, out_of_time = stop_signals.agreed(
+                    dist_info.world_size, dist_info.device,
+                    out_of_time=cfg.max_minutes is not None and time.time() - start_time > 60 * cfg.max_minutes)
+                if step == cfg.max_steps:
+                    stop_signal = None  # the run is done anyway: it ends as usual (evaluated, exported)
                 last_step = step == cfg.max_steps or out_of_time or stop_signal is not None
                 # a preempted run keeps only the scheduled evaluations (its resumed run then logs what an
                 # uninterrupted one does, and a scheduler's grace period is better spent on the checkpoint)

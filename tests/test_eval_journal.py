@@ -87,11 +87,14 @@ def test_a_journal_of_other_settings_is_not_resumed(tmp_path, capsys):
     evaluate(SeededEngine(), chunk_problems=2, journal=EvalJournal(str(tmp_path), {"seed": 1}))
     engine = SeededEngine()
     journal = EvalJournal(str(tmp_path), {"seed": 2}, say=print)
-    assert "other settings: starting afresh" in capsys.readouterr().out
+    assert "other settings: moved to" in capsys.readouterr().out
     evaluate(engine, chunk_problems=2, journal=journal)
     assert engine.calls == 4
     header = json.loads(open(tmp_path / JOURNAL_NAME).readline())
     assert header == {"settings": {"seed": 2}}
+    # the other evaluation's samples are kept aside, not destroyed
+    kept = open(tmp_path / (JOURNAL_NAME + ".old")).read().splitlines()
+    assert json.loads(kept[0]) == {"settings": {"seed": 1}} and len(kept) == 1 + len(PROBLEMS)
 
 
 def test_chunk_problems_must_be_a_positive_int():

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import pacs.trainer as trainer
+from pacs import stop_signals
 from pacs.checkpoint import latest_checkpoint
 from pacs.cli import main
 from pacs.config import Config
@@ -161,6 +162,7 @@ def test_ctrl_c_resume_and_overwrite(tmp_path, capsys, tiny_model, monkeypatch):
         return real_update(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "update_policy", interrupted_at_step_3)
+    monkeypatch.setattr(stop_signals, "REPEAT_SECONDS", 0.0)  # the second Ctrl-C is a second request, not a repeat
     code, _, err = run_cli(capsys, *argv)
     config = out / "config.yaml"
     assert code == 130

@@ -7,35 +7,52 @@ import signal
 import pytest
 import torch
 
+from pacs import stop_signals as module
 from pacs.stop_signals import STOP_SIGNALS, StopSignals
+
+CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("stop_signal", STOP_SIGNALS)
-def test_a_signal_sets_the_flag_and_says_so_once(stop_signal):
+def test_a_signal_sets_the_flag_and_says_so_once(stop_signal, capfd):
     before = signal.getsignal(stop_signal)
-    notices = []
-    with StopSignals(notice=notices.append) as stop_signals:
-        assert stop_signals.agreed(1, torch.device("cpu")) is None
+    with StopSignals(notice_prefix="[test]") as stop_signals:
+        assert stop_signals.agreed(1, CPU) == (None, False)
         os.kill(os.getpid(), stop_signal)
+        os.kill(os.getpid(), stop_signal)  # at once again: the same request delivered twice, ignored
         assert stop_signals.received == stop_signal.name
-        assert stop_signals.agreed(1, torch.device("cpu")) == stop_signal.name
-    assert notices == [stop_signal.name]
+        assert stop_signals.agreed(1, CPU) == (stop_signal.name, False)
+        assert stop_signals.agreed(1, CPU, out_of_time=True) == (stop_signal.name, True)
+    assert capfd.readouterr().err.count(f"[test] {stop_signal.name} received: the step in progress") == 1
     assert signal.getsignal(stop_signal) is before  # put back
 
 
-def test_a_second_ctrl_c_acts_at_once():
+def test_a_second_signal_later_acts_at_once(monkeypatch):
+    """Ctrl-C, then Ctrl-C again more than REPEAT_SECONDS later: KeyboardInterrupt, as without the handler;
+    a different signal counts as a second one too, and the first is the one reported."""
+    clock = iter([100.0, 110.0, 200.0, 210.0])
+    monkeypatch.setattr(module.time, "monotonic", lambda: next(clock))
     with StopSignals() as stop_signals:
         os.kill(os.getpid(), signal.SIGINT)
-        assert stop_signals.received == "SIGINT"
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
+        assert stop_signals.received == "SIGINT"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-
-
-def test_the_first_signal_is_the_one_reported():
     with StopSignals() as stop_signals:
         os.kill(os.getpid(), signal.SIGUSR1)
-        # a different second signal acts at once too; SIGINT's default raises here instead of ending pytest
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):  # SIGINT's own action: raises here instead of ending pytest
             os.kill(os.getpid(), signal.SIGINT)
         assert stop_signals.received == "SIGUSR1"
+
+
+def test_an_ignored_signal_stays_ignored():
+    """A process started with SIGINT ignored (a script's `&`, nohup) keeps it ignored: no stop request."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopSignals() as stop_signals:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)
+            assert stop_signals.received is None
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -234,3 +234,30 @@ def test_a_preempted_run_checkpoints_its_step_and_resumes_as_if_never_stopped(tm
 
     assert main(["train", "--config", str(out / "config.yaml"), "--resume"]) == 0
     assert comparable(read_metrics(str(out / "metrics.jsonl"))) == expected
+
+
+@pytest.mark.slow
+def test_a_signal_in_the_last_step_lets_the_run_end_as_usual(tmp_path, cache_dir, monkeypatch):
+    """SIGTERM during the last step is no preemption: the run is done, so it ends as usual (the final
+    evaluation, the export, exit 0), not with a checkpoint to resume from."""
+    from trainer_helpers import TINY
+
+    from pacs.cli import main
+
+    real_update, calls = trainer.update_policy, {"n": 0}
+
+    def signalled_in_the_last_step(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:  # one call a step: the last step's
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "update_policy", signalled_in_the_last_step)
+    out = tmp_path / "run"
+    steps = [*TINY, f"task.cache_dir={cache_dir}", "rollout.engine=hf", "checkpoint_every=100", "max_steps=3",
+             "eval.every=0"]
+    assert main(["train", "--output-dir", str(out), *steps]) == 0
+    assert calls["n"] == 3  # the signal was sent
+    rows = read_metrics(str(out / "metrics.jsonl"))
+    assert rows[-1]["step"] == 3 and "eval_accuracy" in rows[-1]  # the final evaluation ran
+    assert (out / "final_model" / "config.json").is_file()

@@ -509,3 +509,22 @@ def test_sigterm_to_one_ddp_rank_stops_both_after_the_same_step(tmp_path, monkey
         assert "stopped after step 1" in rank["stopped"]["message"]
         assert len(rank["micro_batch_group_ids"]) == 2  # one step of 2 accumulation micro-batches, not 4
     assert (tmp_path / "checkpoint-1").is_dir()
+
+
+@pytest.mark.slow
+def test_a_signal_in_the_last_step_lets_training_end_as_usual(tmp_path):
+    from transformers import TrainerCallback
+
+    class SignalInTheLastStep(TrainerCallback):
+        sent = False
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == state.max_steps - 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+                SignalInTheLastStep.sent = True
+
+    trainer = helpers.trainer(tmp_path, max_steps=2)
+    trainer.add_callback(SignalInTheLastStep())
+    trainer.train()  # no StoppedBySignal: training was done anyway
+    assert SignalInTheLastStep.sent and trainer.state.global_step == 2
+    assert not any(p.name.startswith("checkpoint-") for p in tmp_path.iterdir())  # save_strategy="no" kept

@@ -68,6 +68,7 @@ def main() -> None:
         with open(os.path.join(out_dir, f"sync_rank{rank}.json"), "w") as fh:
             json.dump({"preempted_by": stopped.signal_name, "message": str(stopped)}, fh)
         leave_distributed_run()
+        return
     final = checksum(full_named_tensors(result.policy))
     with open(os.path.join(out_dir, f"sync_rank{rank}.json"), "w") as fh:
         json.dump({"pushes": pushes, "final": final, "metrics": result.metrics,

@@ -146,8 +146,8 @@ class StopOnSignal(TrainerCallback):
         if self.signals is None:
             return control
         world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        name = self.signals.agreed(world_size, args.device)
-        if name is not None:
+        name, _ = self.signals.agreed(world_size, args.device)
+        if name is not None and state.global_step < state.max_steps:  # in the last step: training ends anyway
             self.stopped_by = name
             control.should_save = True
             control.should_training_stop = True
@@ -180,20 +180,19 @@ class PACSTrainer(GRPOTrainer):
         target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         add_pacs_forward(target, self.pacs_loss, temperature=args.temperature)
         self._pacs_rewards_per_func = None
-        self._stop_on_signal = StopOnSignal()
-        if args.pacs_checkpoint_on_signal:
-            self.add_callback(self._stop_on_signal)
+        self._stop_on_signal = StopOnSignal()  # idle unless train() installs the handlers
+        self.add_callback(self._stop_on_signal)
 
     def train(self, *args, **kwargs):
         """TRL's train(); with ``pacs_checkpoint_on_signal`` (the default) SIGTERM / SIGUSR1 / Ctrl-C finish
         the optimizer step in progress, save a checkpoint and raise :class:`StoppedBySignal` saying how to
-        resume (``trainer.train(resume_from_checkpoint=True)``); the same signal again acts at once."""
+        resume (``trainer.train(resume_from_checkpoint=True)``); a second signal acts at once. A signal in the
+        last step changes nothing (training ends as usual)."""
         if not self.args.pacs_checkpoint_on_signal:
             return super().train(*args, **kwargs)
-        notice = (lambda name: os.write(2, f"\n[PACSTrainer] {name} received: the optimizer step in progress is "
-                                           "finished and checkpointed, then training stops (the same signal again "
-                                           "stops at once)\n".encode())) if self.is_world_process_zero() else None
-        with StopSignals(notice=notice) as signals:
+        with StopSignals(notice_prefix="[PACSTrainer]" if self.is_world_process_zero() else None,
+                         what_stops="the optimizer step in progress is finished and checkpointed, then training "
+                                    "stops") as signals:
             self._stop_on_signal.signals, self._stop_on_signal.stopped_by = signals, None
             try:
                 output = super().train(*args, **kwargs)
