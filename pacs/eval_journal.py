@@ -50,13 +50,11 @@ class EvalJournal:
             self.done = previous[1]
             if self.done:
                 say(f"[eval] resuming: {len(self.done)} problems already done ({self.path})")
-            self._rewrite()  # drops a torn last line before anything is appended
-        else:
-            if previous is not None:
-                os.replace(self.path, self.path + ".old")
-                say(f"[eval] {self.path} held an evaluation with other settings: moved to {self.path}.old, "
-                    "starting afresh")
-            self._rewrite()
+        elif previous is not None:
+            os.replace(self.path, self.path + ".old")
+            say(f"[eval] {self.path} held an evaluation with other settings: moved to {self.path}.old, "
+                "starting afresh")
+        self._rewrite()  # the header and what is kept (a torn last line dropped) before anything is appended
 
     def _read(self) -> tuple[dict, dict[int, dict]] | None:
         if not os.path.isfile(self.path):

@@ -118,7 +118,7 @@ def run_eval(engine, task: Task, tokenizer, problems: list[Problem], *, n_sample
             # the whole chunk again, with its own seed, even if a torn journal kept part of it: the same samples
             outputs = engine.generate(prompts[first:last], n_samples, temperature=temperature, top_p=top_p,
                                       max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
-                                      seed=seed + first * n_samples if chunk_problems else seed)
+                                      seed=seed + first * n_samples)  # one chunk: seed itself
             finished = [_score(task, tokenizer, index, problems[index], responses, n_samples, ks)
                         for index, responses in zip(range(first, last), outputs) if index not in done]
             if journal is not None:

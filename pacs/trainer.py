@@ -74,10 +74,8 @@ class TrainingInterrupted(RuntimeError):
 
 class TrainingPreempted(TrainingInterrupted, StoppedBySignal):
     """SIGTERM / SIGUSR1 (a scheduler's preemption or time-limit warning) or a first Ctrl-C: the step in
-    progress was finished and checkpointed (pacs/stop_signals.py); the message says how to resume."""
-
-    def __init__(self, message: str, signal_name: str):
-        StoppedBySignal.__init__(self, message, signal_name)
+    progress was finished and checkpointed (pacs/stop_signals.py); the message says how to resume.
+    (Constructed as StoppedBySignal(message, signal_name).)"""
 
 
 @dataclass

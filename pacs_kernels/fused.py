@@ -177,9 +177,9 @@ def fused_linear_pacs_loss(
                                            softcap=logit_softcap, **options)
     else:
         chunks = None
+        triton_two_pass = two_pass_runs_triton(backend, weight.device, weight.dtype, softcap=logit_softcap is not None)
         # two passes where the committed GPU run measured them faster, if they can run the Triton kernels here
-        measured_slower = (path == "auto" and two_pass_runs_triton(backend, weight.device, weight.dtype,
-                                                                   softcap=logit_softcap is not None)
+        measured_slower = (path == "auto" and triton_two_pass
                            and measured_two_pass_faster(weight.device, n_selected, *weight.shape[::-1]))
         if path != "two_pass" and backend != "naive" and not measured_slower:
             row_kernels = row_kernels_for(backend, weight)
@@ -191,9 +191,7 @@ def fused_linear_pacs_loss(
             # (3 to 4 matmuls), never slower than two eager passes; where the two passes would run
             # the Triton log-prob kernels, those are preferred for such groups, unless the committed
             # GPU run measured the rebuilding single pass faster there.
-            if chunks is None and (path == "single_pass"
-                                   or not two_pass_runs_triton(backend, weight.device, weight.dtype,
-                                                               softcap=logit_softcap is not None)
+            if chunks is None and (path == "single_pass" or not triton_two_pass
                                    or measured_rebuild_faster(weight.device, n_selected, *weight.shape[::-1])):
                 chunks = plan_group_chunks(tokens.counts.tolist(), group_size, budget_tokens, oversized_alone=True)
                 rebuilt = recomputed_fraction(chunks, budget_tokens)

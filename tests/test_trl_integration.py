@@ -433,14 +433,16 @@ def test_evaluate_logs_pacs_metrics(tmp_path):
     assert {"eval_pacs/psi_std", "eval_pacs/weight_mean", "eval_entropy"} <= metrics.keys()
 
 
+def parameters(trainer):
+    """Every weight of the trained model, flattened into one tensor."""
+    return torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+
+
 @pytest.mark.slow
 def test_resumed_run_equals_an_uninterrupted_one(tmp_path):
     """A run stopped after a checkpoint and resumed with TRL's resume_from_checkpoint ends with the weights
     (and the logged losses and rewards) of the run that was never stopped: nothing PACSTrainer adds (the
     forward patch, the group shuffle, the raw rewards in the batch) is lost across a restart."""
-    def parameters(trainer):
-        return torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
-
     settings = dict(max_steps=4, save_strategy="steps", save_steps=2)
     whole = helpers.trainer(tmp_path / "whole", **settings)
     initial = parameters(whole)
@@ -472,9 +474,6 @@ def test_a_signal_saves_the_step_and_the_resumed_run_equals_an_uninterrupted_one
     from transformers import TrainerCallback
 
     from pacs.stop_signals import StoppedBySignal
-
-    def parameters(trainer):
-        return torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
 
     whole = helpers.trainer(tmp_path / "whole", max_steps=4)
     whole.train()
