@@ -109,6 +109,8 @@ class TrainConfig:
     offload_activations: bool = False  # tensors saved for the backward go to host memory
     fsdp_cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads, optimizer state on the host
     liger_patches: bool = False     # CUDA: Liger-Kernel RMSNorm, SwiGLU, RoPE in the model (never its loss)
+    tiled_mlp: bool = False         # each decoder MLP over tiles of tokens, only its input kept (pacs/tiled_mlp.py)
+    mlp_tile_tokens: int | None = None  # tokens per MLP tile; None: the model's hidden size
 
 
 @dataclass
@@ -392,7 +394,7 @@ def validate_train(cfg: Config, world_size: int = 1) -> None:
     if tr.packing and cfg.optim.algo == "grpo" and not grpo_supports_packing():
         raise ValueError("train.packing=true: fused_linear_grpo_loss does not take the packed layout yet; "
                          "set train.packing=false (or leave it unset) for --algo grpo")
-    for name in ("max_tokens_per_micro_batch", "old_policy_max_tokens"):
+    for name in ("max_tokens_per_micro_batch", "old_policy_max_tokens", "mlp_tile_tokens"):
         value = getattr(tr, name)
         if value is not None and value <= 0:
             raise ValueError(f"train.{name} must be a positive number of tokens or None, got {value!r}")

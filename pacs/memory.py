@@ -13,7 +13,9 @@
   * the old-policy pass in no-grad chunks: ``train.old_policy_max_tokens`` (pacs/packing.py plans
     the chunks, pacs/trainer.py runs them);
   * ``train.liger_patches``: :func:`apply_liger_patches`, Liger-Kernel's Triton RMSNorm, SwiGLU and
-    RoPE in the model (CUDA only; never its loss: the loss is ours).
+    RoPE in the model (CUDA only; never its loss: the loss is ours);
+  * ``train.tiled_mlp``: each decoder layer's MLP over tiles of ``train.mlp_tile_tokens`` tokens,
+    keeping only its input for the backward (pacs/tiled_mlp.py).
 """
 
 from __future__ import annotations

@@ -148,19 +148,22 @@ def decoder_layers(causal_lm: nn.Module) -> list[nn.Module]:
 
 def load_policy(path: str, *, dtype: str = "auto", gradient_checkpointing: bool = False,
                 dist_info: DistInfo | None = None, trust_remote_code: bool = False, packed_attention: bool = False,
-                liger_patches: bool = False, fsdp_cpu_offload: bool = False) -> Policy:
+                liger_patches: bool = False, fsdp_cpu_offload: bool = False, tiled_mlp: bool = False,
+                mlp_tile_tokens: int | None = None) -> Policy:
     """Load ``path`` as a :class:`Policy` on this rank's device, FSDP2-sharded when world_size > 1.
 
     Dropout is switched off: the old-policy log-probs and the training forward must agree.
     Long-context options (pacs/packing.py, pacs/memory.py): ``packed_attention`` switches to an
     attention that keeps packed sequences apart; ``liger_patches`` (CUDA) puts Liger-Kernel's
-    RMSNorm/SwiGLU/RoPE in the model; ``fsdp_cpu_offload`` keeps parameters, gradients and
+    RMSNorm/SwiGLU/RoPE in the model; ``tiled_mlp`` runs each decoder MLP over tiles of
+    ``mlp_tile_tokens`` tokens (pacs/tiled_mlp.py); ``fsdp_cpu_offload`` keeps parameters, gradients and
     optimizer state on the host (FSDP2 CPUOffloadPolicy).
     """
     from transformers import AutoModelForCausalLM
 
     from .memory import apply_liger_patches, fsdp_kwargs
     from .packing import enable_packed_attention
+    from .tiled_mlp import tile_mlp
 
     dist_info = dist_info or DistInfo()
     torch_dtype = resolve_dtype(dtype, dist_info.device)
@@ -177,6 +180,8 @@ def load_policy(path: str, *, dtype: str = "auto", gradient_checkpointing: bool 
     policy = Policy(causal_lm).to(dist_info.device)
     if liger_patches:
         apply_liger_patches(causal_lm, dist_info.device)
+    if tiled_mlp:  # after Liger: the tiles run whichever MLP forward the model has now
+        tile_mlp(causal_lm, mlp_tile_tokens)
     policy.train()
     if dist_info.world_size > 1:
         from torch.distributed.fsdp import fully_shard

@@ -471,7 +471,8 @@ def train(cfg: Config) -> TrainResult:
     packed = use_packing(cfg)  # padding-free micro-batches (pacs/packing.py) where the loss allows them
     policy = load_policy(run.model_dir, dtype=cfg.model.dtype, gradient_checkpointing=cfg.model.gradient_checkpointing,
                          dist_info=dist_info, trust_remote_code=cfg.model.trust_remote_code, packed_attention=packed,
-                         liger_patches=cfg.train.liger_patches, fsdp_cpu_offload=cfg.train.fsdp_cpu_offload)
+                         liger_patches=cfg.train.liger_patches, fsdp_cpu_offload=cfg.train.fsdp_cpu_offload,
+                         tiled_mlp=cfg.train.tiled_mlp, mlp_tile_tokens=cfg.train.mlp_tile_tokens)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, cfg.max_steps * o.mini_batches_per_step))
     state = {"step": 0, "data_position": 0, "consecutive_nan": 0, "skipped_updates": 0}

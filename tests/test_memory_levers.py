@@ -146,7 +146,7 @@ def assert_rows_match(rows_a, rows_b, keys=None):
 def test_trainer_packed_with_levers_matches_padded(tmp_path):
     """Two rollout steps, same seeded rollouts: padded micro-batches; packed ones of the same
     groups (every metric equal); packed token-budget micro-batches with checkpointing, activation
-    offload and the old-policy pass in small chunks (a different cut of the mini-batch: the
+    offload, the tiled MLP and the old-policy pass in small chunks (a different cut of the mini-batch: the
     cut-independent metrics and the weights equal), up to float rounding."""
     from pacs.metrics import read_metrics
     from pacs.trainer import train
@@ -159,7 +159,8 @@ def test_trainer_packed_with_levers_matches_padded(tmp_path):
         "packed": train(tiny_config(tmp_path / "packed", cache, *common, "train.packing=true")),
         "budget": train(tiny_config(
             tmp_path / "budget", cache, *common, "train.packing=true", "train.max_tokens_per_micro_batch=72",
-            "train.old_policy_max_tokens=40", "train.offload_activations=true", "model.gradient_checkpointing=true")),
+            "train.old_policy_max_tokens=40", "train.offload_activations=true", "model.gradient_checkpointing=true",
+            "train.tiled_mlp=true", "train.mlp_tile_tokens=5")),
     }
     rows = {k: comparable(read_metrics(os.path.join(r.output_dir, "metrics.jsonl"))) for k, r in runs.items()}
     assert rows["padded"][1]["grad_norm"] > 0
@@ -175,14 +176,15 @@ def test_trainer_packed_with_levers_matches_padded(tmp_path):
 @pytest.mark.slow
 def test_two_fsdp_ranks_with_token_budgets_match_one_process(tmp_path):
     """Token budgets cut each rank's groups on its own; the ranks agree on the number of
-    micro-batches (FSDP's collectives need it) and train the same weights as one process."""
+    micro-batches (FSDP's collectives need it) and train the same weights as one process (the two
+    ranks with the tiled MLP inside their FSDP2 units, the one process without)."""
     import json
 
     from test_trainer_fsdp import close, run_worker
 
     extra = ("train.packing=true", "train.max_tokens_per_micro_batch=72", "train.old_policy_max_tokens=40")
     run_worker(tmp_path / "one", tmp_path / "cache", 1, *extra)
-    run_worker(tmp_path / "two", tmp_path / "cache", 2, *extra)
+    run_worker(tmp_path / "two", tmp_path / "cache", 2, *extra, "train.tiled_mlp=true", "train.mlp_tile_tokens=5")
     one = json.loads((tmp_path / "one" / "sync_rank0.json").read_text())
     ranks = [json.loads((tmp_path / "two" / f"sync_rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["final"] == ranks[1]["final"]
