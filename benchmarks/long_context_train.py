@@ -15,6 +15,8 @@ trainer's switches; pacs/packing.py, pacs/memory.py):
   padded_fused               padded rows; fused_linear_pacs_loss (no logits)
   packed_fused               packed row (train.packing), fused loss
   packed_fused_ckpt          + activation checkpointing (model.gradient_checkpointing)
+  ..._tiled                  + the tiled MLP (train.tiled_mlp: each decoder MLP over tiles of d
+                             tokens, only its input kept for the backward: pacs/tiled_mlp.py)
   packed_fused_ckpt_offload  + checkpointed activations offloaded to host (train.offload_activations)
   packed_fused_ckpt_split    + the group run in parts, one response each (a token budget below the
                              group: pacs/split_groups.py): a no-grad pass over the parts (as on a
@@ -26,7 +28,7 @@ trainer's switches; pacs/packing.py, pacs/memory.py):
                              (train.fsdp_cpu_offload; one process, CUDA)
 
 On the CPU host memory is the device memory, so the offload variants do not apply there (and
-Liger needs CUDA): CPU sweeps run the first five. The footprint of a step:
+Liger needs CUDA): CPU sweeps run the first seven. The footprint of a step:
 
   * CPU: each variant runs in a fresh subprocess (glibc returning freed blocks to the kernel, as
     in benchmarks/measure.py): a warm-up step at a tiny length creates the AdamW state and pages
@@ -79,15 +81,18 @@ MODELS = {
     "tiny": dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=16, tie_word_embeddings=True),
 }
-LEVERS = ("packed", "fused", "ckpt", "split", "offload", "liger", "fsdp_cpu")
+LEVERS = ("packed", "fused", "ckpt", "tiled", "split", "offload", "liger", "fsdp_cpu")
 VARIANTS = {
     "padded_naive": (),
     "padded_fused": ("fused",),
     "packed_fused": ("packed", "fused"),
     "packed_fused_ckpt": ("packed", "fused", "ckpt"),
+    "packed_fused_ckpt_tiled": ("packed", "fused", "ckpt", "tiled"),
     "packed_fused_ckpt_split": ("packed", "fused", "ckpt", "split"),
+    "packed_fused_ckpt_split_tiled": ("packed", "fused", "ckpt", "split", "tiled"),
     "packed_fused_ckpt_offload": ("packed", "fused", "ckpt", "offload"),
     "packed_fused_ckpt_offload_split": ("packed", "fused", "ckpt", "offload", "split"),
+    "packed_fused_ckpt_offload_split_tiled": ("packed", "fused", "ckpt", "offload", "split", "tiled"),
     "packed_fused_ckpt_offload_fsdp_cpu": ("packed", "fused", "ckpt", "offload", "fsdp_cpu"),
     # last: Liger's RoPE patch replaces a module-level function, so it would leak into later variants
     "packed_fused_ckpt_offload_liger": ("packed", "fused", "ckpt", "offload", "liger"),
@@ -95,8 +100,12 @@ VARIANTS = {
 CUDA_ONLY = {"offload", "liger", "fsdp_cpu"}
 DEFAULTS = {
     "cpu": dict(model="cpu-small", dtype="float32", budgets_mib=[192.0], prompt_len=32, l_start=32, l_max=1 << 16),
+    # on a GPU the time is short (one call of gpu.sh): the baseline, then the levers that matter most
     "cuda": dict(model="qwen2.5-1.5b", dtype="bfloat16", budgets_mib=[24 * 1024.0, 80 * 1024.0], prompt_len=256,
-                 l_start=512, l_max=1 << 17),
+                 l_start=512, l_max=1 << 17,
+                 variants=["padded_naive", "packed_fused_ckpt", "packed_fused_ckpt_tiled",
+                           "packed_fused_ckpt_offload_split", "packed_fused_ckpt_offload_split_tiled",
+                           "packed_fused_ckpt_offload_fsdp_cpu", "packed_fused_ckpt_offload_liger"]),
     "dry": dict(model="tiny", dtype="float32", budgets_mib=[4.0], prompt_len=8, l_start=16, l_max=256),
 }
 
@@ -133,6 +142,7 @@ def build(model: str, levers: tuple[str, ...], device: torch.device, dtype: torc
     from pacs.memory import apply_liger_patches, fsdp_kwargs
     from pacs.packing import enable_packed_attention
     from pacs.policy import Policy, decoder_layers
+    from pacs.tiled_mlp import tile_mlp
 
     config = transformers.Qwen2Config(**MODELS[model], max_position_embeddings=1 << 20, use_sliding_window=False)
     torch.manual_seed(0)
@@ -151,6 +161,8 @@ def build(model: str, levers: tuple[str, ...], device: torch.device, dtype: torc
         causal_lm.set_attn_implementation("sdpa")
     if "liger" in levers:
         apply_liger_patches(causal_lm, device)
+    if "tiled" in levers:
+        tile_mlp(causal_lm)  # the trainer's default tile: the hidden size
     policy = Policy(causal_lm).train()
     if "fsdp_cpu" in levers:
         import torch.distributed as dist
@@ -359,7 +371,9 @@ def parse_args(argv):
     parser.add_argument("--l-start", type=int, default=None)
     parser.add_argument("--l-max", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="CPU: torch threads per trial")
-    parser.add_argument("--time-budget", type=float, default=None, help="seconds: no trial starts after that")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds for the whole sweep, shared equally among the (budget, variant) searches "
+                        "still to run: no trial starts after its search's share")
     parser.add_argument("--timeout", type=float, default=300.0, help="CPU: seconds per variant's search")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "long_context_train")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -377,7 +391,7 @@ def parse_args(argv):
     if args.budget_mib is None:
         args.budget_mib = list(defaults["budgets_mib"])
     if args.variants is None:
-        args.variants = list(VARIANTS)
+        args.variants = list(defaults.get("variants", VARIANTS))
     if args.l_start % GROUP:
         parser.error(f"--l-start must be a multiple of {GROUP}")
     return args
@@ -403,6 +417,7 @@ def main(argv=None) -> int:
     print(f"[train-long] {name}; model {args.model} ({args.dtype}), group of {GROUP}, prompt {args.prompt_len}, "
           f"budgets {', '.join(f'{b:.0f} MiB' for b in args.budget_mib)}", flush=True)
     deadline = None if args.time_budget is None else time.perf_counter() + args.time_budget
+    pairs_left = sum(applicable(v, device) is None for v in args.variants) * len(args.budget_mib)
     rows, summary = [], []
     for budget in sorted(args.budget_mib):
         if device == "cuda":
@@ -416,6 +431,10 @@ def main(argv=None) -> int:
             if deadline is not None and time.perf_counter() > deadline:
                 summary.append((budget, variant, None, None, "time budget spent"))
                 continue
+            # an equal share of the time left for each (budget, variant) still to run, so that a slow
+            # variant cannot starve the later ones (a search cut short reports ">= L")
+            share = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / pairs_left
+            pairs_left -= 1
             trials: list[tuple[int, bool]] = []
 
             def emit(longest, result, budget=budget, variant=variant, trials=trials):
@@ -436,11 +455,11 @@ def main(argv=None) -> int:
             if device == "cuda" or args.dry_run:  # the dry run: in this process, for speed (plumbing check only)
                 runner = VariantRunner(args.model, variant, args.dtype, args.prompt_len, torch.device(device))
                 try:
-                    search(runner, budget, args.l_start, args.l_max, deadline, emit)
+                    search(runner, budget, args.l_start, args.l_max, share, emit)
                 finally:
                     runner.close()
             else:
-                left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+                left = None if share is None else max(0.0, share - time.perf_counter())
                 request = dict(variant=variant, model=args.model, dtype=args.dtype, prompt_len=args.prompt_len,
                                budget_mib=budget, l_start=args.l_start, l_max=args.l_max, threads=args.threads,
                                seconds=left)
@@ -449,7 +468,8 @@ def main(argv=None) -> int:
             failing = [n for n, ok in trials if not ok]
             lo = max(fitting) if fitting else None
             hi = min(failing) if failing else None
-            summary.append((budget, variant, lo, hi, ""))
+            cut = share is not None and time.perf_counter() > share and (hi is None or hi - lo > max(GROUP, lo // 8))
+            summary.append((budget, variant, lo, hi, "time share spent before the edge" if cut else ""))
     write_csv(rows, stem.with_suffix(".csv"))
     stem.with_suffix(".md").write_text(report(summary, args, name, date))
     plot(rows, summary, args, name, date, stem.with_suffix(".png"))
@@ -484,6 +504,7 @@ def report(summary, args, name: str, date: str) -> str:
             lines.append(f"| {budget:.0f} MiB | {variant} | {note} | | |")
             continue
         text = "none tried fits" if lo is None else (f">= {lo}" if hi is None else str(lo))
+        text += f" ({note})" if note else ""
         ratio = f"{lo / base[budget]:.1f}x" if lo and base.get(budget) else ""
         lines.append(f"| {budget:.0f} MiB | {variant} | {text} | {'' if hi is None else hi} | {ratio} |")
     return "\n".join(lines) + "\n"

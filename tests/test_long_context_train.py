@@ -11,15 +11,15 @@ from benchmarks.long_context import doubling_bisection
 CPU_VARIANTS = [v for v in bench.VARIANTS if bench.applicable(v, "cpu") is None]
 
 
-def test_cpu_variants_are_the_five_that_apply():
+def test_cpu_variants_are_the_seven_that_apply():
     assert CPU_VARIANTS == ["padded_naive", "padded_fused", "packed_fused", "packed_fused_ckpt",
-                            "packed_fused_ckpt_split"]
+                            "packed_fused_ckpt_tiled", "packed_fused_ckpt_split", "packed_fused_ckpt_split_tiled"]
     assert "CUDA only" in bench.applicable("packed_fused_ckpt_offload", "cpu")
 
 
 def test_every_variant_takes_the_same_step():
     """Same random model and batch: the loss, and the weights after the AdamW step, agree across
-    the naive padded step and the fused/packed/checkpointed ones."""
+    the naive padded step and the fused/packed/checkpointed/tiled ones."""
     losses, weights = {}, {}
     device = torch.device("cpu")
     for variant in CPU_VARIANTS:
@@ -57,3 +57,5 @@ def test_dry_run_arguments():
     args = bench.parse_args(["--device", "cuda", "--budget-gib", "24", "80"])
     assert args.model == "qwen2.5-1.5b" and args.budget_mib == [24 * 1024.0, 80 * 1024.0]
     assert args.dtype == "bfloat16"
+    assert args.variants[0] == "padded_naive" and set(args.variants) <= set(bench.VARIANTS)
+    assert args.variants[-1].endswith("_liger")  # last: its RoPE patch leaks into later variants
