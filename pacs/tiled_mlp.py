@@ -104,27 +104,29 @@ def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
 def _check_output(y, x, mlp) -> None:
     if not isinstance(y, torch.Tensor) or y.shape[:-1] != x.shape[:-1]:
         raise ValueError(
-            f"train.tiled_mlp: {type(mlp).__name__}'s forward must map (tokens, d) to (tokens, d') token by token "
+            f"tiled MLP: {type(mlp).__name__}'s forward must map (tokens, d) to (tokens, d') token by token "
             f"to be tiled; it returned {type(y).__name__}"
             + (f" of shape {tuple(y.shape)} for input {tuple(x.shape)}" if isinstance(y, torch.Tensor) else "")
-            + " (a mixture-of-experts or other non-token-wise MLP cannot be tiled: set train.tiled_mlp=false)")
+            + " (a mixture-of-experts or other non-token-wise MLP cannot be tiled: turn the tiled MLP off)")
 
 
-def tile_mlp(causal_lm: nn.Module, tile_tokens: int | None = None) -> int:
+def tile_mlp(causal_lm: nn.Module, tile_tokens: int | None = None, *,
+             setting: str = "train.mlp_tile_tokens") -> int:
     """Run every decoder layer's ``mlp`` of ``causal_lm`` over tiles of ``tile_tokens`` tokens
     (default: the model's hidden size, so that one tile's (tile, I) intermediate is about the size of
-    one MLP weight). In place; returns the number of MLPs tiled. Apply it before FSDP wrapping;
-    any trainer can call it on a Hugging Face model (TRL, verl, a plain loop)."""
+    one MLP weight). In place; returns the number of MLPs tiled. Any trainer can call it on a Hugging
+    Face model (TRL: ``PACSConfig(pacs_tiled_mlp=True)``; verl, a plain loop), best before FSDP wrapping.
+    ``setting`` is the name errors give the tile size (the caller's config key)."""
     from .policy import decoder_layers
 
     if tile_tokens is None:
         tile_tokens = getattr(causal_lm.config, "hidden_size", None)
     if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
-        raise ValueError(f"train.mlp_tile_tokens must be a positive integer (tokens per MLP tile), got {tile_tokens!r}")
+        raise ValueError(f"{setting} must be a positive integer (tokens per MLP tile), got {tile_tokens!r}")
     layers = decoder_layers(causal_lm)
     mlps = [getattr(layer, "mlp", None) for layer in layers]
     if not all(isinstance(m, nn.Module) for m in mlps):
-        raise ValueError(f"train.tiled_mlp: the decoder layers of {type(causal_lm).__name__} "
+        raise ValueError(f"tiled MLP: the decoder layers of {type(causal_lm).__name__} "
                          f"({type(layers[0]).__name__}) have no `mlp` submodule to tile")
     for mlp in mlps:
         if getattr(mlp, "tiled_mlp_tokens", None) is not None:  # already tiled: only the tile size changes

@@ -218,7 +218,7 @@ def test_models_without_a_tileable_mlp_are_refused():
         block.mlp = RoutedMLP()
     tile_mlp(model, 2)
     x = torch.randn(5, 4, requires_grad=True)
-    with pytest.raises(ValueError, match="cannot be tiled: set train.tiled_mlp=false"):
+    with pytest.raises(ValueError, match="cannot be tiled: turn the tiled MLP off"):
         model.decoder.layers[0].mlp(x)
 
 

@@ -90,6 +90,28 @@ def test_on_policy_loss_and_gradients_equal_pacs_loss(tmp_path):
 
 
 @pytest.mark.slow
+def test_tiled_mlp_gives_the_untiled_loss_and_gradients(tmp_path):
+    """pacs_tiled_mlp=True: every decoder MLP runs in tiles of 3 tokens; the loss and gradients of the
+    first micro-batch equal pacs_loss on an untiled copy of the same weights."""
+    trainer = helpers.trainer(tmp_path, pacs_tiled_mlp=True, pacs_mlp_tile_tokens=3)
+    assert all(layer.mlp.tiled_mlp_tokens == 3 for layer in trainer.model.model.layers)
+    untiled = helpers.tiny_model(len(trainer.processing_class))  # the trainer's model before any step
+    untiled.load_state_dict(trainer.model.state_dict())
+    inputs = first_micro_batch(trainer)
+    rewards = labels_from_text(trainer.processing_class, inputs, helpers.contains_one)
+    assert 0 < rewards.sum() < len(rewards), "mixed labels keep the gradient from vanishing"
+
+    def reference():
+        logp = helpers.naive_logp(untiled, inputs, 1.0)
+        return pacs_loss(logp, logp.detach(), rewards, inputs["completion_mask"], group_size=helpers.GROUP) / 2
+
+    loss, grads = loss_and_grads(trainer.model, lambda: trainer.compute_loss(trainer.model, inputs))
+    ref_loss, ref_grads = loss_and_grads(untiled, reference)
+    assert any(".mlp." in name for name in ref_grads)
+    assert_same(loss, grads, ref_loss, ref_grads)
+
+
+@pytest.mark.slow
 def test_multi_iteration_uses_trl_old_logprobs(tmp_path):
     """num_iterations=2: TRL computes old log-probs at generation; after the weights move, the loss
     and gradients equal pacs_loss(logp, TRL's old_logp, ...) (temperature 0.7, float32)."""
@@ -262,6 +284,7 @@ def test_shuffle_groups_and_split_keeps_groups():
     (dict(loss_type="dapo"), "loss_type must be 'pacs'"),
     (dict(num_generations_eval=2), "num_generations_eval"),
     (dict(use_vllm=True, vllm_importance_sampling_correction=True), "vllm_importance_sampling_correction"),
+    (dict(pacs_tiled_mlp=True, pacs_mlp_tile_tokens=0), "pacs_mlp_tile_tokens must be a positive integer"),
 ])
 def test_refused_options(tmp_path, overrides, match):
     from pacs.integrations.trl import check_pacs_config

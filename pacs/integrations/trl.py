@@ -46,6 +46,7 @@ from trl import GRPOConfig, GRPOTrainer
 from pacs_kernels import PACSLoss
 
 from ..stop_signals import StoppedBySignal, StopSignals
+from ..tiled_mlp import tile_mlp
 from .model_forward import PACSBatch, add_pacs_forward, check_supported_head
 
 # GRPOConfig fields that only shape GRPO's loss or advantages: ignored by PACS (warning when changed).
@@ -79,6 +80,11 @@ class PACSConfig(GRPOConfig):
         default=False, metadata={"help": "Add the paper's Eq. 6 score-function term to the gradient."})
     pacs_backend: str = field(
         default="auto", metadata={"help": "Log-prob backend: 'auto' | 'triton' | 'torch' | 'naive'."})
+    pacs_tiled_mlp: bool = field(
+        default=False, metadata={"help": "Run each decoder MLP over tiles of tokens, keeping only its input for the "
+                                         "backward (pacs/tiled_mlp.py): long completions on little memory."})
+    pacs_mlp_tile_tokens: int | None = field(
+        default=None, metadata={"help": "Tokens per MLP tile with pacs_tiled_mlp (None: the model's hidden size)."})
     pacs_checkpoint_on_signal: bool = field(
         default=True, metadata={"help": "SIGTERM / SIGUSR1 / Ctrl-C during train(): finish the optimizer step, save "
                                         "a checkpoint, stop (pacs/stop_signals.py)."})
@@ -94,6 +100,9 @@ def check_pacs_config(args: PACSConfig) -> None:
         raise TypeError(f"args must be a PACSConfig, got {type(args).__name__}")
     if args.loss_type != "pacs":
         raise ValueError(f"PACSTrainer computes the PACS loss: loss_type must be 'pacs', got {args.loss_type!r}")
+    tile = args.pacs_mlp_tile_tokens
+    if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
+        raise ValueError(f"pacs_mlp_tile_tokens must be a positive integer (tokens per MLP tile) or None, got {tile!r}")
     G = args.num_generations
     if args.per_device_train_batch_size % G != 0:
         raise ValueError(
@@ -179,6 +188,8 @@ class PACSTrainer(GRPOTrainer):
             score_function_term=args.pacs_score_function_term, backend=args.pacs_backend)
         target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         add_pacs_forward(target, self.pacs_loss, temperature=args.temperature)
+        if args.pacs_tiled_mlp:
+            tile_mlp(target, args.pacs_mlp_tile_tokens, setting="pacs_mlp_tile_tokens")
         self._pacs_rewards_per_func = None
         self._stop_on_signal = StopOnSignal()  # idle unless train() installs the handlers
         self.add_callback(self._stop_on_signal)
