@@ -43,7 +43,7 @@ class TiledMLPFunction(torch.autograd.Function):
     def forward(ctx, mlp, inner_forward, tile_tokens, x, *params):
         with torch.no_grad():
             out = tiled_forward(mlp, inner_forward, tile_tokens, x)
-        ctx.mlp, ctx.inner_forward, ctx.tile_tokens = mlp, inner_forward, tile_tokens
+        ctx.mlp, ctx.inner_forward, ctx.tile_tokens, ctx.n_params = mlp, inner_forward, tile_tokens, len(params)
         ctx.autocast = _autocast_state(x.device.type)
         ctx.save_for_backward(x)
         return out
@@ -55,6 +55,9 @@ class TiledMLPFunction(torch.autograd.Function):
         grad_flat = grad_out.reshape(-1, grad_out.shape[-1])
         # the module's parameters now (FSDP2 has gathered them again for the backward), in input order
         params = list(ctx.mlp.parameters())
+        if len(params) != ctx.n_params:
+            raise RuntimeError(f"tiled MLP: {type(ctx.mlp).__name__} had {ctx.n_params} parameters in the forward "
+                               f"and has {len(params)} in the backward: do not add or remove its parameters mid-step")
         wanted = [i for i, p in enumerate(params) if ctx.needs_input_grad[4 + i]]
         need_x = ctx.needs_input_grad[3]
         grad_x = torch.empty_like(flat) if need_x else None
