@@ -11,7 +11,8 @@
 #   4. the long-context sweep (largest N within 40 GiB, naive vs Triton)
 # PACS_GPU_PART=long runs instead, in a second call (limit 6 minutes), "how long can I train here":
 #   5. the longest response whose full training step (Qwen2.5-1.5B-shaped model, random weights)
-#      fits 24 and 80 GiB, padded vs packed, naive vs fused loss, each memory lever
+#      fits 24 and 80 GiB, padded naive vs packed fused, the memory levers (tiled MLP included)
+#   6. the tiled MLP's cost in step time (with and without checkpointing, L = 4096)
 # (PACS_GPU_PART=all runs both, for the CPU dry run.)
 # Usage: bash benchmarks/gpu.sh OUT_DIR        (run from anywhere; writes CSV, PNG, Markdown, log)
 # Peers: wheels in .whl/ (see benchmarks/README.md) are installed into /tmp/site when present.
@@ -72,11 +73,13 @@ if [ "${PACS_GPU_DRY_RUN:-0}" = "1" ]; then
     bench_args=(--set cpu --device cpu --d 32 --v 512 --n 64 128)
     long_args=(--device cpu --d 32 --v 512 --budget-mib 24 --n-start 256 --n-max 4096)
     long_train_args=(--dry-run)
+    tiled_cost_args=(--dry-run)
 else
     check_args=(--device cuda)
     bench_args=(--set "$bench_set" --device cuda)
     long_args=(--device cuda --budget-gib 40 --n-start 8192 --n-max 1048576)
-    long_train_args=(--device cuda --budget-gib 24 80 --time-budget 300)
+    long_train_args=(--device cuda --budget-gib 24 80 --time-budget 240)
+    tiled_cost_args=(--device cuda --repeats 5)
 fi
 part="${PACS_GPU_PART:-race}"
 case "$part" in race|long|all) ;; *) echo "PACS_GPU_PART must be race, long or all, got '$part'" >&2; exit 2;; esac
@@ -124,9 +127,12 @@ timeout 45 "$py" benchmarks/long_context.py "${long_args[@]}" --time-budget 25 -
 fi
 
 if [ "$part" != "race" ]; then
-    stamp "5/5 how long can I train here: Qwen2.5-1.5B shapes, 24 and 80 GiB (limit 345s)"
-    timeout 345 "$py" benchmarks/long_context_train.py "${long_train_args[@]}" --out "$out/long_context_train" \
+    stamp "5/6 how long can I train here: Qwen2.5-1.5B shapes, 24 and 80 GiB (limit 295s)"
+    timeout 295 "$py" benchmarks/long_context_train.py "${long_train_args[@]}" --out "$out/long_context_train" \
         || { echo "!!! long-context training sweep exited with $?"; status=1; }
+    stamp "6/6 what the tiled MLP costs in step time, Qwen2.5-1.5B shapes, L = 4096 (limit 50s)"
+    timeout 50 "$py" benchmarks/tiled_mlp_cost.py "${tiled_cost_args[@]}" --out "$out" \
+        || { echo "!!! tiled-MLP cost exited with $?"; status=1; }
 fi
 
 stamp "done (exit $status); files in $out:"

@@ -2,6 +2,8 @@
 naive logits loss and the fused loss agree; packing, the levers and running the group in parts
 change memory, not the result), and the search brackets the edge. Plumbing only: no memory or speed is asserted."""
 
+import csv
+
 import pytest
 import torch
 
@@ -59,3 +61,41 @@ def test_dry_run_arguments():
     assert args.dtype == "bfloat16"
     assert args.variants[0] == "padded_naive" and set(args.variants) <= set(bench.VARIANTS)
     assert args.variants[-1].endswith("_liger")  # last: its RoPE patch leaks into later variants
+
+
+def test_tiled_mlp_cost_dry_run_writes_every_case(tmp_path):
+    from benchmarks import tiled_mlp_cost
+
+    assert tiled_mlp_cost.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "tiled_mlp_cost_dry.md").read_text()
+    for case in tiled_mlp_cost.CASES:
+        assert f"| {case} | " in text
+    assert text.count("x |") == 2  # each tiled case against its untiled twin
+    with open(tmp_path / "tiled_mlp_cost_dry.csv") as handle:
+        assert all(float(row["median_step_s"]) > 0 for row in csv.DictReader(handle))
+
+
+def test_time_shares_keep_a_slow_variant_from_starving_the_rest(tmp_path, monkeypatch):
+    """--time-budget is shared equally among the searches still to run: a variant whose trials are
+    slow is cut at its share (and says so), and every later variant still gets its own."""
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+
+    class Runner:
+        def __init__(self, model, variant, *args):
+            self.variant = variant
+
+        def trial(self, longest, budget_mib):
+            clock[0] += 6.0 if self.variant == "padded_naive" else 1.0
+            return {"fits": longest <= 64, "footprint_mib": 1.0, "seconds": 0.0}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench, "VariantRunner", Runner)
+    monkeypatch.setattr(bench, "plot", lambda *args: None)
+    assert bench.main(["--dry-run", "--variants", "padded_naive", "packed_fused", "packed_fused_ckpt",
+                       "--time-budget", "30", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "long_context_train_dry.md").read_text()
+    assert "| padded_naive | >= 32 (time share spent before the edge) |" in text  # 2 trials in its 10 s
+    assert "| packed_fused | 64 | 72 |" in text and "| packed_fused_ckpt | 64 | 72 |" in text

@@ -1,0 +1,122 @@
+"""What the tiled MLP costs in time: one training step (long_context_train.py's step: one group of
+4 responses L, 3L/4, L/2, L/4 after a prompt; backbone forward and backward, the fused PACS loss,
+AdamW) with and without ``train.tiled_mlp``, with and without gradient checkpointing, at a fixed L.
+
+    python benchmarks/tiled_mlp_cost.py                           # CPU, cpu-small model, L = 2048
+    python benchmarks/tiled_mlp_cost.py --device cuda              # Qwen2.5-1.5B shapes, bf16, L = 4096
+    python benchmarks/tiled_mlp_cost.py --dry-run                 # tiny, seconds (plumbing)
+
+Each case: a warm-up step, then the median of --repeats steps on the same batch (CUDA: synchronized
+wall time). Writes OUT/tiled_mlp_cost_<device>.csv and .md with the device and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from benchmarks import long_context_train as steps
+
+CASES = {  # name: the trainer's switches (long_context_train.py's levers)
+    "packed_fused": ("packed", "fused"),
+    "packed_fused_tiled": ("packed", "fused", "tiled"),
+    "packed_fused_ckpt": ("packed", "fused", "ckpt"),
+    "packed_fused_ckpt_tiled": ("packed", "fused", "ckpt", "tiled"),
+}
+
+
+def time_case(model: str, levers: tuple[str, ...], device: torch.device, dtype: torch.dtype, longest: int,
+              prompt_len: int, repeats: int) -> float:
+    """Median seconds of one training step at ``longest`` (after one warm-up step)."""
+    policy, optimizer = steps.build(model, levers, device, dtype)
+    batch = steps.make_batch(longest, prompt_len, steps.MODELS[model]["vocab_size"], 7, device)
+    times = []
+    for i in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        steps.train_step(policy, optimizer, batch, levers, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--model", choices=sorted(steps.MODELS), default=None)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    parser.add_argument("--longest", type=int, default=None, help="the group's longest response L (tokens)")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="CPU: torch threads")
+    parser.add_argument("--dry-run", action="store_true", help="tiny model, L = 64, one repeat (plumbing)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.model, args.longest, args.repeats, args.device = "tiny", 64, 1, "cpu"
+    cuda = args.device == "cuda"
+    args.model = args.model or ("qwen2.5-1.5b" if cuda else "cpu-small")
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    args.longest = args.longest or (4096 if cuda else 2048)  # short enough to fit without checkpointing
+    if args.repeats < 1 or args.longest < steps.GROUP:
+        parser.error(f"--repeats must be >= 1 and --longest >= {steps.GROUP}")
+    if cuda and not torch.cuda.is_available():
+        print("--device cuda: CUDA is not available here", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from benchmarks.run import device_name
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    name, date = device_name(args.device), dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    tokens = steps.GROUP * args.prompt_len + sum(steps.response_lengths(args.longest))
+    print(f"[tiled-mlp] {name}; {args.model} ({args.dtype}), L = {args.longest} ({tokens} packed tokens)", flush=True)
+    rows = []
+    for case, levers in CASES.items():
+        try:
+            seconds = time_case(args.model, levers, device, dtype, args.longest, args.prompt_len, args.repeats)
+            seconds = round(seconds, 4)
+        except torch.OutOfMemoryError:
+            seconds = None
+            torch.cuda.empty_cache()
+        rows.append({"date": date, "device": args.device, "device_name": name, "model": args.model,
+                     "dtype": args.dtype, "case": case, "longest_response": args.longest, "packed_tokens": tokens,
+                     "repeats": args.repeats, "median_step_s": seconds})
+        print(f"[tiled-mlp] {case:26s} {'out of memory' if seconds is None else f'{seconds:.3f} s'}", flush=True)
+    by_case = {r["case"]: r["median_step_s"] for r in rows}
+    lines = [f"## Tiled MLP: training step time ({args.device}{', dry run' if args.dry_run else ''})", "",
+             f"Device: {name}; date: {date}. Model `{args.model}` ({args.dtype}), one group of {steps.GROUP} "
+             f"responses, longest L = {args.longest} ({tokens} packed tokens); median of {args.repeats} steps "
+             "after a warm-up (backbone forward and backward, fused PACS loss, AdamW).", "",
+             "| case | median step (s) | vs the same without tiling |", "|---|---:|---:|"]
+    for row in rows:
+        seconds, base = row["median_step_s"], by_case.get(row["case"].replace("_tiled", ""))
+        ratio = f"{seconds / base:.2f}x" if row["case"].endswith("_tiled") and seconds and base else ""
+        lines.append(f"| {row['case']} | {'out of memory' if seconds is None else f'{seconds:.3f}'} | {ratio} |")
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"tiled_mlp_cost_{'dry' if args.dry_run else args.device}"
+    with open(stem.with_suffix(".csv"), "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    print(f"[tiled-mlp] wrote {stem}.csv, .md", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
