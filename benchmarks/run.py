@@ -52,16 +52,19 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
-    model = platform.processor() or "CPU"
+    return f"{cpu_model()}, {torch.get_num_threads()} threads"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
                 if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"{model}, {torch.get_num_threads()} threads"
+    return platform.processor() or "CPU"
 
 
 def matmul_tflops(device: str, dtype: torch.dtype) -> float:

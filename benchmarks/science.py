@@ -13,6 +13,12 @@ Every run uses the same settings except the variant's own (``VARIANTS``); each e
 held-out set every ``--eval-every`` rollout steps with ``--n-samples`` samples per problem at the
 paper's temperature (0.6; top-p 1), giving pass@1 (= mean@n) and pass@k for k = 1, 2, 4, ..., n.
 
+To keep edits made during a long sweep away from its runs, freeze the code first and point
+``--code-dir`` at the copy (each record keeps the commit: ``code_commit``, and the CPU: ``cpu_model``)::
+
+    d=/tmp/pacs-sweep && mkdir -p $d && git archive HEAD | tar -x -C $d && git rev-parse --short HEAD > $d/COMMIT
+    python benchmarks/science.py run --code-dir $d --seeds 5 6 7 8 9
+
 ``report`` writes ``OUT/report.md`` (mean and 95% t-interval over seeds of the final pass@k, and
 of the paired difference against the baseline variant) and the PNG plots next to it.
 """
@@ -30,6 +36,10 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from benchmarks.run import cpu_model  # noqa: E402
 
 VARIANTS = {
     "pacs": ["optim.algo=pacs"],
@@ -62,7 +72,7 @@ def run_one(task: str, variant: str, seed: int, args, cache_dir: str) -> dict:
     record = {"task": task, "variant": variant, "seed": seed, "max_steps": args.max_steps,
               "returncode": proc.returncode, "wall_s": round(wall, 1), "command": " ".join(cmd[1:]),
               "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "host": platform.node(),
+              "host": platform.node(), "cpu_model": cpu_model(), "code_commit": code_commit(args.code_dir),
               "cpus": os.cpu_count(), "n_samples": args.n_samples, "ks": ks}
     rows = []
     metrics = os.path.join(out, "metrics.jsonl")
@@ -81,6 +91,16 @@ def run_one(task: str, variant: str, seed: int, args, cache_dir: str) -> dict:
         "loop_s": train_rows[-1]["elapsed"] if train_rows else None,
     }
     return record
+
+
+def code_commit(code_dir: str) -> str | None:
+    """The commit the runs' code is: ``git rev-parse`` in a checkout, else the COMMIT file that an
+    exported copy (``git archive``, the way a sweep freezes its code) carries, else None."""
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=code_dir, capture_output=True, text=True)
+    if done.returncode == 0:
+        return done.stdout.strip()
+    path = os.path.join(code_dir, "COMMIT")
+    return open(path).read().strip() if os.path.isfile(path) else None
 
 
 def _mean(values):

@@ -1,0 +1,56 @@
+"""benchmarks/science.py's statistics and report on made-up records: the 95% t-interval, the paired
+differences, and where a run's code commit comes from."""
+
+import json
+import math
+import subprocess
+
+import pytest
+
+from benchmarks import science
+
+
+def test_t_interval_matches_the_textbook_values():
+    mean, half, n = science.t_interval([1.0, 2.0, 3.0])
+    assert (mean, n) == (2.0, 3) and half == pytest.approx(4.303 / math.sqrt(3))
+    mean, half, n = science.t_interval([0.5])
+    assert mean == 0.5 and math.isnan(half) and n == 1
+    values = [float(v) for v in range(40)]  # df beyond the table: the normal quantile
+    sd = math.sqrt(sum((v - 19.5) ** 2 for v in values) / 39)
+    assert science.t_interval(values)[1] == pytest.approx(1.96 * sd / math.sqrt(40))
+
+
+def record(variant, seed, final, start=0.1):
+    return {"task": "wordmath", "variant": variant, "seed": seed, "max_steps": 80, "returncode": 0, "wall_s": 60.0,
+            "command": "-m pacs train", "host": "h", "cpus": 2, "n_samples": 2, "ks": [1, 2],
+            "evals": [{"step": 0, "eval_pass@1": start, "eval_pass@2": start},
+                      {"step": 80, "eval_pass@1": final, "eval_pass@2": final}],
+            "train": {"reward_last10": final, "reward_timeouts": 0.0}}
+
+
+def test_report_pairs_the_seeds_and_marks_intervals_that_exclude_zero(tmp_path):
+    pacs = {0: 0.30, 1: 0.40, 2: 0.50}
+    grpo = {0: 0.20, 1: 0.31, 2: 0.39, 3: 0.9}  # seed 3 has no PACS run: left out of the pairs
+    rows = [record("pacs", s, v) for s, v in pacs.items()] + [record("grpo", s, v) for s, v in grpo.items()]
+    rows.append({**record("pacs", 4, 0.0), "returncode": 1})  # failed runs are left out
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert science.main(["report", "--out", str(tmp_path), "--runs-dir", str(tmp_path / "runs")]) == 0
+    text = (tmp_path / "report.md").read_text()
+    mean, half, _ = science.t_interval(list(pacs.values()))
+    assert f"| pacs | 3 | 0.100 +- 0.000 | {mean:.3f} +- {half:.3f} |" in text
+    assert "| grpo | 4 |" in text
+    diffs = [pacs[s] - grpo[s] for s in pacs]  # 0.10, 0.09, 0.11: the interval excludes 0
+    mean, half, _ = science.t_interval(diffs)
+    assert f"| PACS - GRPO | 3 | {mean:+.3f} +- {half:.3f} * |" in text
+    assert (tmp_path / "wordmath_pass_at_k.png").stat().st_size > 0
+
+
+def test_code_commit_of_a_checkout_and_of_an_exported_copy(tmp_path):
+    repo = science.REPO
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
+    if head.returncode == 0:
+        assert science.code_commit(repo) == head.stdout.strip()
+    (tmp_path / "COMMIT").write_text("abc1234\n")
+    assert science.code_commit(str(tmp_path)) == "abc1234"
+    (tmp_path / "COMMIT").unlink()
+    assert science.code_commit(str(tmp_path)) is None
