@@ -30,14 +30,17 @@ def loss_and_grads(policy, batch, old_logp, packed: bool, offload: bool = False)
 
 
 @pytest.mark.parametrize("packed,checkpointing,offload", [
-    (True, False, False), (False, False, False), (True, True, False), (True, True, True)])
+    (True, None, False), (False, None, False), (True, "non-reentrant", False), (True, "non-reentrant", True),
+    (False, "reentrant", False)])  # reentrant: what HF Trainer (TRL) picks unless told otherwise
 def test_tiled_mlp_gives_the_same_loss_and_gradients(packed, checkpointing, offload):
     policy = tiny_policy(41)
     tiled = copy.deepcopy(policy)
     assert tile_mlp(tiled.causal_lm, 5) == ARCH["num_hidden_layers"]  # 5 divides neither row lengths nor totals
     for p in (policy, tiled):
         if checkpointing:
-            p.causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            p.causal_lm.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+            p.causal_lm.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
     batch = random_batch(42)
     old_logp = torch.randn(batch.targets.shape, dtype=torch.float64) * 0.1 - 3.0
     loss_ref, grads_ref = loss_and_grads(policy, batch, old_logp, packed)
