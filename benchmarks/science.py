@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -89,6 +90,8 @@ def run_one(task: str, variant: str, seed: int, args, cache_dir: str) -> dict:
         "reward_timeouts": sum(r.get("reward_timeouts", 0.0) for r in train_rows),
         "reward_errors": sum(r.get("reward_errors", 0.0) for r in train_rows),
         "loop_s": train_rows[-1]["elapsed"] if train_rows else None,
+        "entropy_first10": _mean([r["entropy"] for r in train_rows[:10] if r.get("entropy") is not None]),
+        "entropy_last10": _mean([r["entropy"] for r in train_rows[-10:] if r.get("entropy") is not None]),
     }
     return record
 
@@ -221,10 +224,14 @@ def cmd_report(args) -> int:
             m0, h0, _ = t_interval([r["evals"][0]["eval_pass@1"] for r in runs])
             mr, hr, _ = t_interval([r["train"]["reward_last10"] for r in runs])
             timeouts = sum(r["train"]["reward_timeouts"] for r in runs)
-            e0 = _mean([r["train"]["entropy_first10"] for r in runs])
-            e1 = _mean([r["train"]["entropy_last10"] for r in runs])
+            known = [r for r in runs if math.isfinite(r["train"]["entropy_first10"])]  # runs whose metrics are kept
+            e0 = _mean([r["train"]["entropy_first10"] for r in known])
+            e1 = _mean([r["train"]["entropy_last10"] for r in known])
+            entropy = f"{e0:.2f} -> {e1:.2f}" if known else "not kept"
+            if known and len(known) < len(runs):
+                entropy += f" ({len(known)} of {len(runs)} runs)"
             lines.append(f"| {variant} | {len(runs)} | {m0:.3f} +- {h0:.3f} | " + " | ".join(cells)
-                         + f" | {mr:.3f} +- {hr:.3f} | {e0:.2f} -> {e1:.2f} | {timeouts:.0f} |")
+                         + f" | {mr:.3f} +- {hr:.3f} | {entropy} | {timeouts:.0f} |")
         lines += ["", "Paired differences (same seed: same warm-up, held-out set and prompts):", "",
                   "| comparison | seeds | " + " | ".join(f"d pass@{k}" for k in ks) + " |",
                   "|---|---:|" + "---:|" * len(ks)]
@@ -244,6 +251,12 @@ def cmd_report(args) -> int:
         _plots(plt, task, variants, by, ks, args.out)
         lines += [f"![pass@1 over training, {task}]({task}_pass1_curve.png)",
                   f"![pass@k vs k, {task}]({task}_pass_at_k.png)", ""]
+    provenance: dict[tuple, int] = {}
+    for r in records:
+        key = (r.get("code_commit") or "an unrecorded commit", r.get("cpu_model") or "an unrecorded CPU")
+        provenance[key] = provenance.get(key, 0) + 1
+    counts = [f"{n} run{'s' if n != 1 else ''} at commit {commit} on {cpu}" for (commit, cpu), n in provenance.items()]
+    lines += ["Code and machine of the runs: " + "; ".join(counts) + ".", ""]
     wall = [r["wall_s"] for r in records]
     lines += ["## Budget and how to reproduce", "",
               f"Runs: {len(records)}, each one `pacs train` process with 1 torch thread "
@@ -251,9 +264,10 @@ def cmd_report(args) -> int:
               f"{sum(wall) / 60:.0f} min in all) on "
               f"{records[0]['host']} ({records[0]['cpus']} CPU cores shared with other jobs). One run's command "
               "(from the repository root):", "",
-              "    python " + records[0]["command"].replace(REPO + os.sep, ""), "",
+              "    python " + re.sub(r"/\S*/runs/science", "runs/science", records[0]["command"]), "",
               "The whole sweep and this report:", "",
-              "    python benchmarks/science.py run --seeds 0 1 2 3 4 && python benchmarks/science.py report", ""]
+              "    python benchmarks/science.py run --seeds 0 1 2 3 4 && python benchmarks/science.py report",
+              "", "(more seeds: `run --seeds 5 6 7 8 9 --variants pacs grpo`, then `report`)", ""]
     with open(os.path.join(args.out, "report.md"), "w") as fh:
         fh.write("\n".join(lines))
     print("\n".join(lines))

@@ -32,6 +32,7 @@ def test_report_pairs_the_seeds_and_marks_intervals_that_exclude_zero(tmp_path):
     pacs = {0: 0.30, 1: 0.40, 2: 0.50}
     grpo = {0: 0.20, 1: 0.31, 2: 0.39, 3: 0.9}  # seed 3 has no PACS run: left out of the pairs
     rows = [record("pacs", s, v) for s, v in pacs.items()] + [record("grpo", s, v) for s, v in grpo.items()]
+    rows[0].update(code_commit="abc1234", cpu_model="Some CPU")
     rows.append({**record("pacs", 4, 0.0), "returncode": 1})  # failed runs are left out
     (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert science.main(["report", "--out", str(tmp_path), "--runs-dir", str(tmp_path / "runs")]) == 0
@@ -43,6 +44,7 @@ def test_report_pairs_the_seeds_and_marks_intervals_that_exclude_zero(tmp_path):
     mean, half, _ = science.t_interval(diffs)
     assert f"| PACS - GRPO | 3 | {mean:+.3f} +- {half:.3f} * |" in text
     assert (tmp_path / "wordmath_pass_at_k.png").stat().st_size > 0
+    assert "1 run at commit abc1234 on Some CPU; 6 runs at commit an unrecorded commit on an unrecorded CPU" in text
 
 
 def test_code_commit_of_a_checkout_and_of_an_exported_copy(tmp_path):
