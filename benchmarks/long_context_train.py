@@ -182,7 +182,8 @@ def build(model: str, levers: tuple[str, ...], device: torch.device, dtype: torc
 def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.device,
                loss_chunk_mib: float | None = None) -> float:
     """One micro-batch = one group: forward, loss, backward, AdamW step (the fused loss's logits
-    within ``loss_chunk_mib``: train.loss_chunk_mib). Returns the loss."""
+    within ``loss_chunk_mib``: train.loss_chunk_mib). Returns the loss. ``optimizer=None``: no
+    step, the gradients stay in the parameters' ``.grad``."""
     from pacs.config import Config
     from pacs.memory import activation_offload
     from pacs.packing import forward_micro_batch, slice_micro_batch, to_layout
@@ -221,8 +222,9 @@ def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.
                 loss = pacs_loss(logp, to_layout(part, 0, old_logp), part.rewards, part.mask, group_size=GROUP)
         loss.backward()
         loss_value = float(loss.detach())
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return loss_value
 
 

@@ -7,7 +7,10 @@ AdamW) with and without ``train.tiled_mlp``, with and without gradient checkpoin
     python benchmarks/tiled_mlp_cost.py --dry-run                 # tiny, seconds (plumbing)
 
 Each case: a warm-up step, then the median of --repeats steps on the same batch (CUDA: synchronized
-wall time). Writes OUT/tiled_mlp_cost_<device>.csv and .md with the device and date.
+wall time). First, on the same model and batch, the checkpointed step's gradients with and without
+tiling are compared (largest |tiled - untiled| over a parameter's largest |untiled|; the exit
+status is 1 when over the dtype's tolerance). Writes OUT/tiled_mlp_cost_<device>.csv and .md with the
+device and date.
 """
 
 from __future__ import annotations
@@ -33,6 +36,25 @@ CASES = {  # name: the trainer's switches (long_context_train.py's levers)
     "packed_fused_ckpt": ("packed", "fused", "ckpt"),
     "packed_fused_ckpt_tiled": ("packed", "fused", "ckpt", "tiled"),
 }
+
+
+GRADIENT_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}  # largest error over the largest |gradient|
+
+
+def gradient_error(model: str, device: torch.device, dtype: torch.dtype, longest: int, prompt_len: int) -> float:
+    """Largest relative gradient error of the tiled checkpointed step against the untiled one (same
+    random model, same batch), over the parameters."""
+    grads = []
+    for levers in (CASES["packed_fused_ckpt"], CASES["packed_fused_ckpt_tiled"]):
+        policy, _ = steps.build(model, levers, device, dtype)  # seeded: the same weights both times
+        batch = steps.make_batch(longest, prompt_len, steps.MODELS[model]["vocab_size"], 7, device)
+        steps.train_step(policy, None, batch, levers, device)
+        grads.append({name: p.grad.float() for name, p in policy.named_parameters() if p.grad is not None})
+        del policy
+    untiled, tiled = grads
+    if untiled.keys() != tiled.keys():
+        return float("inf")
+    return max(float((tiled[k] - untiled[k]).abs().max() / untiled[k].abs().max().clamp_min(1e-30)) for k in untiled)
 
 
 def time_case(model: str, levers: tuple[str, ...], device: torch.device, dtype: torch.dtype, longest: int,
@@ -84,6 +106,12 @@ def main(argv=None) -> int:
     name, date = device_name(args.device), dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     tokens = steps.GROUP * args.prompt_len + sum(steps.response_lengths(args.longest))
     print(f"[tiled-mlp] {name}; {args.model} ({args.dtype}), L = {args.longest} ({tokens} packed tokens)", flush=True)
+    error = gradient_error(args.model, device, dtype, args.longest, args.prompt_len)
+    tolerance = GRADIENT_TOLERANCE[args.dtype]
+    verdict = "ok" if error <= tolerance else "FAIL"
+    check = (f"Gradients of the tiled checkpointed step against the untiled one (same model and batch): largest "
+             f"error {error:.2e} of the largest gradient (tolerance {tolerance:.0e}): {verdict}.")
+    print(f"[tiled-mlp] {check}", flush=True)
     rows = []
     for case, levers in CASES.items():
         try:
@@ -100,7 +128,7 @@ def main(argv=None) -> int:
     lines = [f"## Tiled MLP: training step time ({args.device}{', dry run' if args.dry_run else ''})", "",
              f"Device: {name}; date: {date}. Model `{args.model}` ({args.dtype}), one group of {steps.GROUP} "
              f"responses, longest L = {args.longest} ({tokens} packed tokens); median of {args.repeats} steps "
-             "after a warm-up (backbone forward and backward, fused PACS loss, AdamW).", "",
+             "after a warm-up (backbone forward and backward, fused PACS loss, AdamW).", "", check, "",
              "| case | median step (s) | vs the same without tiling |", "|---|---:|---:|"]
     for row in rows:
         seconds, base = row["median_step_s"], by_case.get(row["case"].replace("_tiled", ""))
@@ -115,7 +143,7 @@ def main(argv=None) -> int:
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
     print(f"[tiled-mlp] wrote {stem}.csv, .md", flush=True)
-    return 0
+    return 0 if verdict == "ok" else 1
 
 
 if __name__ == "__main__":

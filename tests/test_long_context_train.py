@@ -71,6 +71,7 @@ def test_tiled_mlp_cost_dry_run_writes_every_case(tmp_path):
     for case in tiled_mlp_cost.CASES:
         assert f"| {case} | " in text
     assert text.count("x |") == 2  # each tiled case against its untiled twin
+    assert "of the largest gradient (tolerance 1e-04): ok." in text  # the tiled step's gradients checked first
     with open(tmp_path / "tiled_mlp_cost_dry.csv") as handle:
         assert all(float(row["median_step_s"]) > 0 for row in csv.DictReader(handle))
 
