@@ -398,6 +398,17 @@ def validate_train(cfg: Config, world_size: int = 1) -> None:
         value = getattr(tr, name)
         if value is not None and value <= 0:
             raise ValueError(f"train.{name} must be a positive number of tokens or None, got {value!r}")
+    # a sequence's forward cannot be cut: a budget below the longest sequence the rollouts may give
+    # would stop the run at the first one that long, perhaps hours in; say so before any work
+    longest = cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens
+    for name in ("max_tokens_per_micro_batch", "old_policy_max_tokens"):
+        value = getattr(tr, name)
+        if value is not None and value < longest:
+            raise ValueError(
+                f"train.{name}={value} is smaller than the longest sequence the rollouts may give: "
+                f"rollout.max_prompt_len + rollout.max_new_tokens = {longest} tokens, and a sequence's forward "
+                f"cannot be cut into parts; raise train.{name} to at least {longest}, or lower "
+                "rollout.max_new_tokens or rollout.max_prompt_len (prompts are cut to it)")
     if tr.loss_chunk_mib is not None and not (isinstance(tr.loss_chunk_mib, (int, float))
                                               and 0 < tr.loss_chunk_mib < float("inf")):
         raise ValueError(f"train.loss_chunk_mib must be a positive number of MiB or None, got {tr.loss_chunk_mib!r}")

@@ -197,6 +197,16 @@ def test_packing_config():
         validate(config("train.fsdp_cpu_offload=true"), world_size=1)
 
 
+@pytest.mark.parametrize("name", ["max_tokens_per_micro_batch", "old_policy_max_tokens"])
+def test_a_budget_below_the_longest_possible_sequence_is_refused_at_the_start(name):
+    """A sequence's forward cannot be cut, so a budget below max_prompt_len + max_new_tokens would stop
+    the run at the first rollout that long: refused before any work, naming both settings."""
+    lengths = ["rollout.max_prompt_len=20", "rollout.max_new_tokens=12"]  # sequences up to 32 tokens
+    with pytest.raises(ValueError, match=rf"train\.{name}=31 is smaller than .*max_new_tokens = 32 tokens"):
+        validate(config(*lengths, f"train.{name}=31"))
+    validate(config(*lengths, f"train.{name}=32"))
+
+
 def test_packed_attention_implementation_on_cpu():
     assert packed_attention_implementation(torch.device("cpu")) == "pacs_packed_sdpa"
 
