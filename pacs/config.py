@@ -111,6 +111,8 @@ class TrainConfig:
     liger_patches: bool = False     # CUDA: Liger-Kernel RMSNorm, SwiGLU, RoPE in the model (never its loss)
     tiled_mlp: bool = False         # each decoder MLP over tiles of tokens, only its input kept (pacs/tiled_mlp.py)
     mlp_tile_tokens: int | None = None  # tokens per MLP tile; None: the model's hidden size
+    preflight: bool | None = None   # run the longest step the settings allow before the first rollout
+                                    # (pacs/preflight.py); None: on CUDA
 
 
 @dataclass

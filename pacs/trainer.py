@@ -46,6 +46,7 @@ from .packing import (
     to_layout,
 )
 from .policy import DistInfo, export_hf, full_named_tensors, load_policy, setup_distributed
+from .preflight import preflight_enabled, run_preflight
 from .rollout import make_rollout_engine
 from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
 from .run_setup import Run, apply_torch_threads, check_config, engine_options, prepare_run
@@ -484,6 +485,9 @@ def train(cfg: Config) -> TrainResult:
     hide_progress_bars()  # again: a vLLM engine's start turns transformers' back on
     if resume is not None:
         engine.sync_weights(full_named_tensors(policy))
+    # ---- the longest step these settings allow, once, before any rollout: out of memory now, not hours in
+    if preflight_enabled(cfg, dist_info.device) and state["step"] < cfg.max_steps:
+        run_preflight(cfg, policy, optimizer, run.pad_id, dist_info, packed=packed, say=say)
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
     metrics = MetricsLog(metrics_path, resume_step=state["step"] if resume is not None else None,
                          enabled=dist_info.is_main, warn=say)

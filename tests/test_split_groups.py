@@ -85,16 +85,17 @@ def test_a_split_group_trains_like_the_whole_group(algo, packed):
 
 @pytest.mark.slow
 def test_two_fsdp_ranks_with_split_groups(tmp_path):
-    """2 FSDP ranks with a token budget below every group: the same weights as one process (one
-    mini-batch per step); with two mini-batches the parts' no-grad passes line up across ranks
-    (a rank with fewer parts repeats a small forward) and the ranks stay in sync."""
+    """2 FSDP ranks with a token budget below every group (and the preflight, whose worst case runs
+    in parts too): the same weights as one process (one mini-batch per step); with two mini-batches
+    the parts' no-grad passes line up across ranks (a rank with fewer parts repeats a small forward)
+    and the ranks stay in sync."""
     import json
 
     from test_trainer_fsdp import close, run_worker
 
     split = ("train.packing=true", "train.max_tokens_per_micro_batch=24", "rollout.max_prompt_len=16")
     run_worker(tmp_path / "one", tmp_path / "cache", 1, *split)
-    run_worker(tmp_path / "two", tmp_path / "cache", 2, *split)
+    run_worker(tmp_path / "two", tmp_path / "cache", 2, *split, "train.preflight=true")  # changes nothing
     one = json.loads((tmp_path / "one" / "sync_rank0.json").read_text())
     ranks = [json.loads((tmp_path / "two" / f"sync_rank{r}.json").read_text()) for r in (0, 1)]
     assert one["metrics"]["split_groups"] == 4 and ranks[0]["metrics"]["split_groups"] == 2  # every group, per rank
