@@ -267,7 +267,7 @@ def cmd_report(args) -> int:
               "    python " + re.sub(r"/\S*/runs/science", "runs/science", records[0]["command"]), "",
               "The whole sweep and this report:", "",
               "    python benchmarks/science.py run --seeds 0 1 2 3 4 && python benchmarks/science.py report",
-              "", "(more seeds: `run --seeds 5 6 7 8 9 --variants pacs grpo`, then `report`)", ""]
+              "", "(more seeds: `run --seeds 5 6 7 8 9`, then `report`)", ""]
     with open(os.path.join(args.out, "report.md"), "w") as fh:
         fh.write("\n".join(lines))
     print("\n".join(lines))
