@@ -20,13 +20,18 @@ Arctic Long Sequence Training's TiledMLP):
 The peak for the MLP drops from 4 to 8 (T, I) tensors to 4 to 8 (tile, I) tensors plus x and dx.
 Cost: one more MLP forward per layer (its backward recomputes it; with gradient checkpointing the
 checkpoint's own recompute runs the tiled forward first). Parameter gradients are summed over tiles
-in float32 for 16-bit parameters, then cast, as one large matmul's accumulator would. The MLP must
-be deterministic (no dropout) and map (..., d) to (..., d): every Hugging Face dense decoder MLP
-(Llama, Qwen2/3, Mistral, Gemma) is. Parameters (and their names) are unchanged: checkpoints,
-exports and vLLM weight sync see the same model; a PEFT adapter inside the MLP trains through it.
+in float32 for 16-bit parameters, then cast, as one large matmul's accumulator would. A dropout
+inside the MLP (a LoRA adapter's) draws the forward's masks again in the backward: the random state
+is replayed, as torch.utils.checkpoint does. The MLP must map (..., d) to (..., d') token by token:
+every Hugging Face dense decoder MLP (Llama, Qwen2/3, Mistral, Gemma) does. Parameters (and their
+names) are unchanged: checkpoints, exports and vLLM weight sync see the same model; a PEFT adapter
+inside the MLP trains through it. A pickled model comes back untiled (pickle keeps the class's
+forward): call tile_mlp again, as after any later patch of the MLP's forward.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -41,6 +46,9 @@ class TiledMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, mlp, inner_forward, tile_tokens, x, *params):
+        # the random state the tiles start from: the backward replays it, so that a dropout inside
+        # the MLP (a LoRA adapter's, say) draws the forward's masks again, tile by tile
+        ctx.rng = _rng_state(x.device)
         with torch.no_grad():
             out = tiled_forward(mlp, inner_forward, tile_tokens, x)
         ctx.mlp, ctx.inner_forward, ctx.tile_tokens, ctx.n_params = mlp, inner_forward, tile_tokens, len(params)
@@ -49,6 +57,7 @@ class TiledMLPFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # double backward: a clear error, not a wrong answer
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
         flat = x.detach().reshape(-1, x.shape[-1])
@@ -62,21 +71,21 @@ class TiledMLPFunction(torch.autograd.Function):
         need_x = ctx.needs_input_grad[3]
         grad_x = torch.empty_like(flat) if need_x else None
         sums: list[torch.Tensor | None] = [None] * len(wanted)
-        device_type, enabled, dtype = ctx.autocast
-        for start in range(0, flat.shape[0], ctx.tile_tokens):
-            tile = flat[start:start + ctx.tile_tokens].detach().requires_grad_(need_x)
-            with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
-                y = ctx.inner_forward(ctx.mlp, tile)
-            inputs = ([tile] if need_x else []) + [params[i] for i in wanted]
-            grads = torch.autograd.grad(y, inputs, grad_flat[start:start + tile.shape[0]], allow_unused=True)
-            if need_x:
-                grad_x[start:start + tile.shape[0]] = grads[0]
-                grads = grads[1:]
-            for j, g in enumerate(grads):
-                if g is None:
-                    continue
-                g = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
-                sums[j] = g if sums[j] is None else sums[j].add_(g)
+        with _replayed_rng(x.device, ctx.rng):
+            for start in range(0, flat.shape[0], ctx.tile_tokens):
+                tile = flat[start:start + ctx.tile_tokens].detach().requires_grad_(need_x)
+                with torch.enable_grad(), _autocast(ctx.autocast):
+                    y = ctx.inner_forward(ctx.mlp, tile)
+                inputs = ([tile] if need_x else []) + [params[i] for i in wanted]
+                grads = torch.autograd.grad(y, inputs, grad_flat[start:start + tile.shape[0]], allow_unused=True)
+                if need_x:
+                    grad_x[start:start + tile.shape[0]] = grads[0]
+                    grads = grads[1:]
+                for j, g in enumerate(grads):
+                    if g is None:
+                        continue
+                    g = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
+                    sums[j] = g if sums[j] is None else sums[j].add_(g)
         grad_params: list[torch.Tensor | None] = [None] * len(params)
         for j, i in enumerate(wanted):
             if sums[j] is not None:
@@ -98,10 +107,36 @@ def tiled_forward(mlp, inner_forward, tile_tokens: int, x: torch.Tensor) -> torc
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
-    """The autocast state the forward ran under, to recompute the tiles under the same one."""
-    autocast_type = device_type if device_type in ("cpu", "cuda") else "cpu"
-    return autocast_type, torch.is_autocast_enabled(autocast_type), torch.get_autocast_dtype(autocast_type)
+def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype] | None:
+    """The autocast state the forward ran under (None where the device has no autocast), to
+    recompute the tiles under the same one."""
+    if not torch.amp.is_autocast_available(device_type):
+        return None
+    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+def _autocast(state):
+    if state is None:
+        return contextlib.nullcontext()
+    device_type, enabled, dtype = state
+    return torch.autocast(device_type, dtype=dtype, enabled=enabled)
+
+
+def _rng_state(device: torch.device) -> tuple:
+    """The CPU generator's state, and the device's when it is CUDA."""
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+@contextlib.contextmanager
+def _replayed_rng(device: torch.device, state: tuple):
+    """Run the block from ``state`` (as :func:`_rng_state` took it), then put the generators back as
+    they were: the rest of the backward and of training draws what it would have drawn."""
+    cpu, cuda = state
+    with torch.random.fork_rng(devices=[device] if cuda is not None else [], device_type="cuda"):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield
 
 
 def _check_output(y, x, mlp) -> None:
@@ -122,8 +157,13 @@ def tile_mlp(causal_lm: nn.Module, tile_tokens: int | None = None, *,
     ``setting`` is the name errors give the tile size (the caller's config key)."""
     from .policy import decoder_layers
 
-    if tile_tokens is None:
-        tile_tokens = getattr(causal_lm.config, "hidden_size", None)
+    if tile_tokens is None:  # multimodal configs keep the decoder's sizes in their text config
+        config = causal_lm.config
+        tile_tokens = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                              "hidden_size", None)
+        if tile_tokens is None:
+            raise ValueError(f"tiled MLP: {type(causal_lm).__name__}'s config has no hidden_size for the default tile: "
+                             f"set {setting}")
     if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
         raise ValueError(f"{setting} must be a positive integer (tokens per MLP tile), got {tile_tokens!r}")
     layers = decoder_layers(causal_lm)
@@ -132,9 +172,11 @@ def tile_mlp(causal_lm: nn.Module, tile_tokens: int | None = None, *,
         raise ValueError(f"tiled MLP: the decoder layers of {type(causal_lm).__name__} "
                          f"({type(layers[0]).__name__}) have no `mlp` submodule to tile")
     for mlp in mlps:
-        if getattr(mlp, "tiled_mlp_tokens", None) is not None:  # already tiled: only the tile size changes
-            mlp.tiled_mlp_tokens = tile_tokens
+        mlp.tiled_mlp_tokens = tile_tokens
+        if getattr(mlp.__dict__.get("forward"), "tiles_the_mlp", False):  # already tiled: the new size is all
             continue
+        # (a pickled model comes back with its class's forward, and a later patch, Liger's say, replaces
+        # ours: both are tiled again here, around whatever forward the module has now)
         inner_forward = unbound_forward(mlp)
 
         def forward(self, x, *args, _inner=inner_forward, **kwargs):
@@ -145,6 +187,6 @@ def tile_mlp(causal_lm: nn.Module, tile_tokens: int | None = None, *,
             params = list(self.parameters())
             return TiledMLPFunction.apply(self, _inner, self.tiled_mlp_tokens, x, *params)
 
+        forward.tiles_the_mlp = True
         mlp.forward = forward.__get__(mlp)
-        mlp.tiled_mlp_tokens = tile_tokens
     return len(mlps)

@@ -259,3 +259,135 @@ def test_a_tiled_model_under_the_plain_loop_forward_patch():
     assert any(".mlp." in k and g.abs().max() > 1e-8 for k, g in grads_ref.items())
     for name in grads_ref:
         torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-10, atol=1e-14, msg=name)
+
+
+class DropoutMLP(torch.nn.Module):
+    """A token-wise MLP with dropout inside, as a LoRA adapter with lora_dropout has."""
+
+    def __init__(self, d=8, hidden=24):
+        super().__init__()
+        self.up, self.down, self.drop = torch.nn.Linear(d, hidden), torch.nn.Linear(hidden, d), torch.nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.down(self.drop(torch.nn.functional.silu(self.up(x))))
+
+
+def one_layer_model(mlp):
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = mlp
+
+    class Decoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer()])
+
+    class Model(torch.nn.Module):
+        config = transformers.PretrainedConfig(hidden_size=8)
+
+        def __init__(self):
+            super().__init__()
+            self.decoder = Decoder()
+
+        def get_decoder(self):
+            return self.decoder
+
+    return Model()
+
+
+def test_dropout_inside_the_mlp_gets_the_gradient_of_the_masks_its_forward_drew():
+    """The backward replays the forward's random state: the recomputed tiles draw the same dropout
+    masks, so the gradient is that of the output actually computed (here: the same tiles run one by
+    one under autograd from the same seed), and the random streams continue as without tiling."""
+    torch.manual_seed(0)
+    mlp = DropoutMLP().double().train()
+    model = one_layer_model(mlp)
+    x = torch.randn(2, 13, 8, dtype=torch.float64)
+    upstream = torch.randn(2, 13, 8, dtype=torch.float64)
+
+    torch.manual_seed(7)
+    ref_x = x.clone().requires_grad_(True)
+    ref_out = torch.cat([type(mlp).forward(mlp, tile) for tile in ref_x.reshape(-1, 8).split(4)]).reshape(2, 13, 8)
+    (ref_out * upstream).sum().backward()
+    ref_grads = {k: p.grad.clone() for k, p in mlp.named_parameters()}
+    after_reference = torch.rand(1)
+    mlp.zero_grad(set_to_none=True)
+
+    tile_mlp(model, 4)
+    torch.manual_seed(7)
+    tiled_x = x.clone().requires_grad_(True)
+    out = mlp(tiled_x)
+    torch.testing.assert_close(out, ref_out.detach(), rtol=0, atol=0)
+    (out * upstream).sum().backward()
+    torch.testing.assert_close(torch.rand(1), after_reference)  # the stream goes on as it would have
+    torch.testing.assert_close(tiled_x.grad, ref_x.grad, rtol=1e-12, atol=1e-14)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(mlp.get_parameter(name).grad, grad, rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_a_pickled_or_repatched_mlp_is_tiled_again():
+    import io
+
+    policy = tiny_policy(49, attn="sdpa")
+    tile_mlp(policy.causal_lm, 3)
+    buffer = io.BytesIO()
+    torch.save(policy, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    mlp = loaded.causal_lm.model.layers[0].mlp
+    assert not getattr(mlp.__dict__.get("forward"), "tiles_the_mlp", False)  # pickle keeps the class's forward
+    tile_mlp(loaded.causal_lm, 3)
+    mlp.forward = type(mlp).forward.__get__(mlp)  # as a later patch (Liger's) would replace it
+    tile_mlp(loaded.causal_lm, 3)
+    calls = []
+    handle = mlp.down_proj.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
+    with torch.no_grad():
+        loaded(torch.randint(0, ARCH["vocab_size"], (1, 7)), None)
+    handle.remove()
+    assert calls == [3, 3, 1]
+
+
+def test_many_tiles_of_16_bit_gradients_are_summed_in_float32():
+    """1,024 tokens in tiles of 4: 256 bf16 partial gradients per weight. Summed in float32 the
+    tiled gradient is as close to float64's as the untiled one (summed in bf16 it is about 10x off)."""
+    reference = tiny_policy(50, attn="sdpa")
+    base = copy.deepcopy(reference).to(torch.bfloat16)
+    tiled = copy.deepcopy(base)
+    tile_mlp(tiled.causal_lm, 4)
+    x = torch.randint(0, ARCH["vocab_size"], (2, 512), generator=torch.Generator().manual_seed(3))
+    upstream = torch.randn(2, 512, ARCH["hidden_size"], dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+
+    def mlp_grads(policy):
+        hidden, _, _ = policy(x, None)
+        (hidden.double() * upstream).sum().backward()
+        return {k: p.grad.double() for k, p in policy.named_parameters() if ".mlp." in k}
+
+    exact, untiled, got = mlp_grads(reference), mlp_grads(base), mlp_grads(tiled)
+    for name in exact:
+        scale = float(exact[name].abs().max())
+        err_untiled = float((untiled[name] - exact[name]).abs().max()) / scale
+        err_tiled = float((got[name] - exact[name]).abs().max()) / scale
+        assert err_tiled <= 1.5 * err_untiled + 1e-3, (name, err_tiled, err_untiled)
+
+
+def test_default_tile_reads_a_multimodal_models_text_config():
+    mlp = DropoutMLP()
+    model = one_layer_model(mlp)
+
+    class Config:  # no top-level hidden_size, as Gemma 3's or Qwen2.5-VL's config
+        def get_text_config(self):
+            return transformers.PretrainedConfig(hidden_size=6)
+
+    model.config = Config()
+    tile_mlp(model)
+    assert mlp.tiled_mlp_tokens == 6
+
+
+def test_double_backward_is_refused_clearly():
+    mlp = DropoutMLP().eval()
+    tile_mlp(one_layer_model(mlp), 2)
+    x = torch.randn(5, 8, requires_grad=True)
+    (grad,) = torch.autograd.grad(mlp(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="twice|once|double"):
+        grad.sum().backward()
