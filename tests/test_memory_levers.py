@@ -164,6 +164,8 @@ def test_trainer_packed_with_levers_matches_padded(tmp_path):
     }
     rows = {k: comparable(read_metrics(os.path.join(r.output_dir, "metrics.jsonl"))) for k, r in runs.items()}
     assert rows["padded"][1]["grad_norm"] > 0
+    assert all(getattr(layer.mlp.__dict__.get("forward"), "tiles_the_mlp", False) and layer.mlp.tiled_mlp_tokens == 5
+               for layer in runs["budget"].policy.causal_lm.model.layers)  # train.tiled_mlp reached the model
     assert_rows_match(rows["padded"], rows["packed"])
     assert_rows_match(rows["padded"], rows["budget"], CUT_INDEPENDENT)
     assert any(rows["budget"][1][k] != pytest.approx(v, rel=1e-6, nan_ok=True)  # it is a different cut
@@ -190,3 +192,6 @@ def test_two_fsdp_ranks_with_token_budgets_match_one_process(tmp_path):
     assert ranks[0]["final"] == ranks[1]["final"]
     assert ranks[0]["pushes"][0] != ranks[0]["pushes"][1], "training must change the weights"
     assert close(ranks[0]["final"], one["final"])
+    assert (ranks[0]["tiled_mlps"], ranks[1]["tiled_mlps"], one["tiled_mlps"]) == (2, 2, 0)
+    # AdamW's update is blind to a gradient's scale: the gradient norms are compared too
+    assert ranks[0]["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-4)

@@ -30,6 +30,14 @@ def checksum(named) -> dict[str, list[float]]:
     return out
 
 
+def tiled_mlps(policy) -> int:
+    """How many decoder MLPs run in tiles (train.tiled_mlp)."""
+    from pacs.policy import decoder_layers
+
+    return sum(bool(getattr(layer.mlp.__dict__.get("forward"), "tiles_the_mlp", False))
+               for layer in decoder_layers(policy.causal_lm))
+
+
 def main() -> None:
     out_dir, overrides = sys.argv[1], sys.argv[2:]
     pushes: list[dict] = []
@@ -72,7 +80,7 @@ def main() -> None:
     final = checksum(full_named_tensors(result.policy))
     with open(os.path.join(out_dir, f"sync_rank{rank}.json"), "w") as fh:
         json.dump({"pushes": pushes, "final": final, "metrics": result.metrics,
-                   "world_size": int(os.environ.get("WORLD_SIZE", "1"))}, fh)
+                   "world_size": int(os.environ.get("WORLD_SIZE", "1")), "tiled_mlps": tiled_mlps(result.policy)}, fh)
     leave_distributed_run()  # every rank's results are written: leave without teardown
 
 
