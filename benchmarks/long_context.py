@@ -144,7 +144,7 @@ def doubling_bisection(fits, start: int, maximum: int, step: int, out_of_time=la
         else:
             hi = n
             break
-        if out_of_time():
+        if n <= maximum and out_of_time():  # (asked only while there is more to try)
             return lo, hi
     if lo is None or hi is None:
         return lo, hi

@@ -289,15 +289,24 @@ class VariantRunner:
             torch.cuda.empty_cache()
 
 
-def search(runner: VariantRunner, budget_mib: float, l_start: int, l_max: int, deadline: float | None, emit) -> None:
-    """Doubling then bisection over the longest response L; ``emit(longest, result)`` per trial."""
+def search(runner: VariantRunner, budget_mib: float, l_start: int, l_max: int, deadline: float | None, emit) -> bool:
+    """Doubling then bisection over the longest response L; ``emit(longest, result)`` per trial.
+    Returns whether the deadline cut the search short (before the edge was bracketed)."""
 
     def fits(longest: int) -> bool:
         result = runner.trial(longest, budget_mib)
         emit(longest, result)
         return result["fits"]
 
-    doubling_bisection(fits, l_start, l_max, GROUP, lambda: deadline is not None and time.perf_counter() > deadline)
+    cut = []
+
+    def out_of_time() -> bool:
+        if deadline is not None and time.perf_counter() > deadline:
+            cut.append(True)
+        return bool(cut)
+
+    doubling_bisection(fits, l_start, l_max, GROUP, out_of_time)
+    return bool(cut)
 
 
 def cpu_worker(request: dict) -> None:
@@ -312,11 +321,13 @@ def cpu_worker(request: dict) -> None:
     def emit(longest, result):
         print(json.dumps({"longest": longest, **result}), flush=True)
 
-    search(runner, request["budget_mib"], request["l_start"], request["l_max"], deadline, emit)
+    cut = search(runner, request["budget_mib"], request["l_start"], request["l_max"], deadline, emit)
+    print(json.dumps({"cut": cut}), flush=True)
 
 
-def run_cpu_variant(request: dict, timeout_s: float, emit) -> None:
-    """Run :func:`cpu_worker` in a fresh subprocess, passing its trials to ``emit`` as they come."""
+def run_cpu_variant(request: dict, timeout_s: float, emit) -> bool:
+    """Run :func:`cpu_worker` in a fresh subprocess, passing its trials to ``emit`` as they come.
+    Returns whether the search was cut short (its time share, or ``timeout_s``)."""
     env = dict(os.environ)
     env.update(WORKER_ENV)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
@@ -326,11 +337,15 @@ def run_cpu_variant(request: dict, timeout_s: float, emit) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.long_context_train", "--worker", json.dumps(request)],
                             cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=errors, text=True)
     start = time.perf_counter()
+    cut = True  # unless the worker says it finished
     try:
         for line in proc.stdout:
             if line.startswith("{"):
                 result = json.loads(line)
-                emit(result.pop("longest"), result)
+                if "cut" in result:
+                    cut = result["cut"]
+                else:
+                    emit(result.pop("longest"), result)
             if time.perf_counter() - start > timeout_s:
                 proc.kill()
                 break
@@ -342,6 +357,7 @@ def run_cpu_variant(request: dict, timeout_s: float, emit) -> None:
         errors.seek(0)
         tail = errors.read().strip().splitlines()[-1:] or ["no output"]
         print(f"[train-long] {request['variant']}: worker exit {proc.returncode}: {tail[0][:200]}", flush=True)
+    return cut
 
 
 # ----------------------------------------------------------------------------- the sweep
@@ -457,7 +473,7 @@ def main(argv=None) -> int:
             if device == "cuda" or args.dry_run:  # the dry run: in this process, for speed (plumbing check only)
                 runner = VariantRunner(args.model, variant, args.dtype, args.prompt_len, torch.device(device))
                 try:
-                    search(runner, budget, args.l_start, args.l_max, share, emit)
+                    cut = search(runner, budget, args.l_start, args.l_max, share, emit)
                 finally:
                     runner.close()
             else:
@@ -465,12 +481,11 @@ def main(argv=None) -> int:
                 request = dict(variant=variant, model=args.model, dtype=args.dtype, prompt_len=args.prompt_len,
                                budget_mib=budget, l_start=args.l_start, l_max=args.l_max, threads=args.threads,
                                seconds=left)
-                run_cpu_variant(request, args.timeout, emit)
+                cut = run_cpu_variant(request, args.timeout, emit)
             fitting = [n for n, ok in trials if ok]
             failing = [n for n, ok in trials if not ok]
             lo = max(fitting) if fitting else None
             hi = min(failing) if failing else None
-            cut = share is not None and time.perf_counter() > share and (hi is None or hi - lo > max(GROUP, lo // 8))
             summary.append((budget, variant, lo, hi, "time share spent before the edge" if cut else ""))
     write_csv(rows, stem.with_suffix(".csv"))
     stem.with_suffix(".md").write_text(report(summary, args, name, date))

@@ -100,3 +100,31 @@ def test_time_shares_keep_a_slow_variant_from_starving_the_rest(tmp_path, monkey
     text = (tmp_path / "long_context_train_dry.md").read_text()
     assert "| padded_naive | >= 32 (time share spent before the edge) |" in text  # 2 trials in its 10 s
     assert "| packed_fused | 64 | 72 |" in text and "| packed_fused_ckpt | 64 | 72 |" in text
+
+
+def test_time_shares_label_only_searches_that_were_really_cut(tmp_path, monkeypatch):
+    """A variant whose first trial does not fit reports that (no crash when its share is spent), and
+    one that reached --l-max is not labelled cut even when its last trial ran past its share."""
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+
+    class Runner:
+        def __init__(self, model, variant, *args):
+            self.variant = variant
+
+        def trial(self, longest, budget_mib):
+            clock[0] += 20.0 if self.variant == "padded_naive" else 2.2
+            fits = self.variant != "padded_naive"  # padded_naive: nothing fits; the others: everything
+            return {"fits": fits, "footprint_mib": 1.0, "seconds": 0.0}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench, "VariantRunner", Runner)
+    monkeypatch.setattr(bench, "plot", lambda *args: None)
+    # l_start 16 .. l_max 256: 5 trials of 2.2 s for a variant that fits everything, the last past its 10 s share
+    assert bench.main(["--dry-run", "--variants", "padded_naive", "packed_fused", "--time-budget", "30",
+                       "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "long_context_train_dry.md").read_text()
+    assert "| padded_naive | none tried fits | 16 |" in text
+    assert "| packed_fused | >= 256 |  |" in text
