@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
+import gc
 import statistics
 import sys
 import time
@@ -41,27 +42,24 @@ CASES = {  # name: the trainer's switches (long_context_train.py's levers)
 GRADIENT_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}  # largest error over the largest |gradient|
 
 
-def gradient_error(model: str, device: torch.device, dtype: torch.dtype, longest: int, prompt_len: int) -> float:
-    """Largest relative gradient error of the tiled checkpointed step against the untiled one (same
-    random model, same batch), over the parameters."""
+def gradient_error(models: dict, device: torch.device, batch) -> float:
+    """Largest relative gradient error of the tiled checkpointed step against the untiled one (the
+    same random weights: ``build`` is seeded; the same batch), over the parameters. ``models``: case
+    -> (policy, optimizer), the two checkpointed cases; their gradients are cleared afterwards."""
     grads = []
-    for levers in (CASES["packed_fused_ckpt"], CASES["packed_fused_ckpt_tiled"]):
-        policy, _ = steps.build(model, levers, device, dtype)  # seeded: the same weights both times
-        batch = steps.make_batch(longest, prompt_len, steps.MODELS[model]["vocab_size"], 7, device)
-        steps.train_step(policy, None, batch, levers, device)
+    for case in ("packed_fused_ckpt", "packed_fused_ckpt_tiled"):
+        policy, _ = models[case]
+        steps.train_step(policy, None, batch, CASES[case], device)
         grads.append({name: p.grad.float() for name, p in policy.named_parameters() if p.grad is not None})
-        del policy
+        policy.zero_grad(set_to_none=True)
     untiled, tiled = grads
     if untiled.keys() != tiled.keys():
         return float("inf")
     return max(float((tiled[k] - untiled[k]).abs().max() / untiled[k].abs().max().clamp_min(1e-30)) for k in untiled)
 
 
-def time_case(model: str, levers: tuple[str, ...], device: torch.device, dtype: torch.dtype, longest: int,
-              prompt_len: int, repeats: int) -> float:
-    """Median seconds of one training step at ``longest`` (after one warm-up step)."""
-    policy, optimizer = steps.build(model, levers, device, dtype)
-    batch = steps.make_batch(longest, prompt_len, steps.MODELS[model]["vocab_size"], 7, device)
+def time_steps(policy, optimizer, levers: tuple[str, ...], device: torch.device, batch, repeats: int) -> float:
+    """Median seconds of one training step on ``batch`` (after one warm-up step)."""
     times = []
     for i in range(repeats + 1):
         if device.type == "cuda":
@@ -106,24 +104,38 @@ def main(argv=None) -> int:
     name, date = device_name(args.device), dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     tokens = steps.GROUP * args.prompt_len + sum(steps.response_lengths(args.longest))
     print(f"[tiled-mlp] {name}; {args.model} ({args.dtype}), L = {args.longest} ({tokens} packed tokens)", flush=True)
-    error = gradient_error(args.model, device, dtype, args.longest, args.prompt_len)
+    batch = steps.make_batch(args.longest, args.prompt_len, steps.MODELS[args.model]["vocab_size"], 7, device)
+    # the checkpointed pair is built once: checked first (correctness before speed), then timed
+    models = {case: steps.build(args.model, CASES[case], device, dtype)
+              for case in ("packed_fused_ckpt", "packed_fused_ckpt_tiled")}
+    error = gradient_error(models, device, batch)
     tolerance = GRADIENT_TOLERANCE[args.dtype]
     verdict = "ok" if error <= tolerance else "FAIL"
     check = (f"Gradients of the tiled checkpointed step against the untiled one (same model and batch): largest "
              f"error {error:.2e} of the largest gradient (tolerance {tolerance:.0e}): {verdict}.")
     print(f"[tiled-mlp] {check}", flush=True)
     rows = []
-    for case, levers in CASES.items():
+    for case in ("packed_fused_ckpt", "packed_fused_ckpt_tiled", "packed_fused", "packed_fused_tiled"):
         try:
-            seconds = time_case(args.model, levers, device, dtype, args.longest, args.prompt_len, args.repeats)
-            seconds = round(seconds, 4)
+            policy, optimizer = models.pop(case, None) or steps.build(args.model, CASES[case], device, dtype)
+            seconds = round(time_steps(policy, optimizer, CASES[case], device, batch, args.repeats), 4)
         except torch.OutOfMemoryError:
             seconds = None
+        policy = optimizer = None
+        gc.collect()
+        if cuda:
             torch.cuda.empty_cache()
         rows.append({"date": date, "device": args.device, "device_name": name, "model": args.model,
                      "dtype": args.dtype, "case": case, "longest_response": args.longest, "packed_tokens": tokens,
                      "repeats": args.repeats, "median_step_s": seconds})
         print(f"[tiled-mlp] {case:26s} {'out of memory' if seconds is None else f'{seconds:.3f} s'}", flush=True)
+        stem = write_outputs(rows, check, args, name, date, tokens)  # after every case: a timeout keeps the rest
+    print(f"[tiled-mlp] wrote {stem}.csv, .md", flush=True)
+    return 0 if verdict == "ok" else 1
+
+
+def write_outputs(rows: list[dict], check: str, args, name: str, date: str, tokens: int) -> Path:
+    rows = sorted(rows, key=lambda r: list(CASES).index(r["case"]))
     by_case = {r["case"]: r["median_step_s"] for r in rows}
     lines = [f"## Tiled MLP: training step time ({args.device}{', dry run' if args.dry_run else ''})", "",
              f"Device: {name}; date: {date}. Model `{args.model}` ({args.dtype}), one group of {steps.GROUP} "
@@ -141,9 +153,7 @@ def main(argv=None) -> int:
         writer.writeheader()
         writer.writerows(rows)
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines), flush=True)
-    print(f"[tiled-mlp] wrote {stem}.csv, .md", flush=True)
-    return 0 if verdict == "ok" else 1
+    return stem
 
 
 if __name__ == "__main__":
