@@ -101,7 +101,9 @@ def code_commit(code_dir: str) -> str | None:
     exported copy (``git archive``, the way a sweep freezes its code) carries, else None."""
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=code_dir, capture_output=True, text=True)
     if done.returncode == 0:
-        return done.stdout.strip()
+        edited = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=code_dir,
+                                capture_output=True, text=True).stdout.strip()
+        return done.stdout.strip() + ("+edits" if edited else "")  # a checkout with uncommitted edits
     path = os.path.join(code_dir, "COMMIT")
     return open(path).read().strip() if os.path.isfile(path) else None
 
@@ -202,8 +204,13 @@ def cmd_report(args) -> int:
     lines = ["# PACS vs GRPO, and PACS's score-function term, across seeds (small CPU budget)", ""]
     lines += [f"Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC from "
               f"`runs.jsonl` ({len(records)} finished runs) by `python benchmarks/science.py report`.", ""]
+    note_path = os.path.join(args.out, "report_note.md")  # the note stays for the next report
     if args.note:
-        lines += [args.note, ""]
+        with open(note_path, "w") as fh:
+            fh.write(args.note.strip() + "\n")
+    note = args.note or (open(note_path).read().strip() if os.path.isfile(note_path) else "")
+    if note:
+        lines += [note, ""]
     lines += ["Every cell: mean over seeds +- the half-width of the 95% Student-t interval (n = seeds). "
               f"Metrics on the task's 200 held-out problems after {records[0]['max_steps']} rollout steps, "
               f"{records[0]['n_samples']} samples per problem at temperature 0.6 (pass@1 = mean@n); step 0 is the "
@@ -334,7 +341,8 @@ def main(argv=None) -> int:
     parser.add_argument("--n-samples", type=int, default=16)
     parser.add_argument("--num-problems", type=int, default=200)
     parser.add_argument("--run-timeout", type=float, default=900.0, help="seconds before one run is abandoned")
-    parser.add_argument("--note", help="report: a paragraph to print under the title (e.g. the code's commit)")
+    parser.add_argument("--note", help="report: text to print under the title (kept in OUT/report_note.md, which "
+                        "later reports print when --note is not given)")
     parser.add_argument("--deadline", help="ISO time (with zone) after which no new run starts")
     args = parser.parse_args(argv)
     return cmd_run(args) if args.command == "run" else cmd_report(args)

@@ -35,8 +35,11 @@ def test_report_pairs_the_seeds_and_marks_intervals_that_exclude_zero(tmp_path):
     rows[0].update(code_commit="abc1234", cpu_model="Some CPU")
     rows.append({**record("pacs", 4, 0.0), "returncode": 1})  # failed runs are left out
     (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert science.main(["report", "--out", str(tmp_path), "--runs-dir", str(tmp_path / "runs"),
+                         "--note", "Ran on two machines."]) == 0
     assert science.main(["report", "--out", str(tmp_path), "--runs-dir", str(tmp_path / "runs")]) == 0
     text = (tmp_path / "report.md").read_text()
+    assert "Ran on two machines." in text  # the note is kept for later reports
     mean, half, _ = science.t_interval(list(pacs.values()))
     assert f"| pacs | 3 | 0.100 +- 0.000 | {mean:.3f} +- {half:.3f} |" in text
     assert "| grpo | 4 |" in text
@@ -48,11 +51,20 @@ def test_report_pairs_the_seeds_and_marks_intervals_that_exclude_zero(tmp_path):
 
 
 def test_code_commit_of_a_checkout_and_of_an_exported_copy(tmp_path):
-    repo = science.REPO
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
-    if head.returncode == 0:
-        assert science.code_commit(repo) == head.stdout.strip()
-    (tmp_path / "COMMIT").write_text("abc1234\n")
-    assert science.code_commit(str(tmp_path)) == "abc1234"
-    (tmp_path / "COMMIT").unlink()
-    assert science.code_commit(str(tmp_path)) is None
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "a.py").write_text("x = 1\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "add", "a.py"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "one"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert science.code_commit(str(repo)) == head
+    (repo / "a.py").write_text("x = 2\n")
+    assert science.code_commit(str(repo)) == head + "+edits"
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "COMMIT").write_text("abc1234\n")
+    assert science.code_commit(str(copy)) == "abc1234"
+    (copy / "COMMIT").unlink()
+    assert science.code_commit(str(copy)) is None
