@@ -4,10 +4,11 @@ A run whose micro-batches do not fit in memory fails at the first rollout whose 
 enough, which can be hours in (RL lengthens responses as it trains). The preflight builds the worst
 case the settings allow, every prompt ``rollout.max_prompt_len`` tokens and every response
 ``rollout.max_new_tokens``, as much of it as one micro-batch holds (a step's peak is one
-micro-batch's: the next ones reuse the memory; the gradients accumulate in the same buffers), and
-runs it through the trainer's own code: the no-grad old-policy pass, then the update's forward and
-backward (``update_policy``, token budgets, split groups and memory levers included) with the
-optimizer step left out. Weights, optimizer state, scheduler, metrics and random streams are not
+micro-batch's: the next ones reuse the memory; the gradients accumulate in the same buffers), in
+two mini-batches where the step has two or more (the first after a rollout takes other paths than
+the later ones), and runs it through the trainer's own code: the no-grad old-policy pass, then the
+updates' forwards and backwards (``update_policy``, token budgets, split groups and memory levers
+included) with the optimizer step left out. Weights, optimizer state, scheduler, metrics and random streams are not
 touched, so a run with the preflight trains exactly as one without.
 
 On CUDA it reports the step's peak memory next to the device's, plus the AdamW state the first
@@ -102,12 +103,17 @@ def run_preflight(cfg, policy, optimizer, pad_token_id: int, dist_info, *, packe
     r, o = cfg.rollout, cfg.optim
     device = dist_info.device
     n_groups = worst_case_groups(cfg, dist_info.world_size)
-    case = copy.deepcopy(cfg)  # one mini-batch of exactly these groups on every rank
-    case.rollout.prompts_per_step = n_groups * dist_info.world_size
-    case.optim.mini_batches_per_step = 1
-    batch = worst_case_batch(cfg, n_groups, policy.causal_lm.config.vocab_size, pad_token_id, device)
+    # one micro-batch of these groups per mini-batch, on every rank; two mini-batches where the step has
+    # them: the first after a rollout takes other paths (the one-sweep loss, no no-grad pass over a split
+    # group's parts) than the later ones
+    n_minis = min(2, o.mini_batches_per_step)
+    case = copy.deepcopy(cfg)
+    case.rollout.prompts_per_step = n_groups * n_minis * dist_info.world_size
+    case.optim.mini_batches_per_step = n_minis
+    batch = worst_case_batch(cfg, n_groups * n_minis, policy.causal_lm.config.vocab_size, pad_token_id, device)
     what = (f"{n_groups} group(s) x {r.group_size} responses of {r.max_prompt_len} + {r.max_new_tokens} tokens "
-            f"({n_groups * r.group_size * (r.max_prompt_len + r.max_new_tokens):,} tokens)")
+            f"({n_groups * r.group_size * (r.max_prompt_len + r.max_new_tokens):,} tokens) a micro-batch, "
+            f"{n_minis} mini-batch(es)")
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)

@@ -49,8 +49,8 @@ def test_adamw_state_is_two_buffers_as_large_as_the_parameters():
 @pytest.mark.slow
 def test_a_run_with_the_preflight_trains_exactly_as_one_without(tmp_path, monkeypatch, capsys):
     """Same metrics and weights; the preflight's update saw full-length rows only (every prompt
-    max_prompt_len tokens, every response max_new_tokens), as many groups as one micro-batch holds, in
-    parts when the token budget is below a group."""
+    max_prompt_len tokens, every response max_new_tokens), as many groups as one micro-batch holds in
+    each of two mini-batches (the run has two), in parts when the token budget is below a group."""
     import pacs.trainer as trainer
     from pacs.metrics import read_metrics
 
@@ -73,7 +73,7 @@ def test_a_run_with_the_preflight_trains_exactly_as_one_without(tmp_path, monkey
             for flag in ("false", "true")}
     assert "[preflight] the longest step these settings allow (1 group(s) x 4 responses of 12 + 3 tokens" in (
         capsys.readouterr().out)
-    assert seen == [([15] * 4, "_NoOptimizerStep")]  # once, full length, and no optimizer step
+    assert seen == [([15] * 8, "_NoOptimizerStep")]  # once, full length, 2 mini-batches of a group, no step
     rows = {k: comparable(read_metrics(os.path.join(r.output_dir, "metrics.jsonl"))) for k, r in runs.items()}
     assert rows["true"] == rows["false"]
     for (name, a), (_, b) in zip(runs["false"].policy.named_parameters(), runs["true"].policy.named_parameters()):
