@@ -485,9 +485,6 @@ def train(cfg: Config) -> TrainResult:
     hide_progress_bars()  # again: a vLLM engine's start turns transformers' back on
     if resume is not None:
         engine.sync_weights(full_named_tensors(policy))
-    # ---- the longest step these settings allow, once, before any rollout: out of memory now, not hours in
-    if preflight_enabled(cfg, dist_info.device) and state["step"] < cfg.max_steps:
-        run_preflight(cfg, policy, optimizer, run.pad_id, dist_info, packed=packed, say=say)
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
     metrics = MetricsLog(metrics_path, resume_step=state["step"] if resume is not None else None,
                          enabled=dist_info.is_main, warn=say)
@@ -500,6 +497,10 @@ def train(cfg: Config) -> TrainResult:
     # (pacs/stop_signals.py)
     with StopSignals(notice_prefix="[train]" if dist_info.is_main else None) as stop_signals:
         try:
+            # the largest steps these settings allow, once, before any rollout: out of memory now, not
+            # hours in (pacs/preflight.py)
+            if preflight_enabled(cfg, dist_info.device) and state["step"] < cfg.max_steps:
+                run_preflight(cfg, policy, optimizer, run.pad_id, dist_info, packed=packed, say=say)
             if resume is None:
                 row = {"step": 0, "rollout_engine": type(engine).__name__,
                        **evaluate_policy(cfg, engine, run, dist_info, 0)}

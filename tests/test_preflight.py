@@ -9,7 +9,7 @@ import torch
 from trainer_helpers import comparable, tiny_config
 
 from pacs.config import Config, load_config
-from pacs.preflight import adamw_state_gib, levers_off, preflight_enabled, worst_case_groups
+from pacs.preflight import WorstCase, adamw_state_gib, levers_off, preflight_enabled, worst_cases
 
 
 def cfg_with(*overrides: str) -> Config:
@@ -23,13 +23,23 @@ def test_enabled_on_cuda_by_default_and_when_asked():
     assert not preflight_enabled(cfg_with("train.preflight=false"), torch.device("cuda"))
 
 
-def test_the_worst_micro_batch_holds_what_the_planner_would_put_in_it():
-    base = ["rollout.prompts_per_step=32", "rollout.group_size=8", "rollout.max_prompt_len=100",
-            "rollout.max_new_tokens=900", "optim.mini_batches_per_step=2"]  # 8 x 1,000 tokens a group
-    assert worst_case_groups(cfg_with(*base, "optim.micro_batch_groups=3"), 1) == 3
-    assert worst_case_groups(cfg_with(*base, "optim.micro_batch_groups=64"), 2) == 8  # a mini-batch's share
-    assert worst_case_groups(cfg_with(*base, "train.max_tokens_per_micro_batch=25000"), 1) == 3  # 3 groups fit
-    assert worst_case_groups(cfg_with(*base, "train.max_tokens_per_micro_batch=3000"), 1) == 1  # one, in parts
+def test_the_worst_micro_batches_are_the_longest_rows_and_the_budget_filled():
+    """The planner packs whole groups up to the budget: full-length groups, and as many groups of
+    slightly shorter rows as fill it (more tokens), at most what the pass's share holds."""
+    from pacs.packing import plan_micro_batches
+
+    cfg = cfg_with("rollout.group_size=8", "rollout.max_prompt_len=100", "rollout.max_new_tokens=900",
+                   "optim.micro_batch_groups=3")  # 8 x 1,000 tokens a full group
+    assert worst_cases(cfg, None, 64) == [WorstCase("full length", 3, 1000)]
+    assert worst_cases(cfg, None, 2) == [WorstCase("full length", 2, 1000)]
+    cases = worst_cases(cfg, 15999, 64)  # 1 full group fits; 2 groups of 999-token rows do too
+    assert cases == [WorstCase("full length", 1, 1000), WorstCase("the budget filled", 2, 999)]
+    lengths = [999] * 16 + [1000] * 8
+    assert plan_micro_batches(lengths, 8, 15999, split_groups=True)[0] == (0, 16)  # the planner agrees
+    assert cases[1].tokens(8) <= 15999 < cases[1].tokens(8) + 16
+    assert worst_cases(cfg, 16000, 64) == [WorstCase("full length", 2, 1000)]  # exactly full: one case
+    assert worst_cases(cfg, 25000, 2) == [WorstCase("full length", 2, 1000)]  # the share caps it
+    assert worst_cases(cfg, 1999, 64) == [WorstCase("full length", 1, 1000), WorstCase("the budget filled", 1, 249)]
 
 
 def test_levers_off_lists_what_is_still_at_its_roomiest():
@@ -71,9 +81,11 @@ def test_a_run_with_the_preflight_trains_exactly_as_one_without(tmp_path, monkey
               "rollout.max_prompt_len=12", "train.max_tokens_per_micro_batch=40"]  # a group (4 x 15) in parts
     runs = {flag: trainer.train(tiny_config(tmp_path / flag, cache, *common, f"train.preflight={flag}"))
             for flag in ("false", "true")}
-    assert "[preflight] the longest step these settings allow (1 group(s) x 4 responses of 12 + 3 tokens" in (
-        capsys.readouterr().out)
-    assert seen == [([15] * 8, "_NoOptimizerStep")]  # once, full length, 2 mini-batches of a group, no step
+    out = capsys.readouterr().out
+    assert "[preflight] the largest steps these settings allow ran (full length: 1 group(s) of 4 x 15 tokens; " \
+           "the budget filled: 1 group(s) of 4 x 10 tokens" in out
+    # full length, then the budget filled (40 tokens: 4 rows of 10), each in 2 mini-batches of a group; no step
+    assert seen == [([15] * 8, "_NoOptimizerStep"), ([10] * 8, "_NoOptimizerStep")]
     rows = {k: comparable(read_metrics(os.path.join(r.output_dir, "metrics.jsonl"))) for k, r in runs.items()}
     assert rows["true"] == rows["false"]
     for (name, a), (_, b) in zip(runs["false"].policy.named_parameters(), runs["true"].policy.named_parameters()):
@@ -92,7 +104,74 @@ def test_running_out_of_memory_stops_with_the_settings_still_off(tmp_path, monke
     with pytest.raises(trainer.TrainingStopped) as stopped:
         trainer.train(cfg)
     message = str(stopped.value)
-    assert "preflight: the longest step these settings allow (1 group(s) x 4 responses of 32 + 3 tokens" in message
+    assert ("preflight: the largest step these settings allow (groups of 4 responses, prompts of 32 and responses "
+            "of 3 tokens)") in message
     assert "ran out of cpu memory: CUDA out of memory. Tried to allocate 9.50 GiB." in message
     assert "train.tiled_mlp=true" in message and "model.gradient_checkpointing" not in message
     assert "train.preflight=false skips this check" in message
+
+
+def test_every_random_stream_is_as_it_was_after_the_preflight(tmp_path, monkeypatch):
+    """Dropout in the preflight's forwards (here: draws inside its update) must not move torch's or
+    Python's random streams, or a run with dropout would train differently with the preflight on."""
+    import random
+
+    import pacs.trainer as trainer
+    from pacs.policy import DistInfo, load_policy
+    from pacs.preflight import run_preflight
+
+    real_update = trainer.update_policy
+
+    def drawing_update(*args, **kwargs):
+        torch.rand(3)
+        random.random()
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "update_policy", drawing_update)
+    model_dir = tmp_path / "model"
+    tiny_model().save_pretrained(model_dir)
+    policy = load_policy(str(model_dir), packed_attention=True)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    cfg = cfg_with("rollout.group_size=2", "rollout.prompts_per_step=2", "rollout.max_prompt_len=5",
+                   "rollout.max_new_tokens=4", "optim.mini_batches_per_step=1", "optim.logprob_backend=torch")
+    torch.manual_seed(11)
+    random.seed(11)
+    expected = (torch.rand(2), random.random())
+    torch.manual_seed(11)
+    random.seed(11)
+    before = [p.detach().clone() for p in policy.parameters()]
+    run_preflight(cfg, policy, optimizer, 0, DistInfo(), packed=True, say=lambda *a: None)
+    assert torch.equal(torch.rand(2), expected[0]) and random.random() == expected[1]
+    assert all(torch.equal(a, p) for a, p in zip(before, policy.parameters()))
+    assert all(p.grad is None for p in policy.parameters()) and not optimizer.state
+
+
+def test_the_old_policy_pass_gets_its_own_largest_chunk(monkeypatch):
+    """train.old_policy_max_tokens above the training budget: the no-grad pass runs a chunk of its own
+    budget, larger than any update micro-batch."""
+    import pacs.trainer as trainer
+    from pacs.policy import DistInfo
+    from pacs.preflight import run_preflight
+
+    calls = []
+    monkeypatch.setattr(trainer, "old_policy_logprobs", lambda policy, batch, ranges, *a, **k: (
+        calls.append(batch.attention_mask.sum().item()) or (torch.zeros(batch.targets.shape),) * 2 + (0.0,)))
+    monkeypatch.setattr(trainer, "update_policy", lambda *a, **k: None)
+
+    class Policy:
+        causal_lm = tiny_model()
+
+    cfg = cfg_with("rollout.group_size=2", "rollout.prompts_per_step=8", "rollout.max_prompt_len=5",
+                   "rollout.max_new_tokens=5", "optim.mini_batches_per_step=1", "train.max_tokens_per_micro_batch=20",
+                   "train.old_policy_max_tokens=80")
+    run_preflight(cfg, Policy(), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]), 0, DistInfo(),
+                  packed=True, say=lambda *a: None)
+    assert calls[0] == 80 and max(calls[1:]) == 20  # its own 4 groups of 2 x 10, then the update's
+
+
+def tiny_model():
+    import transformers
+
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=64))
