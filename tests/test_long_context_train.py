@@ -79,22 +79,8 @@ def test_tiled_mlp_cost_dry_run_writes_every_case(tmp_path):
 def test_time_shares_keep_a_slow_variant_from_starving_the_rest(tmp_path, monkeypatch):
     """--time-budget is shared equally among the searches still to run: a variant whose trials are
     slow is cut at its share (and says so), and every later variant still gets its own."""
-    clock = [0.0]
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
-
-    class Runner:
-        def __init__(self, model, variant, *args):
-            self.variant = variant
-
-        def trial(self, longest, budget_mib):
-            clock[0] += 6.0 if self.variant == "padded_naive" else 1.0
-            return {"fits": longest <= 64, "footprint_mib": 1.0, "seconds": 0.0}
-
-        def close(self):
-            pass
-
-    monkeypatch.setattr(bench, "VariantRunner", Runner)
-    monkeypatch.setattr(bench, "plot", lambda *args: None)
+    fake_trials(monkeypatch, lambda variant: 6.0 if variant == "padded_naive" else 1.0,
+                lambda variant, longest: longest <= 64)
     assert bench.main(["--dry-run", "--variants", "padded_naive", "packed_fused", "packed_fused_ckpt",
                        "--time-budget", "30", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "long_context_train_dry.md").read_text()
@@ -105,6 +91,19 @@ def test_time_shares_keep_a_slow_variant_from_starving_the_rest(tmp_path, monkey
 def test_time_shares_label_only_searches_that_were_really_cut(tmp_path, monkeypatch):
     """A variant whose first trial does not fit reports that (no crash when its share is spent), and
     one that reached --l-max is not labelled cut even when its last trial ran past its share."""
+    # padded_naive: nothing fits, 20 s a trial; the others: everything fits, 2.2 s a trial
+    fake_trials(monkeypatch, lambda variant: 20.0 if variant == "padded_naive" else 2.2,
+                lambda variant, longest: variant != "padded_naive")
+    # l_start 16 .. l_max 256: 5 trials of 2.2 s for a variant that fits everything, the last past its 10 s share
+    assert bench.main(["--dry-run", "--variants", "padded_naive", "packed_fused", "--time-budget", "30",
+                       "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "long_context_train_dry.md").read_text()
+    assert "| padded_naive | none tried fits | 16 |" in text
+    assert "| packed_fused | >= 256 |  |" in text
+
+
+def fake_trials(monkeypatch, seconds, fits):
+    """Trials that take ``seconds(variant)`` of a fake clock and fit when ``fits(variant, longest)``."""
     clock = [0.0]
     monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
 
@@ -113,18 +112,11 @@ def test_time_shares_label_only_searches_that_were_really_cut(tmp_path, monkeypa
             self.variant = variant
 
         def trial(self, longest, budget_mib):
-            clock[0] += 20.0 if self.variant == "padded_naive" else 2.2
-            fits = self.variant != "padded_naive"  # padded_naive: nothing fits; the others: everything
-            return {"fits": fits, "footprint_mib": 1.0, "seconds": 0.0}
+            clock[0] += seconds(self.variant)
+            return {"fits": fits(self.variant, longest), "footprint_mib": 1.0, "seconds": 0.0}
 
         def close(self):
             pass
 
     monkeypatch.setattr(bench, "VariantRunner", Runner)
     monkeypatch.setattr(bench, "plot", lambda *args: None)
-    # l_start 16 .. l_max 256: 5 trials of 2.2 s for a variant that fits everything, the last past its 10 s share
-    assert bench.main(["--dry-run", "--variants", "padded_naive", "packed_fused", "--time-budget", "30",
-                       "--out", str(tmp_path)]) == 0
-    text = (tmp_path / "long_context_train_dry.md").read_text()
-    assert "| padded_naive | none tried fits | 16 |" in text
-    assert "| packed_fused | >= 256 |  |" in text

@@ -190,23 +190,9 @@ def test_models_without_a_tileable_mlp_are_refused():
             super().__init__()
             self.ffn = torch.nn.Linear(4, 4)
 
-    class Decoder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList([Block(), Block()])
-
-    class Model(torch.nn.Module):
-        config = transformers.PretrainedConfig(hidden_size=4)
-
-        def __init__(self):
-            super().__init__()
-            self.decoder = Decoder()
-
-        def get_decoder(self):
-            return self.decoder
-
+    model = decoder_model([Block(), Block()], hidden_size=4)
     with pytest.raises(ValueError, match="have no `mlp` submodule"):
-        tile_mlp(Model(), 2)
+        tile_mlp(model, 2)
 
     class RoutedMLP(torch.nn.Module):  # returns (output, router logits), as mixture-of-experts blocks do
         def __init__(self):
@@ -216,7 +202,6 @@ def test_models_without_a_tileable_mlp_are_refused():
         def forward(self, x):
             return self.proj(x), x.sum(-1)
 
-    model = Model()
     for block in model.decoder.layers:
         block.mlp = RoutedMLP()
     tile_mlp(model, 2)
@@ -273,22 +258,20 @@ class DropoutMLP(torch.nn.Module):
 
 
 def one_layer_model(mlp):
-    class Layer(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mlp = mlp
+    layer = torch.nn.Module()
+    layer.mlp = mlp
+    return decoder_model([layer])
 
-    class Decoder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList([Layer()])
 
+def decoder_model(layers, hidden_size=8):
+    """The least a model needs for tile_mlp: get_decoder() with a ModuleList of ``layers``, a config."""
     class Model(torch.nn.Module):
-        config = transformers.PretrainedConfig(hidden_size=8)
+        config = transformers.PretrainedConfig(hidden_size=hidden_size)
 
         def __init__(self):
             super().__init__()
-            self.decoder = Decoder()
+            self.decoder = torch.nn.Module()
+            self.decoder.layers = torch.nn.ModuleList(layers)
 
         def get_decoder(self):
             return self.decoder
