@@ -208,7 +208,7 @@ def _run_worst_cases(cfg, policy, optimizer, pad_token_id: int, dist_info, *, pa
                       scratch, dist_info, 0, say=lambda *a, **k: None, packed=packed)
         del batch, old_logp, old_lse
     seconds = time.perf_counter() - start
-    reserved_gib = sum(t.numel() * t.element_size() for t in reserve) / GiB
+    reserved_gib = adamw_state_gib(optimizer) if reserve else 0.0
     del reserve
     cases = "; ".join(f"{c.label}: {c.groups} group(s) of {r.group_size} x {c.row_len} tokens" for c in updates)
     cases += "".join(f"; old-policy pass: {c.groups} group(s) of {r.group_size} x {c.row_len}" for c in old_only)
@@ -236,6 +236,6 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 def adamw_state_gib(optimizer: torch.optim.Optimizer) -> float:
     """The two moment buffers AdamW allocates at its first step (as large as the parameters: the
-    local shards under FSDP2), GiB."""
+    local shards under FSDP2), GiB: what the preflight holds while it runs on a fresh run."""
     return sum(2 * _local(p).numel() * _local(p).element_size()
                for group in optimizer.param_groups for p in group["params"]) / GiB

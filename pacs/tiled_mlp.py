@@ -148,6 +148,11 @@ def _check_output(y, x, mlp) -> None:
             + " (a mixture-of-experts or other non-token-wise MLP cannot be tiled: turn the tiled MLP off)")
 
 
+def is_tiled(mlp: nn.Module) -> bool:
+    """Does ``mlp`` run its tiled forward now (not only carry a tile size, as after pickling)?"""
+    return bool(getattr(mlp.__dict__.get("forward"), "tiles_the_mlp", False))
+
+
 def tile_mlp(causal_lm: nn.Module, tile_tokens: int | None = None, *,
              setting: str = "train.mlp_tile_tokens") -> int:
     """Run every decoder layer's ``mlp`` of ``causal_lm`` over tiles of ``tile_tokens`` tokens
@@ -173,7 +178,7 @@ def tile_mlp(causal_lm: nn.Module, tile_tokens: int | None = None, *,
                          f"({type(layers[0]).__name__}) have no `mlp` submodule to tile")
     for mlp in mlps:
         mlp.tiled_mlp_tokens = tile_tokens
-        if getattr(mlp.__dict__.get("forward"), "tiles_the_mlp", False):  # already tiled: the new size is all
+        if is_tiled(mlp):  # already tiled: the new size is all
             continue
         # (a pickled model comes back with its class's forward, and a later patch, Liger's say, replaces
         # ours: both are tiled again here, around whatever forward the module has now)

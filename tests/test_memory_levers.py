@@ -14,6 +14,7 @@ from trainer_helpers import comparable, repo_root, tiny_config
 
 from pacs.memory import activation_offload, apply_liger_patches, fsdp_kwargs
 from pacs.packing import pack_rows
+from pacs.tiled_mlp import is_tiled
 from pacs.trainer import policy_loss
 
 
@@ -164,7 +165,7 @@ def test_trainer_packed_with_levers_matches_padded(tmp_path):
     }
     rows = {k: comparable(read_metrics(os.path.join(r.output_dir, "metrics.jsonl"))) for k, r in runs.items()}
     assert rows["padded"][1]["grad_norm"] > 0
-    assert all(getattr(layer.mlp.__dict__.get("forward"), "tiles_the_mlp", False) and layer.mlp.tiled_mlp_tokens == 5
+    assert all(is_tiled(layer.mlp) and layer.mlp.tiled_mlp_tokens == 5
                for layer in runs["budget"].policy.causal_lm.model.layers)  # train.tiled_mlp reached the model
     assert_rows_match(rows["padded"], rows["packed"])
     assert_rows_match(rows["padded"], rows["budget"], CUT_INDEPENDENT)

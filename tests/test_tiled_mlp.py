@@ -14,7 +14,7 @@ from pacs.config import load_config, validate
 from pacs.memory import activation_offload
 from pacs.packing import pack_rows
 from pacs.policy import Policy
-from pacs.tiled_mlp import tile_mlp
+from pacs.tiled_mlp import is_tiled, tile_mlp
 from pacs.trainer import policy_loss
 
 
@@ -319,7 +319,7 @@ def test_a_pickled_or_repatched_mlp_is_tiled_again():
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     mlp = loaded.causal_lm.model.layers[0].mlp
-    assert not getattr(mlp.__dict__.get("forward"), "tiles_the_mlp", False)  # pickle keeps the class's forward
+    assert not is_tiled(mlp)  # pickle keeps the class's forward
     tile_mlp(loaded.causal_lm, 3)
     mlp.forward = type(mlp).forward.__get__(mlp)  # as a later patch (Liger's) would replace it
     tile_mlp(loaded.causal_lm, 3)

@@ -33,9 +33,9 @@ def checksum(named) -> dict[str, list[float]]:
 def tiled_mlps(policy) -> int:
     """How many decoder MLPs run in tiles (train.tiled_mlp)."""
     from pacs.policy import decoder_layers
+    from pacs.tiled_mlp import is_tiled
 
-    return sum(bool(getattr(layer.mlp.__dict__.get("forward"), "tiles_the_mlp", False))
-               for layer in decoder_layers(policy.causal_lm))
+    return sum(is_tiled(layer.mlp) for layer in decoder_layers(policy.causal_lm))
 
 
 def main() -> None:
