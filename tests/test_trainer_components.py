@@ -101,6 +101,26 @@ def test_hf_engine_sampling_is_per_row_seeded(tiny_model_dir):
         engine.generate(prompts, 1, temperature=0.0, top_p=1.0, max_new_tokens=40, stop_token_ids=[2])
 
 
+def test_hf_engine_gumbel_noise_is_each_rows_own_stream_on_the_logits_device():
+    """Row j's noise is -log(-log(U)) for U from its own generator seeded seed_j, drawn on the logits'
+    device, step after step (on the CPU the same numbers as a CPU generator's: committed runs replay)."""
+    from pacs.rollout.hf import _GumbelNoise
+
+    seeds, vocab = [11, 5, 11], 7
+    noise = _GumbelNoise(seeds)
+    scores = torch.zeros(3, vocab)
+    references = [torch.Generator().manual_seed(s) for s in seeds]
+    for _ in range(3):  # consecutive decode steps continue each row's stream
+        perturbed = noise(None, scores)
+        assert perturbed.device == scores.device and perturbed.dtype == scores.dtype
+        expected = torch.stack([-torch.log(-torch.log(torch.rand(vocab, generator=g, dtype=torch.float64)))
+                                for g in references]).float()
+        torch.testing.assert_close(perturbed, expected, rtol=0, atol=0)
+    assert all(g.device == scores.device for g in noise.generators)
+    torch.testing.assert_close(perturbed[0], perturbed[2], rtol=0, atol=0)  # same seed, same draws
+    assert not torch.equal(perturbed[0], perturbed[1])
+
+
 def test_hf_engine_sampling_frequencies_follow_softmax(tiny_model_dir):
     """The Gumbel sampler draws from softmax(logits / T) (first token, many rows)."""
     engine = HFGenerateEngine(tiny_model_dir, max_model_len=32)
