@@ -132,6 +132,9 @@ class Config:
     max_steps: int = 600            # rollout steps
     max_minutes: float | None = None  # stop (and checkpoint) after this wall time
     checkpoint_every: int = 50
+    checkpoint_minutes: float | None = 30.0  # also checkpoint once this long has passed since the last one
+                                             # (or the start): a crash loses at most this much, whatever a
+                                             # step takes; None: by step count only
     resume: bool = False            # continue OUTPUT_DIR's run from its newest verified checkpoint
     overwrite: bool = False         # move a run already in OUTPUT_DIR aside (OUTPUT_DIR.replaced-<time>)
     max_consecutive_nan: int = 3
@@ -331,6 +334,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _positive("rollout.kv_cache_gib", r.kv_cache_gib)
     if cfg.max_minutes is not None:
         _positive("max_minutes", cfg.max_minutes)
+    if cfg.checkpoint_minutes is not None:
+        _positive("checkpoint_minutes", cfg.checkpoint_minutes)
     if cfg.torch_threads is not None:
         _positive("torch_threads", cfg.torch_threads)
     _positive("seed (--seed)", cfg.seed, allow_zero=True)

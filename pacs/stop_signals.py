@@ -3,8 +3,8 @@
 Schedulers send SIGTERM before they kill a job (SLURM on preemption, ``scancel`` and time limits;
 Kubernetes on eviction), and SLURM sends SIGUSR1 ahead of the time limit with
 ``#SBATCH --signal=USR1@SECONDS``. Without a handler either ends the process at once, and the run
-resumes from its last periodic checkpoint (up to ``checkpoint_every`` steps lost). Ctrl-C (SIGINT)
-is the same at a terminal. Inside :class:`StopSignals` they only set a flag; the training loop
+resumes from its last periodic checkpoint (up to ``checkpoint_every`` steps or ``checkpoint_minutes``
+lost). Ctrl-C (SIGINT) is the same at a terminal. Inside :class:`StopSignals` they only set a flag; the training loop
 finishes the step in progress, writes its checkpoint and stops with a line that says how to resume.
 A second one of these signals, REPEAT_SECONDS or more after the first, does at once what it would have
 done without the handler (SIGTERM and SIGUSR1 end the process; Ctrl-C raises KeyboardInterrupt: the
@@ -27,6 +27,7 @@ import os
 import signal
 import threading
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -88,15 +89,25 @@ class StopSignals:
             except OSError:
                 pass
 
-    def agreed(self, world_size: int, device: torch.device, *, out_of_time: bool = False) -> tuple[str | None, bool]:
-        """(the signal that stops the run after this step or None, whether any rank is out of time): under
-        torchrun the same answer on every rank (a collective: every rank calls it once a step). Wall-clock
-        limits are decided per rank, so they are agreed on here too: ranks that disagreed on the last step
-        would wait for each other in its collectives."""
+    def agreed(self, world_size: int, device: torch.device, *, out_of_time: bool = False,
+               checkpoint_due: bool = False) -> Agreement:
+        """The signal that stops the run after this step (or None), whether any rank is out of time, whether
+        any rank finds a time-based checkpoint due: under torchrun the same answer on every rank (a
+        collective: every rank calls it once a step). Wall-clock limits are decided per rank, so they are
+        agreed on here too: ranks that disagreed on the last step or on a checkpoint would wait for each
+        other in its collectives."""
         names = [sig.name for sig in STOP_SIGNALS]
         code = 0 if self.received is None else names.index(self.received) + 1
         if world_size > 1:
-            flags = torch.tensor([code, int(out_of_time)], device=device)
+            flags = torch.tensor([code, int(out_of_time), int(checkpoint_due)], device=device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            code, out_of_time = int(flags[0]), bool(flags[1])
-        return (None if code == 0 else names[code - 1]), out_of_time
+            code, out_of_time, checkpoint_due = int(flags[0]), bool(flags[1]), bool(flags[2])
+        return Agreement(None if code == 0 else names[code - 1], out_of_time, checkpoint_due)
+
+
+class Agreement(NamedTuple):
+    """What every rank decided after a step (:meth:`StopSignals.agreed`)."""
+
+    signal: str | None      # the stop signal's name (SIGTERM, SIGUSR1, SIGINT), or None
+    out_of_time: bool       # max_minutes reached on some rank
+    checkpoint_due: bool    # checkpoint_minutes passed since the last checkpoint on some rank

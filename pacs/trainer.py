@@ -490,7 +490,7 @@ def train(cfg: Config) -> TrainResult:
                          enabled=dist_info.is_main, warn=say)
     from tqdm import tqdm
 
-    start_time = time.time()
+    start_time = last_checkpoint_time = time.time()
     row: dict = {}
     progress = None
     # SIGTERM / SIGUSR1 (a scheduler's preemption), Ctrl-C: finish the step, checkpoint it, stop
@@ -555,9 +555,11 @@ def train(cfg: Config) -> TrainResult:
                 row = step_metrics(step, batch, responses, entropy, update, scheduler, state, times, dist_info,
                                    extra=run.task.reward_metrics())
                 # every rank, every step: the same answer on all of them (a stop signal, the wall-clock limit)
-                stop_signal, out_of_time = stop_signals.agreed(
+                stop_signal, out_of_time, checkpoint_due = stop_signals.agreed(
                     dist_info.world_size, dist_info.device,
-                    out_of_time=cfg.max_minutes is not None and time.time() - start_time > 60 * cfg.max_minutes)
+                    out_of_time=cfg.max_minutes is not None and time.time() - start_time > 60 * cfg.max_minutes,
+                    checkpoint_due=(cfg.checkpoint_minutes is not None
+                                    and time.time() - last_checkpoint_time > 60 * cfg.checkpoint_minutes))
                 if step == cfg.max_steps:
                     stop_signal = None  # the run is done anyway: it ends as usual (evaluated, exported)
                 last_step = step == cfg.max_steps or out_of_time or stop_signal is not None
@@ -572,8 +574,10 @@ def train(cfg: Config) -> TrainResult:
                                      **({"acc": f"{row['eval_accuracy']:.2f}"} if "eval_accuracy" in row else {}))
                 progress.update(1)
                 state["step"] = step
-                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or last_step:
+                # every checkpoint_every steps, and once checkpoint_minutes have passed since the last one
+                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or checkpoint_due or last_step:
                     save_checkpoint(cfg.output_dir, step, policy, optimizer, scheduler, state, dist_info)
+                    last_checkpoint_time = time.time()
                 if stop_signal is not None:
                     raise TrainingPreempted(f"{stop_signal} received: stopped after step {step}, its checkpoint "
                                             f"written; {resume_hint(cfg)}", stop_signal)

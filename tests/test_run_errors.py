@@ -126,6 +126,7 @@ def test_data_set_too_small_for_the_held_out_split(tmp_path, capsys, tiny_model)
     ("rollout.kv_cache_gib=0", "rollout.kv_cache_gib must be > 0"),
     ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization must be in (0, 1]"),
     ("max_minutes=0", "max_minutes must be > 0"),
+    ("checkpoint_minutes=-5", "checkpoint_minutes must be > 0"),
     ("torch_threads=0", "torch_threads must be > 0"),
     ("seed=-1", "seed (--seed) must be >= 0"),
     ("eval.temperature=-1", "eval.temperature must be >= 0"),

@@ -17,12 +17,13 @@ CPU = torch.device("cpu")
 def test_a_signal_sets_the_flag_and_says_so_once(stop_signal, capfd):
     before = signal.getsignal(stop_signal)
     with StopSignals(notice_prefix="[test]") as stop_signals:
-        assert stop_signals.agreed(1, CPU) == (None, False)
+        assert stop_signals.agreed(1, CPU) == (None, False, False)
         os.kill(os.getpid(), stop_signal)
         os.kill(os.getpid(), stop_signal)  # at once again: the same request delivered twice, ignored
         assert stop_signals.received == stop_signal.name
-        assert stop_signals.agreed(1, CPU) == (stop_signal.name, False)
-        assert stop_signals.agreed(1, CPU, out_of_time=True) == (stop_signal.name, True)
+        assert stop_signals.agreed(1, CPU) == (stop_signal.name, False, False)
+        assert stop_signals.agreed(1, CPU, out_of_time=True) == (stop_signal.name, True, False)
+        assert stop_signals.agreed(1, CPU, checkpoint_due=True).checkpoint_due
     assert capfd.readouterr().err.count(f"[test] {stop_signal.name} received: the step in progress") == 1
     assert signal.getsignal(stop_signal) is before  # put back
 
@@ -56,3 +57,34 @@ def test_an_ignored_signal_stays_ignored():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def _agree_on_two_ranks(rank: int, port: int, out_dir: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        with StopSignals() as stop_signals:
+            # rank 0 alone finds a checkpoint due, rank 1 alone is out of time
+            agreement = stop_signals.agreed(2, CPU, out_of_time=rank == 1, checkpoint_due=rank == 0)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(list(agreement), f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_agree_on_every_flag(tmp_path):
+    """What one rank decides (a time-based checkpoint, max_minutes) every rank does after the same step."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_agree_on_two_ranks, args=(port, str(tmp_path)), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert results == [[None, True, True], [None, True, True]]

@@ -12,7 +12,7 @@ import torch
 from trainer_helpers import comparable, repo_root, tiny_config
 
 import pacs.trainer as trainer
-from pacs.checkpoint import latest_checkpoint
+from pacs.checkpoint import checkpoint_steps, latest_checkpoint
 from pacs.metrics import read_metrics
 from pacs.trainer import TrainingStopped, train
 
@@ -136,6 +136,18 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path, cache_dir):
     assert got == expected
     # the comparison is not vacuous: the steps after the crash really changed the weights
     assert all(r["grad_norm"] > 0 for r in got[3:]) and len({r["loss"] for r in got[1:]}) > 1
+
+
+def test_checkpoints_also_come_by_time_since_the_last_one(tmp_path, cache_dir):
+    """checkpoint_minutes: a step that ends that long after the last checkpoint is checkpointed, whatever
+    checkpoint_every says (here every step: the limit is a few microseconds); null: by step count only."""
+    steps = ["max_steps=3", "rollout.engine=hf", "checkpoint_every=100", "eval.every=0"]
+    train(tiny_config(tmp_path / "by_time", cache_dir, *steps, "checkpoint_minutes=1e-7"))
+    train(tiny_config(tmp_path / "by_steps", cache_dir, *steps, "checkpoint_minutes=null"))
+    by_time = [step for step, _ in checkpoint_steps(str(tmp_path / "by_time"))]
+    by_steps = [step for step, _ in checkpoint_steps(str(tmp_path / "by_steps"))]
+    assert by_time == [2, 3]  # step 1 written too, then rotated away (the newest 2 are kept)
+    assert by_steps == [3]    # the last step only
 
 
 @pytest.mark.slow

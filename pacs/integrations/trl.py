@@ -155,7 +155,7 @@ class StopOnSignal(TrainerCallback):
         if self.signals is None:
             return control
         world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        name, _ = self.signals.agreed(world_size, args.device)
+        name = self.signals.agreed(world_size, args.device).signal
         if name is not None and state.global_step < state.max_steps:  # in the last step: training ends anyway
             self.stopped_by = name
             control.should_save = True
