@@ -214,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args)
         return cmd_eval(args)
     except (ValueError, TypeError) as exc:
+        if getattr(exc, "pacs_during_training", False):  # not a setting: a failure inside a training step
+            raise
         if _is_main_rank():
             print(f"pacs {args.command}: error: {exc}", file=sys.stderr)
         return 2

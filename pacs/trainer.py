@@ -21,6 +21,7 @@ import dataclasses
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass
 
@@ -590,6 +591,16 @@ def train(cfg: Config) -> TrainResult:
             engine.close()
             if isinstance(exc, KeyboardInterrupt):
                 raise TrainingInterrupted(f"interrupted at step {state['step'] + 1}; {resume_hint(cfg)}") from None
+            if isinstance(exc, Exception) and not isinstance(exc, (TrainingInterrupted, TrainingStopped)):
+                # a crash mid-run (out of memory in generation, a reward function's bug, a lost rank): the
+                # error itself follows; say on this rank where the run can be continued from
+                rank = f" on rank {dist_info.rank}" if dist_info.world_size > 1 else ""
+                print(f"[train] stopped by {type(exc).__name__}{rank} during step {state['step'] + 1}; "
+                      f"{resume_hint(cfg)}", file=sys.stderr, flush=True)
+                try:
+                    exc.pacs_during_training = True  # the CLI then shows the whole traceback, not one line
+                except AttributeError:
+                    pass
             raise
         progress.close()
 

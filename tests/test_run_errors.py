@@ -194,3 +194,27 @@ def test_ctrl_c_resume_and_overwrite(tmp_path, capsys, tiny_model, monkeypatch):
     fresh = read_metrics(str(out / "metrics.jsonl"))
     assert [r["step"] for r in fresh] == [0, 1, 2, 3]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in fresh[1:])
+
+
+@pytest.mark.parametrize("error", [ValueError, RuntimeError])
+def test_a_crash_mid_run_says_how_to_resume_and_keeps_its_traceback(tmp_path, capsys, tiny_model, monkeypatch, error):
+    """An error inside a training step (a reward function's bug, out of memory while generating) is not a
+    setting: the CLI lets it out with its traceback (a ValueError too, not the settings' one line, exit 2),
+    after a line naming the last checkpoint and the command that continues the run."""
+    out = tmp_path / "run"
+    real_update, calls = trainer.update_policy, {"n": 0}
+
+    def crashes_at_step_3(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise error("something broke inside the step")
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "update_policy", crashes_at_step_3)
+    with pytest.raises(error, match="something broke inside the step"):
+        main(["train", "--model", tiny_model, "--output-dir", str(out), "--max-steps", "4", *TINY_RUN])
+    err = capsys.readouterr().err
+    assert (f"[train] stopped by {error.__name__} during step 3; the last checkpoint is "
+            f"{out}/checkpoints/step_000002 (step 2); resume with: pacs train --config {out}/config.yaml --resume"
+            ) in err
+    assert "pacs train: error:" not in err
