@@ -285,6 +285,7 @@ def test_shuffle_groups_and_split_keeps_groups():
     (dict(num_generations_eval=2), "num_generations_eval"),
     (dict(use_vllm=True, vllm_importance_sampling_correction=True), "vllm_importance_sampling_correction"),
     (dict(pacs_tiled_mlp=True, pacs_mlp_tile_tokens=0), "pacs_mlp_tile_tokens must be a positive integer"),
+    (dict(pacs_checkpoint_minutes=0), "pacs_checkpoint_minutes must be a number of minutes > 0"),
 ])
 def test_refused_options(tmp_path, overrides, match):
     from pacs.integrations.trl import check_pacs_config
@@ -518,6 +519,21 @@ def test_a_signal_saves_the_step_and_the_resumed_run_equals_an_uninterrupted_one
     resumed = helpers.trainer(tmp_path / "stopped", max_steps=4)
     resumed.train(resume_from_checkpoint=True)
     torch.testing.assert_close(parameters(resumed), parameters(whole), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_signal", [True, False])
+def test_checkpoints_by_time_whatever_the_save_strategy(tmp_path, on_signal):
+    """pacs_checkpoint_minutes: a step that ends that long after the last save is saved, here every step
+    (a limit of microseconds) although save_strategy is "no"; without it nothing is saved. Also with the
+    signal handlers off (pacs_checkpoint_on_signal=False)."""
+    by_time = helpers.trainer(tmp_path / "by_time", pacs_checkpoint_minutes=1e-7, pacs_checkpoint_on_signal=on_signal)
+    by_time.train()
+    assert sorted(p.name for p in (tmp_path / "by_time").glob("checkpoint-*")) == [
+        "checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    plain = helpers.trainer(tmp_path / "plain", pacs_checkpoint_on_signal=on_signal)
+    plain.train()
+    assert not list((tmp_path / "plain").glob("checkpoint-*"))
 
 
 @pytest.mark.slow

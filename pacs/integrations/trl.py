@@ -36,6 +36,7 @@ when set away from their defaults.
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from dataclasses import dataclass, field, fields
 
@@ -88,6 +89,10 @@ class PACSConfig(GRPOConfig):
     pacs_checkpoint_on_signal: bool = field(
         default=True, metadata={"help": "SIGTERM / SIGUSR1 / Ctrl-C during train(): finish the optimizer step, save "
                                         "a checkpoint, stop (pacs/stop_signals.py)."})
+    pacs_checkpoint_minutes: float | None = field(
+        default=None, metadata={"help": "Also save a checkpoint after any optimizer step that ends this many minutes "
+                                        "after the last save (or the start), whatever save_steps says: a crash loses "
+                                        "at most about this much time. None: TRL's save strategy only."})
     # GRPOConfig defaults this to True, a value PACSTrainer refuses with use_vllm=True (the correction multiplies
     # GRPO's per-token loss, which PACS does not have): so that use_vllm=True alone turns vLLM on, it is off here.
     vllm_importance_sampling_correction: bool = field(
@@ -103,6 +108,9 @@ def check_pacs_config(args: PACSConfig) -> None:
     tile = args.pacs_mlp_tile_tokens
     if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
         raise ValueError(f"pacs_mlp_tile_tokens must be a positive integer (tokens per MLP tile) or None, got {tile!r}")
+    minutes = args.pacs_checkpoint_minutes
+    if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not minutes > 0):
+        raise ValueError(f"pacs_checkpoint_minutes must be a number of minutes > 0 or None, got {minutes!r}")
     G = args.num_generations
     if args.per_device_train_batch_size % G != 0:
         raise ValueError(
@@ -145,19 +153,35 @@ def check_pacs_config(args: PACSConfig) -> None:
 
 class StopOnSignal(TrainerCallback):
     """While PACSTrainer.train() runs: after an optimizer step during which one of pacs.stop_signals'
-    signals arrived (on any rank: the flag is all-reduced), have the Trainer save a checkpoint and stop."""
+    signals arrived (on any rank: the flag is all-reduced), have the Trainer save a checkpoint and stop;
+    with ``pacs_checkpoint_minutes``, also have it save once that long has passed since the last save
+    (agreed across ranks in the same all-reduce)."""
 
-    def __init__(self) -> None:
+    def __init__(self, checkpoint_minutes: float | None = None) -> None:
         self.signals: StopSignals | None = None
         self.stopped_by: str | None = None
+        self.checkpoint_minutes = checkpoint_minutes
+        self.last_save = time.monotonic()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.last_save = time.monotonic()
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        self.last_save = time.monotonic()
+        return control
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.signals is None:
+        if self.signals is None and self.checkpoint_minutes is None:
             return control
         world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        name = self.signals.agreed(world_size, args.device).signal
-        if name is not None and state.global_step < state.max_steps:  # in the last step: training ends anyway
-            self.stopped_by = name
+        due = self.checkpoint_minutes is not None and time.monotonic() - self.last_save > 60 * self.checkpoint_minutes
+        # outside train()'s handlers (pacs_checkpoint_on_signal=False) no signal is ever received
+        agreement = (self.signals or StopSignals()).agreed(world_size, args.device, checkpoint_due=due)
+        if agreement.checkpoint_due:
+            control.should_save = True
+        if agreement.signal is not None and state.global_step < state.max_steps:  # in the last step: ends anyway
+            self.stopped_by = agreement.signal
             control.should_save = True
             control.should_training_stop = True
         return control
@@ -191,7 +215,8 @@ class PACSTrainer(GRPOTrainer):
         if args.pacs_tiled_mlp:
             tile_mlp(target, args.pacs_mlp_tile_tokens, setting="pacs_mlp_tile_tokens")
         self._pacs_rewards_per_func = None
-        self._stop_on_signal = StopOnSignal()  # idle unless train() installs the handlers
+        # idle unless train() installs the handlers or pacs_checkpoint_minutes is set
+        self._stop_on_signal = StopOnSignal(args.pacs_checkpoint_minutes)
         self.add_callback(self._stop_on_signal)
 
     def train(self, *args, **kwargs):
