@@ -1,6 +1,6 @@
 """How long can I train here? The longest response whose full training step fits a memory budget.
 
-    python benchmarks/long_context_train.py --device cpu                        # small model, 96 MiB
+    python benchmarks/long_context_train.py --device cpu                        # small model, 192 MiB
     python benchmarks/long_context_train.py --device cuda --budget-gib 24 80    # Qwen2.5-1.5B shapes
     python benchmarks/long_context_train.py --dry-run                           # tiny, CPU, seconds
 

@@ -97,8 +97,8 @@ class OptimConfig:
 class TrainConfig:
     """Long responses on limited memory (pacs/packing.py, pacs/memory.py)."""
 
-    packing: bool | None = None     # padding-free packed micro-batches; None: on where exact (PACS; GRPO
-                                    # once fused_linear_grpo_loss takes cu_seqlens)
+    packing: bool | None = None     # padding-free packed micro-batches; None: on where the loss takes that
+                                    # layout (PACS, and GRPO where fused_linear_grpo_loss takes cu_seqlens)
     max_tokens_per_micro_batch: int | None = None  # token budget per micro-batch (whole groups, packed
                                                    # greedily); None: optim.micro_batch_groups counts
     old_policy_max_tokens: int | None = None  # token budget of each no-grad old-policy chunk; None: the

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from pacs.cli import build_config, main
-from pacs.config import Config, apply_override, load_config, save_config, validate
+from pacs.config import Config, apply_override, config_keys, load_config, save_config, validate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,6 +24,16 @@ def test_shipped_configs_load(name):
     validate(cfg)
     if name == "default.yaml":
         assert cfg == Config(), "configs/default.yaml must reproduce the built-in defaults"
+        # and show every key (the docs send readers to it for the defaults)
+        import yaml
+
+        def keys(tree, prefix=""):
+            for key, value in tree.items():
+                yield from keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+
+        with open(os.path.join(REPO, "configs", name)) as f:
+            listed = set(keys(yaml.safe_load(f)))
+        assert listed == {key for key, _ in config_keys()}, "configs/default.yaml must list every config key"
     else:
         assert cfg.optim.algo == "grpo"
 
