@@ -225,3 +225,30 @@ def test_a_width_beyond_int32_tile_offsets_is_refused_by_name():
     too_wide = torch.empty(2, 2**31 // 255 + 1, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="weight of shape .* too wide for the Triton kernels' int32 offsets"):
         with_int32_tile_offsets("weight", too_wide)
+
+
+def test_autotuner_hooks_keep_accumulated_outputs_and_skip_absent_ones():
+    """The dW kernel adds into dW and db; while the autotuner races candidates (GPU only) each timed launch
+    must leave them as they were. Its hooks copy and put back what is there and skip an output that is None
+    (a head without bias: Triton 3.6's restore_value would call None.clone() at the first backward)."""
+    from pacs_kernels.triton.grad_matmuls import dw_kernel
+
+    assert dw_kernel.user_defined_pre_hook and dw_kernel.user_defined_post_hook and not dw_kernel.restore_value
+    for db in (None, torch.randn(5)):
+        dw = torch.randn(5, 3)
+        args = {"dz_ptr": torch.randn(4, 5), "hidden_ptr": torch.randn(4, 3), "dw_ptr": dw, "db_ptr": db}
+        before_dw, before_db = dw.clone(), None if db is None else db.clone()
+        dw_kernel.pre_hook(args)                     # what Triton's _bench does around each timed launch
+        dw.add_(1.0)                                 # the candidate's accumulation into the buffers
+        if db is not None:
+            db.add_(1.0)
+        dw_kernel.post_hook(args, exception=None)
+        torch.testing.assert_close(dw, before_dw, rtol=0, atol=0)
+        if db is not None:
+            torch.testing.assert_close(db, before_db, rtol=0, atol=0)
+        dw_kernel.pre_hook(args, reset_only=True)    # after the race, before the winner's real launch
+        dw.add_(1.0)
+        dw_kernel.post_hook(args, exception=None)    # nothing saved: the real launch's result stays
+        torch.testing.assert_close(dw, before_dw + 1.0, rtol=0, atol=0)
+    dw_kernel.pre_hook({"dw_ptr": None, "db_ptr": None})  # dW not wanted and no bias: nothing to keep
+    dw_kernel.post_hook({"dw_ptr": None, "db_ptr": None}, exception=None)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .launch_config import dot_precision, float32_gets_one_tile, grad_matmul_configs, upcast_dots
+from .launch_config import RestoreOutputs, dot_precision, float32_gets_one_tile, grad_matmul_configs, upcast_dots
 from .logits_tile import clamped_block
 
 _DZ_FLAGS = {
@@ -101,7 +101,11 @@ def dh_kernel(
         tl.store(out, acc.to(dh_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.autotune(configs=grad_matmul_configs(), key=["width", "vocab"], restore_value=["dw_ptr", "db_ptr"],
+_DW_RESTORE = RestoreOutputs("dw_ptr", "db_ptr")  # db_ptr (no bias) or dw_ptr (dW not wanted) may be None
+
+
+@triton.autotune(configs=grad_matmul_configs(), key=["width", "vocab"],
+                 pre_hook=_DW_RESTORE.pre_hook, post_hook=_DW_RESTORE.post_hook,
                  prune_configs_by={"early_config_prune": float32_gets_one_tile("grad_matmul", "dz_ptr")})
 @triton.heuristics({
     **_DZ_FLAGS,
@@ -135,7 +139,7 @@ def dw_kernel(
     row0 * stride product can overflow at long contexts).
 
     dW (V, d) and db (V,) contiguous; with ACCUMULATE the previous value is read first (one
-    read and one write of the owned tile per chunk). ``restore_value`` lets the autotuner
+    read and one write of the owned tile per chunk). The RestoreOutputs hooks let the autotuner
     benchmark candidates without adding their results into the buffers.
     """
     pid_v = tl.program_id(0)

@@ -174,3 +174,26 @@ def upcast_dots(dtype: torch.dtype) -> bool:
     """Triton 3.9's interpreter returns garbage for tl.dot on bfloat16 tiles; there (and only
     there) the kernels round through bfloat16 exactly as on the GPU and multiply in float32."""
     return INTERPRETED and dtype == torch.bfloat16
+
+
+class RestoreOutputs:
+    """Autotuner hooks for a kernel that adds into its outputs (dW, db under ACCUMULATE): each benchmarked
+    launch runs on copies' worth of state, the outputs copied before and put back after, so timing the
+    candidates leaves no trace in the gradients. An output that is absent in a call (None: no bias, or dW
+    not wanted) is skipped; Triton's own ``restore_value`` clones every named argument in Triton 3.6 (the
+    GPU machine's) and would fail on ``None`` at the first autotuned backward. Only the autotuner's
+    benchmark calls these hooks, never the launch that computes the result.
+    """
+
+    def __init__(self, *names: str):
+        self.names = names
+        self.saved: dict[str, torch.Tensor] = {}
+
+    def pre_hook(self, kwargs: dict, reset_only: bool = False) -> None:
+        if not reset_only:  # reset_only: after the race, before the winner's launch (nothing to reset here)
+            self.saved = {name: kwargs[name].clone() for name in self.names if kwargs.get(name) is not None}
+
+    def post_hook(self, kwargs: dict, exception) -> None:
+        for name, copy in self.saved.items():
+            kwargs[name].copy_(copy)
+        self.saved = {}
