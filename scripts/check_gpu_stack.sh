@@ -4,7 +4,7 @@
 # project's .venv has newer ones (and vLLM, math-verify and TRL, which that machine lacks). A separate
 # venv with those versions (torch stays the 2.13.0 CPU build: the GPU's 2.11 exists on PyPI only with
 # CUDA) then
-#   1. runs the Triton tests in the interpreter,
+#   1. runs the Triton tests in the interpreter (the autotuner's race too: tests/test_autotune_race.py),
 #   2. compiles every kernel candidate for sm_90 (spills, tensor cores: pacs_kernels/triton/compile_check.py),
 #   3. runs the trainer's tests that the GPU run's `pacs train` relies on (model loading, the tiled MLP,
 #      the preflight, packing, split groups, checkpoints and resume),
@@ -31,8 +31,8 @@ export PYTHONPATH="$root"
 print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__,
       '| accelerate', accelerate.__version__)"
 echo "== 1/4 Triton tests in the interpreter"
-"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_compact_tiles.py tests/test_single_pass.py \
-  tests/test_triton_backward.py tests/test_linear_logprobs.py tests/test_linear_logprobs_errors.py \
+"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_autotune_race.py tests/test_compact_tiles.py \
+  tests/test_single_pass.py tests/test_triton_backward.py tests/test_linear_logprobs.py tests/test_linear_logprobs_errors.py \
   tests/test_known_grad.py tests/test_first_step_fast_path.py tests/test_grpo_loss.py tests/test_pacs_loss.py
 echo "== 2/4 every kernel candidate compiled for sm_90"
 env -u TRITON_INTERPRET TRITON_DEFAULT_FP_FUSION=1 "$venv/bin/python" -m pacs_kernels.triton.compile_check \
