@@ -9,12 +9,13 @@
 #   3. dispatch.json (what backend/path "auto" should pick, by measurement) and the cost model's
 #      predictions next to the measured times (roofline_measured.csv)
 #   4. the long-context sweep (largest N within 40 GiB, naive vs Triton)
-# PACS_GPU_PART=long runs instead, in a second call (limit 6 minutes), "how long can I train here":
+# PACS_GPU_PART=long runs instead, in a second call (hard limits add up to 5m35s), "how long can I train
+# here", the most needed first (the session's 15 device minutes may cut the end of this call):
 #   5. the trainer itself (pacs train on the built-in task: preflight, tiled MLP, split groups), resumed
-#   6. the longest response whose full training step (Qwen2.5-1.5B-shaped model, random weights)
+#   6. the tiled MLP's cost in step time (with and without checkpointing, L = 4096)
+#   7. the longest response whose full training step (Qwen2.5-1.5B-shaped model, random weights)
 #      fits 24 GiB, padded naive vs packed fused, the memory levers (tiled MLP included); 80 GiB
-#      would share the same 4 minutes (every search cut short): run it by hand when there is time
-#   7. the tiled MLP's cost in step time (with and without checkpointing, L = 4096)
+#      would share the same 100 s (every search cut short): run it by hand when there is time
 # (PACS_GPU_PART=all runs both, for the CPU dry run.)
 # Usage: bash benchmarks/gpu.sh OUT_DIR        (run from anywhere; writes CSV, PNG, Markdown, log)
 # Peers: wheels in .whl/ (see benchmarks/README.md) are installed into /tmp/site when present.
@@ -81,7 +82,7 @@ else
     check_args=(--device cuda)
     bench_args=(--set "$bench_set" --device cuda)
     long_args=(--device cuda --budget-gib 40 --n-start 8192 --n-max 1048576)
-    long_train_args=(--device cuda --budget-gib 24 --time-budget 180)  # 7 searches of ~26 s; 80 GiB: by hand
+    long_train_args=(--device cuda --budget-gib 24 --time-budget 100)  # 7 searches of ~14 s; 80 GiB: by hand
     tiled_cost_args=(--device cuda --repeats 5)
     smoke_steps=(4 6)
 fi
@@ -137,17 +138,19 @@ if [ "$part" != "race" ]; then
     smoke=(--output-dir /tmp/pacs-train-smoke task.cache_dir=/tmp/pacs-smoke-cache task.warmup_steps=200
            rollout.engine=hf eval.every=0 eval.num_problems=16 checkpoint_every=2 plot=false train.preflight=true
            train.tiled_mlp=true model.gradient_checkpointing=true train.max_tokens_per_micro_batch=64)
-    stamp "5/7 the trainer on this device: ${smoke_steps[0]} steps, then resumed to ${smoke_steps[1]} (limit 90s)"
-    timeout 60 "$py" -m pacs train "${smoke[@]}" --max-steps "${smoke_steps[0]}" \
-        && timeout 30 "$py" -m pacs train "${smoke[@]}" --max-steps "${smoke_steps[1]}" --resume \
+    # (the first call compiles every Triton kernel it meets at this model's shapes: the generous first limit)
+    stamp "5/7 the trainer on this device: ${smoke_steps[0]} steps, then resumed to ${smoke_steps[1]} (limit 145s)"
+    timeout 100 "$py" -m pacs train "${smoke[@]}" --max-steps "${smoke_steps[0]}" \
+        && timeout 45 "$py" -m pacs train "${smoke[@]}" --max-steps "${smoke_steps[1]}" --resume \
         || { echo "!!! the trainer's smoke run exited with $?"; status=1; }
     cp /tmp/pacs-train-smoke/metrics.jsonl "$out/train_smoke_metrics.jsonl" 2>/dev/null  # not the model
-    stamp "6/7 how long can I train here: Qwen2.5-1.5B shapes, 24 GiB (limit 230s)"
-    timeout 230 "$py" benchmarks/long_context_train.py "${long_train_args[@]}" --out "$out/long_context_train" \
-        || { echo "!!! long-context training sweep exited with $?"; status=1; }
-    stamp "7/7 what the tiled MLP costs in step time, Qwen2.5-1.5B shapes, L = 4096 (limit 50s)"
+    stamp "6/7 what the tiled MLP costs in step time, Qwen2.5-1.5B shapes, L = 4096 (limit 50s)"
     timeout 50 "$py" benchmarks/tiled_mlp_cost.py "${tiled_cost_args[@]}" --out "$out" \
         || { echo "!!! tiled-MLP cost exited with $?"; status=1; }
+    # last: its CSV is written after every trial, so a call cut short keeps what it measured
+    stamp "7/7 how long can I train here: Qwen2.5-1.5B shapes, 24 GiB (budget 100s, limit 140s)"
+    timeout 140 "$py" benchmarks/long_context_train.py "${long_train_args[@]}" --out "$out/long_context_train" \
+        || { echo "!!! long-context training sweep exited with $?"; status=1; }
 fi
 
 stamp "done (exit $status); files in $out:"

@@ -62,6 +62,12 @@ def trial_in_process(case: Case, budget_mib: float) -> dict:
             fits = footprint <= budget_mib
         except torch.OutOfMemoryError:
             footprint, fits = None, False
+        except Exception as exc:  # anything else ends this impl's search, not the sweep (largest_fitting)
+            inputs = produced = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            return {"fits": False, "footprint_mib": None, "seconds": time.perf_counter() - start,
+                    "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
         inputs = produced = None
         gc.collect()
         torch.cuda.empty_cache()
@@ -99,12 +105,18 @@ def trial(case: Case, budget_mib: float, timeout_s: float) -> dict:
     return json.loads(lines[-1])
 
 
+class TrialError(RuntimeError):
+    """A trial failed with something other than running out of memory: its impl's search stops there."""
+
+
 def largest_fitting(impl: str, args, device: str, log, *, deadline: float | None = None,
                     on_trial=None) -> tuple[int | None, int | None, list[dict]]:
     """Doubling then bisection. Returns (largest N that fit, smallest N that did not, trials).
 
     No trial starts after ``deadline`` (a time.perf_counter() value; default: now plus
-    ``args.time_budget``). ``on_trial(result)`` is called after every trial.
+    ``args.time_budget``). ``on_trial(result)`` is called after every trial. A trial that fails with
+    an error other than out-of-memory ends the search (its trial carries ``error``; smallest N that
+    did not fit: None), so one broken impl cannot end the sweep of the others.
     """
     step = LOSS_RESPONSES * 16 if args.op == "pacs_loss_fwd_bwd" else 256
     trials = []
@@ -118,6 +130,9 @@ def largest_fitting(impl: str, args, device: str, log, *, deadline: float | None
         trials.append(result)
         if on_trial is not None:
             on_trial(result)
+        if result.get("error"):
+            log(f"[long] {impl:7s} N={n:<8d} failed: {result['error']} (its search stops here)")
+            raise TrialError(result["error"])
         footprint = "n/a" if result["footprint_mib"] is None else f"{result['footprint_mib']:.0f} MiB"
         log(f"[long] {impl:7s} N={n:<8d} {'fits' if result['fits'] else 'does not fit'} ({footprint}, "
             f"{result['seconds']:.1f}s)")
@@ -126,7 +141,11 @@ def largest_fitting(impl: str, args, device: str, log, *, deadline: float | None
     def out_of_time():
         return deadline is not None and time.perf_counter() > deadline
 
-    lo, hi = doubling_bisection(run, args.n_start, args.n_max, step, out_of_time)
+    try:
+        lo, hi = doubling_bisection(run, args.n_start, args.n_max, step, out_of_time)
+    except TrialError:
+        fitted = [t["N"] for t in trials if t["fits"]]
+        return (max(fitted) if fitted else None), None, trials
     if out_of_time():
         log(f"[long] {impl}: time budget spent")
     return lo, hi, trials
@@ -226,20 +245,22 @@ def main(argv=None) -> int:
                          "footprint_mib": t["footprint_mib"], "seconds": t["seconds"]})
             _write_csv(rows, stem.with_suffix(".csv"))
 
-        lo, hi, _ = largest_fitting(impl, args, device, lambda line: print(line, flush=True), deadline=deadline,
-                                    on_trial=record)
-        summary.append((impl, lo, hi))
+        lo, hi, trials = largest_fitting(impl, args, device, lambda line: print(line, flush=True),
+                                         deadline=deadline, on_trial=record)
+        summary.append((impl, lo, hi, trials[-1].get("error") if trials else None))
     _write_csv(rows, stem.with_suffix(".csv"))
     lines = [f"## Long-context sweep ({device})", "",
              f"Device: {device_name}; date: {date}. Step: `{args.op}`, d={args.d}, V={args.v}, {args.dtype}; "
              f"memory budget {args.budget_mib:.0f} MiB for the inputs plus the step's peak.", ""]
     lines += [f"- {note}" for note in args.note] + ([""] if args.note else [])
     lines += ["| impl | largest N that fits | smallest N tried that does not |", "|---|---:|---:|"]
-    for impl, lo, hi in summary:
+    for impl, lo, hi, error in summary:
         lo_text = "none tried fits" if lo is None else (f">= {lo}" if hi is None else str(lo))
+        if error:
+            lo_text += f" (then failed: {error})"
         lines.append(f"| {impl} | {lo_text} | {'' if hi is None else hi} |")
-    naive = dict((impl, lo) for impl, lo, _ in summary).get("naive")
-    for impl, lo, _ in summary:
+    naive = dict((impl, lo) for impl, lo, _, _ in summary).get("naive")
+    for impl, lo, _, _ in summary:
         if impl != "naive" and naive and lo:
             lines.append(f"\n{impl} fits {lo / naive:.0f}x more tokens than naive in the same budget.")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -264,7 +285,7 @@ def plot(rows, summary, args, device_name, date, path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for impl, lo, hi in summary:
+    for impl, lo, _, _ in summary:
         points = sorted((r["N"], r["footprint_mib"], r["fits"]) for r in rows
                         if r["impl"] == impl and r["footprint_mib"] is not None)
         line = ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",

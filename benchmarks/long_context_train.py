@@ -470,12 +470,24 @@ def main(argv=None) -> int:
                       f"{'fits' if result['fits'] else 'does not fit'} ({shown}, {result['seconds']:.1f}s) "
                       f"{result.get('note', '')}", flush=True)
 
+            failed = ""
             if device == "cuda" or args.dry_run:  # the dry run: in this process, for speed (plumbing check only)
-                runner = VariantRunner(args.model, variant, args.dtype, args.prompt_len, torch.device(device))
+                cut = False
                 try:
-                    cut = search(runner, budget, args.l_start, args.l_max, share, emit)
-                finally:
-                    runner.close()
+                    runner = VariantRunner(args.model, variant, args.dtype, args.prompt_len, torch.device(device))
+                    try:
+                        cut = search(runner, budget, args.l_start, args.l_max, share, emit)
+                    finally:
+                        runner.close()
+                except Exception as exc:  # out of memory inside a trial is a result; anything else ends
+                    # this variant's search, not the sweep (a lever that breaks on this machine)
+                    failed = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+                    print(f"[train-long] budget {budget:.0f} MiB {variant}: {failed}; the next variant runs",
+                          flush=True)
+                    runner = None
+                    gc.collect()
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
             else:
                 left = None if share is None else max(0.0, share - time.perf_counter())
                 request = dict(variant=variant, model=args.model, dtype=args.dtype, prompt_len=args.prompt_len,
@@ -486,7 +498,7 @@ def main(argv=None) -> int:
             failing = [n for n, ok in trials if not ok]
             lo = max(fitting) if fitting else None
             hi = min(failing) if failing else None
-            summary.append((budget, variant, lo, hi, "time share spent before the edge" if cut else ""))
+            summary.append((budget, variant, lo, hi, failed or ("time share spent before the edge" if cut else "")))
     write_csv(rows, stem.with_suffix(".csv"))
     stem.with_suffix(".md").write_text(report(summary, args, name, date))
     plot(rows, summary, args, name, date, stem.with_suffix(".png"))

@@ -57,6 +57,26 @@ def test_long_context_sweep_writes_csv_markdown_and_plot(tmp_path):
     assert (tmp_path / "long_context_cpu.png").stat().st_size > 5000
 
 
+def test_a_failing_trial_ends_its_impls_search_not_the_sweep(monkeypatch, tmp_path):
+    """An error other than out-of-memory (a kernel failing on the GPU) stops that impl's search with the
+    error in its row; the other impls are still searched and the report is written."""
+    def fake_trial(case, budget_mib, timeout_s):
+        if case.impl == "torch" and case.n >= 1024:
+            return {"fits": False, "footprint_mib": None, "seconds": 0.0, "error": "AttributeError: broken kernel"}
+        return {"fits": case.n <= 2048, "footprint_mib": case.n / 100, "seconds": 0.0}
+
+    monkeypatch.setattr(long_context, "trial", fake_trial)
+    args = long_context.parse_args(["--device", "cpu", "--n-start", "256", "--n-max", "65536"])
+    lo, hi, trials = long_context.largest_fitting("torch", args, "cpu", lambda line: None)
+    assert (lo, hi) == (512, None) and trials[-1]["error"] == "AttributeError: broken kernel"
+    monkeypatch.setattr(long_context, "plot", lambda *a, **k: None)
+    assert long_context.main(["--device", "cpu", "--n-start", "256", "--n-max", "65536", "--impls", "torch",
+                              "naive", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "long_context_cpu.md").read_text()
+    assert "| torch | >= 512 (then failed: AttributeError: broken kernel) |  |" in report
+    assert "| naive | 2048 | 2304 |" in report
+
+
 @pytest.mark.parametrize("edge", [300, 1000, 5000, 70_000])
 def test_long_context_search_brackets_the_largest_fitting_n(monkeypatch, edge):
     """Doubling then bisection, with a fake step that fits exactly when N <= edge."""

@@ -76,6 +76,30 @@ def test_tiled_mlp_cost_dry_run_writes_every_case(tmp_path):
         assert all(float(row["median_step_s"]) > 0 for row in csv.DictReader(handle))
 
 
+def test_tiled_mlp_cost_keeps_going_past_a_failure(tmp_path, monkeypatch):
+    """A gradient check that cannot run, or one case failing, is written down (exit 1) while the other
+    cases are still timed."""
+    from benchmarks import tiled_mlp_cost
+
+    def broken_check(*args):
+        raise RuntimeError("kernel launch failed")
+
+    real_time = tiled_mlp_cost.time_steps
+
+    def time_or_fail(policy, optimizer, levers, *args):
+        if levers == tiled_mlp_cost.CASES["packed_fused"]:
+            raise ValueError("this lever broke")
+        return real_time(policy, optimizer, levers, *args)
+
+    monkeypatch.setattr(tiled_mlp_cost, "gradient_error", broken_check)
+    monkeypatch.setattr(tiled_mlp_cost, "time_steps", time_or_fail)
+    assert tiled_mlp_cost.main(["--dry-run", "--out", str(tmp_path)]) == 1
+    text = (tmp_path / "tiled_mlp_cost_dry.md").read_text()
+    assert "The gradient check could not run: failed: RuntimeError: kernel launch failed: FAIL." in text
+    assert "| packed_fused | failed: ValueError: this lever broke |" in text
+    assert text.count("x |") == 1  # the pair whose both halves ran
+
+
 def test_time_shares_keep_a_slow_variant_from_starving_the_rest(tmp_path, monkeypatch):
     """--time-budget is shared equally among the searches still to run: a variant whose trials are
     slow is cut at its share (and says so), and every later variant still gets its own."""
@@ -100,6 +124,26 @@ def test_time_shares_label_only_searches_that_were_really_cut(tmp_path, monkeypa
     text = (tmp_path / "long_context_train_dry.md").read_text()
     assert "| padded_naive | none tried fits | 16 |" in text
     assert "| packed_fused | >= 256 |  |" in text
+
+
+def test_a_variant_that_fails_ends_its_search_not_the_sweep(tmp_path, monkeypatch):
+    """An error other than out-of-memory inside a trial (a lever broken on this machine) is that variant's
+    row; the variants after it are still searched and the report is written."""
+    fake_trials(monkeypatch, lambda variant: 1.0, lambda variant, longest: longest <= 64)
+    real_runner = bench.VariantRunner
+
+    class Breaks(real_runner):
+        def trial(self, longest, budget_mib):
+            if self.variant == "packed_fused" and longest > 32:
+                raise RuntimeError("pinned host memory could not be allocated\nmore detail")
+            return super().trial(longest, budget_mib)
+
+    monkeypatch.setattr(bench, "VariantRunner", Breaks)
+    assert bench.main(["--dry-run", "--variants", "padded_naive", "packed_fused", "packed_fused_ckpt",
+                       "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "long_context_train_dry.md").read_text()
+    assert "| packed_fused | >= 32 (failed: RuntimeError: pinned host memory could not be allocated) |" in text
+    assert "| padded_naive | 64 | 72 |" in text and "| packed_fused_ckpt | 64 | 72 |" in text
 
 
 def fake_trials(monkeypatch, seconds, fits):
