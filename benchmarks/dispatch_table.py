@@ -2,7 +2,8 @@
 
     python benchmarks/dispatch_table.py OUT/gpu.csv --out OUT
 
-Writes ``OUT/dispatch.json``: per (op, d, V, dtype, N) the measured times of our implementations
+Writes ``OUT/dispatch.json``: per (op, d, V, dtype, N; N the tokens that get log-probs, as the fused
+losses look it up, and ``positions`` the benchmark's N) the measured times of our implementations
 (torch, triton, single_pass, single_pass_lowmem) and the fastest of them, and ``OUT/measured_for_roofline.csv``: the
 same times under the cost model's variant names (``benchmarks/roofline.py --measured``), with N the
 tokens that get log-probs. Copy ``dispatch.json`` to ``pacs_kernels/gpu_dispatch.json`` and commit
@@ -38,17 +39,17 @@ def build(rows: list[dict]) -> tuple[dict, list[dict]]:
             continue
         op, impl = row["op"], row["impl"]
         n, d, v, dtype, ms = int(row["N"]), int(row["d"]), int(row["V"]), row["dtype"], float(row["median_ms"])
+        selected = selected_tokens(Case(op=op, impl=impl, n=n, d=d, v=v, dtype=dtype, device="cuda"))
         if impl in OURS:
             key = (op, d, v, dtype, n)
-            entry = entries.setdefault(key, {"op": op, "d": d, "V": v, "dtype": dtype, "N": n, "ms": {}})
+            entry = entries.setdefault(key, {"op": op, "d": d, "V": v, "dtype": dtype, "N": selected,
+                                             "positions": n, "ms": {}})
             entry["ms"][impl] = ms
         variant = ROOFLINE_VARIANT.get(impl)
         if op == "pacs_loss_first_step" and impl == "triton":
             variant = "triton_one_sweep"
         if variant and op in ("pacs_loss_fwd_bwd", "pacs_loss_first_step", "logprobs_fwd_bwd"):
-            case = Case(op=op, impl=impl, n=n, d=d, v=v, dtype=dtype, device="cuda")
-            measured.append({"variant": variant, "n": selected_tokens(case), "d": d, "v": v, "dtype": dtype,
-                             "ms": ms, "op": op})
+            measured.append({"variant": variant, "n": selected, "d": d, "v": v, "dtype": dtype, "ms": ms, "op": op})
     for entry in entries.values():
         entry["best"] = min(entry["ms"], key=entry["ms"].get)
     first = next((r for r in rows if r.get("status") == "ok"), {})

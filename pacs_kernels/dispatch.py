@@ -12,7 +12,8 @@ to by the ``PACS_DISPATCH_TABLE`` environment variable) it decides, on CUDA:
 * ``backend="auto"`` for the log-probs: "torch" where the run measured the torch backend faster than
   the Triton kernels, "triton" otherwise.
 
-Entries match on (d, V) exactly and on the nearest N (log scale). Without a table, or for a shape it
+Entries match on (d, V) and the dtype exactly and on the nearest N (log scale; N counts the tokens that
+get log-probs, as the fused losses look it up). Without a table, or for a shape it
 does not hold, the defaults stand: single pass when the groups fit, Triton on CUDA.
 """
 
@@ -45,10 +46,11 @@ def table_entries() -> tuple:
     return _load(str(PACKAGED_TABLE)) if PACKAGED_TABLE.is_file() else ()
 
 
-def fastest(op: str, n_tokens: int, d: int, vocab: int, among: tuple[str, ...]) -> str | None:
-    """The fastest implementation among ``among`` measured for ``op`` at (d, V) and the nearest N, or None."""
+def fastest(op: str, n_tokens: int, d: int, vocab: int, among: tuple[str, ...], dtype: str | None = None) -> str | None:
+    """The fastest implementation among ``among`` measured for ``op`` at (d, V), the dtype (a name such as
+    "bfloat16"; None: any) and the nearest N, or None."""
     candidates = [e for e in table_entries() if e.get("op") == op and e.get("d") == d and e.get("V") == vocab
-                  and any(k in e.get("ms", {}) for k in among)]
+                  and (dtype is None or e.get("dtype") == dtype) and any(k in e.get("ms", {}) for k in among)]
     if not candidates or n_tokens <= 0:
         return None
     entry = min(candidates, key=lambda e: abs(math.log(max(e["N"], 1)) - math.log(n_tokens)))
@@ -56,18 +58,24 @@ def fastest(op: str, n_tokens: int, d: int, vocab: int, among: tuple[str, ...]) 
     return min(times, key=times.get)
 
 
-def prefer_two_pass(n_tokens: int, d: int, vocab: int) -> bool:
-    """True where the table measured the two-pass PACS loss faster than the single pass."""
-    best = fastest("pacs_loss_fwd_bwd", n_tokens, d, vocab, ("single_pass", "triton", "torch"))
-    return best is not None and best != "single_pass"
+def prefer_two_pass(n_tokens: int, d: int, vocab: int, dtype: str | None = None) -> bool:
+    """True where the table measured the Triton two-pass PACS loss (what the two passes run where this is
+    asked) faster than the single pass."""
+    return fastest("pacs_loss_fwd_bwd", n_tokens, d, vocab, ("single_pass", "triton"), dtype) == "triton"
 
 
-def prefer_rebuild(n_tokens: int, d: int, vocab: int) -> bool:
+def prefer_rebuild(n_tokens: int, d: int, vocab: int, dtype: str | None = None) -> bool:
     """True where the table measured the single pass rebuilding part of each group (groups larger than
     the budget) faster than the Triton two passes."""
-    return fastest("pacs_loss_fwd_bwd", n_tokens, d, vocab, ("single_pass_lowmem", "triton")) == "single_pass_lowmem"
+    among = ("single_pass_lowmem", "triton")
+    return fastest("pacs_loss_fwd_bwd", n_tokens, d, vocab, among, dtype) == "single_pass_lowmem"
 
 
-def logprob_backend(n_tokens: int, d: int, vocab: int) -> str | None:
+def logprob_backend(n_tokens: int, d: int, vocab: int, dtype: str | None = None) -> str | None:
     """"torch" or "triton" as measured for the log-probs at this shape, or None (no entry)."""
-    return fastest("logprobs_fwd_bwd", n_tokens, d, vocab, ("triton", "torch"))
+    return fastest("logprobs_fwd_bwd", n_tokens, d, vocab, ("triton", "torch"), dtype)
+
+
+def dtype_name(dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (how the table names dtypes)."""
+    return str(dtype).removeprefix("torch.")

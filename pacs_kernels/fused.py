@@ -181,7 +181,8 @@ def fused_linear_pacs_loss(
         triton_two_pass = two_pass_runs_triton(backend, weight.device, weight.dtype, softcap=logit_softcap is not None)
         # two passes where the committed GPU run measured them faster, if they can run the Triton kernels here
         measured_slower = (path == "auto" and triton_two_pass
-                           and measured_two_pass_faster(weight.device, n_selected, *weight.shape[::-1]))
+                           and measured_two_pass_faster(weight.device, n_selected, *weight.shape[::-1],
+                                                        dtype=weight.dtype))
         if path != "two_pass" and backend != "naive" and not measured_slower:
             row_kernels = row_kernels_for(backend, weight)
             memory = tile_memory(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype,
@@ -193,7 +194,8 @@ def fused_linear_pacs_loss(
             # the Triton log-prob kernels, those are preferred for such groups, unless the committed
             # GPU run measured the rebuilding single pass faster there.
             if chunks is None and (path == "single_pass" or not triton_two_pass
-                                   or measured_rebuild_faster(weight.device, n_selected, *weight.shape[::-1])):
+                                   or measured_rebuild_faster(weight.device, n_selected, *weight.shape[::-1],
+                                                              dtype=weight.dtype)):
                 chunks = plan_group_chunks(tokens.counts.tolist(), group_size, budget_tokens, oversized_alone=True)
                 rebuilt = recomputed_fraction(chunks, budget_tokens)
         elif path == "single_pass":
@@ -227,15 +229,19 @@ def stale_lse_tolerance(dtype: torch.dtype) -> float:
     return 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
 
 
-def measured_two_pass_faster(device: torch.device, n_tokens: int, d: int, vocab: int) -> bool:
-    """On CUDA: did the committed GPU run (dispatch.py) measure two passes faster at this shape?"""
-    return device.type == "cuda" and dispatch.prefer_two_pass(n_tokens, d, vocab)
+def measured_two_pass_faster(device: torch.device, n_tokens: int, d: int, vocab: int,
+                             dtype: torch.dtype | None = None) -> bool:
+    """On CUDA: did the committed GPU run (dispatch.py) measure two passes faster at this shape (and dtype)?"""
+    name = None if dtype is None else dispatch.dtype_name(dtype)
+    return device.type == "cuda" and dispatch.prefer_two_pass(n_tokens, d, vocab, name)
 
 
-def measured_rebuild_faster(device: torch.device, n_tokens: int, d: int, vocab: int) -> bool:
+def measured_rebuild_faster(device: torch.device, n_tokens: int, d: int, vocab: int,
+                            dtype: torch.dtype | None = None) -> bool:
     """On CUDA: did the committed GPU run measure the rebuilding single pass (groups larger than the
-    budget) faster than the Triton two passes at this shape?"""
-    return device.type == "cuda" and dispatch.prefer_rebuild(n_tokens, d, vocab)
+    budget) faster than the Triton two passes at this shape (and dtype)?"""
+    name = None if dtype is None else dispatch.dtype_name(dtype)
+    return device.type == "cuda" and dispatch.prefer_rebuild(n_tokens, d, vocab, name)
 
 
 def two_pass_runs_triton(backend: str, device: torch.device, dtype: torch.dtype, *, softcap: bool = False) -> bool:

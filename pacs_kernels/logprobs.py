@@ -49,7 +49,7 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, *, c
         if device.type == "cuda" and dtype != torch.float64:
             if matmul_kernels and dtype == torch.float32:
                 return "torch"
-            if shape is not None and dispatch.logprob_backend(*shape) == "torch":
+            if shape is not None and dispatch.logprob_backend(*shape, dispatch.dtype_name(dtype)) == "torch":
                 return "torch"
             try:
                 _triton_module()

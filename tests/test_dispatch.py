@@ -43,9 +43,10 @@ def table(tmp_path, monkeypatch):
 
 def test_table_written_from_the_csv(table):
     data, out = table
-    best = {(e["op"], e["N"]): e["best"] for e in data["entries"]}
-    assert best == {("logprobs_fwd_bwd", 8192): "torch", ("pacs_loss_fwd_bwd", 8192): "single_pass",
-                    ("pacs_loss_fwd_bwd", 65536): "single_pass_lowmem"}
+    # N: the tokens that get log-probs (how the fused losses look it up), about 3/4 of the loss op's positions
+    best = {(e["op"], e["N"], e["positions"]): e["best"] for e in data["entries"]}
+    assert best == {("logprobs_fwd_bwd", 8192, 8192): "torch", ("pacs_loss_fwd_bwd", 6151, 8192): "single_pass",
+                    ("pacs_loss_fwd_bwd", 49159, 65536): "single_pass_lowmem"}
     measured = list(csv.DictReader(open(out / "measured_for_roofline.csv")))
     variants = {r["variant"] for r in measured}
     assert {"single_pass_compact", "triton_two_pass", "cce"} <= variants
@@ -67,6 +68,31 @@ def test_auto_follows_the_table_on_cuda_only(table):
     assert not measured_rebuild_faster(torch.device("cpu"), 60000, 3584, 152064)
     assert not dispatch.prefer_rebuild(60000, 4096, 152064)  # no entry for that width
     assert resolve_backend("auto", torch.device("cpu"), torch.bfloat16, shape=(8000, 3584, 152064)) == "torch"
+    # the dtype must match: a bfloat16 measurement does not decide for float16
+    assert dispatch.prefer_two_pass(60000, 3584, 152064, "bfloat16")
+    assert not dispatch.prefer_two_pass(60000, 3584, 152064, "float16")
+    assert measured_two_pass_faster(torch.device("cuda"), 60000, 3584, 152064, dtype=torch.bfloat16)
+    assert not measured_two_pass_faster(torch.device("cuda"), 60000, 3584, 152064, dtype=torch.float16)
+    assert dispatch.logprob_backend(8000, 3584, 152064, "float16") is None
+    assert resolve_backend("auto", torch.device("cuda"), torch.float16, shape=(8000, 3584, 152064)) == "triton"
+
+
+def test_two_passes_are_preferred_only_where_the_triton_ones_beat_the_single_pass(tmp_path, monkeypatch):
+    """The torch two passes being fastest says nothing for the path that runs the Triton ones."""
+    entry = {"op": "pacs_loss_fwd_bwd", "d": 64, "V": 512, "dtype": "bfloat16", "N": 1000, "positions": 1333,
+             "ms": {"torch": 1.0, "single_pass": 2.0, "triton": 3.0}}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"entries": [entry]}))
+    monkeypatch.setenv(dispatch.TABLE_ENV, str(path))
+    dispatch._load.cache_clear()
+    try:
+        assert not dispatch.prefer_two_pass(1000, 64, 512)
+        entry["ms"]["triton"] = 1.5
+        path.write_text(json.dumps({"entries": [entry]}))
+        dispatch._load.cache_clear()
+        assert dispatch.prefer_two_pass(1000, 64, 512)
+    finally:
+        dispatch._load.cache_clear()
 
 
 def test_no_table_means_defaults(monkeypatch, tmp_path):
