@@ -440,8 +440,9 @@ def start_run(cfg: Config, dist_info: DistInfo, say=print) -> tuple[Run, object]
 
 
 def resume_hint(cfg: Config) -> str:
-    """Where the last checkpoint is and the command that continues the run."""
-    last = find_checkpoint(cfg.output_dir)
+    """Where the last checkpoint is and the command that continues the run. (Manifests and sizes checked,
+    not checksums: said within a scheduler's grace period or as a crashed run ends; --resume verifies all.)"""
+    last = find_checkpoint(cfg.output_dir, checksums=False)
     command = f"pacs train --config {os.path.join(cfg.output_dir, 'config.yaml')} --resume"
     if last.path is None:
         return f"no checkpoint was written yet; start again with {command.replace('--resume', '--overwrite')}"

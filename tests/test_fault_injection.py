@@ -194,3 +194,19 @@ def test_manifest_names_every_file_with_size_and_checksum(tmp_path):
     moved = str(tmp_path / "checkpoints" / "step_000008")
     os.rename(path, moved)
     assert "names step 7" in ck.verify_checkpoint(moved)
+
+
+def test_messages_name_a_checkpoint_without_reading_it_all_and_resume_reads_it_all(tmp_path):
+    """A flipped byte (the size unchanged) is seen by the full check that a resume uses; the quick one
+    behind the resume hint (said within a grace period, or as a crashed run ends) checks manifests and
+    sizes only, and still skips a checkpoint whose file is cut short."""
+    root = str(tmp_path / "checkpoints")
+    older, newest = _fake_checkpoint(root, 3), _fake_checkpoint(root, 4)
+    model = os.path.join(newest, "model.pt")
+    data = bytearray(open(model, "rb").read())
+    data[len(data) // 2] ^= 0x55
+    open(model, "wb").write(bytes(data))
+    assert ck.find_checkpoint(str(tmp_path)).path == older
+    assert ck.find_checkpoint(str(tmp_path), checksums=False).path == newest
+    open(model, "wb").write(bytes(data[:-1]))
+    assert ck.find_checkpoint(str(tmp_path), checksums=False).path == older
