@@ -75,12 +75,18 @@ def _leaves(n, d, vocab, dtype, with_bias, seed):
     return hidden, weight, bias, targets
 
 
+# (n, d, V): ragged tiles everywhere; and gpu.sh's trainer smoke run (the built-in model: d = 64, V = 17,
+# a vocabulary smaller than any tile)
+SHAPES = [(70, 40, 150), (37, 64, 17)]
+
+
+@pytest.mark.parametrize("n,d,vocab", SHAPES)
 @pytest.mark.parametrize("dtype,with_bias", [(torch.bfloat16, False), (torch.float32, True), (torch.float32, False)])
-def test_log_probs_and_gradients_after_a_race(racing_kernels, dtype, with_bias):
-    """linear_logprobs on Triton, forward and backward (entropy too; dz in several chunks), bias or none."""
-    hidden, weight, bias, targets = _leaves(70, 40, 150, dtype, with_bias, seed=3)
+def test_log_probs_and_gradients_after_a_race(racing_kernels, dtype, with_bias, n, d, vocab):
+    """linear_logprobs on Triton, forward and backward (entropy too), bias or none."""
+    hidden, weight, bias, targets = _leaves(n, d, vocab, dtype, with_bias, seed=3)
     gen = torch.Generator().manual_seed(4)
-    g_logp, g_entropy = torch.randn(70, generator=gen), torch.randn(70, generator=gen)
+    g_logp, g_entropy = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     logp, entropy = linear_logprobs(hidden, weight, targets, temperature=0.8, bias=bias, return_entropy=True,
                                     backend="triton")
     ((logp * g_logp).sum() + (entropy * g_entropy).sum()).backward()
@@ -99,12 +105,15 @@ def test_log_probs_and_gradients_after_a_race(racing_kernels, dtype, with_bias):
         assert launches, f"{kernel.base_fn.__name__} was never raced"
 
 
-@pytest.mark.parametrize("first_step", [False, True])
-def test_the_pacs_loss_on_triton_after_a_race(racing_kernels, first_step):
-    """The fused PACS loss's Triton paths (two passes; the one sweep of the first step) equal naive."""
+@pytest.mark.parametrize("d,vocab", [(24, 100), (64, 17)])
+@pytest.mark.parametrize("path", ["two_pass", "single_pass", "one_sweep"])
+def test_the_pacs_loss_on_triton_after_a_race(racing_kernels, path, d, vocab):
+    """The fused PACS loss's Triton paths (two passes; the single pass with the Triton row kernels; the one
+    sweep of the first step) equal naive."""
     from pacs_kernels import pacs_loss
 
-    B, T, d, vocab, G = 4, 9, 24, 100, 2
+    first_step = path == "one_sweep"
+    B, T, G = 4, 9, 2
     hidden, weight, _, targets = _leaves(B * T, d, vocab, torch.float32, False, seed=7)
     hidden = hidden.detach().view(B, T, d).requires_grad_()
     targets = targets.view(B, T)
@@ -119,9 +128,12 @@ def test_the_pacs_loss_on_triton_after_a_race(racing_kernels, first_step):
             old_logp = old_logp + 0.05 * torch.randn(B, T, generator=torch.Generator().manual_seed(8))
     kwargs = dict(group_size=G, backend="triton")
     if first_step:
-        loss = fused_linear_pacs_loss(hidden, weight, targets, mask, old_logp, rewards, old_lse=old_lse, **kwargs)
+        loss, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old_logp, rewards, old_lse=old_lse,
+                                             return_stats=True, **kwargs)
     else:
-        loss = fused_linear_pacs_loss(hidden, weight, targets, mask, old_logp, rewards, path="two_pass", **kwargs)
+        loss, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old_logp, rewards, path=path,
+                                             return_stats=True, **kwargs)
+    assert stats.path == path
     loss.backward()
     h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     logp64 = torch.log_softmax(h64 @ w64.T, -1).gather(-1, targets[..., None])[..., 0]
@@ -130,4 +142,5 @@ def test_the_pacs_loss_on_triton_after_a_race(racing_kernels, first_step):
     torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-6)
     for got, want in ((hidden.grad, h64.grad), (weight.grad, w64.grad)):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
-    assert racing_kernels[grad_matmuls.dw_kernel], "the dW kernel was never raced"
+    if path != "single_pass":  # (the single pass's row kernels have one fixed tile and its GEMMs are torch's)
+        assert racing_kernels[grad_matmuls.dw_kernel], "the dW kernel was never raced"
