@@ -499,7 +499,7 @@ def test_a_table_that_measured_two_passes_faster_does_not_send_a_softcap_there(m
     from pacs_kernels import fused
 
     hidden, weight, _, targets, mask, old, rewards = make_batch(seed=8)
-    monkeypatch.setattr(fused, "measured_two_pass_faster", lambda device, n, d, vocab: True)
+    monkeypatch.setattr(fused, "measured_two_pass_faster", lambda device, n, d, vocab, dtype=None: True)
     _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, backend="triton",
                                       return_stats=True)
     assert stats.path == "two_pass"
