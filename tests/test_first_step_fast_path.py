@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from seeds import stable_seed
 
 from pacs_kernels import PACSLoss, fused_linear_pacs_loss, linear_logprobs
 
@@ -39,7 +40,7 @@ def _loss_and_grads(hidden, weight, bias, targets, mask, old, rewards, **kw):
                                                        ("naive", "mean_logp", "none"),
                                                        ("rloo", "log_ratio", "positive_only")])
 def test_one_sweep_first_step_equals_usual_path(backend, advantage, score, weighting):
-    hidden, weight, bias, targets, mask, rewards = _batch(seed=hash((backend, advantage, score)) % 999)
+    hidden, weight, bias, targets, mask, rewards = _batch(seed=stable_seed(backend, advantage, score) % 999)
     opts = dict(group_size=4, temperature=0.9, beta=0.7, advantage=advantage, score=score, weighting=weighting,
                 backend=backend)
     with torch.no_grad():  # the rollout-time pass: old log-probs and their log-sum-exp
@@ -50,7 +51,8 @@ def test_one_sweep_first_step_equals_usual_path(backend, advantage, score, weigh
     torch.testing.assert_close(fast[0], usual[0], rtol=1e-5, atol=1e-6)
     assert fast[1].psi_mean == pytest.approx(usual[1].psi_mean, abs=1e-5)
     for got, want in zip(fast[2], usual[2]):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+        # (a floor: where every group has a single label the exact gradient is 0 and both paths give rounding)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item() + 1e-6)
 
 
 def test_module_and_tied_weight_take_old_lse():
