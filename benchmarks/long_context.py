@@ -242,7 +242,8 @@ def main(argv=None) -> int:
             rows.append({"date": date, "device": device, "device_name": device_name, "op": args.op, "impl": impl,
                          "N": t["N"], "d": args.d, "V": args.v, "dtype": args.dtype,
                          "budget_mib": args.budget_mib, "fits": t["fits"],
-                         "footprint_mib": t["footprint_mib"], "seconds": t["seconds"]})
+                         "footprint_mib": t["footprint_mib"], "seconds": t["seconds"],
+                         "note": t.get("error") or t.get("note", "")})
             _write_csv(rows, stem.with_suffix(".csv"))
 
         lo, hi, trials = largest_fitting(impl, args, device, lambda line: print(line, flush=True),
@@ -266,12 +267,15 @@ def main(argv=None) -> int:
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(rows, summary, args, device_name, date, stem.with_suffix(".png"))
     print(f"[long] wrote {stem}.csv, .md, .png", flush=True)
-    return 0
+    failed = [impl for impl, _, _, error in summary if error]
+    if failed:  # every impl was still searched; the exit code says that some could not be
+        print(f"[long] failed (not out of memory): {', '.join(failed)}", file=sys.stderr, flush=True)
+    return 1 if failed else 0
 
 
 def _write_csv(rows: list[dict], path: Path) -> None:
     columns = ["date", "device", "device_name", "op", "impl", "N", "d", "V", "dtype", "budget_mib", "fits",
-               "footprint_mib", "seconds"]
+               "footprint_mib", "seconds", "note"]
     with open(path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()

@@ -504,7 +504,10 @@ def main(argv=None) -> int:
     plot(rows, summary, args, name, date, stem.with_suffix(".png"))
     print(report(summary, args, name, date), flush=True)
     print(f"[train-long] wrote {stem}.csv, .md, .png", flush=True)
-    return 0
+    failed = [variant for _, variant, _, _, note in summary if note.startswith("failed")]
+    if failed:  # every variant was still searched; the exit code says that some could not be
+        print(f"[train-long] failed (not out of memory): {', '.join(failed)}", file=sys.stderr, flush=True)
+    return 1 if failed else 0
 
 
 COLUMNS = ["date", "device", "device_name", "model", "dtype", "variant", "budget_mib", "longest_response",

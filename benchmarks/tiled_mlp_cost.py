@@ -138,7 +138,8 @@ def main(argv=None) -> int:
         print(f"[tiled-mlp] {case:26s} {note if seconds is None else f'{seconds:.3f} s'}", flush=True)
         stem = write_outputs(rows, check, args, name, date, tokens)  # after every case: a timeout keeps the rest
     print(f"[tiled-mlp] wrote {stem}.csv, .md", flush=True)
-    return 0 if verdict == "ok" else 1
+    failed = any(row["note"].startswith("failed") for row in rows)
+    return 0 if verdict == "ok" and not failed else 1
 
 
 def failure(exc: BaseException) -> str:

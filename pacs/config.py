@@ -133,8 +133,8 @@ class Config:
     max_minutes: float | None = None  # stop (and checkpoint) after this wall time
     checkpoint_every: int = 50
     checkpoint_minutes: float | None = 30.0  # also checkpoint once this long has passed since the last one
-                                             # (or the start): a crash loses at most this much, whatever a
-                                             # step takes; None: by step count only
+                                             # (or the start), at a step's end: a crash loses at most this
+                                             # much plus one step; None: by step count only
     resume: bool = False            # continue OUTPUT_DIR's run from its newest verified checkpoint
     overwrite: bool = False         # move a run already in OUTPUT_DIR aside (OUTPUT_DIR.replaced-<time>)
     max_consecutive_nan: int = 3
@@ -259,7 +259,7 @@ def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def _positive(name: str, value, allow_zero: bool = False) -> None:
-    if value is None or value < 0 or (value == 0 and not allow_zero):
+    if value is None or value != value or value < 0 or (value == 0 and not allow_zero):  # (value != value: NaN)
         raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
 

@@ -463,6 +463,9 @@ def summary_line(cfg: Config, metrics_path: str, steps: int, seconds: float, pea
             f"{where}")
 
 
+checkpoint_clock = time.monotonic  # what checkpoint_minutes is measured with (a module name: tests replace it)
+
+
 def train(cfg: Config) -> TrainResult:
     """Run (or resume) training as configured."""
     dist_info = setup_distributed()
@@ -492,7 +495,8 @@ def train(cfg: Config) -> TrainResult:
                          enabled=dist_info.is_main, warn=say)
     from tqdm import tqdm
 
-    start_time = last_checkpoint_time = time.time()
+    start_time = time.time()
+    last_checkpoint_time = checkpoint_clock()
     row: dict = {}
     progress = None
     # SIGTERM / SIGUSR1 (a scheduler's preemption), Ctrl-C: finish the step, checkpoint it, stop
@@ -561,7 +565,7 @@ def train(cfg: Config) -> TrainResult:
                     dist_info.world_size, dist_info.device,
                     out_of_time=cfg.max_minutes is not None and time.time() - start_time > 60 * cfg.max_minutes,
                     checkpoint_due=(cfg.checkpoint_minutes is not None
-                                    and time.time() - last_checkpoint_time > 60 * cfg.checkpoint_minutes))
+                                    and checkpoint_clock() - last_checkpoint_time > 60 * cfg.checkpoint_minutes))
                 if step == cfg.max_steps:
                     stop_signal = None  # the run is done anyway: it ends as usual (evaluated, exported)
                 last_step = step == cfg.max_steps or out_of_time or stop_signal is not None
@@ -579,7 +583,7 @@ def train(cfg: Config) -> TrainResult:
                 # every checkpoint_every steps, and once checkpoint_minutes have passed since the last one
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or checkpoint_due or last_step:
                     save_checkpoint(cfg.output_dir, step, policy, optimizer, scheduler, state, dist_info)
-                    last_checkpoint_time = time.time()
+                    last_checkpoint_time = checkpoint_clock()
                 if stop_signal is not None:
                     raise TrainingPreempted(f"{stop_signal} received: stopped after step {step}, its checkpoint "
                                             f"written; {resume_hint(cfg)}", stop_signal)
@@ -589,15 +593,22 @@ def train(cfg: Config) -> TrainResult:
         except BaseException as exc:
             if progress is not None:
                 progress.close()
-            engine.close()
+            try:
+                engine.close()
+            except Exception:  # the error that stopped the run is the one to report
+                pass
             if isinstance(exc, KeyboardInterrupt):
                 raise TrainingInterrupted(f"interrupted at step {state['step'] + 1}; {resume_hint(cfg)}") from None
             if isinstance(exc, Exception) and not isinstance(exc, (TrainingInterrupted, TrainingStopped)):
                 # a crash mid-run (out of memory in generation, a reward function's bug, a lost rank): the
                 # error itself follows; say on this rank where the run can be continued from
                 rank = f" on rank {dist_info.rank}" if dist_info.world_size > 1 else ""
-                print(f"[train] stopped by {type(exc).__name__}{rank} during step {state['step'] + 1}; "
-                      f"{resume_hint(cfg)}", file=sys.stderr, flush=True)
+                try:  # (the hint must not replace the error)
+                    hint = resume_hint(cfg)
+                except Exception as hint_error:
+                    hint = f"the last checkpoint could not be listed ({type(hint_error).__name__})"
+                print(f"[train] stopped by {type(exc).__name__}{rank} after step {state['step']} (the last one "
+                      f"finished); {hint}", file=sys.stderr, flush=True)
                 try:
                     exc.pacs_during_training = True  # the CLI then shows the whole traceback, not one line
                 except AttributeError:

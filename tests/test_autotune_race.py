@@ -7,7 +7,11 @@ tests: a hook that fails on an absent output (Triton 3.6's ``restore_value`` on 
 candidate that changes the result would first show on the GPU. Here each kernel gets two interpreter-sized
 candidates and a stand-in timer (it launches the candidate, as Triton's benchmark does, and makes the
 second one win, so the result is computed by a candidate other than the first); the operations must
-still equal float64 references. ``scripts/check_gpu_stack.sh`` runs this file with the GPU's Triton too.
+still equal float64 references. What this covers: the hooks and launches of the race itself (an absent
+output, a candidate's launch failing) and the winner's result. Not whether the hooks put the outputs back:
+the race always runs on a first dz chunk, which the winner's launch overwrites (the hooks' restoring is
+tested on its own in tests/test_triton_backward.py). ``scripts/check_gpu_stack.sh`` runs this file with
+the GPU's Triton too.
 """
 
 from __future__ import annotations

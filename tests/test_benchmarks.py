@@ -71,10 +71,12 @@ def test_a_failing_trial_ends_its_impls_search_not_the_sweep(monkeypatch, tmp_pa
     assert (lo, hi) == (512, None) and trials[-1]["error"] == "AttributeError: broken kernel"
     monkeypatch.setattr(long_context, "plot", lambda *a, **k: None)
     assert long_context.main(["--device", "cpu", "--n-start", "256", "--n-max", "65536", "--impls", "torch",
-                              "naive", "--out", str(tmp_path)]) == 0
+                              "naive", "--out", str(tmp_path)]) == 1  # all searched; the failure in the exit code
     report = (tmp_path / "long_context_cpu.md").read_text()
     assert "| torch | >= 512 (then failed: AttributeError: broken kernel) |  |" in report
     assert "| naive | 2048 | 2304 |" in report
+    rows = list(csv.DictReader(open(tmp_path / "long_context_cpu.csv")))
+    assert [r["note"] for r in rows if r["impl"] == "torch"][-1] == "AttributeError: broken kernel"
 
 
 @pytest.mark.parametrize("edge", [300, 1000, 5000, 70_000])

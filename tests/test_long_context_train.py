@@ -140,7 +140,7 @@ def test_a_variant_that_fails_ends_its_search_not_the_sweep(tmp_path, monkeypatc
 
     monkeypatch.setattr(bench, "VariantRunner", Breaks)
     assert bench.main(["--dry-run", "--variants", "padded_naive", "packed_fused", "packed_fused_ckpt",
-                       "--out", str(tmp_path)]) == 0
+                       "--out", str(tmp_path)]) == 1  # every variant searched; the failure in the exit code
     text = (tmp_path / "long_context_train_dry.md").read_text()
     assert "| packed_fused | >= 32 (failed: RuntimeError: pinned host memory could not be allocated) |" in text
     assert "| padded_naive | 64 | 72 |" in text and "| packed_fused_ckpt | 64 | 72 |" in text

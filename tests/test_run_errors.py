@@ -127,6 +127,8 @@ def test_data_set_too_small_for_the_held_out_split(tmp_path, capsys, tiny_model)
     ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization must be in (0, 1]"),
     ("max_minutes=0", "max_minutes must be > 0"),
     ("checkpoint_minutes=-5", "checkpoint_minutes must be > 0"),
+    ("checkpoint_minutes=.nan", "checkpoint_minutes must be > 0"),
+    ("max_minutes=.nan", "max_minutes must be > 0"),
     ("torch_threads=0", "torch_threads must be > 0"),
     ("seed=-1", "seed (--seed) must be >= 0"),
     ("eval.temperature=-1", "eval.temperature must be >= 0"),
@@ -214,7 +216,7 @@ def test_a_crash_mid_run_says_how_to_resume_and_keeps_its_traceback(tmp_path, ca
     with pytest.raises(error, match="something broke inside the step"):
         main(["train", "--model", tiny_model, "--output-dir", str(out), "--max-steps", "4", *TINY_RUN])
     err = capsys.readouterr().err
-    assert (f"[train] stopped by {error.__name__} during step 3; the last checkpoint is "
+    assert (f"[train] stopped by {error.__name__} after step 2 (the last one finished); the last checkpoint is "
             f"{out}/checkpoints/step_000002 (step 2); resume with: pacs train --config {out}/config.yaml --resume"
             ) in err
     assert "pacs train: error:" not in err

@@ -138,16 +138,29 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path, cache_dir):
     assert all(r["grad_norm"] > 0 for r in got[3:]) and len({r["loss"] for r in got[1:]}) > 1
 
 
-def test_checkpoints_also_come_by_time_since_the_last_one(tmp_path, cache_dir):
-    """checkpoint_minutes: a step that ends that long after the last checkpoint is checkpointed, whatever
-    checkpoint_every says (here every step: the limit is a few microseconds); null: by step count only."""
-    steps = ["max_steps=3", "rollout.engine=hf", "checkpoint_every=100", "eval.every=0"]
-    train(tiny_config(tmp_path / "by_time", cache_dir, *steps, "checkpoint_minutes=1e-7"))
+def test_checkpoints_also_come_by_time_since_the_last_one(tmp_path, cache_dir, monkeypatch):
+    """checkpoint_minutes: a step that ends that long after the last checkpoint (or the start) is
+    checkpointed, whatever checkpoint_every says, and the clock restarts at each checkpoint. A fake clock
+    moves 60 s each time it is read (the start, every step, every checkpoint), the limit is 90 s: step 2 is
+    due (120 s), step 3 is not (60 s after step 2's checkpoint), step 4 is (and is the last); null: by step
+    count only."""
+    reads = iter(range(0, 10**6, 60))
+    monkeypatch.setattr(trainer, "checkpoint_clock", lambda: next(reads))
+    steps = ["max_steps=4", "rollout.engine=hf", "checkpoint_every=100", "eval.every=0"]
+    written = []
+    real_save = trainer.save_checkpoint
+
+    def recording_save(output_dir, step, *args, **kwargs):
+        written.append(step)
+        return real_save(output_dir, step, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "save_checkpoint", recording_save)
+    train(tiny_config(tmp_path / "by_time", cache_dir, *steps, "checkpoint_minutes=1.5"))
+    assert written == [2, 4]
+    assert [step for step, _ in checkpoint_steps(str(tmp_path / "by_time"))] == [2, 4]
+    written.clear()
     train(tiny_config(tmp_path / "by_steps", cache_dir, *steps, "checkpoint_minutes=null"))
-    by_time = [step for step, _ in checkpoint_steps(str(tmp_path / "by_time"))]
-    by_steps = [step for step, _ in checkpoint_steps(str(tmp_path / "by_steps"))]
-    assert by_time == [2, 3]  # step 1 written too, then rotated away (the newest 2 are kept)
-    assert by_steps == [3]    # the last step only
+    assert written == [4]  # the last step only
 
 
 @pytest.mark.slow

@@ -523,14 +523,18 @@ def test_a_signal_saves_the_step_and_the_resumed_run_equals_an_uninterrupted_one
 
 @pytest.mark.slow
 @pytest.mark.parametrize("on_signal", [True, False])
-def test_checkpoints_by_time_whatever_the_save_strategy(tmp_path, on_signal):
-    """pacs_checkpoint_minutes: a step that ends that long after the last save is saved, here every step
-    (a limit of microseconds) although save_strategy is "no"; without it nothing is saved. Also with the
-    signal handlers off (pacs_checkpoint_on_signal=False)."""
-    by_time = helpers.trainer(tmp_path / "by_time", pacs_checkpoint_minutes=1e-7, pacs_checkpoint_on_signal=on_signal)
+def test_checkpoints_by_time_whatever_the_save_strategy(tmp_path, monkeypatch, on_signal):
+    """pacs_checkpoint_minutes: a step that ends that long after the last save (or the start) is saved
+    although save_strategy is "no", and the clock restarts at each save. A fake clock moves 60 s each time
+    it is read (construction, train begin, every step end, every save), the limit is 90 s: step 2 is due,
+    step 3 is not. Without it nothing is saved. Also with the signal handlers off."""
+    import pacs.integrations.trl as pacs_trl
+
+    reads = iter(range(0, 10**6, 60))
+    monkeypatch.setattr(pacs_trl, "checkpoint_clock", lambda: next(reads))
+    by_time = helpers.trainer(tmp_path / "by_time", pacs_checkpoint_minutes=1.5, pacs_checkpoint_on_signal=on_signal)
     by_time.train()
-    assert sorted(p.name for p in (tmp_path / "by_time").glob("checkpoint-*")) == [
-        "checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert sorted(p.name for p in (tmp_path / "by_time").glob("checkpoint-*")) == ["checkpoint-2"]
     plain = helpers.trainer(tmp_path / "plain", pacs_checkpoint_on_signal=on_signal)
     plain.train()
     assert not list((tmp_path / "plain").glob("checkpoint-*"))

@@ -92,7 +92,7 @@ class PACSConfig(GRPOConfig):
     pacs_checkpoint_minutes: float | None = field(
         default=None, metadata={"help": "Also save a checkpoint after any optimizer step that ends this many minutes "
                                         "after the last save (or the start), whatever save_steps says: a crash loses "
-                                        "at most about this much time. None: TRL's save strategy only."})
+                                        "at most about this much time plus one step. None: TRL's save strategy only."})
     # GRPOConfig defaults this to True, a value PACSTrainer refuses with use_vllm=True (the correction multiplies
     # GRPO's per-token loss, which PACS does not have): so that use_vllm=True alone turns vLLM on, it is off here.
     vllm_importance_sampling_correction: bool = field(
@@ -151,6 +151,9 @@ def check_pacs_config(args: PACSConfig) -> None:
                       f"loss): {', '.join(f'{n}={getattr(args, n)!r}' for n in changed)}", stacklevel=3)
 
 
+checkpoint_clock = time.monotonic  # what pacs_checkpoint_minutes is measured with (tests replace it)
+
+
 class StopOnSignal(TrainerCallback):
     """While PACSTrainer.train() runs: after an optimizer step during which one of pacs.stop_signals'
     signals arrived (on any rank: the flag is all-reduced), have the Trainer save a checkpoint and stop;
@@ -161,21 +164,21 @@ class StopOnSignal(TrainerCallback):
         self.signals: StopSignals | None = None
         self.stopped_by: str | None = None
         self.checkpoint_minutes = checkpoint_minutes
-        self.last_save = time.monotonic()
+        self.last_save = checkpoint_clock()
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.last_save = time.monotonic()
+        self.last_save = checkpoint_clock()
         return control
 
     def on_save(self, args, state, control, **kwargs):
-        self.last_save = time.monotonic()
+        self.last_save = checkpoint_clock()
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.signals is None and self.checkpoint_minutes is None:
             return control
         world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        due = self.checkpoint_minutes is not None and time.monotonic() - self.last_save > 60 * self.checkpoint_minutes
+        due = self.checkpoint_minutes is not None and checkpoint_clock() - self.last_save > 60 * self.checkpoint_minutes
         # outside train()'s handlers (pacs_checkpoint_on_signal=False) no signal is ever received
         agreement = (self.signals or StopSignals()).agreed(world_size, args.device, checkpoint_due=due)
         if agreement.checkpoint_due:

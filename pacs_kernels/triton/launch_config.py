@@ -185,15 +185,16 @@ class RestoreOutputs:
     benchmark calls these hooks, never the launch that computes the result.
     """
 
+    SAVED = "_pacs_restore_copies"  # the copies ride in the launch's own argument dict, not on this object:
+                                    # two threads racing at once (one process, several GPUs) keep theirs apart
+
     def __init__(self, *names: str):
         self.names = names
-        self.saved: dict[str, torch.Tensor] = {}
 
     def pre_hook(self, kwargs: dict, reset_only: bool = False) -> None:
         if not reset_only:  # reset_only: after the race, before the winner's launch (nothing to reset here)
-            self.saved = {name: kwargs[name].clone() for name in self.names if kwargs.get(name) is not None}
+            kwargs[self.SAVED] = {name: kwargs[name].clone() for name in self.names if kwargs.get(name) is not None}
 
     def post_hook(self, kwargs: dict, exception) -> None:
-        for name, copy in self.saved.items():
+        for name, copy in kwargs.pop(self.SAVED, {}).items():
             kwargs[name].copy_(copy)
-        self.saved = {}
