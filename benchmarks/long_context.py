@@ -35,7 +35,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.measure import REPO_ROOT, WORKER_ENV, peak_rss_mib, reset_peak_rss
+from benchmarks.measure import REPO_ROOT, WORKER_ENV, error_line, peak_rss_mib, reset_peak_rss
 from benchmarks.ops import LOSS_RESPONSES, Case, make_inputs, runner
 
 DEFAULTS = {
@@ -54,6 +54,7 @@ def trial_in_process(case: Case, budget_mib: float) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+        error = None
         try:
             inputs = make_inputs(case, 7)
             produced = runner(case)(inputs)
@@ -63,14 +64,12 @@ def trial_in_process(case: Case, budget_mib: float) -> dict:
         except torch.OutOfMemoryError:
             footprint, fits = None, False
         except Exception as exc:  # anything else ends this impl's search, not the sweep (largest_fitting)
-            inputs = produced = None
-            gc.collect()
-            torch.cuda.empty_cache()
-            return {"fits": False, "footprint_mib": None, "seconds": time.perf_counter() - start,
-                    "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
-        inputs = produced = None
+            footprint, fits, error = None, False, error_line(exc)
+        inputs = produced = None  # outside the except block: the traceback's tensors are gone now
         gc.collect()
         torch.cuda.empty_cache()
+        if error is not None:
+            return {"fits": False, "footprint_mib": None, "seconds": time.perf_counter() - start, "error": error}
     else:
         # a small warm-up first: the first call pages in library code, which RSS would count
         warm = Case(**{**case.__dict__, "n": min(case.n, 256)})

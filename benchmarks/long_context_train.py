@@ -68,7 +68,7 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks.long_context import doubling_bisection
-from benchmarks.measure import REPO_ROOT, WORKER_ENV, peak_rss_mib, reset_peak_rss
+from benchmarks.measure import REPO_ROOT, WORKER_ENV, error_line, peak_rss_mib, reset_peak_rss
 
 GROUP = 4
 MODELS = {
@@ -481,9 +481,10 @@ def main(argv=None) -> int:
                         runner.close()
                 except Exception as exc:  # out of memory inside a trial is a result; anything else ends
                     # this variant's search, not the sweep (a lever that breaks on this machine)
-                    failed = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+                    failed = f"failed: {error_line(exc, 160)}"
                     print(f"[train-long] budget {budget:.0f} MiB {variant}: {failed}; the next variant runs",
                           flush=True)
+                if failed:  # outside the except block: the traceback's tensors are gone now
                     runner = None
                     gc.collect()
                     if device == "cuda":

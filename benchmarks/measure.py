@@ -183,11 +183,16 @@ def measure_case(case: Case, *, warmup: int, repeats: int, timeout_s: float = 60
     except torch.OutOfMemoryError as exc:
         failure = {"status": "oom", "note": (str(exc).splitlines() or [""])[0][:200]}
     except Exception as exc:  # a peer failing must not stop the whole benchmark
-        failure = {"status": "error", "note": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"}
+        failure = {"status": "error", "note": error_line(exc)}
     # outside the except block: the traceback (and the tensors its frames hold) is gone now
     gc.collect()
     torch.cuda.empty_cache()
     return failure
+
+
+def error_line(exc: BaseException, limit: int = 200) -> str:
+    """An exception in one line for a report: its type and the first line of its message."""
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:limit]}"
 
 
 def _worker(argv: list[str]) -> None:

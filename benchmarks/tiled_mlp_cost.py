@@ -30,6 +30,7 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks import long_context_train as steps
+from benchmarks.measure import error_line
 
 CASES = {  # name: the trainer's switches (long_context_train.py's levers)
     "packed_fused": ("packed", "fused"),
@@ -143,9 +144,8 @@ def main(argv=None) -> int:
 
 
 def failure(exc: BaseException) -> str:
-    """An exception in one line: its type and the first line of its message."""
-    text = str(exc).splitlines()[0][:160] if str(exc) else ""
-    return f"failed: {type(exc).__name__}: {text}"
+    """An exception in one line, marked as a failure."""
+    return f"failed: {error_line(exc, 160)}"
 
 
 def write_outputs(rows: list[dict], check: str, args, name: str, date: str, tokens: int) -> Path:
