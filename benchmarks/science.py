@@ -1,5 +1,6 @@
-"""PACS vs GRPO (and PACS's score-function term on vs off) across seeds, on the built-in addition
-task and on the generated word-problem task, under one small, equal budget.
+"""PACS vs GRPO (and PACS's score-function term on vs off, and its class weights on vs off) across
+seeds, on the built-in addition task and on the generated word-problem task, under one small, equal
+budget.
 
     python benchmarks/science.py run     # the sweep: one `pacs train` per (seed, task, variant)
     python benchmarks/science.py report  # table + plots from the runs recorded so far
@@ -46,13 +47,18 @@ VARIANTS = {
     "pacs": ["optim.algo=pacs"],
     "grpo": ["optim.algo=grpo"],
     "pacs_sft": ["optim.algo=pacs", "optim.score_function_term=true"],
+    # the paper's ablation: PACS without its class weights (every response weighs 1)
+    "pacs_unweighted": ["optim.algo=pacs", "optim.weighting=none"],
 }
 TASKS = {
     "embedded": ["task.name=embedded"],
     "wordmath": ["task.name=wordmath", "rollout.max_new_tokens=7"],
 }
 # what each comparison sets against what (label, variant, baseline variant)
-COMPARISONS = [("PACS - GRPO", "pacs", "grpo"), ("PACS score-function term on - off", "pacs_sft", "pacs")]
+COMPARISONS = [("PACS - GRPO", "pacs", "grpo"), ("PACS score-function term on - off", "pacs_sft", "pacs"),
+               ("PACS class weights balanced - none", "pacs", "pacs_unweighted")]
+TITLES = {"grpo": "PACS vs GRPO", "pacs_sft": "PACS's score-function term",
+          "pacs_unweighted": "PACS's class weights (balanced vs none)"}
 
 
 def run_one(task: str, variant: str, seed: int, args, cache_dir: str) -> dict:
@@ -201,7 +207,8 @@ def cmd_report(args) -> int:
     tasks = [t for t in TASKS if any(k[0] == t for k in by)]
     variants = [v for v in VARIANTS if any(k[1] == v for k in by)]
     ks = records[0]["ks"]
-    lines = ["# PACS vs GRPO, and PACS's score-function term, across seeds (small CPU budget)", ""]
+    title = ", and ".join(TITLES[v] for v in variants if v in TITLES) or "PACS"
+    lines = [f"# {title}, across seeds (small CPU budget)", ""]
     lines += [f"Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC from "
               f"`runs.jsonl` ({len(records)} finished runs) by `python benchmarks/science.py report`.", ""]
     note_path = os.path.join(args.out, "report_note.md")  # the note stays for the next report
@@ -243,7 +250,10 @@ def cmd_report(args) -> int:
                   "| comparison | seeds | " + " | ".join(f"d pass@{k}" for k in ks) + " |",
                   "|---|---:|" + "---:|" * len(ks)]
         for label, a, b in COMPARISONS:
-            seeds = sorted(set(by.get((task, a), {})) & set(by.get((task, b), {})))
+            # a pair is one seed run on one machine at one commit: float rounding differs across CPUs
+            # (and code that reorders sums), so runs of a seed on two machines are independent draws
+            seeds = sorted(s for s in set(by.get((task, a), {})) & set(by.get((task, b), {}))
+                           if _same_provenance(by[(task, a)][s], by[(task, b)][s]))
             if not seeds:
                 continue
             cells = []
@@ -272,17 +282,28 @@ def cmd_report(args) -> int:
               f"{records[0]['host']} ({records[0]['cpus']} CPU cores shared with other jobs). One run's command "
               "(from the repository root):", "",
               "    python " + re.sub(r"/\S*/runs/science", "runs/science", records[0]["command"]), "",
-              "The whole sweep and this report:", "",
-              "    python benchmarks/science.py run --seeds 0 1 2 3 4 && python benchmarks/science.py report",
-              "", "(more seeds: `run --seeds 5 6 7 8 9`, then `report`)", ""]
+              "The whole sweep and this report:", "", "    " + _sweep_command(args.out, variants, records), ""]
     with open(os.path.join(args.out, "report.md"), "w") as fh:
         fh.write("\n".join(lines))
     print("\n".join(lines))
     return 0
 
 
+def _same_provenance(one: dict, other: dict) -> bool:
+    return (one.get("cpu_model"), one.get("code_commit")) == (other.get("cpu_model"), other.get("code_commit"))
+
+
+def _sweep_command(out: str, variants: list[str], records: list[dict]) -> str:
+    """The commands that run this report's sweep (its variants and seeds) and rebuild the report."""
+    default_out = os.path.join(REPO, "benchmarks", "results", "science")
+    where = "" if os.path.abspath(out) == default_out else f" --out {os.path.relpath(out, REPO)}"
+    seeds = " ".join(str(s) for s in sorted({r["seed"] for r in records}))
+    return (f"python benchmarks/science.py run{where} --variants {' '.join(variants)} --seeds {seeds}"
+            f" && python benchmarks/science.py report{where}")
+
+
 def _plots(plt, task, variants, by, ks, out):
-    colors = {"pacs": "tab:blue", "grpo": "tab:orange", "pacs_sft": "tab:green"}
+    colors = {"pacs": "tab:blue", "grpo": "tab:orange", "pacs_sft": "tab:green", "pacs_unweighted": "tab:red"}
     fig, ax = plt.subplots(figsize=(6, 4))
     for variant in variants:
         runs = list(by.get((task, variant), {}).values())

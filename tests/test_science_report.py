@@ -32,7 +32,8 @@ def test_report_pairs_the_seeds_and_marks_intervals_that_exclude_zero(tmp_path):
     pacs = {0: 0.30, 1: 0.40, 2: 0.50}
     grpo = {0: 0.20, 1: 0.31, 2: 0.39, 3: 0.9}  # seed 3 has no PACS run: left out of the pairs
     rows = [record("pacs", s, v) for s, v in pacs.items()] + [record("grpo", s, v) for s, v in grpo.items()]
-    rows[0].update(code_commit="abc1234", cpu_model="Some CPU")
+    rows[0].update(code_commit="abc1234", cpu_model="Some CPU")  # PACS seed 0 ran elsewhere ...
+    rows[3].update(code_commit="abc1234", cpu_model="Some CPU")  # ... and so did GRPO's: still a pair
     rows.append({**record("pacs", 4, 0.0), "returncode": 1})  # failed runs are left out
     (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert science.main(["report", "--out", str(tmp_path), "--runs-dir", str(tmp_path / "runs"),
@@ -47,7 +48,25 @@ def test_report_pairs_the_seeds_and_marks_intervals_that_exclude_zero(tmp_path):
     mean, half, _ = science.t_interval(diffs)
     assert f"| PACS - GRPO | 3 | {mean:+.3f} +- {half:.3f} * |" in text
     assert (tmp_path / "wordmath_pass_at_k.png").stat().st_size > 0
-    assert "1 run at commit abc1234 on Some CPU; 6 runs at commit an unrecorded commit on an unrecorded CPU" in text
+    assert "2 runs at commit abc1234 on Some CPU; 5 runs at commit an unrecorded commit on an unrecorded CPU" in text
+    assert "--variants pacs grpo --seeds 0 1 2 3 &&" in text  # how to rerun this sweep
+    assert "# PACS vs GRPO, across seeds" in text
+
+
+def test_report_pairs_only_runs_of_one_machine_and_commit(tmp_path):
+    """A seed run on two CPUs (or at two commits) is two independent draws, not a pair."""
+    pacs = {0: 0.30, 1: 0.40, 2: 0.50}
+    weightless = {0: 0.20, 1: 0.31, 2: 0.39}
+    rows = [record("pacs", s, v) for s, v in pacs.items()] + [record("pacs_unweighted", s, v)
+                                                                for s, v in weightless.items()]
+    rows[2].update(cpu_model="Other CPU")  # PACS seed 2 ran on another machine than its unweighted run
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert science.main(["report", "--out", str(tmp_path), "--runs-dir", str(tmp_path / "runs")]) == 0
+    text = (tmp_path / "report.md").read_text()
+    mean, half, _ = science.t_interval([pacs[s] - weightless[s] for s in (0, 1)])
+    assert f"| PACS class weights balanced - none | 2 | {mean:+.3f} +- {half:.3f}" in text
+    assert "# PACS's class weights (balanced vs none), across seeds" in text
+    assert "| pacs_unweighted | 3 |" in text
 
 
 def test_code_commit_of_a_checkout_and_of_an_exported_copy(tmp_path):
