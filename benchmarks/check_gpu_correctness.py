@@ -3,7 +3,8 @@
     python benchmarks/check_gpu_correctness.py                      # CUDA, real shapes
     python benchmarks/check_gpu_correctness.py --device cpu --small # dry run: Triton interpreter
 
-For each case it prints the largest errors of logp, entropy, dh and dW (and of the fused PACS
+For each case it prints the largest errors of logp, entropy, dh and dW (dh and dW for both GEMM engines
+of the Triton backward: torch.mm / cuBLAS and the Triton kernels; and of the fused PACS
 loss and its gradients, when pacs_kernels has it) and exits with status 1 if any is over its
 tolerance. The reference walks the tokens in chunks, computing each chunk's logits in float32
 from the (bf16 or fp32) inputs upcast to float32, with TF32 off, and forms the gradient in
@@ -41,6 +42,7 @@ SMALL_CASES = [
 # (logp/entropy/loss absolute, dh/dW relative to the largest reference entry)
 TOLERANCE = {"bfloat16": (2e-3, 2e-2), "float32": (2e-4, 2e-4)}
 LOSS_RESPONSES, LOSS_GROUP_SIZE = 16, 8
+GRAD_GEMMS_ENV, GRAD_GEMM_ENGINES = "PACS_GRAD_GEMMS", ("torch", "triton")  # as pacs_kernels.dispatch names them
 
 
 def parse_args(argv):
@@ -101,20 +103,27 @@ def main(argv=None) -> int:
 
         start = time.perf_counter()
         ref = reference(hidden, weight, targets, tau, grad_logp, grad_entropy, args.chunk)
-        h = hidden.clone().requires_grad_(True)
-        w = weight.clone().requires_grad_(True)
-        logp, entropy = linear_logprobs(h, w, targets, temperature=tau, return_entropy=True, backend="triton")
-        torch.autograd.backward([logp, entropy], [grad_logp, grad_entropy])
+        errors = {}
+        # the backward's two gradient GEMMs on its staged dz chunks: both engines (PACS_GRAD_GEMMS),
+        # whichever the dispatch picks later
+        for gemms in GRAD_GEMM_ENGINES:
+            os.environ[GRAD_GEMMS_ENV] = gemms
+            h = hidden.clone().requires_grad_(True)
+            w = weight.clone().requires_grad_(True)
+            logp, entropy = linear_logprobs(h, w, targets, temperature=tau, return_entropy=True, backend="triton")
+            torch.autograd.backward([logp, entropy], [grad_logp, grad_entropy])
+            errors.update({
+                "logp": (_abs_err(logp, ref["logp"]), atol),
+                "entropy": (_abs_err(entropy, ref["entropy"]), atol),
+                f"dh[{gemms}]": (_rel_err(h.grad, ref["dh"]), rtol),
+                f"dW[{gemms}]": (_rel_err(w.grad, ref["dW"]), rtol),
+            })
+            del h, w, logp, entropy
+        os.environ.pop(GRAD_GEMMS_ENV)
         with torch.no_grad():
             logp_nograd = linear_logprobs(hidden, weight, targets, temperature=tau, backend="triton")
-        errors = {
-            "logp": (_abs_err(logp, ref["logp"]), atol),
-            "logp_nograd": (_abs_err(logp_nograd, ref["logp"]), atol),
-            "entropy": (_abs_err(entropy, ref["entropy"]), atol),
-            "dh": (_rel_err(h.grad, ref["dh"]), rtol),
-            "dW": (_rel_err(w.grad, ref["dW"]), rtol),
-        }
-        del h, w, logp, entropy, ref
+        errors["logp_nograd"] = (_abs_err(logp_nograd, ref["logp"]), atol)
+        del ref
         if has_loss and n >= LOSS_RESPONSES:
             errors.update(check_loss(pacs_kernels, hidden, weight, targets, tau, gen, args.chunk, atol, rtol))
         if tau == 1.0 and args.peers == "with" and case_name == cases[0][0]:

@@ -1,10 +1,11 @@
 """Turn a GPU benchmark CSV into the table that ``backend="auto"`` / ``path="auto"`` follow on CUDA.
 
-    python benchmarks/dispatch_table.py OUT/gpu.csv --out OUT
+    python benchmarks/dispatch_table.py OUT/gpu.csv [OUT/gpu_grad_gemms.csv ...] --out OUT
 
 Writes ``OUT/dispatch.json``: per (op, d, V, dtype, N; N the tokens that get log-probs, as the fused
 losses look it up, and ``positions`` the benchmark's N) the measured times of our implementations
-(torch, triton, single_pass, single_pass_lowmem) and the fastest of them, and ``OUT/measured_for_roofline.csv``: the
+(torch, triton, single_pass, single_pass_lowmem; for the ``grad_gemms`` op the Triton backward's
+GEMM engines) and the fastest of them, and ``OUT/measured_for_roofline.csv``: the
 same times under the cost model's variant names (``benchmarks/roofline.py --measured``), with N the
 tokens that get log-probs. Copy ``dispatch.json`` to ``pacs_kernels/gpu_dispatch.json`` and commit
 it with the run's results: pacs_kernels then picks by measurement, not by guess (dispatch.py).
@@ -60,13 +61,15 @@ def build(rows: list[dict]) -> tuple[dict, list[dict]]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("csv", type=Path, help="a benchmark CSV written by benchmarks/run.py on CUDA")
+    parser.add_argument("csv", type=Path, nargs="+", help="benchmark CSVs written by benchmarks/run.py on CUDA")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    if not args.csv.is_file():
-        parser.error(f"{args.csv} is not a file")
-    with open(args.csv, newline="") as handle:
-        rows = list(csv.DictReader(handle))
+    rows = []
+    for path in args.csv:
+        if not path.is_file():
+            parser.error(f"{path} is not a file")
+        with open(path, newline="") as handle:
+            rows += list(csv.DictReader(handle))
     table, measured = build(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "dispatch.json").write_text(json.dumps(table, indent=1) + "\n")

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# One prepared GPU run (one GPU, no network): about 5 minutes expected, hard limits add up to 5m55s:
-#   1. correctness at real shapes against a float32 chunked reference: the Triton kernels, and every
-#      path of the fused loss (two passes, single pass with Triton row kernels and with eager torch)
+# One prepared GPU run (one GPU, no network): about 5 minutes expected, hard limits add up to 6m00s:
+#   1. correctness at real shapes against a float32 chunked reference: the Triton kernels (the backward
+#      with both GEMM engines), and every path of the fused loss (two passes, single pass with Triton row
+#      kernels and with eager torch)
+#   2a. the Triton backward's two gradient GEMMs on its staged dz chunks: our Triton kernels against
+#      torch.mm (cuBLAS); the faster one is what the race below and "auto" afterwards use
 #   2. the race at Qwen2.5-7B's head (d=3584, V=152064, N 8k-64k, bf16): naive, torch (two passes),
 #      single_pass, single_pass_lowmem (groups larger than the budget, rebuilt in part), triton, and
 #      the peers (Cut Cross-Entropy, Liger-Kernel) when importable; each
@@ -74,6 +77,7 @@ EOF
 if [ "${PACS_GPU_DRY_RUN:-0}" = "1" ]; then
     check_args=(--device cpu --small)
     bench_args=(--set cpu --device cpu --d 32 --v 512 --n 64 128)
+    gemm_args=(--set cpu --device cpu --d 32 --v 512 --n 64 128)
     long_args=(--device cpu --d 32 --v 512 --budget-mib 24 --n-start 256 --n-max 4096)
     long_train_args=(--dry-run)
     tiled_cost_args=(--dry-run)
@@ -81,6 +85,7 @@ if [ "${PACS_GPU_DRY_RUN:-0}" = "1" ]; then
 else
     check_args=(--device cuda)
     bench_args=(--set "$bench_set" --device cuda)
+    gemm_args=(--set gpu --device cuda --n 8192 32768)  # Qwen2.5-7B's head; 1 GiB dz chunks, as the backward stages
     long_args=(--device cuda --budget-gib 40 --n-start 8192 --n-max 1048576)
     long_train_args=(--device cuda --budget-gib 24 --time-budget 100)  # 7 searches of ~14 s; 80 GiB: by hand
     tiled_cost_args=(--device cuda --repeats 5)
@@ -100,15 +105,23 @@ if [ $rc -ne 0 ]; then
     echo "!!! CORRECTNESS CHECK FAILED OR TIMED OUT (exit $rc): the benchmark numbers below are not trustworthy"
     status=1
 fi
-stamp "1b/4 peers' log-probs against the same reference, informational (limit 25s; compiles their kernels)"
-timeout 25 "$py" benchmarks/check_gpu_correctness.py "${check_args[@]}" --peers only \
+stamp "1b/4 peers' log-probs against the same reference, informational (limit 20s; compiles their kernels)"
+timeout 20 "$py" benchmarks/check_gpu_correctness.py "${check_args[@]}" --peers only \
     || echo "(peer check exited with $?; the benchmark records each peer's own status)"
 
-stamp "2/4 the race, benchmark set '$bench_set' with peers (budget 125s, limit 155s)"
-timeout 155 "$py" benchmarks/run.py "${bench_args[@]}" --out "$out" --name gpu \
+stamp "2a/4 the Triton backward's gradient GEMMs: our kernels vs torch.mm / cuBLAS (budget 10s, limit 25s)"
+timeout 20 "$py" benchmarks/run.py "${gemm_args[@]}" --out "$out" --name gpu_grad_gemms --ops grad_gemms \
+    --impls torch triton --warmup 1 --repeats 3 --max-seconds 1.5 --time-budget 10 \
+    || { echo "!!! grad-GEMM race exited with $?"; status=1; }
+# the race below runs the Triton backward with the engine measured faster just now
+timeout 5 "$py" benchmarks/dispatch_table.py "$out/gpu_grad_gemms.csv" --out "$out/grad_gemms" \
+    && export PACS_DISPATCH_TABLE="$out/grad_gemms/dispatch.json"
+
+stamp "2/4 the race, benchmark set '$bench_set' with peers (budget 115s, limit 145s)"
+timeout 145 "$py" benchmarks/run.py "${bench_args[@]}" --out "$out" --name gpu \
     --ops pacs_loss_fwd_bwd pacs_loss_first_step logprobs_fwd_bwd \
     --impls naive torch single_pass single_pass_lowmem triton cce cce_exact liger_flce liger_chunked \
-    --warmup 1 --repeats 3 --max-seconds 1.5 --time-budget 125 \
+    --warmup 1 --repeats 3 --max-seconds 1.5 --time-budget 115 \
     --note "one GPU lent for a single prepared run; peers installed from wheels without network"
 rc=$?
 if [ $rc -ne 0 ]; then
@@ -119,14 +132,14 @@ fi
 
 stamp "3/4 dispatch table and the cost model, measured vs predicted (limit 20s)"
 rate=$("$py" -c "import csv,sys; r=[x['matmul_tflops'] for x in csv.DictReader(open(sys.argv[1])) if x.get('matmul_tflops')]; print(r[0] if r else '')" "$out/gpu.csv" 2>/dev/null)
-timeout 10 "$py" benchmarks/dispatch_table.py "$out/gpu.csv" --out "$out" \
+timeout 10 "$py" benchmarks/dispatch_table.py "$out/gpu.csv" $(ls "$out/gpu_grad_gemms.csv" 2>/dev/null) --out "$out" \
     || { echo "!!! dispatch table exited with $?"; status=1; }
 timeout 10 "$py" benchmarks/roofline.py ${rate:+--matmul-tflops "$rate"} --measured "$out/measured_for_roofline.csv" \
     --out "$out" > /dev/null || { echo "!!! roofline exited with $?"; status=1; }
 [ -f "$out/roofline_measured.csv" ] && cat "$out/roofline_measured.csv"
 
-stamp "4/4 long-context sweep, 40 GiB budget (25s of trials, limit 45s)"
-timeout 45 "$py" benchmarks/long_context.py "${long_args[@]}" --time-budget 25 --out "$out" \
+stamp "4/4 long-context sweep, 40 GiB budget (20s of trials, limit 40s)"
+timeout 40 "$py" benchmarks/long_context.py "${long_args[@]}" --time-budget 20 --out "$out" \
     || { echo "!!! long-context sweep exited with $?"; status=1; }
 
 fi

@@ -58,7 +58,7 @@ from typing import Callable
 
 import torch
 
-OPS = ("logprobs_fwd_bwd", "logprobs_nograd", "pacs_loss_fwd_bwd", "pacs_loss_first_step")
+OPS = ("logprobs_fwd_bwd", "logprobs_nograd", "pacs_loss_fwd_bwd", "pacs_loss_first_step", "grad_gemms")
 LOSS_OPS = ("pacs_loss_fwd_bwd", "pacs_loss_first_step")
 OUR_IMPLS = ("naive", "torch", "triton", "single_pass", "single_pass_lowmem")
 SINGLE_PASS_BUDGET_GROUPS = {"single_pass": 1.0, "single_pass_lowmem": 1 / 3}  # chunk budget, in groups
@@ -73,7 +73,11 @@ LOSS_BETA = 1.0
 # ops with a backward. Designs that do not keep the N x V logits between forward and backward need
 # one more (2NVd) unless they know the gradient in the forward (single pass, one sweep); the report
 # divides every measured time by the 3-matmul floor at the measured matmul rate.
-FLOP_FACTOR = {"logprobs_fwd_bwd": 6, "logprobs_nograd": 2, "pacs_loss_fwd_bwd": 6, "pacs_loss_first_step": 6}
+# grad_gemms: the Triton backward's two gradient GEMMs alone (dh and dW from the staged dz chunks, 4NVd),
+# as our Triton kernels ("triton") and as torch.mm / cuBLAS ("torch"): its floor is those two GEMMs.
+FLOP_FACTOR = {"logprobs_fwd_bwd": 6, "logprobs_nograd": 2, "pacs_loss_fwd_bwd": 6, "pacs_loss_first_step": 6,
+               "grad_gemms": 4}
+GRAD_GEMM_IMPLS = ("torch", "triton")
 OLD_LOGP_NOISE = 0.05
 
 
@@ -106,6 +110,11 @@ def impl_unavailable_reason(op: str, impl: str, device: str) -> str | None:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if op == "grad_gemms":
+        if impl not in GRAD_GEMM_IMPLS:
+            return "grad_gemms races the Triton backward's GEMM engines (triton kernels vs torch.mm) only"
+        if not _importable("triton"):
+            return "triton is not installed (the op stages dz chunks as the Triton backward does)"
     if op in LOSS_OPS and not loss_available():
         return "pacs_kernels has no fused_linear_pacs_loss yet"
     if impl in SINGLE_PASS_BUDGET_GROUPS and op not in LOSS_OPS:
@@ -180,6 +189,12 @@ def make_inputs(case: Case, generator_seed: int) -> dict:
     def randn(*shape, scale=1.0):
         return torch.randn(*shape, generator=gen, device=device, dtype=dtype).mul_(scale)
 
+    if case.op == "grad_gemms":  # one staged dz chunk (reused for every chunk, as the backward does)
+        from pacs_kernels.triton.launch_config import dz_chunk_tokens
+
+        chunk = dz_chunk_tokens(case.n, case.v, dtype.itemsize)
+        return {"dz": randn(chunk, case.v, scale=1e-3), "weight": randn(case.v, case.d, scale=case.d ** -0.5),
+                "hidden": randn(case.n, case.d)}
     grad = case.op != "logprobs_nograd"
     weight = randn(case.v, case.d, scale=case.d ** -0.5).requires_grad_(grad)
     if case.op in LOSS_OPS:
@@ -255,6 +270,8 @@ def logprob_function(impl: str) -> Callable[[torch.Tensor, torch.Tensor, torch.T
 
 def runner(case: Case) -> Callable[[dict], torch.Tensor]:
     """A function that runs the case once on its inputs and returns what it produced."""
+    if case.op == "grad_gemms":
+        return _grad_gemms_runner(case.impl)
     logp_fn = logprob_function(case.impl) if case.op not in LOSS_OPS or case.impl not in OUR_IMPLS else None
 
     if case.op == "logprobs_nograd":
@@ -312,4 +329,23 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
                                       backend="torch", **options)
         loss.backward()
         return loss.detach()
+    return run
+
+
+def _grad_gemms_runner(engine: str) -> Callable[[dict], torch.Tensor]:
+    """The Triton backward's GEMM phase over N tokens: per dz chunk dh = dz W and dW += dz^T h (float32
+    across chunks), with the chosen engine (``logprob_backward.grad_products``)."""
+    from pacs_kernels.triton.logprob_backward import grad_products
+
+    def run(inputs):
+        dz, weight, hidden = inputs["dz"], inputs["weight"], inputs["hidden"]
+        n, chunk = hidden.shape[0], dz.shape[0]
+        d_hidden = torch.empty_like(hidden)
+        d_weight = torch.empty(weight.shape, device=weight.device,
+                               dtype=torch.float32 if chunk < n else weight.dtype)
+        for index, row0 in enumerate(range(0, n, chunk)):
+            rows = min(chunk, n - row0)
+            grad_products(dz[:rows], weight, hidden, d_hidden, d_weight, None, row0=row0, accumulate=index > 0,
+                          gemms=engine)
+        return d_weight
     return run

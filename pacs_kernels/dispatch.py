@@ -10,11 +10,15 @@ to by the ``PACS_DISPATCH_TABLE`` environment variable) it decides, on CUDA:
   instead of the Triton two passes where the run measured it faster (its ``single_pass_lowmem``:
   a budget of a third of a group, each group in 3 tiles, 2 rebuilt);
 * ``backend="auto"`` for the log-probs: "torch" where the run measured the torch backend faster than
-  the Triton kernels, "triton" otherwise.
+  the Triton kernels, "triton" otherwise;
+* the GEMM engine of the Triton backward (``grad_gemms``): the two gradient GEMMs on its staged dz
+  chunk as Triton kernels or as ``torch.mm`` (cuBLAS), whichever the run measured faster (its
+  ``grad_gemms`` op); cuBLAS where nothing was measured.
 
 Entries match on (d, V) and the dtype exactly and on the nearest N (log scale; N counts the tokens that
 get log-probs, as the fused losses look it up). Without a table, or for a shape it
-does not hold, the defaults stand: single pass when the groups fit, Triton on CUDA.
+does not hold, the defaults stand: single pass when the groups fit, Triton on CUDA, cuBLAS for the
+Triton backward's gradient GEMMs.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import os
 from pathlib import Path
 
 TABLE_ENV = "PACS_DISPATCH_TABLE"
+GRAD_GEMMS_ENV = "PACS_GRAD_GEMMS"  # forces the Triton backward's GEMM engine (benchmarks, checks)
+GRAD_GEMMS = ("torch", "triton")
 PACKAGED_TABLE = Path(__file__).resolve().parent / "gpu_dispatch.json"
 
 
@@ -74,6 +80,25 @@ def prefer_rebuild(n_tokens: int, d: int, vocab: int, dtype: str | None = None) 
 def logprob_backend(n_tokens: int, d: int, vocab: int, dtype: str | None = None) -> str | None:
     """"torch" or "triton" as measured for the log-probs at this shape, or None (no entry)."""
     return fastest("logprobs_fwd_bwd", n_tokens, d, vocab, ("triton", "torch"), dtype)
+
+
+def grad_gemms(n_tokens: int, d: int, vocab: int, dtype: str | None, device_type: str) -> str:
+    """The GEMMs that form dh and dW from the Triton backward's staged dz chunk: "torch" (torch.mm,
+    cuBLAS on CUDA) or "triton" (grad_matmuls.py).
+
+    ``PACS_GRAD_GEMMS`` forces one. Otherwise, on CUDA: the faster as measured at this shape (the
+    table's ``grad_gemms`` op), else "torch": a plain GEMM is what the vendor library is tuned for,
+    and nothing has measured our kernels against it yet. Off CUDA (the Triton interpreter):
+    "triton", the kernels the tests check.
+    """
+    forced = os.environ.get(GRAD_GEMMS_ENV, "").strip()
+    if forced:
+        if forced not in GRAD_GEMMS:
+            raise ValueError(f"{GRAD_GEMMS_ENV} must be unset or one of {GRAD_GEMMS}, got {forced!r}")
+        return forced
+    if device_type != "cuda":
+        return "triton"
+    return fastest("grad_gemms", n_tokens, d, vocab, GRAD_GEMMS, dtype) or "torch"
 
 
 def dtype_name(dtype) -> str:

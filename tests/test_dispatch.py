@@ -29,12 +29,17 @@ def table(tmp_path, monkeypatch):
         _row("pacs_loss_fwd_bwd", "cce_exact", 8192, 90.0),
         _row("logprobs_fwd_bwd", "triton", 8192, 30.0), _row("logprobs_fwd_bwd", "torch", 8192, 28.0),
     ]
-    path = tmp_path / "gpu.csv"
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    assert dispatch_table.main([str(path), "--out", str(tmp_path)]) == 0
+    # the Triton backward's GEMM engines, raced in a run of their own (gpu.sh's step 2b): Triton's
+    # kernels faster at 32k tokens, cuBLAS at 8k
+    gemm_rows = [_row("grad_gemms", "triton", 8192, 12.0), _row("grad_gemms", "torch", 8192, 10.0),
+                 _row("grad_gemms", "triton", 32768, 40.0), _row("grad_gemms", "torch", 32768, 41.0)]
+    paths = [tmp_path / "gpu.csv", tmp_path / "gpu_grad_gemms.csv"]
+    for path, written in zip(paths, (rows, gemm_rows)):
+        with open(path, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(written[0]))
+            writer.writeheader()
+            writer.writerows(written)
+    assert dispatch_table.main([*map(str, paths), "--out", str(tmp_path)]) == 0
     monkeypatch.setenv(dispatch.TABLE_ENV, str(tmp_path / "dispatch.json"))
     dispatch._load.cache_clear()
     yield json.loads((tmp_path / "dispatch.json").read_text()), tmp_path
@@ -46,7 +51,8 @@ def test_table_written_from_the_csv(table):
     # N: the tokens that get log-probs (how the fused losses look it up), about 3/4 of the loss op's positions
     best = {(e["op"], e["N"], e["positions"]): e["best"] for e in data["entries"]}
     assert best == {("logprobs_fwd_bwd", 8192, 8192): "torch", ("pacs_loss_fwd_bwd", 6151, 8192): "single_pass",
-                    ("pacs_loss_fwd_bwd", 49159, 65536): "single_pass_lowmem"}
+                    ("pacs_loss_fwd_bwd", 49159, 65536): "single_pass_lowmem",
+                    ("grad_gemms", 8192, 8192): "torch", ("grad_gemms", 32768, 32768): "triton"}
     measured = list(csv.DictReader(open(out / "measured_for_roofline.csv")))
     variants = {r["variant"] for r in measured}
     assert {"single_pass_compact", "triton_two_pass", "cce"} <= variants
@@ -60,6 +66,13 @@ def test_auto_follows_the_table_on_cuda_only(table):
     assert not dispatch.prefer_two_pass(7000, 4096, 152064)  # no entry for that width: defaults
     assert measured_two_pass_faster(torch.device("cuda"), 60000, 3584, 152064)
     assert not measured_two_pass_faster(torch.device("cpu"), 60000, 3584, 152064)
+    # the Triton backward's GEMM engine: as measured at the nearest N on CUDA, cuBLAS where unmeasured,
+    # the Triton kernels in the interpreter (the kernels under test)
+    assert dispatch.grad_gemms(30000, 3584, 152064, "bfloat16", "cuda") == "triton"
+    assert dispatch.grad_gemms(9000, 3584, 152064, "bfloat16", "cuda") == "torch"
+    assert dispatch.grad_gemms(30000, 3584, 152064, "float16", "cuda") == "torch"
+    assert dispatch.grad_gemms(30000, 4096, 152064, "bfloat16", "cuda") == "torch"
+    assert dispatch.grad_gemms(30000, 3584, 152064, "bfloat16", "cpu") == "triton"
     assert dispatch.logprob_backend(8000, 3584, 152064) == "torch"
     assert resolve_backend("auto", torch.device("cuda"), torch.bfloat16, shape=(8000, 3584, 152064)) == "torch"
     # groups larger than the budget: rebuild where measured faster than the Triton two passes
@@ -102,6 +115,17 @@ def test_no_table_means_defaults(monkeypatch, tmp_path):
     assert not dispatch.prefer_two_pass(8192, 3584, 152064)
     assert not dispatch.prefer_rebuild(8192, 3584, 152064)
     assert dispatch.logprob_backend(8192, 3584, 152064) is None
+    assert dispatch.grad_gemms(8192, 3584, 152064, "bfloat16", "cuda") == "torch"
+
+
+def test_grad_gemms_can_be_forced_and_a_bad_value_is_named(monkeypatch):
+    monkeypatch.setenv(dispatch.GRAD_GEMMS_ENV, "triton")
+    assert dispatch.grad_gemms(8192, 3584, 152064, "bfloat16", "cuda") == "triton"
+    monkeypatch.setenv(dispatch.GRAD_GEMMS_ENV, "torch")
+    assert dispatch.grad_gemms(8192, 3584, 152064, "bfloat16", "cpu") == "torch"
+    monkeypatch.setenv(dispatch.GRAD_GEMMS_ENV, "cublas")
+    with pytest.raises(ValueError, match="PACS_GRAD_GEMMS must be unset or one of .*got 'cublas'"):
+        dispatch.grad_gemms(8192, 3584, 152064, "bfloat16", "cuda")
 
 
 def test_unreadable_table_is_a_clear_error(monkeypatch, tmp_path):

@@ -60,15 +60,18 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("gemms", ["triton", "torch"])
 @pytest.mark.parametrize("n,d,vocab,dtype,with_bias,temperature,with_entropy,chunk_tokens", CASES)
-def test_backward_matches_float64_autograd(n, d, vocab, dtype, with_bias, temperature, with_entropy, chunk_tokens):
+def test_backward_matches_float64_autograd(n, d, vocab, dtype, with_bias, temperature, with_entropy, chunk_tokens,
+                                           gemms):
+    """Both GEMM engines on the staged dz chunks: the Triton kernels, and torch.mm (cuBLAS on CUDA)."""
     hidden, weight, bias, targets, g_l, g_h = _problem(n, d, vocab, dtype, with_bias, seed=n + d + vocab)
     g_h = g_h if with_entropy else None
     r_logp, r_lse, r_ent, r_grads = _reference(hidden, weight, bias, targets, g_l, g_h, temperature)
     logp_out = torch.full((n,), float("nan"))
     grads = logprob_backward(hidden, weight, targets, bias, temperature, r_lse.float(),
                              r_ent.float() if with_entropy else None, g_l, g_h,
-                             needs=(True, True, True), logp_out=logp_out, chunk_tokens=chunk_tokens)
+                             needs=(True, True, True), logp_out=logp_out, chunk_tokens=chunk_tokens, gemms=gemms)
     for name, got, ref, inp in zip(("dhidden", "dweight", "dbias"), grads, r_grads, (hidden, weight, bias)):
         if inp is None:
             assert got is None
@@ -78,13 +81,14 @@ def test_backward_matches_float64_autograd(n, d, vocab, dtype, with_bias, temper
     torch.testing.assert_close(logp_out.double(), r_logp, rtol=0, atol=value_tol * (1 + r_logp.abs().max().item()))
 
 
+@pytest.mark.parametrize("gemms", ["triton", "torch"])
 @pytest.mark.parametrize("needs", [(False, True, False), (True, False, False), (False, False, True),
                                    (True, True, False)])
-def test_partial_needs_compute_only_what_is_asked(needs):
+def test_partial_needs_compute_only_what_is_asked(needs, gemms):
     hidden, weight, bias, targets, g_l, g_h = _problem(45, 24, 100, torch.float32, True, seed=5)
     _, r_lse, r_ent, r_grads = _reference(hidden, weight, bias, targets, g_l, g_h, 0.9)
     grads = logprob_backward(hidden, weight, targets, bias, 0.9, r_lse.float(), r_ent.float(), g_l, g_h,
-                             needs=needs, chunk_tokens=16)
+                             needs=needs, chunk_tokens=16, gemms=gemms)
     for name, need, got, ref in zip(("dhidden", "dweight", "dbias"), needs, grads, r_grads):
         if need:
             _assert_grad(name, got, ref, torch.float32)
@@ -145,6 +149,34 @@ def test_filtering_skips_whole_tiles_across_chunks():
     torch.testing.assert_close(filtered[1][:64], exact[1][:64], rtol=0, atol=0)
     for got, ref in zip(filtered, r_grads):
         assert (got.double() - ref).abs().max().item() < 1e-5
+
+
+def test_filtering_always_runs_the_triton_gemms_and_a_bad_engine_is_named():
+    """Only the Triton GEMMs skip the flagged tiles: asking for torch.mm with filter_eps gets them anyway."""
+    hidden, weight, bias, _, g_l, _ = _problem(50, 24, 160, torch.float32, True, seed=6)
+    bias[64:] -= 25.0
+    targets = torch.randint(0, 64, (50,), generator=torch.Generator().manual_seed(1))
+    _, r_lse, _, _ = _reference(hidden, weight, bias, targets, g_l, None, 1.0)
+    runs = [logprob_backward(hidden, weight, targets, bias, 1.0, r_lse.float(), None, g_l, None, chunk_tokens=32,
+                             filter_eps=1e-6, gemms=gemms) for gemms in ("triton", "torch")]
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+    assert (runs[1][1][64:] == 0).all()
+    with pytest.raises(ValueError, match="gemms must be None or one of .*got 'cublas'"):
+        logprob_backward(hidden, weight, targets, bias, 1.0, r_lse.float(), None, g_l, None, gemms="cublas")
+
+
+def test_the_engine_comes_from_dispatch_when_not_given(monkeypatch):
+    """gemms=None asks dispatch.grad_gemms (PACS_GRAD_GEMMS forces it): the torch.mm results, not the kernels'."""
+    hidden, weight, bias, targets, g_l, g_h = _problem(70, 40, 150, torch.bfloat16, True, seed=9)
+    _, r_lse, r_ent, _ = _reference(hidden, weight, bias, targets, g_l, g_h, 1.0)
+    args = (hidden, weight, targets, bias, 1.0, r_lse.float(), r_ent.float(), g_l, g_h)
+    by_engine = {gemms: logprob_backward(*args, chunk_tokens=32, gemms=gemms) for gemms in ("triton", "torch")}
+    assert not torch.equal(by_engine["triton"][1], by_engine["torch"][1])  # bf16 roundings differ: distinguishable
+    for gemms in ("triton", "torch"):
+        monkeypatch.setenv("PACS_GRAD_GEMMS", gemms)
+        for got, expected in zip(logprob_backward(*args, chunk_tokens=32), by_engine[gemms]):
+            assert torch.equal(got, expected)
 
 
 def test_gpu_tiles_fit_the_kernels_constraints(monkeypatch):

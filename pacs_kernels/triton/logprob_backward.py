@@ -21,6 +21,14 @@ Design. The tokens are cut into chunks of C tokens (C * V dz elements fit ``DZ_C
 3. ``grad_matmuls.dw_kernel``: programs own (vocabulary tile, d tile) of dW (and dbias), walk
    the chunk's tokens; across chunks they add into one float32 (V, d) buffer they alone own.
 
+Steps 2 and 3 are plain GEMMs on the staged chunk, so they can also run as ``torch.mm`` (cuBLAS on
+CUDA: bf16 tensor cores, float32 accumulation, dW added in place into the float32 buffer with
+``addmm(out_dtype=float32)``; ``grad_products``). Which one runs is the GEMM engine
+(``dispatch.grad_gemms``): on CUDA what the committed GPU run measured faster at the shape, cuBLAS
+until a run has measured it (a vendor GEMM is the safe guess for a plain GEMM); in the CPU
+interpreter the Triton kernels (they are what the tests check); ``PACS_GRAD_GEMMS`` forces one.
+Gradient filtering always uses the Triton kernels (only they skip the flagged tiles).
+
 Cost: 3 matmuls of 2 N V d FLOPs each (recompute, dh, dW): 6 N V d, the same as a backward
 that materializes the logits; the forward adds 2 N V d (8 N V d, four matmuls, for the two-pass
 loss; the one-sweep path is this backward alone: three). Extra HBM traffic: dz written once
@@ -49,6 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import dispatch
+from ..matmul import addmm_f32_, mm_into
 from .grad_matmuls import dh_kernel, dw_kernel
 from .launch_config import (
     DZ_BLOCK_N,
@@ -162,6 +172,7 @@ def logprob_backward(
     vocab_splits: int | None = None,
     logp_out: torch.Tensor | None = None,
     chunk_tokens: int | None = None,
+    gemms: str | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients (dhidden, dweight, dbias) of sum(g_l * logp + g_H * entropy).
 
@@ -178,6 +189,8 @@ def logprob_backward(
         logp_out: optional float32 (N,) receiving each token's log-prob z_y - lse, from the same
             logits tiles (the known-gradient one-sweep path).
         chunk_tokens: tokens per staged dz chunk (default: the chunk fits DZ_CHUNK_BYTES).
+        gemms: "triton" | "torch": which GEMMs form dh and dW from the staged chunk (default:
+            ``dispatch.grad_gemms``); with ``filter_eps`` always "triton".
 
     Returns:
         (dhidden (N, d), dweight (V, d), dbias (V,)) in the input dtypes, float32 accumulation,
@@ -197,7 +210,7 @@ def logprob_backward(
     if not (has_upstream and n_tokens > 0):  # no gradient flows: zeros, but logp_out still wanted
         if logp_out is not None and n_tokens > 0:
             _launch_chunks(hidden, weight, targets, bias, temperature, lse, None, None, None,
-                           None, None, None, logp_out, None, n_tokens, store_dz=False)
+                           None, None, None, logp_out, None, n_tokens, store_dz=False, gemms="triton")
         return (
             d_hidden.zero_() if need_h else None,
             torch.zeros_like(weight, memory_format=torch.contiguous_format) if need_w else None,
@@ -207,6 +220,11 @@ def logprob_backward(
         return None, None, None
     chunk = dz_chunk_tokens(n_tokens, vocab, hidden.element_size(), chunk_tokens)
     multi = chunk < n_tokens
+    filtering = filter_eps is not None and filter_eps > 0
+    if gemms is None:
+        gemms = dispatch.grad_gemms(n_tokens, width, vocab, dispatch.dtype_name(hidden.dtype), dev.type)
+    elif gemms not in dispatch.GRAD_GEMMS:
+        raise ValueError(f"gemms must be None or one of {dispatch.GRAD_GEMMS}, got {gemms!r}")
     d_weight = torch.empty((vocab, width), dtype=torch.float32 if multi else weight.dtype,
                            device=dev) if need_w else None
     d_bias = torch.empty(vocab, dtype=torch.float32 if multi else bias.dtype, device=dev) if need_b else None
@@ -215,7 +233,7 @@ def logprob_backward(
                    grad_logp.contiguous() if grad_logp is not None else None,
                    grad_entropy.contiguous() if has_grad_entropy else None,
                    d_hidden, d_weight, d_bias, logp_out, filter_eps, chunk,
-                   store_dz=need_h or need_w or need_b)
+                   store_dz=need_h or need_w or need_b, gemms="triton" if filtering else gemms)
     return (
         d_hidden,
         d_weight.to(weight.dtype) if need_w else None,
@@ -224,7 +242,7 @@ def logprob_backward(
 
 
 def _launch_chunks(hidden, weight, targets, bias, temperature, lse, entropy, grad_logp, grad_entropy,
-                   d_hidden, d_weight, d_bias, logp_out, filter_eps, chunk, *, store_dz):
+                   d_hidden, d_weight, d_bias, logp_out, filter_eps, chunk, *, store_dz, gemms):
     """Run the dz kernel and the two gradient matmuls over token chunks of ``chunk`` tokens."""
     n_tokens, width = hidden.shape
     vocab = weight.shape[0]
@@ -245,18 +263,52 @@ def _launch_chunks(hidden, weight, targets, bias, temperature, lse, entropy, gra
             inv_tau, float(filter_eps or 0.0),
             BLOCK_N=DZ_BLOCK_N, BLOCK_V=DZ_BLOCK_V,
         )
+        if store_dz:
+            grad_products(dz[:chunk_len], weight, hidden, d_hidden, d_weight, d_bias, row0=row0,
+                          accumulate=index > 0, gemms=gemms, flags=flags)
+
+
+def grad_products(dz, weight, hidden, d_hidden, d_weight, d_bias, *, row0, accumulate, gemms, flags=None):
+    """dh[row0:row0 + C] = dz @ W, dW (+)= dz.T @ h[row0:row0 + C], db (+)= column sums of dz.
+
+    dz (C, V) is one staged chunk in the input dtype, already divided by the temperature; hidden and
+    d_hidden are the whole (N, d) tensors. d_weight / d_bias: the input dtype when there is one chunk
+    (written), float32 when there are several (``accumulate``: added to the previous chunks').
+    ``gemms``: "triton" (grad_matmuls.py; ``flags`` skips filtered tiles) or "torch" (torch.mm:
+    cuBLAS on CUDA, float32 accumulation; no filtering). Either may be None to skip that output.
+    """
+    chunk_len, vocab = dz.shape
+    width = hidden.shape[1]
+    if gemms == "torch":
+        if flags is not None:
+            raise ValueError("gradient filtering (flags) needs gemms='triton'")
+        h_chunk = hidden[row0:row0 + chunk_len]
         if d_hidden is not None:
-            dh_kernel[lambda meta: (triton.cdiv(chunk_len, meta["BLOCK_M"]), triton.cdiv(width, meta["BLOCK_D"]))](
-                dz, weight, d_hidden, flags,
-                row0, chunk_len, vocab, width,
-                weight.stride(0), weight.stride(1), n_flag_cols,
-                FLAG_N=DZ_BLOCK_N, FLAG_V=DZ_BLOCK_V,
-            )
-        if d_weight is not None or d_bias is not None:
-            d_tiles = (lambda meta: triton.cdiv(width, meta["BLOCK_D"])) if d_weight is not None else (lambda meta: 1)
-            dw_kernel[lambda meta: (triton.cdiv(vocab, meta["BLOCK_M"]), d_tiles(meta))](
-                dz, hidden[row0:row0 + chunk_len], d_weight, d_bias, flags,
-                chunk_len, vocab, width,
-                hidden.stride(0), hidden.stride(1), n_flag_cols,
-                ACCUMULATE=index > 0, FLAG_N=DZ_BLOCK_N, FLAG_V=DZ_BLOCK_V,
-            )
+            mm_into(d_hidden[row0:row0 + chunk_len], dz, weight)
+        if d_weight is not None:
+            if accumulate:
+                addmm_f32_(d_weight, dz.T, h_chunk)
+            elif d_weight.dtype == dz.dtype:
+                mm_into(d_weight, dz.T, h_chunk)
+            else:  # the float32 buffer of several chunks: its first chunk
+                addmm_f32_(d_weight.zero_(), dz.T, h_chunk)
+        if d_bias is not None:
+            sums = dz.sum(0, dtype=torch.float32)
+            d_bias.add_(sums) if accumulate else d_bias.copy_(sums)
+        return
+    n_flag_cols = triton.cdiv(vocab, DZ_BLOCK_V)
+    if d_hidden is not None:
+        dh_kernel[lambda meta: (triton.cdiv(chunk_len, meta["BLOCK_M"]), triton.cdiv(width, meta["BLOCK_D"]))](
+            dz, weight, d_hidden, flags,
+            row0, chunk_len, vocab, width,
+            weight.stride(0), weight.stride(1), n_flag_cols,
+            FLAG_N=DZ_BLOCK_N, FLAG_V=DZ_BLOCK_V,
+        )
+    if d_weight is not None or d_bias is not None:
+        d_tiles = (lambda meta: triton.cdiv(width, meta["BLOCK_D"])) if d_weight is not None else (lambda meta: 1)
+        dw_kernel[lambda meta: (triton.cdiv(vocab, meta["BLOCK_M"]), d_tiles(meta))](
+            dz, hidden[row0:row0 + chunk_len], d_weight, d_bias, flags,
+            chunk_len, vocab, width,
+            hidden.stride(0), hidden.stride(1), n_flag_cols,
+            ACCUMULATE=accumulate, FLAG_N=DZ_BLOCK_N, FLAG_V=DZ_BLOCK_V,
+        )
