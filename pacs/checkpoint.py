@@ -257,14 +257,20 @@ def rotate(root: str, newest_step: int, keep: int) -> list[str]:
     return doomed
 
 
+REFERENCE_FILE = "reference.pt"  # PACS's reference weights, when kept across rollout steps
+
+
 def save_checkpoint(output_dir: str, step: int, policy, optimizer, scheduler, state: dict,
-                    dist_info: DistInfo, keep: int = 2) -> str:
-    """Write checkpoint ``step`` of a training run (every rank must call this)."""
+                    dist_info: DistInfo, keep: int = 2, reference_state: dict | None = None) -> str:
+    """Write checkpoint ``step`` of a training run (every rank must call this). ``reference_state``:
+    the reference snapshot's full tensors (pacs/reference_policy.py), when the run keeps one."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state, optim_state = get_state_dict(policy, optimizer, options=options)
 
     def write_files(tmp: str) -> None:
         save_torch(rng_state(), os.path.join(tmp, f"rng_rank{dist_info.rank}.pt"))
+        if dist_info.is_main and reference_state is not None:
+            save_torch(reference_state, os.path.join(tmp, REFERENCE_FILE))
         if dist_info.is_main:
             save_torch(model_state, os.path.join(tmp, "model.pt"))
             save_torch(optim_state, os.path.join(tmp, "optimizer.pt"))
@@ -280,6 +286,11 @@ def _load(path: str, name: str):
     except Exception as exc:  # a file changed after verification: name it instead of a pickle traceback
         raise ValueError(f"checkpoint file {os.path.join(path, name)} cannot be read ({type(exc).__name__}: "
                          f"{exc}); move the checkpoint aside and resume again to use the previous one") from exc
+
+
+def load_reference_state(path: str) -> dict | None:
+    """The reference snapshot a checkpoint keeps (``save_checkpoint(reference_state=...)``), or None."""
+    return _load(path, REFERENCE_FILE) if os.path.isfile(os.path.join(path, REFERENCE_FILE)) else None
 
 
 def load_checkpoint(path: str, policy, optimizer, scheduler, dist_info: DistInfo) -> dict:

@@ -84,6 +84,9 @@ class OptimConfig:
     advantage: str = "rloo"
     weighting: str = "balanced"
     score_function_term: bool = False
+    # the reference of the log-ratio score: the policy at rollout steps 1, 1 + k, 1 + 2k, ... (k = this);
+    # 1 (the public code's): the policy that generated each rollout (pacs/reference_policy.py)
+    ref_reset_every: int = 1
     # GRPO baseline
     clip_eps: float = 0.2
     aggregation: str = "token_mean"
@@ -327,6 +330,13 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _choice("optim.weighting", o.weighting, ("balanced", "none", "positive_only", "negative_only"))
     _choice("optim.aggregation", o.aggregation, ("token_mean", "seq_mean"))
     _choice("optim.logprob_backend", o.logprob_backend, ("auto", "triton", "torch", "naive"))
+    if isinstance(o.ref_reset_every, bool) or not isinstance(o.ref_reset_every, int) or o.ref_reset_every < 1:
+        raise ValueError(f"optim.ref_reset_every must be an integer >= 1 (rollout steps), got {o.ref_reset_every!r}")
+    if o.ref_reset_every > 1 and (o.algo != "pacs" or o.score != "log_ratio"):
+        raise ValueError(
+            f"optim.ref_reset_every={o.ref_reset_every} keeps PACS's reference for several rollout steps: it needs "
+            f"optim.algo=pacs and optim.score=log_ratio (the only score that uses a reference), got "
+            f"algo={o.algo}, score={o.score}; GRPO's old policy must be the one that sampled")
     if not 0 < o.clip_eps < 1:
         raise ValueError(f"optim.clip_eps must be in (0, 1), got {o.clip_eps}")
     if not 0 < r.gpu_memory_utilization <= 1:

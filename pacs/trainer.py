@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from pacs_kernels import fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs
 
-from .checkpoint import find_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import find_checkpoint, latest_checkpoint, load_checkpoint, load_reference_state, save_checkpoint
 from .config import Config, micro_batch_groups, save_config, use_packing
 from .console import hide_progress_bars
 from .evaluate import decode_response, encode_prompts, evaluate
@@ -48,6 +48,7 @@ from .packing import (
 )
 from .policy import DistInfo, export_hf, full_named_tensors, load_policy, setup_distributed
 from .preflight import preflight_enabled, run_preflight
+from .reference_policy import ReferenceSnapshot, is_reset_step
 from .rollout import make_rollout_engine
 from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
 from .run_setup import Run, apply_torch_threads, check_config, engine_options, prepare_run
@@ -275,14 +276,16 @@ def old_policy_ranges(cfg: Config, batch: Batch, dist_info: DistInfo, packed: bo
 
 def split_group_gradients(cfg: Config, policy, batch: Batch, micro_batches: list[tuple[int, int]],
                           old_logp: torch.Tensor, old_lse: torch.Tensor, dist_info: DistInfo, *,
-                          first_mini_batch: bool, packed: bool) -> GroupGradients:
+                          first_mini_batch: bool, packed: bool,
+                          rollout_logp: torch.Tensor | None = None) -> GroupGradients:
     """Phases 1-2 of pacs/split_groups.py for the groups this mini-batch runs in parts: their
-    log-probs under the current weights (the old-policy pass's on the first mini-batch after a
-    rollout; else a no-grad pass over their parts, the same number of forwards on every rank), then
-    each group's loss and per-token gradient."""
+    log-probs under the current weights (the rollout-time pass's on the first mini-batch after a
+    rollout: ``rollout_logp``, or ``old_logp`` itself when the reference is that policy; else a no-grad
+    pass over their parts, the same number of forwards on every rank), then each group's loss and
+    per-token gradient."""
     group = cfg.rollout.group_size
     parts = [(lo, hi) for lo, hi in micro_batches if is_part_of_a_group(lo, hi, group)]
-    current_logp, current_lse = old_logp, old_lse
+    current_logp, current_lse = (old_logp if rollout_logp is None else rollout_logp), old_lse
     if not first_mini_batch:
         count = len(parts)
         if dist_info.world_size > 1:  # FSDP: every rank runs as many no-grad forwards
@@ -299,17 +302,22 @@ def split_group_gradients(cfg: Config, policy, batch: Batch, micro_batches: list
 
 def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_logp: torch.Tensor,
                   old_lse: torch.Tensor, state: dict, dist_info: DistInfo, step: int, say=print, *,
-                  packed: bool = False) -> UpdateResult:
+                  packed: bool = False, rollout_logp: torch.Tensor | None = None) -> UpdateResult:
     """Step 4: mini-batches of whole groups, each a gradient accumulation over micro-batches of
     whole groups (at most ``micro_batch_size`` rows and ``train.max_tokens_per_micro_batch``
     tokens; packed when ``packed``), clipped and applied; a non-finite loss or gradient on any
     rank skips the update on every rank, and ``max_consecutive_nan`` skips in a row raise
-    TrainingStopped."""
+    TrainingStopped.
+
+    ``old_logp``: the reference's log-probs; ``old_lse``: the log-sum-exp of the policy as it was at
+    the rollout. ``rollout_logp``: that policy's log-probs where the reference is an older one
+    (``optim.ref_reset_every`` > 1); None where the reference is the rollout-time policy."""
     o, tr, group = cfg.optim, cfg.train, cfg.rollout.group_size
     groups_per_mini = cfg.rollout.prompts_per_step // dist_info.world_size // o.mini_batches_per_step
     rows_per_mini = groups_per_mini * group
     lengths = batch.attention_mask.sum(1).tolist()
-    one_sweep = o.algo == "pacs" and o.one_sweep_first_step
+    # one vocabulary sweep needs every psi to be 0 on the first mini-batch: reference = current weights
+    one_sweep = o.algo == "pacs" and o.one_sweep_first_step and rollout_logp is None
     stat_sums: dict[str, float] = {}
     stat_counts: dict[str, int] = {}
     losses, grad_norms, split_groups = [], [], 0
@@ -324,7 +332,7 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
         split = None
         if tr.max_tokens_per_micro_batch is not None:
             split = split_group_gradients(cfg, policy, batch, micro_batches, old_logp, old_lse, dist_info,
-                                          first_mini_batch=mini == 0, packed=packed)
+                                          first_mini_batch=mini == 0, packed=packed, rollout_logp=rollout_logp)
             split_groups += len(split.losses)
         for lo, hi in micro_batches:
             with activation_offload(tr.offload_activations, dist_info.device):
@@ -484,6 +492,12 @@ def train(cfg: Config) -> TrainResult:
     state = {"step": 0, "data_position": 0, "consecutive_nan": 0, "skipped_updates": 0}
     if resume is not None:
         state.update(load_checkpoint(resume.path, policy, optimizer, scheduler, dist_info))
+    # PACS's reference, when it is kept for optim.ref_reset_every > 1 rollout steps (pacs/reference_policy.py)
+    reference = ReferenceSnapshot(policy) if o.ref_reset_every > 1 else None
+    if reference is not None and resume is not None:
+        saved = load_reference_state(resume.path)
+        if saved is not None:
+            reference.load_full_state(saved)
 
     # ---- rollout engine, serving the current weights; the metrics log (cut back when resuming)
     engine = make_rollout_engine(**engine_options(cfg, run.model_dir, cfg.seed + dist_info.rank, log=say))
@@ -541,15 +555,28 @@ def train(cfg: Config) -> TrainResult:
                 batch = build_batch([p for p in prompts for _ in range(r.group_size)], responses, rewards,
                                     run.pad_id).to(dist_info.device)
 
-                # 3. old-policy log-probs (the PACS reference, reset every rollout step)
+                # 3. old-policy log-probs: the policy that sampled, PACS's reference (reset every
+                #    optim.ref_reset_every rollout steps; in between, the reference's own no-grad pass)
                 update_start = time.time()
-                old_logp, old_lse, entropy = old_policy_logprobs(
-                    policy, batch, old_policy_ranges(cfg, batch, dist_info, packed), r.temperature, o.logprob_backend,
-                    packed)
+                ranges = old_policy_ranges(cfg, batch, dist_info, packed)
+                old_logp, old_lse, entropy = old_policy_logprobs(policy, batch, ranges, r.temperature,
+                                                                 o.logprob_backend, packed)
+                rollout_logp = None
+                if reference is not None:
+                    if reference.weights is None and not is_reset_step(step, o.ref_reset_every):
+                        say(f"[train] step {step}: the checkpoint kept no reference weights (written with "
+                            "optim.ref_reset_every=1?): the reference is reset to the current policy now")
+                    if reference.weights is None or is_reset_step(step, o.ref_reset_every):
+                        reference.take(step)
+                    else:
+                        rollout_logp = old_logp
+                        with reference.weights_in():
+                            old_logp, _, _ = old_policy_logprobs(policy, batch, ranges, r.temperature,
+                                                                 o.logprob_backend, packed)
 
                 # 4. the updates (NaN-skipping); 5. new weights into the rollout engine
                 update = update_policy(cfg, policy, optimizer, scheduler, batch, old_logp, old_lse, state, dist_info,
-                                       step, say, packed=packed)
+                                       step, say, packed=packed, rollout_logp=rollout_logp)
                 update_time = time.time() - update_start
                 sync_start = time.time()
                 engine.sync_weights(full_named_tensors(policy))
@@ -558,8 +585,11 @@ def train(cfg: Config) -> TrainResult:
                 # metrics (averaged over ranks), held-out evaluation every eval.every steps, checkpoint
                 times = {"rollout_time": rollout_time, "update_time": update_time, "sync_time": sync_time,
                          "step_time": time.time() - step_start, "elapsed": time.time() - start_time}
+                extra = run.task.reward_metrics()
+                if reference is not None:  # rollout steps since the reference was reset (0: this step)
+                    extra["ref_age"] = float(step - reference.step)
                 row = step_metrics(step, batch, responses, entropy, update, scheduler, state, times, dist_info,
-                                   extra=run.task.reward_metrics())
+                                   extra=extra)
                 # every rank, every step: the same answer on all of them (a stop signal, the wall-clock limit)
                 stop_signal, out_of_time, checkpoint_due = stop_signals.agreed(
                     dist_info.world_size, dist_info.device,
@@ -582,7 +612,8 @@ def train(cfg: Config) -> TrainResult:
                 state["step"] = step
                 # every checkpoint_every steps, and once checkpoint_minutes have passed since the last one
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or checkpoint_due or last_step:
-                    save_checkpoint(cfg.output_dir, step, policy, optimizer, scheduler, state, dist_info)
+                    save_checkpoint(cfg.output_dir, step, policy, optimizer, scheduler, state, dist_info,
+                                    reference_state=None if reference is None else reference.full_state())
                     last_checkpoint_time = checkpoint_clock()
                 if stop_signal is not None:
                     raise TrainingPreempted(f"{stop_signal} received: stopped after step {step}, its checkpoint "

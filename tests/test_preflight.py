@@ -175,3 +175,29 @@ def tiny_model():
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
         vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, head_dim=8, max_position_embeddings=64))
+
+
+@pytest.mark.parametrize("minis,every,usual_first", [(1, 1, False), (1, 3, True), (2, 3, False)])
+def test_a_reference_kept_across_steps_preflights_the_usual_first_mini_batch(monkeypatch, minis, every, usual_first):
+    """optim.ref_reset_every > 1: steps between resets take the usual path (not one sweep) on their first
+    mini-batch; with a single mini-batch per step the preflight runs that path (a second mini-batch
+    always does)."""
+    import pacs.trainer as trainer
+    from pacs.policy import DistInfo
+    from pacs.preflight import run_preflight
+
+    firsts = []
+    monkeypatch.setattr(trainer, "old_policy_logprobs", lambda policy, batch, ranges, *a, **k: (
+        (torch.zeros(batch.targets.shape),) * 2 + (0.0,)))
+    monkeypatch.setattr(trainer, "update_policy",
+                        lambda *a, **k: firsts.append(k.get("rollout_logp") is not None))
+
+    class Policy:
+        causal_lm = tiny_model()
+
+    cfg = cfg_with("rollout.group_size=2", "rollout.prompts_per_step=4", "rollout.max_prompt_len=5",
+                   "rollout.max_new_tokens=5", f"optim.mini_batches_per_step={minis}",
+                   f"optim.ref_reset_every={every}")
+    run_preflight(cfg, Policy(), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]), 0, DistInfo(),
+                  packed=True, say=lambda *a: None)
+    assert firsts and all(first == usual_first for first in firsts)

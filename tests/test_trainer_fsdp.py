@@ -66,6 +66,28 @@ def test_two_cpu_ranks_resume_from_a_sharded_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_reference_kept_across_steps_is_sharded_checkpointed_and_resumed(tmp_path):
+    """optim.ref_reset_every=3 on 2 FSDP2 ranks: the reference snapshot holds each rank's shards, is swapped
+    into the sharded parameters for its pass, gathered into the step-2 checkpoint and scattered again on
+    resume; step 3 (scored against step 1's weights) ends where one uninterrupted process does."""
+    cache = tmp_path / "cache"
+    kept = ["optim.ref_reset_every=3"]
+    run_worker(tmp_path / "two", cache, 2, *kept)  # max_steps=2: the last step is checkpointed
+    run_worker(tmp_path / "two", cache, 2, *kept, "max_steps=3", "resume=true")
+    run_worker(tmp_path / "one", cache, 1, *kept, "max_steps=3")
+    run_worker(tmp_path / "reset", cache, 1, "max_steps=3")  # the reference reset every step instead
+    resumed = [json.loads((tmp_path / "two" / f"sync_rank{r}.json").read_text()) for r in (0, 1)]
+    one = json.loads((tmp_path / "one" / "sync_rank0.json").read_text())
+    reset = json.loads((tmp_path / "reset" / "sync_rank0.json").read_text())
+    assert resumed[0]["metrics"]["ref_age"] == one["metrics"]["ref_age"] == 2.0
+    assert resumed[0]["final"] == resumed[1]["final"]
+    assert close(resumed[0]["final"], one["final"])
+    assert resumed[0]["metrics"]["loss"] == pytest.approx(one["metrics"]["loss"], rel=1e-4, abs=1e-6)
+    # not vacuous: scoring step 3 against step 1's weights trains another model than resetting does
+    assert not close(one["final"], reset["final"], tol=1e-6)
+
+
+@pytest.mark.slow
 def test_a_preemption_reaching_one_rank_stops_both_after_the_same_step(tmp_path, monkeypatch):
     """SIGTERM to rank 0 alone during step 2 (of 3): both ranks finish step 2, write its sharded checkpoint
     together and stop (an all-reduce of the flag each step: otherwise rank 1 would wait in a collective
