@@ -1,6 +1,6 @@
-"""PACS vs GRPO (and PACS's score-function term on vs off, and its class weights on vs off) across
-seeds, on the built-in addition task and on the generated word-problem task, under one small, equal
-budget.
+"""PACS vs GRPO (and PACS's score-function term on vs off, its class weights on vs off, its reference
+reset every 4 rollout steps vs every one) across seeds, on the built-in addition task and on the
+generated word-problem task, under one small, equal budget.
 
     python benchmarks/science.py run     # the sweep: one `pacs train` per (seed, task, variant)
     python benchmarks/science.py report  # table + plots from the runs recorded so far
@@ -49,6 +49,8 @@ VARIANTS = {
     "pacs_sft": ["optim.algo=pacs", "optim.score_function_term=true"],
     # the paper's ablation: PACS without its class weights (every response weighs 1)
     "pacs_unweighted": ["optim.algo=pacs", "optim.weighting=none"],
+    # the reference kept for 4 rollout steps (the paper's periodic hard reset, period 4 instead of 1)
+    "pacs_ref4": ["optim.algo=pacs", "optim.ref_reset_every=4"],
 }
 TASKS = {
     "embedded": ["task.name=embedded"],
@@ -56,9 +58,11 @@ TASKS = {
 }
 # what each comparison sets against what (label, variant, baseline variant)
 COMPARISONS = [("PACS - GRPO", "pacs", "grpo"), ("PACS score-function term on - off", "pacs_sft", "pacs"),
-               ("PACS class weights balanced - none", "pacs", "pacs_unweighted")]
+               ("PACS class weights balanced - none", "pacs", "pacs_unweighted"),
+               ("PACS reference reset every 4 - every 1 rollout steps", "pacs_ref4", "pacs")]
 TITLES = {"grpo": "PACS vs GRPO", "pacs_sft": "PACS's score-function term",
-          "pacs_unweighted": "PACS's class weights (balanced vs none)"}
+          "pacs_unweighted": "PACS's class weights (balanced vs none)",
+          "pacs_ref4": "PACS's reference reset period (4 vs 1 rollout steps)"}
 
 
 def run_one(task: str, variant: str, seed: int, args, cache_dir: str) -> dict:
@@ -303,7 +307,8 @@ def _sweep_command(out: str, variants: list[str], records: list[dict]) -> str:
 
 
 def _plots(plt, task, variants, by, ks, out):
-    colors = {"pacs": "tab:blue", "grpo": "tab:orange", "pacs_sft": "tab:green", "pacs_unweighted": "tab:red"}
+    colors = {"pacs": "tab:blue", "grpo": "tab:orange", "pacs_sft": "tab:green", "pacs_unweighted": "tab:red",
+              "pacs_ref4": "tab:purple"}
     fig, ax = plt.subplots(figsize=(6, 4))
     for variant in variants:
         runs = list(by.get((task, variant), {}).values())
