@@ -105,16 +105,16 @@ if [ $rc -ne 0 ]; then
     echo "!!! CORRECTNESS CHECK FAILED OR TIMED OUT (exit $rc): the benchmark numbers below are not trustworthy"
     status=1
 fi
-stamp "1b/4 peers' log-probs against the same reference, informational (limit 20s; compiles their kernels)"
-timeout 20 "$py" benchmarks/check_gpu_correctness.py "${check_args[@]}" --peers only \
+stamp "1b/4 peers' log-probs against the same reference, informational (limit 15s; compiles their kernels)"
+timeout 15 "$py" benchmarks/check_gpu_correctness.py "${check_args[@]}" --peers only \
     || echo "(peer check exited with $?; the benchmark records each peer's own status)"
 
-stamp "2a/4 the Triton backward's gradient GEMMs: our kernels vs torch.mm / cuBLAS (budget 10s, limit 25s)"
-timeout 20 "$py" benchmarks/run.py "${gemm_args[@]}" --out "$out" --name gpu_grad_gemms --ops grad_gemms \
+stamp "2a/4 the Triton backward's gradient GEMMs: our kernels vs torch.mm / cuBLAS (budget 10s, limit 35s)"
+timeout 25 "$py" benchmarks/run.py "${gemm_args[@]}" --out "$out" --name gpu_grad_gemms --ops grad_gemms \
     --impls torch triton --warmup 1 --repeats 3 --max-seconds 1.5 --time-budget 10 \
     || { echo "!!! grad-GEMM race exited with $?"; status=1; }
 # the race below runs the Triton backward with the engine measured faster just now
-timeout 5 "$py" benchmarks/dispatch_table.py "$out/gpu_grad_gemms.csv" --out "$out/grad_gemms" \
+timeout 10 "$py" benchmarks/dispatch_table.py "$out/gpu_grad_gemms.csv" --out "$out/grad_gemms" \
     && export PACS_DISPATCH_TABLE="$out/grad_gemms/dispatch.json"
 
 stamp "2/4 the race, benchmark set '$bench_set' with peers (budget 115s, limit 145s)"
@@ -138,8 +138,8 @@ timeout 10 "$py" benchmarks/roofline.py ${rate:+--matmul-tflops "$rate"} --measu
     --out "$out" > /dev/null || { echo "!!! roofline exited with $?"; status=1; }
 [ -f "$out/roofline_measured.csv" ] && cat "$out/roofline_measured.csv"
 
-stamp "4/4 long-context sweep, 40 GiB budget (20s of trials, limit 40s)"
-timeout 40 "$py" benchmarks/long_context.py "${long_args[@]}" --time-budget 20 --out "$out" \
+stamp "4/4 long-context sweep, 40 GiB budget (15s of trials, limit 35s)"
+timeout 35 "$py" benchmarks/long_context.py "${long_args[@]}" --time-budget 15 --out "$out" \
     || { echo "!!! long-context sweep exited with $?"; status=1; }
 
 fi
