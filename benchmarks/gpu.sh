@@ -114,8 +114,11 @@ timeout 25 "$py" benchmarks/run.py "${gemm_args[@]}" --out "$out" --name gpu_gra
     --impls torch triton --warmup 1 --repeats 3 --max-seconds 1.5 --time-budget 10 \
     || { echo "!!! grad-GEMM race exited with $?"; status=1; }
 # the race below runs the Triton backward with the engine measured faster just now
-timeout 10 "$py" benchmarks/dispatch_table.py "$out/gpu_grad_gemms.csv" --out "$out/grad_gemms" \
-    && export PACS_DISPATCH_TABLE="$out/grad_gemms/dispatch.json"
+if timeout 10 "$py" benchmarks/dispatch_table.py "$out/gpu_grad_gemms.csv" --out "$out/grad_gemms"; then
+    export PACS_DISPATCH_TABLE="$out/grad_gemms/dispatch.json"
+else
+    echo "!!! the grad-GEMM table exited with $?: the race runs the default engine (cuBLAS)"; status=1
+fi
 
 stamp "2/4 the race, benchmark set '$bench_set' with peers (budget 115s, limit 145s)"
 timeout 145 "$py" benchmarks/run.py "${bench_args[@]}" --out "$out" --name gpu \
@@ -132,7 +135,8 @@ fi
 
 stamp "3/4 dispatch table and the cost model, measured vs predicted (limit 20s)"
 rate=$("$py" -c "import csv,sys; r=[x['matmul_tflops'] for x in csv.DictReader(open(sys.argv[1])) if x.get('matmul_tflops')]; print(r[0] if r else '')" "$out/gpu.csv" 2>/dev/null)
-timeout 10 "$py" benchmarks/dispatch_table.py "$out/gpu.csv" $(ls "$out/gpu_grad_gemms.csv" 2>/dev/null) --out "$out" \
+gemm_csv=(); [ -f "$out/gpu_grad_gemms.csv" ] && gemm_csv=("$out/gpu_grad_gemms.csv")
+timeout 10 "$py" benchmarks/dispatch_table.py "$out/gpu.csv" ${gemm_csv[@]+"${gemm_csv[@]}"} --out "$out" \
     || { echo "!!! dispatch table exited with $?"; status=1; }
 timeout 10 "$py" benchmarks/roofline.py ${rate:+--matmul-tflops "$rate"} --measured "$out/measured_for_roofline.csv" \
     --out "$out" > /dev/null || { echo "!!! roofline exited with $?"; status=1; }

@@ -205,9 +205,11 @@ def cmd_report(args) -> int:
         rows = [row for row in load_records(path) if row.get("entropy") is not None]
         r["train"].setdefault("entropy_first10", _mean([row["entropy"] for row in rows[:10]]))
         r["train"].setdefault("entropy_last10", _mean([row["entropy"] for row in rows[-10:]]))
-    by = {}
+    by = {}  # (task, variant) -> seed -> its last run, for the per-variant rows and the plots
+    paired = {}  # (task, variant) -> (seed, CPU, commit) -> run, for the paired differences
     for r in records:
         by.setdefault((r["task"], r["variant"]), {})[r["seed"]] = r
+        paired.setdefault((r["task"], r["variant"]), {})[(r["seed"], *_provenance(r))] = r
     tasks = [t for t in TASKS if any(k[0] == t for k in by)]
     variants = [v for v in VARIANTS if any(k[1] == v for k in by)]
     ks = records[0]["ks"]
@@ -250,24 +252,26 @@ def cmd_report(args) -> int:
                 entropy += f" ({len(known)} of {len(runs)} runs)"
             lines.append(f"| {variant} | {len(runs)} | {m0:.3f} +- {h0:.3f} | " + " | ".join(cells)
                          + f" | {mr:.3f} +- {hr:.3f} | {entropy} | {timeouts:.0f} |")
+        if len({len(by.get((task, v), {})) for v in variants}) > 1:
+            lines += ["", "(The rows hold different numbers of seeds, and so different warm-ups: compare variants "
+                      "by the paired differences below, not across rows.)"]
         lines += ["", "Paired differences (same seed: same warm-up, held-out set and prompts):", "",
-                  "| comparison | seeds | " + " | ".join(f"d pass@{k}" for k in ks) + " |",
+                  "| comparison | pairs | " + " | ".join(f"d pass@{k}" for k in ks) + " |",
                   "|---|---:|" + "---:|" * len(ks)]
         for label, a, b in COMPARISONS:
             # a pair is one seed run on one machine at one commit: float rounding differs across CPUs
             # (and code that reorders sums), so runs of a seed on two machines are independent draws
-            seeds = sorted(s for s in set(by.get((task, a), {})) & set(by.get((task, b), {}))
-                           if _same_provenance(by[(task, a)][s], by[(task, b)][s]))
-            if not seeds:
+            keys = sorted(set(paired.get((task, a), {})) & set(paired.get((task, b), {})), key=str)
+            if not keys:
                 continue
             cells = []
             for k in ks:
-                diffs = [_final(by[(task, a)][s], f"eval_pass@{k}") - _final(by[(task, b)][s], f"eval_pass@{k}")
-                         for s in seeds]
+                diffs = [_final(paired[(task, a)][key], f"eval_pass@{k}")
+                         - _final(paired[(task, b)][key], f"eval_pass@{k}") for key in keys]
                 m, h, _ = t_interval(diffs)
                 mark = "" if math.isnan(h) or abs(m) <= h else " *"
                 cells.append(f"{m:+.3f} +- {h:.3f}{mark}")
-            lines.append(f"| {label} | {len(seeds)} | " + " | ".join(cells) + " |")
+            lines.append(f"| {label} | {len(keys)} | " + " | ".join(cells) + " |")
         lines += ["", "(* the 95% interval excludes 0)", ""]
         _plots(plt, task, variants, by, ks, args.out)
         lines += [f"![pass@1 over training, {task}]({task}_pass1_curve.png)",
@@ -293,8 +297,8 @@ def cmd_report(args) -> int:
     return 0
 
 
-def _same_provenance(one: dict, other: dict) -> bool:
-    return (one.get("cpu_model"), one.get("code_commit")) == (other.get("cpu_model"), other.get("code_commit"))
+def _provenance(record: dict) -> tuple:
+    return record.get("cpu_model"), record.get("code_commit")
 
 
 def _sweep_command(out: str, variants: list[str], records: list[dict]) -> str:

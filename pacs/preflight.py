@@ -205,12 +205,13 @@ def _run_worst_cases(cfg, policy, optimizer, pad_token_id: int, dist_info, *, pa
                                                    r.temperature, o.logprob_backend, packed)
         scratch = {"step": 0, "data_position": 0, "consecutive_nan": 0, "skipped_updates": 0}
         # a step's first mini-batch takes the one-sweep path where the reference is the rollout-time policy;
-        # with a reference kept across rollout steps the steps in between take the usual path: a single
-        # mini-batch then runs that one (a second mini-batch always does)
-        usual_first = o.ref_reset_every > 1 and n_minis == 1
-        update_policy(step_cfg, policy, _NoOptimizerStep(optimizer), _NoSchedulerStep(), batch, old_logp, old_lse,
-                      scratch, dist_info, 0, say=lambda *a, **k: None, packed=packed,
-                      rollout_logp=old_logp if usual_first else None)
+        # with a reference kept across rollout steps the steps in between take the usual path, which a second
+        # mini-batch runs anyway: with a single one, the step runs once more with the usual first mini-batch
+        firsts = [None, old_logp] if o.ref_reset_every > 1 and n_minis == 1 else [None]
+        for rollout_logp in firsts:
+            update_policy(step_cfg, policy, _NoOptimizerStep(optimizer), _NoSchedulerStep(), batch, old_logp,
+                          old_lse, scratch, dist_info, 0, say=lambda *a, **k: None, packed=packed,
+                          rollout_logp=rollout_logp)
         del batch, old_logp, old_lse
     seconds = time.perf_counter() - start
     reserved_gib = adamw_state_gib(optimizer) if reserve else 0.0

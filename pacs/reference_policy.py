@@ -75,10 +75,11 @@ class ReferenceSnapshot:
             raise RuntimeError("no reference snapshot taken yet")
         with torch.no_grad():
             current = {name: _local(p).detach().to("cpu", copy=True) for name, p in self.params.items()}
-            _reshard(self.policy)  # (under FSDP2 a forward reads gathered copies, not the shards written here)
-            for name, p in self.params.items():
-                _local(p).copy_(self.weights[name])
         try:
+            with torch.no_grad():
+                _reshard(self.policy)  # (under FSDP2 a forward reads gathered copies, not the shards written here)
+                for name, p in self.params.items():
+                    _local(p).copy_(self.weights[name])
             yield
         finally:
             with torch.no_grad():
@@ -88,19 +89,23 @@ class ReferenceSnapshot:
 
     @torch.no_grad()
     def full_state(self) -> dict:
-        """{"step": ..., "weights": {name: full tensor on the CPU}} for a checkpoint. Every rank must
-        call this (a sharded parameter's snapshot is gathered)."""
+        """{"step": ..., "weights": {name: full tensor on the CPU}} for a checkpoint, which rank 0 writes.
+        Every rank must call this (a sharded parameter's snapshot is gathered, one tensor at a time); the
+        other ranks get no weights back (a whole model per rank would be that many copies in host memory)."""
+        import torch.distributed as dist
         from torch.distributed.tensor import DTensor
 
         if self.weights is None:
             raise RuntimeError("no reference snapshot taken yet")
+        keep = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
         full = {}
         for name, p in self.params.items():
             local = self.weights[name]
             if isinstance(p, DTensor):
                 local = DTensor.from_local(local.to(p.device), p.device_mesh, p.placements, shape=p.shape,
                                            stride=p.stride()).full_tensor()
-            full[name] = local.cpu()
+            if keep:
+                full[name] = local.cpu()
         return {"step": self.step, "weights": full}
 
     @torch.no_grad()

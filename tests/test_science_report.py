@@ -87,3 +87,17 @@ def test_code_commit_of_a_checkout_and_of_an_exported_copy(tmp_path):
     assert science.code_commit(str(copy)) == "abc1234"
     (copy / "COMMIT").unlink()
     assert science.code_commit(str(copy)) is None
+
+
+def test_a_seed_run_at_two_commits_pairs_within_each(tmp_path):
+    """Seed 0 of PACS at commit A (beside the unweighted run at A) and again at B (beside the kept-reference run
+    at B): both pairs count; neither PACS run replaces the other."""
+    rows = [record("pacs", 0, 0.30), record("pacs_unweighted", 0, 0.20), record("pacs", 0, 0.50),
+            record("pacs_ref4", 0, 0.45)]
+    for row, commit in zip(rows, "AABB"):
+        row.update(code_commit=commit, cpu_model="Some CPU")
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert science.main(["report", "--out", str(tmp_path), "--runs-dir", str(tmp_path / "runs")]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "| PACS class weights balanced - none | 1 | +0.100 +- nan |" in text
+    assert "| PACS reference reset every 4 - every 1 rollout steps | 1 | -0.050 +- nan |" in text

@@ -43,17 +43,44 @@ def test_split_to_count_cuts_groups_into_parts_when_it_must():
         split_to_count(plan, 13, GROUP)
 
 
-def one_update(cfg, batch, packed: bool):
+def one_update(cfg, batch, packed: bool, reference_seed: int | None = None):
+    """One rollout step's update of a fresh policy; with ``reference_seed``, PACS's reference is another
+    policy (a reference kept across rollout steps: optim.ref_reset_every > 1)."""
     policy = tiny_policy(5)
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)  # plain SGD: the step is the gradient
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     n = batch.input_ids.shape[0]
     old_logp, old_lse, _ = old_policy_logprobs(policy, batch, [(0, n)], cfg.rollout.temperature, "torch",
                                                packed=packed)
+    rollout_logp = None
+    if reference_seed is not None:
+        rollout_logp = old_logp
+        old_logp, _, _ = old_policy_logprobs(tiny_policy(reference_seed), batch, [(0, n)], cfg.rollout.temperature,
+                                             "torch", packed=packed)
     state = {"consecutive_nan": 0, "skipped_updates": 0}
     update = update_policy(cfg, policy, optimizer, scheduler, batch, old_logp, old_lse, state,
-                           DistInfo(device=torch.device("cpu")), step=1, packed=packed)
+                           DistInfo(device=torch.device("cpu")), step=1, packed=packed, rollout_logp=rollout_logp)
     return policy, update
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_split_group_scored_against_an_older_reference_trains_like_the_whole_group(packed):
+    """optim.ref_reset_every > 1 between resets: the first mini-batch's split groups take the rollout-time
+    log-probs as the current ones (not the reference's), and train as the whole groups do."""
+    batch = random_batch(32, n_groups=4)
+    budget = batch.input_ids.shape[1] if not packed else max(batch.attention_mask.sum(1).tolist())
+    common = ["rollout.prompts_per_step=4", "optim.mini_batches_per_step=2", "optim.micro_batch_groups=2",
+              f"train.packing={str(packed).lower()}", "optim.ref_reset_every=2"]
+    whole_policy, whole = one_update(config(*common), batch, packed, reference_seed=6)
+    split_policy, split = one_update(config(*common, f"train.max_tokens_per_micro_batch={budget}"), batch, packed,
+                                     reference_seed=6)
+    assert len(split.losses) > len(whole.losses) and whole.stats["psi_std"] > 0.1  # parts; psi far from 0
+    # (float32 log-probs on the split path, float64 on the whole one: 1e-6 apart here; reading the reference's
+    # log-probs as the current ones puts the first grad norm 3% off)
+    assert split.grad_norms[0] == pytest.approx(whole.grad_norms[0], rel=1e-5)
+    assert split.grad_norms[1] == pytest.approx(whole.grad_norms[1], rel=1e-5)
+    for (name, a), (_, b) in zip(whole_policy.named_parameters(), split_policy.named_parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("packed", [False, True])
