@@ -42,7 +42,6 @@ SMALL_CASES = [
 # (logp/entropy/loss absolute, dh/dW relative to the largest reference entry)
 TOLERANCE = {"bfloat16": (2e-3, 2e-2), "float32": (2e-4, 2e-4)}
 LOSS_RESPONSES, LOSS_GROUP_SIZE = 16, 8
-GRAD_GEMMS_ENV, GRAD_GEMM_ENGINES = "PACS_GRAD_GEMMS", ("torch", "triton")  # as pacs_kernels.dispatch names them
 
 
 def parse_args(argv):
@@ -66,7 +65,7 @@ def main(argv=None) -> int:
     import torch
 
     import pacs_kernels
-    from pacs_kernels import linear_logprobs
+    from pacs_kernels import dispatch, linear_logprobs
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("CUDA is not available; use --device cpu --small for the dry run", file=sys.stderr)
@@ -106,9 +105,9 @@ def main(argv=None) -> int:
         errors = {}
         # the backward's two gradient GEMMs on its staged dz chunks: both engines (PACS_GRAD_GEMMS),
         # whichever the dispatch picks later
-        forced = os.environ.get(GRAD_GEMMS_ENV)
-        for gemms in GRAD_GEMM_ENGINES:
-            os.environ[GRAD_GEMMS_ENV] = gemms
+        forced = os.environ.get(dispatch.GRAD_GEMMS_ENV)
+        for gemms in dispatch.GRAD_GEMMS:
+            os.environ[dispatch.GRAD_GEMMS_ENV] = gemms
             h = hidden.clone().requires_grad_(True)
             w = weight.clone().requires_grad_(True)
             logp, entropy = linear_logprobs(h, w, targets, temperature=tau, return_entropy=True, backend="triton")
@@ -121,9 +120,9 @@ def main(argv=None) -> int:
             })
             del h, w, logp, entropy
         if forced is None:  # as the caller had it
-            os.environ.pop(GRAD_GEMMS_ENV)
+            os.environ.pop(dispatch.GRAD_GEMMS_ENV)
         else:
-            os.environ[GRAD_GEMMS_ENV] = forced
+            os.environ[dispatch.GRAD_GEMMS_ENV] = forced
         with torch.no_grad():
             logp_nograd = linear_logprobs(hidden, weight, targets, temperature=tau, backend="triton")
         errors["logp_nograd"] = (_abs_err(logp_nograd, ref["logp"]), atol)

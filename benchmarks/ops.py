@@ -77,7 +77,6 @@ LOSS_BETA = 1.0
 # as our Triton kernels ("triton") and as torch.mm / cuBLAS ("torch"): its floor is those two GEMMs.
 FLOP_FACTOR = {"logprobs_fwd_bwd": 6, "logprobs_nograd": 2, "pacs_loss_fwd_bwd": 6, "pacs_loss_first_step": 6,
                "grad_gemms": 4}
-GRAD_GEMM_IMPLS = ("torch", "triton")
 OLD_LOGP_NOISE = 0.05
 
 
@@ -111,7 +110,9 @@ def impl_unavailable_reason(op: str, impl: str, device: str) -> str | None:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if op == "grad_gemms":
-        if impl not in GRAD_GEMM_IMPLS:
+        from pacs_kernels.dispatch import GRAD_GEMMS
+
+        if impl not in GRAD_GEMMS:
             return "grad_gemms races the Triton backward's GEMM engines (triton kernels vs torch.mm) only"
         if not _importable("triton"):
             return "triton is not installed (the op stages dz chunks as the Triton backward does)"

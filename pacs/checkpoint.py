@@ -269,9 +269,9 @@ def save_checkpoint(output_dir: str, step: int, policy, optimizer, scheduler, st
 
     def write_files(tmp: str) -> None:
         save_torch(rng_state(), os.path.join(tmp, f"rng_rank{dist_info.rank}.pt"))
-        if dist_info.is_main and reference_state is not None:
-            save_torch(reference_state, os.path.join(tmp, REFERENCE_FILE))
         if dist_info.is_main:
+            if reference_state is not None:
+                save_torch(reference_state, os.path.join(tmp, REFERENCE_FILE))
             save_torch(model_state, os.path.join(tmp, "model.pt"))
             save_torch(optim_state, os.path.join(tmp, "optimizer.pt"))
             save_torch(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))

@@ -82,21 +82,24 @@ def logprob_backend(n_tokens: int, d: int, vocab: int, dtype: str | None = None)
     return fastest("logprobs_fwd_bwd", n_tokens, d, vocab, ("triton", "torch"), dtype)
 
 
-def grad_gemms(n_tokens: int, d: int, vocab: int, dtype: str | None, device_type: str) -> str:
+def grad_gemms(n_tokens: int, d: int, vocab: int, dtype: str | None, device_type: str,
+               torch_accumulates_in_float32: bool = True) -> str:
     """The GEMMs that form dh and dW from the Triton backward's staged dz chunk: "torch" (torch.mm,
     cuBLAS on CUDA) or "triton" (grad_matmuls.py).
 
     ``PACS_GRAD_GEMMS`` forces one. Otherwise, on CUDA: the faster as measured at this shape (the
     table's ``grad_gemms`` op), else "torch": a plain GEMM is what the vendor library is tuned for,
     and nothing has measured our kernels against it yet. Off CUDA (the Triton interpreter):
-    "triton", the kernels the tests check.
+    "triton", the kernels the tests check. Also "triton" where torch.mm could not add a chunk's dW
+    into the float32 buffer without rounding it to 16 bits first (``torch_accumulates_in_float32``
+    False: a PyTorch without float32-output GEMMs, and several chunks).
     """
     forced = os.environ.get(GRAD_GEMMS_ENV, "").strip()
     if forced:
         if forced not in GRAD_GEMMS:
             raise ValueError(f"{GRAD_GEMMS_ENV} must be unset or one of {GRAD_GEMMS}, got {forced!r}")
         return forced
-    if device_type != "cuda":
+    if device_type != "cuda" or not torch_accumulates_in_float32:
         return "triton"
     return fastest("grad_gemms", n_tokens, d, vocab, GRAD_GEMMS, dtype) or "torch"
 

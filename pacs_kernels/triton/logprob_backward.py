@@ -53,8 +53,6 @@ Opt-in gradient filtering (as in Cut Cross-Entropy): a dz tile whose every |dz| 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -224,12 +222,9 @@ def logprob_backward(
     multi = chunk < n_tokens
     filtering = filter_eps is not None and filter_eps > 0
     if gemms is None:
-        gemms = dispatch.grad_gemms(n_tokens, width, vocab, dispatch.dtype_name(hidden.dtype), dev.type)
-        if gemms == "torch" and multi and gemm_in_input_dtype(dev, hidden.dtype) and not has_out_dtype(
-                dev, hidden.dtype) and not os.environ.get(dispatch.GRAD_GEMMS_ENV):
-            # a PyTorch without float32-output GEMMs would round each chunk's dW to 16 bits (and hold a
-            # (V, d) temporary): the Triton kernels accumulate in float32
-            gemms = "triton"
+        rounds = multi and gemm_in_input_dtype(dev, hidden.dtype) and not has_out_dtype(dev, hidden.dtype)
+        gemms = dispatch.grad_gemms(n_tokens, width, vocab, dispatch.dtype_name(hidden.dtype), dev.type,
+                                    torch_accumulates_in_float32=not rounds)
     elif gemms not in dispatch.GRAD_GEMMS:
         raise ValueError(f"gemms must be None or one of {dispatch.GRAD_GEMMS}, got {gemms!r}")
     d_weight = torch.empty((vocab, width), dtype=torch.float32 if multi else weight.dtype,
