@@ -288,7 +288,8 @@ def _single_pass_loss(tokens, weight, chunks, rewards, valid, *, temperature, bi
     if not return_stats:
         return loss
     per_response = tuple(torch.cat([extra[k] for extra in extras]) for k in range(4))
-    return loss, compute_stats(loss, per_response, rewards, options["group_size"], valid=valid, entropy=entropy)
+    return loss, compute_stats(loss, per_response, rewards, options["group_size"], advantage=options["advantage"],
+                                valid=valid, entropy=entropy)
 
 
 def _two_pass_loss(tokens, weight, rewards, valid, layout, *, temperature, bias, backend, return_stats, with_entropy,
@@ -349,7 +350,8 @@ def _first_step_after_rollout(tokens, weight, old_lse, rewards, valid, layout, *
         return None
     total = loss.detach().float() + (surrogate - surrogate.detach())
     if return_stats:
-        return total, compute_stats(total, per_response, rewards, options["group_size"], valid=valid)
+        return total, compute_stats(total, per_response, rewards, options["group_size"], advantage=options["advantage"],
+                                   valid=valid)
     return total
 
 

@@ -54,6 +54,14 @@ class PACSStats:
         labelled 1 / 0 (NaN when there are none). Under RLOO psi sums to 0 within a group, so
         sigmoid_psi_mean sits near 0.5 by construction; the gap between these two is what shows
         whether the implicit critic separates right from wrong answers.
+    single_label_grad_share: the share of the loss's gradient that single-label groups carry, as
+        sum over their responses of c[j]^2 / sum over all of c[j]^2, c[j] = dloss/dr[j] (the gradient
+        with respect to response j's score; its tokens' log-probs get beta * c[j] under "log_ratio").
+        Under "rloo" and "grpo" it is 0 while the reference is the current policy (psi = 0 in every
+        group: a single-label group then has one BCE slope for all its responses, which the baseline
+        cancels); a reference kept for several rollout steps makes these groups pull each response's
+        log-ratio toward its group's, toward the reference. NaN when every c[j] is 0. The
+        score-function term and mean_logp's division by the length are not in c.
     entropy_mean: mean token entropy of the policy (NaN unless the fused loss was asked for it).
     valid_frac: fraction of responses that count (``valid``); 1.0 without a validity mask.
     path: how the fused loss ran: "single_pass", "two_pass" or "one_sweep" ("" for ``pacs_loss``).
@@ -71,6 +79,7 @@ class PACSStats:
     frac_single_label_groups: float
     sigmoid_psi_correct_mean: float
     sigmoid_psi_incorrect_mean: float
+    single_label_grad_share: float
     entropy_mean: float = float("nan")
     valid_frac: float = 1.0
     path: str = ""
@@ -118,6 +127,24 @@ def group_advantage(score: torch.Tensor, group_size: int, advantage: str) -> tor
         return (grouped - others_mean).reshape(-1)
     centred = grouped - grouped.mean(1, keepdim=True)
     return (centred / (grouped.std(1, keepdim=True) + GRPO_STD_EPS)).reshape(-1)
+
+
+def score_gradient(bce_slope: torch.Tensor, score: torch.Tensor, group_size: int, advantage: str) -> torch.Tensor:
+    """(B,) dloss/dr from dloss/dpsi (``bce_slope``) through the group advantage psi(r): J^T slope.
+
+    rloo: psi = r - (S - r)/(G-1) is linear with a symmetric Jacobian, so J^T g is rloo(g).
+    grpo: psi_i = (r_i - mean r)/s, s = std(r) + eps, std unbiased; d std/d r_j = (r_j - mean r)/((G-1) std),
+    so (J^T g)_j = (g_j - mean g)/s - (r_j - mean r) * sum_i g_i (r_i - mean r) / ((G-1) std s^2), the
+    second term 0 where std = 0 (every r equal: r - mean r = 0)."""
+    if advantage != "grpo":
+        return group_advantage(bce_slope, group_size, advantage)
+    g, r = bce_slope.reshape(-1, group_size), score.reshape(-1, group_size)
+    centred = r - r.mean(1, keepdim=True)
+    std = r.std(1, keepdim=True)
+    s = std + GRPO_STD_EPS
+    safe_std = torch.where(std > 0, std, torch.ones_like(std))
+    along = (g * centred).sum(1, keepdim=True) / ((group_size - 1) * safe_std * s * s)
+    return ((g - g.mean(1, keepdim=True)) / s - centred * along).reshape(-1)
 
 
 def bce_with_logits(psi: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -211,18 +238,24 @@ def resolve_loss_backend(backend: str, device: torch.device, dtype: torch.dtype)
 # ----------------------------------------------------------------------------- public API
 
 
-def compute_stats(loss, per_response, rewards, group_size, *, valid=None, entropy=None) -> PACSStats:
+def compute_stats(loss, per_response, rewards, group_size, *, advantage, valid=None, entropy=None) -> PACSStats:
     """PACSStats from the loss and the per-response (score, psi, weight, bce); entropy (N,) optional."""
     proxy, psi, weights, _ = (t.double() for t in per_response)
     labels = rewards.double().reshape(-1, group_size)
-    single = (labels == labels[:, :1]).all(1).double().mean()
+    single_groups = (labels == labels[:, :1]).all(1)
+    single = single_groups.double().mean()
     sig = torch.sigmoid(psi)
     correct = rewards.double().reshape(-1) == 1
     nan = torch.full((), float("nan"), dtype=torch.float64, device=sig.device)
+    squared = score_gradient(weights * (sig - rewards.double().reshape(-1)), proxy, group_size, advantage).square()
+    total = squared.sum()
+    in_single = squared.reshape(-1, group_size)[single_groups].sum()
+    grad_share = torch.where(total > 0, in_single / torch.where(total > 0, total, torch.ones_like(total)), nan)
     values = torch.stack([
         loss.detach().double().reshape(()), psi.mean(), psi.std(unbiased=False), sig.mean(),
         rewards.double().mean(), proxy.mean(), weights.mean(), weights.min(), weights.max(), single,
         sig[correct].mean() if bool(correct.any()) else nan, sig[~correct].mean() if bool((~correct).any()) else nan,
+        grad_share,
         entropy.double().mean() if entropy is not None and entropy.numel() else nan,
         valid.double().mean() if valid is not None and valid.numel() else torch.ones_like(nan),
     ]).tolist()
@@ -268,7 +301,8 @@ def _pacs_on_layout(logp, old_logp, mask, rewards, layout, *, group_size, beta, 
     else:
         loss, per_response = _pacs_torch(logp, old_logp, mask, counts, rewards, layout, valid=valid, **options)
     if return_stats:
-        return loss, compute_stats(loss, per_response, rewards, group_size, valid=valid, entropy=entropy)
+        return loss, compute_stats(loss, per_response, rewards, group_size, advantage=advantage, valid=valid,
+                                   entropy=entropy)
     return loss
 
 

@@ -189,9 +189,14 @@ def test_stats(backend):
     loss, stats = pacs_loss(logp, old_logp, rewards, mask, group_size=4, beta=0.5, return_stats=True,
                             backend=backend)
     assert isinstance(stats, PACSStats)
-    _, parts = reference_pacs_loss(logp.double(), old_logp.double(), rewards, mask, group_size=4, beta=0.5)
+    leaf = logp.double().requires_grad_()
+    ref_loss, parts = reference_pacs_loss(leaf, old_logp.double(), rewards, mask, group_size=4, beta=0.5)
+    (grad,) = torch.autograd.grad(ref_loss, leaf)
     psi = parts["psi"]
     labels = rewards.reshape(3, 4)
+    # dloss/dr[j] from autograd: each masked token of response j gets beta * dloss/dr[j]
+    per_response = grad[torch.arange(12), mask.int().argmax(1)] / 0.5
+    single = (labels == labels[:, :1]).all(1).repeat_interleave(4)
     expected = dict(
         loss=loss.item(), psi_mean=psi.mean().item(), psi_std=psi.std(unbiased=False).item(),
         sigmoid_psi_mean=torch.sigmoid(psi).mean().item(), reward_mean=rewards.mean().item(),
@@ -200,6 +205,7 @@ def test_stats(backend):
         frac_single_label_groups=(labels == labels[:, :1]).all(1).double().mean().item(),
         sigmoid_psi_correct_mean=torch.sigmoid(psi)[rewards == 1].mean().item(),
         sigmoid_psi_incorrect_mean=torch.sigmoid(psi)[rewards == 0].mean().item(),
+        single_label_grad_share=(per_response[single].square().sum() / per_response.square().sum()).item(),
         valid_frac=1.0)
     got = stats.as_dict()
     assert math.isnan(got.pop("entropy_mean"))  # pacs_loss has no logits: the fused loss reports it
@@ -207,7 +213,35 @@ def test_stats(backend):
     for key, value in expected.items():
         assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     assert stats.frac_single_label_groups >= 1 / 3  # the first group is all-positive
+    assert 0 < stats.single_label_grad_share < 1  # old_logp != logp: the single-label group pulls too
     assert stats.as_dict("pacs/")["pacs/psi_mean"] == stats.psi_mean
+
+
+@pytest.mark.parametrize("advantage", ["rloo", "grpo", "naive"])
+def test_single_label_grad_share_against_autograd_and_zero_at_the_reference(advantage):
+    """The share of dloss/dr held by single-label groups, against autograd in float64, for every advantage;
+    with logp = old_logp (psi = 0) a single-label group's gradient cancels under rloo and grpo (share 0),
+    not under naive (psi = r has no baseline)."""
+    logp, old_logp, rewards, mask = make_inputs(4, 3, 6, seed=31)
+    rewards[3:6] = 0.0  # a second single-label group, of the other label
+    labels = rewards.reshape(4, 3)
+    single = (labels == labels[:, :1]).all(1).repeat_interleave(3)
+    for reference in (old_logp, logp):
+        leaf = logp.clone().requires_grad_()
+        loss, stats = pacs_loss(leaf, reference, rewards, mask, group_size=3, beta=2.0, advantage=advantage,
+                                return_stats=True, backend="torch")
+        (grad,) = torch.autograd.grad(loss, leaf)
+        c = grad[torch.arange(12), mask.int().argmax(1)] / 2.0
+        assert stats.single_label_grad_share == pytest.approx(
+            (c[single].square().sum() / c.square().sum()).item(), rel=1e-9, abs=1e-12)
+    if advantage == "naive":
+        assert stats.single_label_grad_share > 0.1
+    else:
+        assert stats.single_label_grad_share == pytest.approx(0.0, abs=1e-20)
+    # every group single-label at the reference: no gradient anywhere, the share is undefined
+    _, stats = pacs_loss(logp, logp, torch.ones(12, dtype=torch.float64), mask, group_size=3, advantage="rloo",
+                         return_stats=True)
+    assert math.isnan(stats.single_label_grad_share)
 
 
 def test_auto_backend_is_torch_on_cpu_and_accepts_bool_int_masks():
