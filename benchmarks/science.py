@@ -102,8 +102,28 @@ def run_one(task: str, variant: str, seed: int, args, cache_dir: str) -> dict:
         "loop_s": train_rows[-1]["elapsed"] if train_rows else None,
         "entropy_first10": _mean([r["entropy"] for r in train_rows[:10] if r.get("entropy") is not None]),
         "entropy_last10": _mean([r["entropy"] for r in train_rows[-10:] if r.get("entropy") is not None]),
+        **diagnostics(train_rows),
     }
     return record
+
+
+DIAGNOSTICS = ("frac_single_label_groups", "single_label_grad_share", "psi_std")
+
+
+def diagnostics(train_rows: list[dict]) -> dict:
+    """Means over a run's rollout steps of the loss diagnostics (``DIAGNOSTICS``; NaN steps left out,
+    keys absent where the run did not log them), also by the reference's age when it was kept."""
+    out = {}
+    for key in DIAGNOSTICS:
+        values = [r[key] for r in train_rows if r.get(key) is not None]
+        if values:
+            out[f"{key}_mean"] = _mean(values)
+    ages = sorted({r["ref_age"] for r in train_rows if r.get("ref_age") is not None})
+    if ages and "single_label_grad_share" in (train_rows[0] if train_rows else {}):
+        out["single_label_grad_share_by_ref_age"] = {
+            str(int(age)): _mean([r["single_label_grad_share"] for r in train_rows if r.get("ref_age") == age
+                                  and r.get("single_label_grad_share") is not None]) for age in ages}
+    return out
 
 
 def code_commit(code_dir: str) -> str | None:
@@ -273,6 +293,7 @@ def cmd_report(args) -> int:
                 cells.append(f"{m:+.3f} +- {h:.3f}{mark}")
             lines.append(f"| {label} | {len(keys)} | " + " | ".join(cells) + " |")
         lines += ["", "(* the 95% interval excludes 0)", ""]
+        lines += _diagnostics_table(task, variants, by)
         _plots(plt, task, variants, by, ks, args.out)
         lines += [f"![pass@1 over training, {task}]({task}_pass1_curve.png)",
                   f"![pass@k vs k, {task}]({task}_pass_at_k.png)", ""]
@@ -295,6 +316,28 @@ def cmd_report(args) -> int:
         fh.write("\n".join(lines))
     print("\n".join(lines))
     return 0
+
+
+def _diagnostics_table(task: str, variants: list[str], by: dict) -> list[str]:
+    """Per variant, the loss diagnostics' means over steps and seeds, where the runs logged them."""
+    rows = []
+    for variant in variants:
+        runs = [r for r in by.get((task, variant), {}).values() if "single_label_grad_share_mean" in r["train"]]
+        if not runs:
+            continue
+        cells = [f"{_mean([r['train'][f'{key}_mean'] for r in runs]):.3f}" for key in DIAGNOSTICS]
+        shares = [r["train"].get("single_label_grad_share_by_ref_age", {}) for r in runs]
+        ages = sorted({age for share in shares for age in share}, key=int)
+        by_age = ", ".join(f"{age}: {_mean([share.get(age) for share in shares]):.3f}" for age in ages) or "-"
+        rows.append(f"| {variant} | {len(runs)} | " + " | ".join(cells) + f" | {by_age} |")
+    if not rows:
+        return []
+    return ["Training diagnostics (mean over rollout steps, then over seeds; from the runs' `metrics.jsonl`): the "
+            "fraction of groups whose responses all got the same reward, the share of the loss's gradient with "
+            "respect to the scores that those groups carry (`single_label_grad_share`: 0 under RLOO while the "
+            "reference is the current policy), and the spread of psi:", "",
+            "| variant | seeds | single-label groups | their share of the gradient | psi std "
+            "| share by the reference's age (rollout steps) |", "|---|---:|---:|---:|---:|---|", *rows, ""]
 
 
 def _provenance(record: dict) -> tuple:

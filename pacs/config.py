@@ -87,6 +87,9 @@ class OptimConfig:
     # the reference of the log-ratio score: the policy at rollout steps 1, 1 + k, 1 + 2k, ... (k = this);
     # 1 (the public code's): the policy that generated each rollout (pacs/reference_policy.py)
     ref_reset_every: int = 1
+    # PACS only: groups whose responses all got the same reward weigh 0 in the loss (pacs/single_label_groups.py;
+    # with a reset every rollout step they add no gradient on the first mini-batch anyway)
+    drop_single_label_groups: bool = False
     # GRPO baseline
     clip_eps: float = 0.2
     aggregation: str = "token_mean"
@@ -337,6 +340,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
             f"optim.ref_reset_every={o.ref_reset_every} keeps PACS's reference for several rollout steps: it needs "
             f"optim.algo=pacs and optim.score=log_ratio (the only score that uses a reference), got "
             f"algo={o.algo}, score={o.score}; GRPO's old policy must be the one that sampled")
+    if o.drop_single_label_groups and o.algo != "pacs":
+        raise ValueError(f"optim.drop_single_label_groups is a PACS option, got optim.algo={o.algo}; GRPO's "
+                         "single-label groups have advantage 0 already")
     if not 0 < o.clip_eps < 1:
         raise ValueError(f"optim.clip_eps must be in (0, 1), got {o.clip_eps}")
     if not 0 < r.gpu_memory_utilization <= 1:

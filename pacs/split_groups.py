@@ -30,6 +30,7 @@ from pacs_kernels import grpo_loss, linear_logprobs_known_grad, pacs_loss
 
 from .config import Config
 from .packing import forward_micro_batch, is_part_of_a_group, slice_micro_batch, to_layout
+from .single_label_groups import loss_valid
 
 
 @dataclass
@@ -56,7 +57,8 @@ def group_loss_on_logprobs(cfg: Config, logp: torch.Tensor, old_logp: torch.Tens
     if o.algo == "pacs":
         loss, stats = pacs_loss(logp, old_logp, rewards, mask, group_size=group, beta=o.beta, score=o.score,
                                 advantage=o.advantage, weighting=o.weighting,
-                                score_function_term=o.score_function_term, return_stats=True, backend="torch")
+                                score_function_term=o.score_function_term, return_stats=True, backend="torch",
+                                valid=loss_valid(rewards, group, o.drop_single_label_groups))
     else:
         loss, stats = grpo_loss(logp, old_logp, rewards, mask, group_size=group, clip_eps=o.clip_eps,
                                 aggregation=o.aggregation, return_stats=True)

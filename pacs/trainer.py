@@ -52,6 +52,7 @@ from .reference_policy import ReferenceSnapshot, is_reset_step
 from .rollout import make_rollout_engine
 from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
 from .run_setup import Run, apply_torch_threads, check_config, engine_options, prepare_run
+from .single_label_groups import loss_valid
 from .split_groups import GroupGradients, group_gradients, part_surrogate, split_group_rows
 from .stop_signals import StoppedBySignal, StopSignals
 
@@ -212,7 +213,7 @@ def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: t
         loss, stats = fused_linear_pacs_loss(
             hidden, weight, part.targets, part.mask, old_logp, part.rewards, beta=o.beta, score=o.score,
             advantage=o.advantage, weighting=o.weighting, score_function_term=o.score_function_term,
-            old_lse=old_lse, **common)
+            old_lse=old_lse, valid=loss_valid(part.rewards, group, o.drop_single_label_groups), **common)
     else:
         loss, stats = fused_linear_grpo_loss(
             hidden, weight, part.targets, part.mask, old_logp, part.rewards, clip_eps=o.clip_eps,

@@ -101,3 +101,27 @@ def test_a_seed_run_at_two_commits_pairs_within_each(tmp_path):
     text = (tmp_path / "report.md").read_text()
     assert "| PACS class weights balanced - none | 1 | +0.100 +- nan |" in text
     assert "| PACS reference reset every 4 - every 1 rollout steps | 1 | -0.050 +- nan |" in text
+
+
+def test_diagnostics_average_over_steps_and_by_the_reference_age(tmp_path):
+    """A run's loss diagnostics: means over its steps (NaN steps left out), the gradient share also by the
+    reference's age; the report tabulates them per variant (runs that did not log them are left out)."""
+    rows = [{"step": s, "reward_mean": 0.1, "ref_age": float((s - 1) % 2), "psi_std": 0.1 * s,
+             "frac_single_label_groups": 0.5, "single_label_grad_share": share}
+            for s, share in ((1, float("nan")), (2, 0.6), (3, 0.0), (4, 0.8))]
+    got = science.diagnostics(rows)
+    assert got["psi_std_mean"] == pytest.approx(0.25)
+    assert got["single_label_grad_share_mean"] == pytest.approx((0.6 + 0.0 + 0.8) / 3)
+    assert got["single_label_grad_share_by_ref_age"] == {"0": pytest.approx(0.0), "1": pytest.approx(0.7)}
+    assert science.diagnostics([{"step": 1, "reward_mean": 0.1}]) == {}  # an older run: nothing logged
+    kept = record("pacs_ref4", 0, 0.3)
+    kept["train"].update(got)
+    reset = record("pacs", 0, 0.4)
+    reset["train"].update(science.diagnostics([{**{k: v for k, v in r.items() if k != "ref_age"},
+                                                "single_label_grad_share": 0.0} for r in rows]))
+    older = record("pacs", 1, 0.5)  # no diagnostics: not in the table's mean
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (kept, reset, older)))
+    assert science.main(["report", "--out", str(tmp_path), "--runs-dir", str(tmp_path / "runs")]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "| pacs | 1 | 0.500 | 0.000 | 0.250 | - |" in text
+    assert "| pacs_ref4 | 1 | 0.500 | 0.467 | 0.250 | 0: 0.000, 1: 0.700 |" in text
