@@ -1,6 +1,6 @@
 """PACS vs GRPO (and PACS's score-function term on vs off, its class weights on vs off, its reference
-reset every 4 rollout steps vs every one) across seeds, on the built-in addition task and on the
-generated word-problem task, under one small, equal budget.
+reset every 4 rollout steps vs every one, its single-label groups dropped vs kept) across seeds, on the
+built-in addition task and on the generated word-problem task, under one small, equal budget.
 
     python benchmarks/science.py run     # the sweep: one `pacs train` per (seed, task, variant)
     python benchmarks/science.py report  # table + plots from the runs recorded so far
@@ -51,6 +51,10 @@ VARIANTS = {
     "pacs_unweighted": ["optim.algo=pacs", "optim.weighting=none"],
     # the reference kept for 4 rollout steps (the paper's periodic hard reset, period 4 instead of 1)
     "pacs_ref4": ["optim.algo=pacs", "optim.ref_reset_every=4"],
+    # the single-label groups left out of the loss (pacs/single_label_groups.py): with a reset every step,
+    # and with the reference kept for 4 (where those groups pull toward the reference)
+    "pacs_drop": ["optim.algo=pacs", "optim.drop_single_label_groups=true"],
+    "pacs_ref4_drop": ["optim.algo=pacs", "optim.ref_reset_every=4", "optim.drop_single_label_groups=true"],
 }
 TASKS = {
     "embedded": ["task.name=embedded"],
@@ -59,10 +63,16 @@ TASKS = {
 # what each comparison sets against what (label, variant, baseline variant)
 COMPARISONS = [("PACS - GRPO", "pacs", "grpo"), ("PACS score-function term on - off", "pacs_sft", "pacs"),
                ("PACS class weights balanced - none", "pacs", "pacs_unweighted"),
-               ("PACS reference reset every 4 - every 1 rollout steps", "pacs_ref4", "pacs")]
+               ("PACS reference reset every 4 - every 1 rollout steps", "pacs_ref4", "pacs"),
+               ("PACS single-label groups dropped - kept (reset every step)", "pacs_drop", "pacs"),
+               ("PACS reference kept 4 steps: single-label groups dropped - kept", "pacs_ref4_drop", "pacs_ref4"),
+               ("PACS reference kept 4 steps, single-label groups dropped - reset every step", "pacs_ref4_drop",
+                "pacs")]
 TITLES = {"grpo": "PACS vs GRPO", "pacs_sft": "PACS's score-function term",
           "pacs_unweighted": "PACS's class weights (balanced vs none)",
-          "pacs_ref4": "PACS's reference reset period (4 vs 1 rollout steps)"}
+          "pacs_ref4": "PACS's reference reset period (4 vs 1 rollout steps)",
+          "pacs_drop": "PACS's single-label groups dropped", "pacs_ref4_drop": "PACS's single-label groups dropped "
+          "with the reference kept for 4 steps"}
 
 
 def run_one(task: str, variant: str, seed: int, args, cache_dir: str) -> dict:
@@ -355,7 +365,7 @@ def _sweep_command(out: str, variants: list[str], records: list[dict]) -> str:
 
 def _plots(plt, task, variants, by, ks, out):
     colors = {"pacs": "tab:blue", "grpo": "tab:orange", "pacs_sft": "tab:green", "pacs_unweighted": "tab:red",
-              "pacs_ref4": "tab:purple"}
+              "pacs_ref4": "tab:purple", "pacs_drop": "tab:cyan", "pacs_ref4_drop": "tab:brown"}
     fig, ax = plt.subplots(figsize=(6, 4))
     for variant in variants:
         runs = list(by.get((task, variant), {}).values())
