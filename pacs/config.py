@@ -117,6 +117,9 @@ class TrainConfig:
     liger_patches: bool = False     # CUDA: Liger-Kernel RMSNorm, SwiGLU, RoPE in the model (never its loss)
     tiled_mlp: bool = False         # each decoder MLP over tiles of tokens, only its input kept (pacs/tiled_mlp.py)
     mlp_tile_tokens: int | None = None  # tokens per MLP tile; None: the model's hidden size
+    skip_zero_gradient_groups: bool = True  # PACS: no forward/backward for groups whose gradient is exactly 0
+                                    # (single-label groups on the first mini-batch after a reset; every
+                                    # mini-batch with optim.drop_single_label_groups): pacs/single_label_groups.py
     preflight: bool | None = None   # run the longest step the settings allow before the first rollout
                                     # (pacs/preflight.py); None: on CUDA
 

@@ -30,3 +30,49 @@ def loss_valid(rewards: torch.Tensor, group_size: int, drop_single_label_groups:
     grouped = rewards.reshape(-1, group_size)
     mixed = (grouped != grouped[:, :1]).any(1)
     return mixed.repeat_interleave(group_size)
+
+
+# ----------------------------------------------------------------------------- skipping their compute
+
+
+def skip_rules(cfg, *, reference_is_current: bool) -> tuple[bool, bool]:
+    """(skip on the first mini-batch, skip on every mini-batch): where a single-label group's gradient is
+    exactly 0, so ``train.skip_zero_gradient_groups`` may leave out its forward and backward.
+
+    First mini-batch: PACS with the log-ratio score against the policy that sampled (``reference_is_current``:
+    the reference reset this step), every psi is 0 there, and under "rloo"/"grpo" the group's slope cancels
+    (the module docstring; the score-function term adds w l / B per response, not cancelled: not then).
+    mean_logp's psi is not 0 there. Every mini-batch: ``optim.drop_single_label_groups`` (weight 0)."""
+    o = cfg.optim
+    if not cfg.train.skip_zero_gradient_groups or o.algo != "pacs":
+        return False, False
+    every = o.drop_single_label_groups
+    first = every or (reference_is_current and o.score == "log_ratio" and o.advantage in ("rloo", "grpo")
+                      and not o.score_function_term)
+    return first, every
+
+
+def plan_group_skips(rewards: torch.Tensor, group_size: int, mini_batches: int, *, skip_first: bool,
+                     skip_every: bool) -> tuple[torch.Tensor | None, list[int]]:
+    """Which groups each mini-batch runs, the skippable ones moved behind the others.
+
+    ``rewards`` (B,): this rank's rows, groups contiguous, mini-batch m holding groups [m n, (m + 1) n).
+    Returns (the row order that puts, within each mini-batch, the groups that must run first, keeping
+    their order, and the skippable ones after them; None when nothing moves) and the number of groups
+    each mini-batch must run. Under FSDP the caller takes every rank's largest count, so a rank may run
+    some skippable groups too (their gradient is 0: exact)."""
+    grouped = rewards.reshape(-1, group_size)
+    single = (grouped == grouped[:, :1]).all(1).tolist()
+    per_mini = len(single) // mini_batches
+    order, run = [], []
+    for mini in range(mini_batches):
+        ids = range(mini * per_mini, (mini + 1) * per_mini)
+        skippable = skip_every or (skip_first and mini == 0)
+        must = [g for g in ids if not (skippable and single[g])]
+        order += must + [g for g in ids if skippable and single[g]]
+        run.append(len(must))
+    if order == list(range(len(single))):
+        return None, run
+    rows = torch.tensor(order, dtype=torch.long).repeat_interleave(group_size) * group_size
+    rows += torch.arange(group_size).repeat(len(order))
+    return rows.to(rewards.device), run

@@ -52,7 +52,7 @@ from .reference_policy import ReferenceSnapshot, is_reset_step
 from .rollout import make_rollout_engine
 from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
 from .run_setup import Run, apply_torch_threads, check_config, engine_options, prepare_run
-from .single_label_groups import loss_valid
+from .single_label_groups import loss_valid, plan_group_skips, skip_rules
 from .split_groups import GroupGradients, group_gradients, part_surrogate, split_group_rows
 from .stop_signals import StoppedBySignal, StopSignals
 
@@ -101,6 +101,11 @@ class Batch:
         width = int(self.attention_mask[start:stop].sum(1).max())
         return Batch(*(t[start:stop, :width] if t.dim() == 2 else t[start:stop] for t in (
             self.input_ids, self.attention_mask, self.targets, self.mask, self.rewards)))
+
+    def select(self, rows: torch.Tensor) -> "Batch":
+        """The rows in the order ``rows`` (a permutation), full width."""
+        return Batch(*(t.index_select(0, rows) for t in (self.input_ids, self.attention_mask, self.targets,
+                                                         self.mask, self.rewards)))
 
     def to(self, device) -> "Batch":
         return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.targets, self.mask,
@@ -156,6 +161,15 @@ def all_reduce_mean(values: dict[str, float], dist_info: DistInfo) -> dict[str, 
     dist.all_reduce(t)
     sums, counts = t[:len(keys)].tolist(), t[len(keys):].tolist()
     return {k: (total / count if count else float("nan")) for k, total, count in zip(keys, sums, counts)}
+
+
+def most_on_any_rank(counts: list[int], dist_info: DistInfo) -> list[int]:
+    """Each count's largest value over the ranks (FSDP: every rank runs as many groups per mini-batch)."""
+    if dist_info.world_size <= 1:
+        return counts
+    shared = torch.tensor(counts, dtype=torch.int64, device=dist_info.device)
+    dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+    return shared.tolist()
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -261,6 +275,7 @@ class UpdateResult:
     stats: dict[str, float]
     last_loss: float
     split_groups: int = 0  # groups larger than the token budget, run in parts (pacs/split_groups.py)
+    skipped_groups: int | None = None  # groups whose gradient is exactly 0, not run (None: not planned)
 
 
 def old_policy_ranges(cfg: Config, batch: Batch, dist_info: DistInfo, packed: bool) -> list[tuple[int, int]]:
@@ -303,7 +318,8 @@ def split_group_gradients(cfg: Config, policy, batch: Batch, micro_batches: list
 
 def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_logp: torch.Tensor,
                   old_lse: torch.Tensor, state: dict, dist_info: DistInfo, step: int, say=print, *,
-                  packed: bool = False, rollout_logp: torch.Tensor | None = None) -> UpdateResult:
+                  packed: bool = False, rollout_logp: torch.Tensor | None = None,
+                  groups_run: list[int] | None = None) -> UpdateResult:
     """Step 4: mini-batches of whole groups, each a gradient accumulation over micro-batches of
     whole groups (at most ``micro_batch_size`` rows and ``train.max_tokens_per_micro_batch``
     tokens; packed when ``packed``), clipped and applied; a non-finite loss or gradient on any
@@ -312,7 +328,9 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
 
     ``old_logp``: the reference's log-probs; ``old_lse``: the log-sum-exp of the policy as it was at
     the rollout. ``rollout_logp``: that policy's log-probs where the reference is an older one
-    (``optim.ref_reset_every`` > 1); None where the reference is the rollout-time policy."""
+    (``optim.ref_reset_every`` > 1); None where the reference is the rollout-time policy.
+    ``groups_run``: per mini-batch, how many of its groups to run (the rest, behind them, have a gradient of
+    exactly 0: pacs/single_label_groups.py); None: all of them."""
     o, tr, group = cfg.optim, cfg.train, cfg.rollout.group_size
     groups_per_mini = cfg.rollout.prompts_per_step // dist_info.world_size // o.mini_batches_per_step
     rows_per_mini = groups_per_mini * group
@@ -321,10 +339,11 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
     one_sweep = o.algo == "pacs" and o.one_sweep_first_step and rollout_logp is None
     stat_sums: dict[str, float] = {}
     stat_counts: dict[str, int] = {}
-    losses, grad_norms, split_groups = [], [], 0
+    losses, grad_norms, split_groups, last_losses = [], [], 0, []
     for mini in range(o.mini_batches_per_step):
+        run_rows = rows_per_mini if groups_run is None else groups_run[mini] * group
         micro_batches = micro_batch_ranges(
-            lengths, mini * rows_per_mini, (mini + 1) * rows_per_mini, group_size=group,
+            lengths, mini * rows_per_mini, mini * rows_per_mini + run_rows, group_size=group,
             rows_per_micro=micro_batch_groups(cfg) * group, max_tokens=tr.max_tokens_per_micro_batch, packed=packed)
         micro_batches = same_count_on_every_rank(micro_batches, group, dist_info.world_size, dist_info.device)
         micro_per_mini = len(micro_batches)
@@ -354,10 +373,16 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
             for key, value in stats.items():  # NaN: undefined here (e.g. no correct response)
                 stat_sums[key] = stat_sums.get(key, 0.0) + (value if math.isfinite(value) else 0.0)
                 stat_counts[key] = stat_counts.get(key, 0) + math.isfinite(value)
+        if micro_batches:
+            last_losses = losses[len(losses) - micro_per_mini:]
+        else:  # every group skipped (a gradient of exactly 0): the optimizer steps on zeros, as it would
+            for p in policy.parameters():  # have (AdamW counts the step: its bias corrections move on)
+                if p.grad is None and p.requires_grad:
+                    p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), o.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
             grad_norm = grad_norm.full_tensor()
-        bad = torch.tensor([0.0 if all(math.isfinite(x) for x in losses[-micro_per_mini:]) else 1.0,
+        bad = torch.tensor([0.0 if all(math.isfinite(x) for x in losses[len(losses) - micro_per_mini:]) else 1.0,
                             0.0 if torch.isfinite(grad_norm) else 1.0], device=dist_info.device)
         if dist_info.world_size > 1:  # every rank skips together, or the shards diverge
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
@@ -380,22 +405,28 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     stats = {k: (v / stat_counts[k] if stat_counts[k] else float("nan")) for k, v in stat_sums.items()}
-    return UpdateResult(losses, grad_norms, stats, sum(losses[-micro_per_mini:]) / max(micro_per_mini, 1),
-                        split_groups)
+    skipped = None if groups_run is None else groups_per_mini * o.mini_batches_per_step - sum(groups_run)
+    last_loss = sum(last_losses) / len(last_losses) if last_losses else float("nan")
+    return UpdateResult(losses, grad_norms, stats, last_loss, split_groups, skipped)
 
 
 def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: float, update: UpdateResult,
                  scheduler, state: dict, times: dict[str, float], dist_info: DistInfo,
-                 extra: dict[str, float] | None = None) -> dict:
+                 extra: dict[str, float] | None = None, group_size: int = 1) -> dict:
     """One rollout step's metrics row: the per-rank statistics averaged over ranks (``extra``: the
     task's reward counters, e.g. math-verify timeouts, each scored 0), then the optimizer's, the
     throughput, the timings and the peak memory."""
     response_tokens = sum(len(x) for x in responses)
+    extra = dict(extra or {})
+    if update.skipped_groups is not None:  # the loss's statistics then cover the groups that ran
+        labels = batch.rewards.reshape(-1, group_size)
+        extra["frac_single_label_groups"] = float((labels == labels[:, :1]).all(1).double().mean())
+        extra["skipped_group_frac"] = update.skipped_groups / labels.shape[0]
     local = {"reward_mean": float(batch.rewards.mean()), "entropy": entropy,
              "response_length": response_tokens / len(responses),
-             "loss": sum(update.losses) / len(update.losses), "split_groups": float(update.split_groups),
-             **(extra or {}),
-             **{k: v for k, v in update.stats.items() if k not in ("loss", "reward_mean")}}
+             "loss": sum(update.losses) / len(update.losses) if update.losses else float("nan"),
+             "split_groups": float(update.split_groups), **extra,
+             **{k: v for k, v in update.stats.items() if k not in ("loss", "reward_mean", *extra)}}
     row = {"step": step, **all_reduce_mean(local, dist_info)}
     row.update({
         "grad_norm": sum(update.grad_norms) / len(update.grad_norms) if update.grad_norms else float("nan"),
@@ -575,9 +606,21 @@ def train(cfg: Config) -> TrainResult:
                             old_logp, _, _ = old_policy_logprobs(policy, batch, ranges, r.temperature,
                                                                  o.logprob_backend, packed)
 
+                # groups whose gradient is exactly 0 this step (single-label ones after a reset) are not run:
+                # moved behind the others within their mini-batch (pacs/single_label_groups.py)
+                skip_first, skip_every = skip_rules(cfg, reference_is_current=rollout_logp is None)
+                groups_run = None
+                if skip_first or skip_every:
+                    order, groups_run = plan_group_skips(batch.rewards, r.group_size, o.mini_batches_per_step,
+                                                         skip_first=skip_first, skip_every=skip_every)
+                    groups_run = most_on_any_rank(groups_run, dist_info)
+                    if order is not None:
+                        batch, old_logp, old_lse = batch.select(order), old_logp[order], old_lse[order]
+                        rollout_logp = None if rollout_logp is None else rollout_logp[order]
+
                 # 4. the updates (NaN-skipping); 5. new weights into the rollout engine
                 update = update_policy(cfg, policy, optimizer, scheduler, batch, old_logp, old_lse, state, dist_info,
-                                       step, say, packed=packed, rollout_logp=rollout_logp)
+                                       step, say, packed=packed, rollout_logp=rollout_logp, groups_run=groups_run)
                 update_time = time.time() - update_start
                 sync_start = time.time()
                 engine.sync_weights(full_named_tensors(policy))
@@ -590,7 +633,7 @@ def train(cfg: Config) -> TrainResult:
                 if reference is not None:  # rollout steps since the reference was reset (0: this step)
                     extra["ref_age"] = float(step - reference.step)
                 row = step_metrics(step, batch, responses, entropy, update, scheduler, state, times, dist_info,
-                                   extra=extra)
+                                   extra=extra, group_size=r.group_size)
                 # every rank, every step: the same answer on all of them (a stop signal, the wall-clock limit)
                 stop_signal, out_of_time, checkpoint_due = stop_signals.agreed(
                     dist_info.world_size, dist_info.device,

@@ -11,7 +11,7 @@ from trainer_helpers import tiny_config
 
 from pacs.config import load_config, validate
 from pacs.metrics import read_metrics
-from pacs.single_label_groups import loss_valid
+from pacs.single_label_groups import loss_valid, plan_group_skips, skip_rules
 from pacs.trainer import train
 from pacs_kernels import pacs_loss
 
@@ -85,3 +85,67 @@ def test_drop_single_label_groups_is_a_pacs_option():
         validate(load_config(None, ["optim.algo=grpo", "optim.drop_single_label_groups=true"]))
     with pytest.raises(TypeError, match="drop_single_label_groups must be true or false"):
         load_config(None, ["optim.drop_single_label_groups=3"])
+
+
+# ----------------------------------------------------------------------------- skipping their compute
+
+
+def test_plan_moves_the_skippable_groups_behind_the_others_within_each_mini_batch():
+    # groups (G = 2): [1,1] [0,1] [0,0] [1,0] | [1,1] [0,0] [0,0] [0,1]; two mini-batches of 4 groups
+    rewards = torch.tensor([1.0, 1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0, 0, 1])
+    order, run = plan_group_skips(rewards, 2, 2, skip_first=True, skip_every=False)
+    assert order.tolist() == [2, 3, 6, 7, 0, 1, 4, 5] + list(range(8, 16)) and run == [2, 4]
+    order, run = plan_group_skips(rewards, 2, 2, skip_first=True, skip_every=True)
+    assert order.tolist() == [2, 3, 6, 7, 0, 1, 4, 5, 14, 15, 8, 9, 10, 11, 12, 13] and run == [2, 1]
+    order, run = plan_group_skips(rewards, 2, 2, skip_first=False, skip_every=False)
+    assert order is None and run == [4, 4]
+    assert plan_group_skips(torch.tensor([0.0, 1, 1, 0]), 2, 1, skip_first=True, skip_every=True) == (None, [2])
+
+
+@pytest.mark.parametrize("overrides,reference_is_current,expected", [
+    ([], True, (True, False)),
+    ([], False, (False, False)),  # psi != 0 against an older reference
+    (["optim.advantage=grpo"], True, (True, False)),
+    (["optim.advantage=naive"], True, (False, False)),  # psi = r has no baseline to cancel the slope
+    (["optim.score=mean_logp"], True, (False, False)),  # its psi is not 0 at the reference
+    (["optim.score_function_term=true"], True, (False, False)),  # w l / B per response: not 0
+    (["optim.drop_single_label_groups=true"], False, (True, True)),
+    (["optim.drop_single_label_groups=true", "optim.score_function_term=true"], True, (True, True)),
+    (["optim.algo=grpo"], True, (False, False)),  # GRPO's token mean counts every group's tokens
+    (["train.skip_zero_gradient_groups=false"], True, (False, False)),
+    (["train.skip_zero_gradient_groups=false", "optim.drop_single_label_groups=true"], True, (False, False)),
+])
+def test_skip_rules(overrides, reference_is_current, expected):
+    assert skip_rules(load_config(None, overrides), reference_is_current=reference_is_current) == expected
+
+
+@pytest.mark.parametrize("extra", [["optim.mini_batches_per_step=1"], ["optim.drop_single_label_groups=true"],
+                                   ["optim.ref_reset_every=2", "optim.drop_single_label_groups=true"],
+                                   ["optim.mini_batches_per_step=1", "rollout.max_prompt_len=8",
+                                    "train.max_tokens_per_micro_batch=12"]],
+                         ids=["reset", "drop", "kept_reference_drop", "token_budget"])
+def test_skipping_the_zero_gradient_groups_trains_like_running_them(tmp_path, cache_dir, extra):
+    """Skipped groups (on some mini-batches none run) give the updates of running every group with the
+    single-label ones weighing 0, up to float rounding; rewards, evaluations, reference ages equal.
+    (Against running them with their weights, a mini-batch of single-label groups only has a gradient of
+    rounding noise, ~1e-9, which AdamW's first steps, with second moments near 0, turn into moves of about
+    the learning rate: the runs then differ by that much. Weight 0 makes that gradient exactly 0, as skipping
+    does.)"""
+    runs = {}
+    for name, settings in (("skip", ["train.skip_zero_gradient_groups=true"]),
+                           ("all", ["train.skip_zero_gradient_groups=false", "optim.drop_single_label_groups=true"])):
+        cfg = tiny_config(tmp_path / name, cache_dir, "max_steps=4", "rollout.engine=hf", "eval.every=2",
+                          "checkpoint_every=0", *extra, *settings)
+        train(cfg)
+        runs[name] = read_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"))
+    skipped, ran = runs["skip"], runs["all"]
+    assert [r.get("eval_accuracy") for r in skipped] == [r.get("eval_accuracy") for r in ran]
+    for a, b in zip(skipped[1:], ran[1:]):
+        assert a["reward_mean"] == b["reward_mean"] and a.get("ref_age") == b.get("ref_age")
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5, abs=1e-9)
+        assert "skipped_group_frac" not in b
+    assert max(r["skipped_group_frac"] for r in skipped[1:]) > 0
+    if extra == ["optim.drop_single_label_groups=true"]:  # 3 of 4 groups: a mini-batch with none to run
+        assert max(r["skipped_group_frac"] for r in skipped[1:]) >= 0.75
+    if "train.max_tokens_per_micro_batch=12" in extra:  # groups over the budget ran in parts
+        assert max(r["split_groups"] for r in skipped[1:]) > 0

@@ -176,9 +176,11 @@ def test_nan_step_is_skipped_and_repeated_nans_stop(tmp_path, cache_dir, monkeyp
         return loss, stats
 
     monkeypatch.setattr(trainer, "fused_linear_pacs_loss", poisoned)
-    # 4 groups per step, 2 mini-batches of 2 micro-batches: calls 1-4 are step 1, 5-8 step 2, ...
+    # 4 groups per step, 2 mini-batches of 2 micro-batches: calls 1-4 are step 1, 5-8 step 2, ... (every
+    # group run: none skipped for a gradient of 0)
     calls["poison"] = {3}  # second mini-batch of step 1
-    cfg = tiny_config(tmp_path / "nan", cache_dir, "max_steps=2", "rollout.engine=hf", "checkpoint_every=1")
+    run_all = "train.skip_zero_gradient_groups=false"
+    cfg = tiny_config(tmp_path / "nan", cache_dir, "max_steps=2", "rollout.engine=hf", "checkpoint_every=1", run_all)
     result = train(cfg)
     rows = read_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"))
     assert rows[1]["skipped_updates"] == 1 and rows[2]["skipped_updates"] == 1
@@ -188,7 +190,7 @@ def test_nan_step_is_skipped_and_repeated_nans_stop(tmp_path, cache_dir, monkeyp
     # from step 2 on every loss is NaN: 3 skipped updates in a row stop the run
     calls["n"], calls["poison"] = 0, set(range(5, 100))
     cfg = tiny_config(tmp_path / "nan_stop", cache_dir, "max_steps=4", "rollout.engine=hf", "checkpoint_every=1",
-                      "max_consecutive_nan=3")
+                      "max_consecutive_nan=3", run_all)
     with pytest.raises(TrainingStopped, match="3 non-finite updates in a row at step 3"):
         train(cfg)
     last = latest_checkpoint(cfg.output_dir)
