@@ -139,3 +139,22 @@ def test_unavailable_impls_say_why_and_bad_names_raise():
         impl_unavailable_reason("logprobs_fwd_bwd", "fast", "cpu")
     with pytest.raises(ValueError, match="op must be one of"):
         impl_unavailable_reason("softmax", "naive", "cpu")
+
+
+def test_zero_gradient_groups_benchmark_runs_both_settings_and_writes_its_table(tmp_path):
+    """benchmarks/zero_gradient_groups.py end to end at 2 steps (tiny task settings, the HF engine): a run with
+    the skipping and one without, and the table that compares them."""
+    from benchmarks import zero_gradient_groups
+
+    rc = zero_gradient_groups.main(["--dry-run", "--tasks", "addition", "--out", str(tmp_path), "--cache-dir",
+                                    str(tmp_path / "cache"), "rollout.engine=hf", "task.digits=1",
+                                    "task.warmup_steps=300", "task.warmup_target_accuracy=0.3",
+                                    "rollout.prompts_per_step=8", "rollout.group_size=4", "eval.num_problems=8"])
+    assert rc == 0
+    with open(tmp_path / "zero_gradient_groups_cpu.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert sorted(r["skip"] for r in rows) == ["False", "True"]
+    assert all(int(r["steps"]) == 2 and float(r["update_s"]) > 0 for r in rows)
+    assert float(next(r for r in rows if r["skip"] == "False")["skipped_frac"]) == 0.0
+    table = (tmp_path / "zero_gradient_groups_cpu.md").read_text()
+    assert "| addition | 0 |" in table and "rollout.engine=hf" in table
