@@ -15,7 +15,11 @@ The loss statistic ``single_label_grad_share`` measures the part removed.
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from pacs_kernels.loss import class_weights
 
 
 def loss_valid(rewards: torch.Tensor, group_size: int, drop_single_label_groups: bool) -> torch.Tensor | None:
@@ -76,3 +80,12 @@ def plan_group_skips(rewards: torch.Tensor, group_size: int, mini_batches: int, 
     rows = torch.tensor(order, dtype=torch.long).repeat_interleave(group_size) * group_size
     rows += torch.arange(group_size).repeat(len(order))
     return rows.to(rewards.device), run
+
+
+def skipped_group_loss(rewards: torch.Tensor, group_size: int, weighting: str, dropped: bool) -> float:
+    """The loss value (mean over its responses) of a group skipped for a zero gradient: psi = 0, so each
+    response's term is w * ln 2 (softplus(0) - y * 0), and 0 where the group is dropped (weight 0)."""
+    if dropped:
+        return 0.0
+    weights = class_weights(rewards.double(), group_size, weighting)
+    return float(weights.mean()) * math.log(2.0)

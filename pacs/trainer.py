@@ -52,7 +52,7 @@ from .reference_policy import ReferenceSnapshot, is_reset_step
 from .rollout import make_rollout_engine
 from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
 from .run_setup import Run, apply_torch_threads, check_config, engine_options, prepare_run
-from .single_label_groups import loss_valid, plan_group_skips, skip_rules
+from .single_label_groups import loss_valid, plan_group_skips, skip_rules, skipped_group_loss
 from .split_groups import GroupGradients, group_gradients, part_surrogate, split_group_rows
 from .stop_signals import StoppedBySignal, StopSignals
 
@@ -276,6 +276,7 @@ class UpdateResult:
     last_loss: float
     split_groups: int = 0  # groups larger than the token budget, run in parts (pacs/split_groups.py)
     skipped_groups: int | None = None  # groups whose gradient is exactly 0, not run (None: not planned)
+    skipped_losses: list[float] = dataclasses.field(default_factory=list)  # their loss values, one per group
 
 
 def old_policy_ranges(cfg: Config, batch: Batch, dist_info: DistInfo, packed: bool) -> list[tuple[int, int]]:
@@ -339,9 +340,13 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
     one_sweep = o.algo == "pacs" and o.one_sweep_first_step and rollout_logp is None
     stat_sums: dict[str, float] = {}
     stat_counts: dict[str, int] = {}
-    losses, grad_norms, split_groups, last_losses = [], [], 0, []
+    losses, grad_norms, split_groups, last_losses, skipped_losses = [], [], 0, [], []
     for mini in range(o.mini_batches_per_step):
         run_rows = rows_per_mini if groups_run is None else groups_run[mini] * group
+        # the loss values of the groups not run (psi = 0: w ln 2 each), for the metrics
+        skipped_here = [skipped_group_loss(batch.rewards[lo:lo + group], group, o.weighting, o.drop_single_label_groups)
+                        for lo in range(mini * rows_per_mini + run_rows, (mini + 1) * rows_per_mini, group)]
+        skipped_losses += skipped_here
         micro_batches = micro_batch_ranges(
             lengths, mini * rows_per_mini, mini * rows_per_mini + run_rows, group_size=group,
             rows_per_micro=micro_batch_groups(cfg) * group, max_tokens=tr.max_tokens_per_micro_batch, packed=packed)
@@ -373,10 +378,9 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
             for key, value in stats.items():  # NaN: undefined here (e.g. no correct response)
                 stat_sums[key] = stat_sums.get(key, 0.0) + (value if math.isfinite(value) else 0.0)
                 stat_counts[key] = stat_counts.get(key, 0) + math.isfinite(value)
-        if micro_batches:
-            last_losses = losses[len(losses) - micro_per_mini:]
-        else:  # every group skipped (a gradient of exactly 0): the optimizer steps on zeros, as it would
-            for p in policy.parameters():  # have (AdamW counts the step: its bias corrections move on)
+        last_losses = losses[len(losses) - micro_per_mini:] + skipped_here
+        if not micro_batches:  # every group skipped (a gradient of exactly 0): AdamW steps on zeros, as it would
+            for p in policy.parameters():  # have (it counts the step: its bias corrections move on)
                 if p.grad is None and p.requires_grad:
                     p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), o.max_grad_norm)
@@ -407,7 +411,7 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
     stats = {k: (v / stat_counts[k] if stat_counts[k] else float("nan")) for k, v in stat_sums.items()}
     skipped = None if groups_run is None else groups_per_mini * o.mini_batches_per_step - sum(groups_run)
     last_loss = sum(last_losses) / len(last_losses) if last_losses else float("nan")
-    return UpdateResult(losses, grad_norms, stats, last_loss, split_groups, skipped)
+    return UpdateResult(losses, grad_norms, stats, last_loss, split_groups, skipped, skipped_losses)
 
 
 def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: float, update: UpdateResult,
@@ -417,6 +421,7 @@ def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: f
     task's reward counters, e.g. math-verify timeouts, each scored 0), then the optimizer's, the
     throughput, the timings and the peak memory."""
     response_tokens = sum(len(x) for x in responses)
+    step_losses = update.losses + update.skipped_losses  # one value per micro-batch run, per group skipped
     extra = dict(extra or {})
     if update.skipped_groups is not None:  # the loss's statistics then cover the groups that ran
         labels = batch.rewards.reshape(-1, group_size)
@@ -424,7 +429,7 @@ def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: f
         extra["skipped_group_frac"] = update.skipped_groups / labels.shape[0]
     local = {"reward_mean": float(batch.rewards.mean()), "entropy": entropy,
              "response_length": response_tokens / len(responses),
-             "loss": sum(update.losses) / len(update.losses) if update.losses else float("nan"),
+             "loss": sum(step_losses) / len(step_losses) if step_losses else float("nan"),
              "split_groups": float(update.split_groups), **extra,
              **{k: v for k, v in update.stats.items() if k not in ("loss", "reward_mean", *extra)}}
     row = {"step": step, **all_reduce_mean(local, dist_info)}

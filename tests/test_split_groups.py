@@ -120,7 +120,9 @@ def test_two_fsdp_ranks_with_split_groups(tmp_path):
 
     from test_trainer_fsdp import close, run_worker
 
-    split = ("train.packing=true", "train.max_tokens_per_micro_batch=24", "rollout.max_prompt_len=16")
+    # every group runs (none skipped for a zero gradient: tests/test_single_label_groups.py), each in parts
+    split = ("train.packing=true", "train.max_tokens_per_micro_batch=24", "rollout.max_prompt_len=16",
+             "train.skip_zero_gradient_groups=false")
     run_worker(tmp_path / "one", tmp_path / "cache", 1, *split)
     run_worker(tmp_path / "two", tmp_path / "cache", 2, *split, "train.preflight=true")  # changes nothing
     one = json.loads((tmp_path / "one" / "sync_rank0.json").read_text())

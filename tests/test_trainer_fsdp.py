@@ -6,6 +6,8 @@ import os
 import pytest
 from trainer_helpers import TINY, comparable, repo_root, run_torchrun
 
+from pacs.metrics import read_metrics
+
 # One mini-batch per rollout step: a data-parallel mini-batch is the union of every rank's chunk,
 # so only then do 2 ranks and 1 process group the same responses into each optimizer step.
 STEPS = ["max_steps=2", "rollout.engine=hf", "eval.every=1", "checkpoint_every=0",
@@ -46,6 +48,12 @@ def test_two_cpu_ranks_stay_in_sync_and_match_one_process(tmp_path):
     assert m_two["eval_accuracy"] == m_one["eval_accuracy"]
     assert m_two["response_length"] == pytest.approx(m_one["response_length"])
     assert m_two["loss"] == pytest.approx(m_one["loss"], rel=1e-4, abs=1e-6)
+    # groups with a zero gradient were skipped (train.skip_zero_gradient_groups, on by default): each rank ran
+    # as many groups per mini-batch as the rank with the most, and the runs still agree
+    steps = [read_metrics(str(tmp_path / run / "metrics.jsonl"))[1:] for run in ("one", "two")]
+    assert max(row["skipped_group_frac"] for row in steps[0]) > 0
+    single = [[row["frac_single_label_groups"] for row in rows] for rows in steps]
+    assert single[0] == single[1]
 
 
 @pytest.mark.slow
