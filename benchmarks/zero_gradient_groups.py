@@ -63,6 +63,19 @@ def run_pair_member(task: str, skip: bool, seed: int, steps: int, workdir: str, 
             "final_accuracy": rows[-1].get("eval_accuracy", float("nan"))}
 
 
+def shown_command(args) -> str:
+    """The command that reruns these runs (the options that differ from the defaults, then the settings)."""
+    parts = ["python benchmarks/zero_gradient_groups.py"]
+    if args.tasks != list(TASKS):
+        parts += ["--tasks", *(f"'{t}'" if " " in t else t for t in args.tasks)]
+    if not args.dry_run:
+        parts += ["--seeds", *map(str, args.seeds)] if args.seeds != [0, 1] else []
+        parts += ["--steps", str(args.steps)] if args.steps != 40 else []
+    else:
+        parts.append("--dry-run")
+    return " ".join(parts + args.overrides)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
@@ -97,7 +110,7 @@ def main(argv=None) -> int:
     lines = ["# Skipping the groups whose gradient is 0: `pacs train` with train.skip_zero_gradient_groups on / off",
              "", f"{date}; {cpu_model()} ({os.cpu_count()} cores), {platform.python_version()}, 1 torch thread, "
              f"{args.steps} rollout steps per run, the trainer's defaults (32 prompts x 8 responses, 2 mini-batches) "
-             f"unless set: `python benchmarks/zero_gradient_groups.py{''.join(' ' + o for o in args.overrides)}`.", "",
+             f"unless set: `{shown_command(args)}`.", "",
              "| task | seed | single-label groups | skipped | update, all run (ms/step) | update, skipped (ms/step) "
              "| update speed-up | step speed-up | final accuracy (all run / skipped) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
