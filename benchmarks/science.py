@@ -129,7 +129,7 @@ def diagnostics(train_rows: list[dict]) -> dict:
         if values:
             out[f"{key}_mean"] = _mean(values)
     ages = sorted({r["ref_age"] for r in train_rows if r.get("ref_age") is not None})
-    if ages and "single_label_grad_share" in (train_rows[0] if train_rows else {}):
+    if ages and any("single_label_grad_share" in r for r in train_rows):
         out["single_label_grad_share_by_ref_age"] = {
             str(int(age)): _mean([r["single_label_grad_share"] for r in train_rows if r.get("ref_age") == age
                                   and r.get("single_label_grad_share") is not None]) for age in ages}

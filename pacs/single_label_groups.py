@@ -1,4 +1,5 @@
-"""``optim.drop_single_label_groups``: PACS's loss without the groups whose responses all got one reward.
+"""Groups whose responses all got one reward: where their gradient is exactly 0 (not run:
+``train.skip_zero_gradient_groups``), and PACS's loss without them (``optim.drop_single_label_groups``).
 
 A group whose valid responses carry one label y and one class weight w has, per response, the BCE slope
 g_i = w (sigmoid(psi_i) - y) / B, and the gradient with respect to the scores r is J^T g, J the Jacobian of the
@@ -9,8 +10,12 @@ constant over the group and J^T g = 0: the group adds nothing. Once the policy h
 group pulls each response's log-ratio toward the group's: toward the reference (under "grpo" only weakly:
 its standardisation projects out the part of g linear in psi, leaving sigmoid's curvature). Dropping these groups
 removes that pull (and only it: the divisor B still counts them, so the other groups' terms are unchanged).
-The rows still run forward and backward (their loss terms weigh 0), so nothing is saved in compute.
-The loss statistic ``single_label_grad_share`` measures the part removed.
+The loss statistic ``single_label_grad_share`` measures the part removed. With skipping on (the default)
+dropped groups are not run at all; with it off they run with loss terms that weigh 0.
+
+Exactly 0 needs psi = 0 exactly, which the one-sweep first step guarantees (its loss is taken at
+logp = old_logp); a recomputed first mini-batch has psi of rounding size, negligible under "rloo" but
+standardised to order 1 by "grpo", so skipping also needs ``optim.one_sweep_first_step``.
 """
 
 from __future__ import annotations
@@ -44,15 +49,16 @@ def skip_rules(cfg, *, reference_is_current: bool) -> tuple[bool, bool]:
     exactly 0, so ``train.skip_zero_gradient_groups`` may leave out its forward and backward.
 
     First mini-batch: PACS with the log-ratio score against the policy that sampled (``reference_is_current``:
-    the reference reset this step), every psi is 0 there, and under "rloo"/"grpo" the group's slope cancels
-    (the module docstring; the score-function term adds w l / B per response, not cancelled: not then).
-    mean_logp's psi is not 0 there. Every mini-batch: ``optim.drop_single_label_groups`` (weight 0)."""
+    the reference reset this step) on the one-sweep first step, where every psi is exactly 0, and under
+    "rloo"/"grpo" the group's slope cancels (the module docstring; the score-function term adds w l / B per
+    response, not cancelled: not then). mean_logp's psi is not 0 there. Every mini-batch:
+    ``optim.drop_single_label_groups`` (weight 0)."""
     o = cfg.optim
     if not cfg.train.skip_zero_gradient_groups or o.algo != "pacs":
         return False, False
     every = o.drop_single_label_groups
-    first = every or (reference_is_current and o.score == "log_ratio" and o.advantage in ("rloo", "grpo")
-                      and not o.score_function_term)
+    first = every or (reference_is_current and o.one_sweep_first_step and o.score == "log_ratio"
+                      and o.advantage in ("rloo", "grpo") and not o.score_function_term)
     return first, every
 
 
@@ -63,8 +69,10 @@ def plan_group_skips(rewards: torch.Tensor, group_size: int, mini_batches: int, 
     ``rewards`` (B,): this rank's rows, groups contiguous, mini-batch m holding groups [m n, (m + 1) n).
     Returns (the row order that puts, within each mini-batch, the groups that must run first, keeping
     their order, and the skippable ones after them; None when nothing moves) and the number of groups
-    each mini-batch must run. Under FSDP the caller takes every rank's largest count, so a rank may run
-    some skippable groups too (their gradient is 0: exact)."""
+    each mini-batch runs: those that must, and at least one, so that every parameter the loss reaches
+    gets its (zero) gradient as when every group runs, and the optimizer steps alike (AdamW counts the
+    step; a parameter left without a gradient would not be stepped). Under FSDP the caller takes every
+    rank's largest count, so a rank may run some skippable groups too (their gradient is 0: exact)."""
     grouped = rewards.reshape(-1, group_size)
     single = (grouped == grouped[:, :1]).all(1).tolist()
     per_mini = len(single) // mini_batches
@@ -74,7 +82,7 @@ def plan_group_skips(rewards: torch.Tensor, group_size: int, mini_batches: int, 
         skippable = skip_every or (skip_first and mini == 0)
         must = [g for g in ids if not (skippable and single[g])]
         order += must + [g for g in ids if skippable and single[g]]
-        run.append(len(must))
+        run.append(max(len(must), 1))
     if order == list(range(len(single))):
         return None, run
     rows = torch.tensor(order, dtype=torch.long).repeat_interleave(group_size) * group_size

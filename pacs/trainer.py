@@ -265,18 +265,30 @@ def evaluate_policy(cfg: Config, engine, run: Run, dist_info: DistInfo, step: in
 
 @dataclass
 class UpdateResult:
-    """What one rollout step's updates produced: every micro-batch loss, the grad norm of each
-    update that was applied, the mean of each loss statistic over micro-batches where it is
-    defined, and the last mini-batch's mean loss (what the progress bar shows: the first
-    mini-batch after a rollout always reads ln 2 for PACS, as the policy still equals the old one)."""
+    """What one rollout step's updates produced: every micro-batch loss and how many groups it held
+    (a part of a group: its share), the grad norm of each update that was applied, the mean of each loss
+    statistic over the micro-batches that ran where it is defined, and the last mini-batch's mean loss
+    per group (what the progress bar shows: the first mini-batch after a rollout always reads ln 2 for
+    PACS, as the policy still equals the old one). Groups not run (a gradient of exactly 0) count in the
+    loss at their value, one group each."""
 
     losses: list[float]
+    loss_groups: list[float]
     grad_norms: list[float]
     stats: dict[str, float]
     last_loss: float
     split_groups: int = 0  # groups larger than the token budget, run in parts (pacs/split_groups.py)
     skipped_groups: int | None = None  # groups whose gradient is exactly 0, not run (None: not planned)
     skipped_losses: list[float] = dataclasses.field(default_factory=list)  # their loss values, one per group
+
+    def mean_loss(self) -> float:
+        """The step's loss: the mean over groups (each micro-batch's loss weighs the groups it held)."""
+        return weighted_mean(self.losses + self.skipped_losses, self.loss_groups + [1.0] * len(self.skipped_losses))
+
+
+def weighted_mean(values: list[float], weights: list[float]) -> float:
+    total = sum(weights)
+    return sum(v * w for v, w in zip(values, weights)) / total if total else float("nan")
 
 
 def old_policy_ranges(cfg: Config, batch: Batch, dist_info: DistInfo, packed: bool) -> list[tuple[int, int]]:
@@ -340,7 +352,8 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
     one_sweep = o.algo == "pacs" and o.one_sweep_first_step and rollout_logp is None
     stat_sums: dict[str, float] = {}
     stat_counts: dict[str, int] = {}
-    losses, grad_norms, split_groups, last_losses, skipped_losses = [], [], 0, [], []
+    losses, loss_groups, grad_norms, split_groups, skipped_losses = [], [], [], 0, []
+    last_loss = float("nan")
     for mini in range(o.mini_batches_per_step):
         run_rows = rows_per_mini if groups_run is None else groups_run[mini] * group
         # the loss values of the groups not run (psi = 0: w ln 2 each), for the metrics
@@ -375,14 +388,12 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
                     (loss * ((hi - lo) / rows_per_mini)).backward()
                     loss_value = float(loss.detach())
             losses.append(loss_value)
+            loss_groups.append((hi - lo) / group)
             for key, value in stats.items():  # NaN: undefined here (e.g. no correct response)
                 stat_sums[key] = stat_sums.get(key, 0.0) + (value if math.isfinite(value) else 0.0)
                 stat_counts[key] = stat_counts.get(key, 0) + math.isfinite(value)
-        last_losses = losses[len(losses) - micro_per_mini:] + skipped_here
-        if not micro_batches:  # every group skipped (a gradient of exactly 0): AdamW steps on zeros, as it would
-            for p in policy.parameters():  # have (it counts the step: its bias corrections move on)
-                if p.grad is None and p.requires_grad:
-                    p.grad = torch.zeros_like(p)
+        last_loss = weighted_mean(losses[len(losses) - micro_per_mini:] + skipped_here,
+                                  loss_groups[len(loss_groups) - micro_per_mini:] + [1.0] * len(skipped_here))
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), o.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
             grad_norm = grad_norm.full_tensor()
@@ -410,8 +421,7 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
         optimizer.zero_grad(set_to_none=True)
     stats = {k: (v / stat_counts[k] if stat_counts[k] else float("nan")) for k, v in stat_sums.items()}
     skipped = None if groups_run is None else groups_per_mini * o.mini_batches_per_step - sum(groups_run)
-    last_loss = sum(last_losses) / len(last_losses) if last_losses else float("nan")
-    return UpdateResult(losses, grad_norms, stats, last_loss, split_groups, skipped, skipped_losses)
+    return UpdateResult(losses, loss_groups, grad_norms, stats, last_loss, split_groups, skipped, skipped_losses)
 
 
 def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: float, update: UpdateResult,
@@ -421,7 +431,6 @@ def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: f
     task's reward counters, e.g. math-verify timeouts, each scored 0), then the optimizer's, the
     throughput, the timings and the peak memory."""
     response_tokens = sum(len(x) for x in responses)
-    step_losses = update.losses + update.skipped_losses  # one value per micro-batch run, per group skipped
     extra = dict(extra or {})
     if update.skipped_groups is not None:  # the loss's statistics then cover the groups that ran
         labels = batch.rewards.reshape(-1, group_size)
@@ -429,7 +438,7 @@ def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: f
         extra["skipped_group_frac"] = update.skipped_groups / labels.shape[0]
     local = {"reward_mean": float(batch.rewards.mean()), "entropy": entropy,
              "response_length": response_tokens / len(responses),
-             "loss": sum(step_losses) / len(step_losses) if step_losses else float("nan"),
+             "loss": update.mean_loss(),
              "split_groups": float(update.split_groups), **extra,
              **{k: v for k, v in update.stats.items() if k not in ("loss", "reward_mean", *extra)}}
     row = {"step": step, **all_reduce_mean(local, dist_info)}
