@@ -112,6 +112,7 @@ def test_plan_moves_the_skippable_groups_behind_the_others_within_each_mini_batc
     (["optim.advantage=naive"], True, (False, False)),  # psi = r has no baseline to cancel the slope
     (["optim.score=mean_logp"], True, (False, False)),  # its psi is not 0 at the reference
     (["optim.score_function_term=true"], True, (False, False)),  # w l / B per response: not 0
+    (["optim.one_sweep_first_step=false"], True, (False, False)),  # recomputed: psi of rounding size, not 0
     (["optim.drop_single_label_groups=true"], False, (True, True)),
     (["optim.drop_single_label_groups=true", "optim.score_function_term=true"], True, (True, True)),
     (["optim.algo=grpo"], True, (False, False)),  # GRPO's token mean counts every group's tokens
