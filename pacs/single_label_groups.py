@@ -97,3 +97,25 @@ def skipped_group_loss(rewards: torch.Tensor, group_size: int, weighting: str, d
         return 0.0
     weights = class_weights(rewards.double(), group_size, weighting)
     return float(weights.mean()) * math.log(2.0)
+
+
+def groups_that_must_run(rewards: torch.Tensor, valid: torch.Tensor | None, group_size: int) -> torch.Tensor:
+    """(n_groups,) bool: False for a group whose gradient is exactly 0 at psi = 0: every response valid and
+    one reward (the slopes are equal and the baseline cancels them), or no valid response (no term)."""
+    labels = rewards.reshape(-1, group_size)
+    if valid is None:
+        return (labels != labels[:, :1]).any(1)
+    ok = valid.reshape(-1, group_size)
+    single = ok.all(1) & (labels == labels[:, :1]).all(1)
+    return ~(single | ~ok.any(1))
+
+
+def skipped_loss_sum(rewards: torch.Tensor, valid: torch.Tensor | None, group_size: int, weighting: str,
+                     run: torch.Tensor) -> float:
+    """Sum over the responses of the groups not run (``run`` False) of their loss terms at psi = 0:
+    w ln 2 each (0 for an invalid response)."""
+    skipped = (~run).repeat_interleave(group_size)
+    if not bool(skipped.any()):
+        return 0.0
+    weights = class_weights(rewards.double(), group_size, weighting, valid)
+    return float(weights[skipped].sum()) * math.log(2.0)

@@ -90,6 +90,41 @@ def test_on_policy_loss_and_gradients_equal_pacs_loss(tmp_path):
 
 
 @pytest.mark.slow
+def test_on_policy_steps_skip_single_label_groups_with_the_whole_loss_and_gradients(tmp_path):
+    """pacs_skip_zero_gradient_groups (on by default): a group whose responses are all valid with one reward
+    has a gradient of exactly 0 on-policy and is not run; the loss (its value added back) and the gradients
+    are the whole micro-batch's, as with the option off; a micro-batch of such groups only runs one."""
+    import math
+
+    trainer = helpers.trainer(tmp_path)
+    inputs = first_micro_batch(trainer)
+    model, G = trainer.model, helpers.GROUP
+    rewards, valid = inputs["pacs_rewards"], inputs["pacs_valid"]
+    rewards[:G], valid[:G] = 1.0, True  # group 0: one label, every response valid
+    rewards[G], rewards[G + 1] = 1.0, 0.0  # group 1: both labels
+    mask = inputs["completion_mask"]
+
+    def reference():
+        logp = helpers.naive_logp(model, inputs, 1.0)
+        return pacs_loss(logp, logp.detach(), rewards, mask, group_size=G, valid=valid & mask.bool().any(1)) / 2
+
+    expected = loss_and_grads(model, reference)
+    for skip in (True, False):
+        trainer.args.pacs_skip_zero_gradient_groups = skip
+        assert_same(*loss_and_grads(model, lambda: trainer.compute_loss(model, inputs)), *expected)
+        if skip:
+            assert trainer._metrics["train"]["pacs/skipped_group_frac"][-1] == 0.5
+            assert trainer._metrics["train"]["pacs/frac_single_label_groups"][-1] == 0.5
+    trainer.args.pacs_skip_zero_gradient_groups = True
+    rewards[:] = 0.0
+    valid[:] = True
+    loss, grads = loss_and_grads(model, lambda: trainer.compute_loss(model, inputs))
+    assert loss.item() == pytest.approx(math.log(2.0) / 2, rel=1e-6)  # every term ln 2, over 2 accumulation steps
+    assert grads and max(g.abs().max().item() for g in grads.values()) < 1e-9  # one group ran: zero gradients
+    assert trainer._metrics["train"]["pacs/skipped_group_frac"][-1] == 0.5
+
+
+@pytest.mark.slow
 def test_tiled_mlp_gives_the_untiled_loss_and_gradients(tmp_path):
     """pacs_tiled_mlp=True: every decoder MLP runs in tiles of 3 tokens; the loss and gradients of the
     first micro-batch equal pacs_loss on an untiled copy of the same weights."""

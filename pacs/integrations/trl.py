@@ -21,6 +21,9 @@ what PACS needs differently is done here:
   the same with vLLM generation (``use_vllm=True``): the old log-probs are the trainer's own, never
   vLLM's sampling log-probs (``sampling_per_token_logps``, from the engine's copy of the weights);
 - the loss is divided by the gradient-accumulation steps (as the public PACS code does);
+- on-policy training steps skip the groups whose gradient is exactly 0 (every response valid and one
+  reward: ``pacs_skip_zero_gradient_groups``, pacs/single_label_groups.py), their loss value added, so
+  loss and gradients are those of the whole micro-batch;
 - PACS stats (psi, the implicit critic's calibration, class weights) and the entropy go to TRL's
   metrics as ``pacs/...`` and ``entropy``.
 
@@ -46,6 +49,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from pacs_kernels import PACSLoss
 
+from ..single_label_groups import groups_that_must_run, skipped_loss_sum
 from ..stop_signals import StoppedBySignal, StopSignals
 from ..tiled_mlp import tile_mlp
 from .model_forward import PACSBatch, add_pacs_forward, check_supported_head
@@ -86,6 +90,12 @@ class PACSConfig(GRPOConfig):
                                          "backward (pacs/tiled_mlp.py): long completions on little memory."})
     pacs_mlp_tile_tokens: int | None = field(
         default=None, metadata={"help": "Tokens per MLP tile with pacs_tiled_mlp (None: the model's hidden size)."})
+    pacs_skip_zero_gradient_groups: bool = field(
+        default=True, metadata={"help": "On-policy training steps (no old log-probs: psi = 0), rloo/grpo advantage, "
+                                        "log-ratio score, no score-function term: groups whose responses all got "
+                                        "the same reward have a gradient of exactly 0 and are not run (their loss "
+                                        "value is added). The logged entropy and PACS statistics then cover the "
+                                        "groups that ran; pacs/frac_single_label_groups covers all."})
     pacs_checkpoint_on_signal: bool = field(
         default=True, metadata={"help": "SIGTERM / SIGUSR1 / Ctrl-C during train(): finish the optimizer step, save "
                                         "a checkpoint, stop (pacs/stop_signals.py)."})
@@ -298,18 +308,45 @@ class PACSTrainer(GRPOTrainer):
             mask = mask * inputs["tool_mask"]
         # a response without loss tokens (mask_truncated_completions zeroes truncated ones) does not count
         valid = inputs["pacs_valid"] & mask.bool().any(dim=1)
-        batch = PACSBatch(
-            targets=completion_ids, mask=mask, rewards=inputs["pacs_rewards"], valid=valid,
-            old_logp=inputs.get("old_per_token_logps"), group_ids=inputs["pacs_group_ids"], return_stats=True)
-        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
-        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        rewards, group_ids = inputs["pacs_rewards"], inputs["pacs_group_ids"]
+        old_logp = inputs.get("old_per_token_logps")
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_mask = inputs["completion_mask"]
+        skipping = mode == "train" and self._skips_zero_gradient_groups(old_logp)
+        if skipping:  # groups with a gradient of exactly 0 are not run; their loss value is added back
+            n_rows, G = rewards.shape[0], self.num_generations
+            run = groups_that_must_run(rewards, valid, G)
+            if not bool(run.any()):
+                run[0] = True  # one group still runs (its gradient is 0): every rank's backward, every parameter's
+            labels = rewards.reshape(-1, G)
+            single_frac = float((labels == labels[:, :1]).all(1).double().mean())
+            skipped_sum = skipped_loss_sum(rewards, valid, G, self.args.pacs_weighting, run)
+            rows = run.repeat_interleave(G)
+            completion_ids, mask, valid, rewards, group_ids = (
+                t[rows] for t in (completion_ids, mask, valid, rewards, group_ids))
+            prompt_ids, prompt_mask, completion_mask = prompt_ids[rows], prompt_mask[rows], completion_mask[rows]
+        batch = PACSBatch(targets=completion_ids, mask=mask, rewards=rewards, valid=valid, old_logp=old_logp,
+                          group_ids=group_ids, return_stats=True)
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         with self.accelerator.autocast():
             output = model(input_ids=input_ids, attention_mask=attention_mask, pacs_batch=batch)
-        self._log_pacs_stats(mode, output.stats)
-        loss = output.loss
+        stats, loss = dict(output.stats), output.loss
+        if skipping:  # the whole micro-batch's loss: a mean over its n_rows responses
+            loss = loss * (rewards.shape[0] / n_rows) + skipped_sum / n_rows
+            stats["frac_single_label_groups"] = single_frac
+            stats["skipped_group_frac"] = 1.0 - float(run.double().mean())
+        self._log_pacs_stats(mode, stats)
         if mode == "train":  # GRPOTrainer declares the loss already scaled for gradient accumulation
             loss = loss / self.current_gradient_accumulation_steps
         return loss
+
+    def _skips_zero_gradient_groups(self, old_logp) -> bool:
+        """Whether this training step may skip single-label groups: psi = 0 exactly (on-policy: no old
+        log-probs, the one-sweep step), and a loss whose single-label groups then have no gradient."""
+        a = self.args
+        return (a.pacs_skip_zero_gradient_groups and old_logp is None and a.pacs_score == "log_ratio"
+                and a.pacs_advantage in ("rloo", "grpo") and not a.pacs_score_function_term)
 
     def _log_pacs_stats(self, mode: str, stats: dict) -> None:
         """Every rank holds the same keys; each metric is the NaN-aware mean over ranks."""
