@@ -66,7 +66,10 @@ def main(mode: str, out_dir: str, tied: bool = False) -> None:
             seen["wrapper"] = type(model).__name__
             if mode == "fsdp2":
                 seen["sharding"] = sharding_of(model)
-            return super()._compute_loss(model, inputs)
+            loss = super()._compute_loss(model, inputs)
+            skipped = self._metrics["train"].get("pacs/skipped_group_frac")  # (groups with a zero gradient)
+            seen.setdefault("skipped_group_frac", []).append(skipped[-1] if skipped else None)
+            return loss
 
     tok = helpers.tokenizer()
     trainer = RecordingTrainer(helpers.tiny_model(len(tok), tie_word_embeddings=tied), helpers.contains_one,
