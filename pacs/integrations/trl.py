@@ -95,7 +95,7 @@ class PACSConfig(GRPOConfig):
                                         "log-ratio score, no score-function term: groups whose responses all got "
                                         "the same reward have a gradient of exactly 0 and are not run (their loss "
                                         "value is added). The logged entropy and PACS statistics then cover the "
-                                        "groups that ran; pacs/frac_single_label_groups covers all."})
+                                        "groups that ran; pacs/loss and pacs/frac_single_label_groups cover all."})
     pacs_checkpoint_on_signal: bool = field(
         default=True, metadata={"help": "SIGTERM / SIGUSR1 / Ctrl-C during train(): finish the optimizer step, save "
                                         "a checkpoint, stop (pacs/stop_signals.py)."})
@@ -316,9 +316,9 @@ class PACSTrainer(GRPOTrainer):
         if skipping:  # groups with a gradient of exactly 0 are not run; their loss value is added back
             n_rows, G = rewards.shape[0], self.num_generations
             run = groups_that_must_run(rewards, valid, G)
-            if not bool(run.any()):
-                run[0] = True  # one group still runs (its gradient is 0): every rank's backward, every parameter's
-            labels = rewards.reshape(-1, G)
+            if not bool(run.any()):  # one group still runs (its gradient is 0): every rank's backward, every
+                run[mask.reshape(-1, G * mask.shape[1]).sum(1).argmax()] = True  # parameter's; one with tokens
+            labels = torch.where(valid, rewards, torch.zeros_like(rewards)).reshape(-1, G)  # as the loss counts
             single_frac = float((labels == labels[:, :1]).all(1).double().mean())
             skipped_sum = skipped_loss_sum(rewards, valid, G, self.args.pacs_weighting, run)
             rows = run.repeat_interleave(G)
@@ -334,6 +334,7 @@ class PACSTrainer(GRPOTrainer):
         stats, loss = dict(output.stats), output.loss
         if skipping:  # the whole micro-batch's loss: a mean over its n_rows responses
             loss = loss * (rewards.shape[0] / n_rows) + skipped_sum / n_rows
+            stats["loss"] = float(loss.detach())
             stats["frac_single_label_groups"] = single_frac
             stats["skipped_group_frac"] = 1.0 - float(run.double().mean())
         self._log_pacs_stats(mode, stats)
