@@ -16,6 +16,7 @@ dropped groups are not run at all; with it off they run with loss terms that wei
 Exactly 0 needs psi = 0 exactly, which the one-sweep first step guarantees (its loss is taken at
 logp = old_logp); a recomputed first mini-batch has psi of rounding size, negligible under "rloo" but
 standardised to order 1 by "grpo", so skipping also needs ``optim.one_sweep_first_step``.
+TRL's ``PACSTrainer`` skips them on its on-policy steps (``groups_that_must_run``, ``skipped_loss_sum``).
 """
 
 from __future__ import annotations
