@@ -16,7 +16,7 @@ dropped groups are not run at all; with it off they run with loss terms that wei
 Exactly 0 needs psi = 0 exactly, which the one-sweep first step guarantees (its loss is taken at
 logp = old_logp); a recomputed first mini-batch has psi of rounding size, negligible under "rloo" but
 standardised to order 1 by "grpo", so skipping also needs ``optim.one_sweep_first_step``.
-TRL's ``PACSTrainer`` skips them on its on-policy steps (``groups_that_must_run``, ``skipped_loss_sum``).
+TRL's ``PACSTrainer`` skips them on its on-policy steps (``groups_that_must_run``, ``group_losses_at_zero``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,12 @@ import torch
 from pacs_kernels.loss import class_weights
 
 
+def single_label(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(n_groups,) bool: the groups whose rewards are all equal (``rewards`` (B,), groups contiguous)."""
+    grouped = rewards.reshape(-1, group_size)
+    return (grouped == grouped[:, :1]).all(1)
+
+
 def loss_valid(rewards: torch.Tensor, group_size: int, drop_single_label_groups: bool) -> torch.Tensor | None:
     """(B,) bool: False for every response of a group whose rewards are all equal; None when not dropping.
 
@@ -37,9 +43,7 @@ def loss_valid(rewards: torch.Tensor, group_size: int, drop_single_label_groups:
     if rewards.numel() % group_size:
         raise ValueError(f"optim.drop_single_label_groups needs whole groups of {group_size} responses, "
                          f"got {rewards.numel()} rewards")
-    grouped = rewards.reshape(-1, group_size)
-    mixed = (grouped != grouped[:, :1]).any(1)
-    return mixed.repeat_interleave(group_size)
+    return (~single_label(rewards, group_size)).repeat_interleave(group_size)
 
 
 # ----------------------------------------------------------------------------- skipping their compute
@@ -74,8 +78,7 @@ def plan_group_skips(rewards: torch.Tensor, group_size: int, mini_batches: int, 
     gets its (zero) gradient as when every group runs, and the optimizer steps alike (AdamW counts the
     step; a parameter left without a gradient would not be stepped). Under FSDP the caller takes every
     rank's largest count, so a rank may run some skippable groups too (their gradient is 0: exact)."""
-    grouped = rewards.reshape(-1, group_size)
-    single = (grouped == grouped[:, :1]).all(1).tolist()
+    single = single_label(rewards, group_size).tolist()
     per_mini = len(single) // mini_batches
     order, run = [], []
     for mini in range(mini_batches):
@@ -91,32 +94,20 @@ def plan_group_skips(rewards: torch.Tensor, group_size: int, mini_batches: int, 
     return rows.to(rewards.device), run
 
 
-def skipped_group_loss(rewards: torch.Tensor, group_size: int, weighting: str, dropped: bool) -> float:
-    """The loss value (mean over its responses) of a group skipped for a zero gradient: psi = 0, so each
-    response's term is w * ln 2 (softplus(0) - y * 0), and 0 where the group is dropped (weight 0)."""
-    if dropped:
-        return 0.0
-    weights = class_weights(rewards.double(), group_size, weighting)
-    return float(weights.mean()) * math.log(2.0)
+def group_losses_at_zero(rewards: torch.Tensor, valid: torch.Tensor | None, group_size: int,
+                         weighting: str) -> torch.Tensor:
+    """(n_groups,) float64: each group's loss value (the mean of its responses' terms) at psi = 0, the
+    value a group skipped for a zero gradient would have had: each term is w ln 2 (softplus(0) - y * 0),
+    0 for an invalid or dropped response (weight 0)."""
+    weights = class_weights(rewards.double(), group_size, weighting, valid)
+    return weights.reshape(-1, group_size).mean(1) * math.log(2.0)
 
 
 def groups_that_must_run(rewards: torch.Tensor, valid: torch.Tensor | None, group_size: int) -> torch.Tensor:
     """(n_groups,) bool: False for a group whose gradient is exactly 0 at psi = 0: every response valid and
     one reward (the slopes are equal and the baseline cancels them), or no valid response (no term)."""
-    labels = rewards.reshape(-1, group_size)
+    single = single_label(rewards, group_size)
     if valid is None:
-        return (labels != labels[:, :1]).any(1)
+        return ~single
     ok = valid.reshape(-1, group_size)
-    single = ok.all(1) & (labels == labels[:, :1]).all(1)
-    return ~(single | ~ok.any(1))
-
-
-def skipped_loss_sum(rewards: torch.Tensor, valid: torch.Tensor | None, group_size: int, weighting: str,
-                     run: torch.Tensor) -> float:
-    """Sum over the responses of the groups not run (``run`` False) of their loss terms at psi = 0:
-    w ln 2 each (0 for an invalid response)."""
-    skipped = (~run).repeat_interleave(group_size)
-    if not bool(skipped.any()):
-        return 0.0
-    weights = class_weights(rewards.double(), group_size, weighting, valid)
-    return float(weights[skipped].sum()) * math.log(2.0)
+    return ~((ok.all(1) & single) | ~ok.any(1))

@@ -52,7 +52,7 @@ from .reference_policy import ReferenceSnapshot, is_reset_step
 from .rollout import make_rollout_engine
 from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
 from .run_setup import Run, apply_torch_threads, check_config, engine_options, prepare_run
-from .single_label_groups import loss_valid, plan_group_skips, skip_rules, skipped_group_loss
+from .single_label_groups import group_losses_at_zero, loss_valid, plan_group_skips, single_label, skip_rules
 from .split_groups import GroupGradients, group_gradients, part_surrogate, split_group_rows
 from .stop_signals import StoppedBySignal, StopSignals
 
@@ -354,11 +354,14 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
     stat_counts: dict[str, int] = {}
     losses, loss_groups, grad_norms, split_groups, skipped_losses = [], [], [], 0, []
     last_loss = float("nan")
+    at_zero = None  # each group's loss value at psi = 0: what a group not run counts in the metrics
+    if groups_run is not None:
+        valid = loss_valid(batch.rewards, group, o.drop_single_label_groups)
+        at_zero = group_losses_at_zero(batch.rewards, valid, group, o.weighting).tolist()
     for mini in range(o.mini_batches_per_step):
         run_rows = rows_per_mini if groups_run is None else groups_run[mini] * group
-        # the loss values of the groups not run (psi = 0: w ln 2 each), for the metrics
-        skipped_here = [skipped_group_loss(batch.rewards[lo:lo + group], group, o.weighting, o.drop_single_label_groups)
-                        for lo in range(mini * rows_per_mini + run_rows, (mini + 1) * rows_per_mini, group)]
+        first_skipped, end = (mini * rows_per_mini + run_rows) // group, (mini + 1) * rows_per_mini // group
+        skipped_here = [] if at_zero is None else at_zero[first_skipped:end]
         skipped_losses += skipped_here
         micro_batches = micro_batch_ranges(
             lengths, mini * rows_per_mini, mini * rows_per_mini + run_rows, group_size=group,
@@ -433,9 +436,9 @@ def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: f
     response_tokens = sum(len(x) for x in responses)
     extra = dict(extra or {})
     if update.skipped_groups is not None:  # the loss's statistics then cover the groups that ran
-        labels = batch.rewards.reshape(-1, group_size)
-        extra["frac_single_label_groups"] = float((labels == labels[:, :1]).all(1).double().mean())
-        extra["skipped_group_frac"] = update.skipped_groups / labels.shape[0]
+        single = single_label(batch.rewards, group_size)
+        extra["frac_single_label_groups"] = float(single.double().mean())
+        extra["skipped_group_frac"] = update.skipped_groups / single.numel()
     local = {"reward_mean": float(batch.rewards.mean()), "entropy": entropy,
              "response_length": response_tokens / len(responses),
              "loss": update.mean_loss(),

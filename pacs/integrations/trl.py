@@ -49,7 +49,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from pacs_kernels import PACSLoss
 
-from ..single_label_groups import groups_that_must_run, skipped_loss_sum
+from ..single_label_groups import group_losses_at_zero, groups_that_must_run, single_label
 from ..stop_signals import StoppedBySignal, StopSignals
 from ..tiled_mlp import tile_mlp
 from .model_forward import PACSBatch, add_pacs_forward, check_supported_head
@@ -318,9 +318,9 @@ class PACSTrainer(GRPOTrainer):
             run = groups_that_must_run(rewards, valid, G)
             if not bool(run.any()):  # one group still runs (its gradient is 0): every rank's backward, every
                 run[mask.reshape(-1, G * mask.shape[1]).sum(1).argmax()] = True  # parameter's; one with tokens
-            labels = torch.where(valid, rewards, torch.zeros_like(rewards)).reshape(-1, G)  # as the loss counts
-            single_frac = float((labels == labels[:, :1]).all(1).double().mean())
-            skipped_sum = skipped_loss_sum(rewards, valid, G, self.args.pacs_weighting, run)
+            labels = torch.where(valid, rewards, torch.zeros_like(rewards))  # as the loss counts them
+            single_frac = float(single_label(labels, G).double().mean())
+            skipped_sum = G * float(group_losses_at_zero(rewards, valid, G, self.args.pacs_weighting)[~run].sum())
             rows = run.repeat_interleave(G)
             completion_ids, mask, valid, rewards, group_ids = (
                 t[rows] for t in (completion_ids, mask, valid, rewards, group_ids))
