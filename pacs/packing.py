@@ -60,6 +60,7 @@ class PackedMicroBatch:
     rewards: torch.Tensor
     rows: torch.Tensor
     cols: torch.Tensor
+    shard: object | None = None  # sequence parallelism: this rank's slice (pacs.sequence_parallel.TokenShard)
 
     @property
     def n_tokens(self) -> int:
@@ -273,11 +274,14 @@ def packed_forward(policy, packed: PackedMicroBatch):
     thing: Hugging Face builds a block-diagonal causal mask from the restarting ``position_ids``
     (N x N memory).
     """
+    from .sequence_parallel import sequence_parallel_call
+
     token = _PACKED_CALL.set(True)
     try:
-        hidden, weight, bias = policy(
-            packed.input_ids, None, position_ids=packed.position_ids, cu_seq_lens_q=packed.cu_seqlens,
-            cu_seq_lens_k=packed.cu_seqlens, max_length_q=packed.max_seqlen, max_length_k=packed.max_seqlen)
+        with sequence_parallel_call(None if packed.shard is None else packed.shard.sp):
+            hidden, weight, bias = policy(
+                packed.input_ids, None, position_ids=packed.position_ids, cu_seq_lens_q=packed.cu_seqlens,
+                cu_seq_lens_k=packed.cu_seqlens, max_length_q=packed.max_seqlen, max_length_k=packed.max_seqlen)
     finally:
         _PACKED_CALL.reset(token)
     return hidden.reshape(-1, hidden.shape[-1]), weight, bias
@@ -301,10 +305,18 @@ def micro_batch_ranges(lengths: list[int], lo: int, hi: int, *, group_size: int,
     return [(lo + a, lo + b) for a, b in plan]
 
 
-def slice_micro_batch(batch, lo: int, hi: int, packed: bool):
+def slice_micro_batch(batch, lo: int, hi: int, packed: bool, sp=None):
     """Rows ``[lo, hi)`` of ``batch`` as a :class:`PackedMicroBatch`, or as padded rows
-    (``batch.rows``, trimmed to the longest row)."""
-    return pack_rows(batch, lo, hi) if packed else batch.rows(lo, hi)
+    (``batch.rows``, trimmed to the longest row). ``sp`` (a
+    :class:`pacs.sequence_parallel.SequenceParallel`, packed only): this rank's slice of the tokens."""
+    if not packed:
+        return batch.rows(lo, hi)
+    part = pack_rows(batch, lo, hi)
+    if sp is None:
+        return part
+    from .sequence_parallel import shard_packed
+
+    return shard_packed(part, sp)
 
 
 def to_layout(part, lo: int, padded: torch.Tensor) -> torch.Tensor:

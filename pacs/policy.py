@@ -26,14 +26,36 @@ class DistInfo:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     mesh: object | None = None
+    sp: object | None = None  # this rank's sequence-parallel group (pacs.sequence_parallel.SequenceParallel)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def sp_size(self) -> int:
+        """Ranks that share one micro-batch's tokens (train.sequence_parallel_size)."""
+        return 1 if self.sp is None else self.sp.size
 
-def setup_distributed() -> DistInfo:
-    """Join the process group that ``torchrun`` describes (NCCL on GPU, gloo on CPU).
+    @property
+    def dp_size(self) -> int:
+        """Ranks with their own data: the world over the sequence-parallel size."""
+        return self.world_size // self.sp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's share of the data (ranks of one sequence-parallel group share it)."""
+        return self.rank // self.sp_size
+
+    @property
+    def generates(self) -> bool:
+        """Does this rank run a rollout engine? (Of a sequence-parallel group, only its first rank.)"""
+        return self.sp is None or self.sp.is_leader
+
+
+def setup_distributed(sequence_parallel_size: int = 1) -> DistInfo:
+    """Join the process group that ``torchrun`` describes (NCCL on GPU, gloo on CPU), and with
+    ``sequence_parallel_size`` > 1 its sequence-parallel groups (pacs/sequence_parallel.py).
 
     A single process (no ``WORLD_SIZE`` > 1 in the environment) gets a DistInfo without any group.
     """
@@ -49,9 +71,12 @@ def setup_distributed() -> DistInfo:
 
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    from .sequence_parallel import new_sequence_parallel
+
     mesh = init_device_mesh(device.type, (world_size,))
-    return DistInfo(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank, device=device,
-                    mesh=mesh)
+    rank = dist.get_rank()
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh,
+                    sp=new_sequence_parallel(sequence_parallel_size, rank, world_size))
 
 
 def close_distributed() -> None:
@@ -154,8 +179,9 @@ def load_policy(path: str, *, dtype: str = "auto", gradient_checkpointing: bool 
 
     Dropout is switched off: the old-policy log-probs and the training forward must agree.
     Long-context options (pacs/packing.py, pacs/memory.py): ``packed_attention`` switches to an
-    attention that keeps packed sequences apart; ``liger_patches`` (CUDA) puts Liger-Kernel's
-    RMSNorm/SwiGLU/RoPE in the model; ``tiled_mlp`` runs each decoder MLP over tiles of
+    attention that keeps packed sequences apart (under sequence parallelism, ``dist_info.sp``: one that
+    also trades the ranks' token split for a head split, pacs/sequence_parallel.py); ``liger_patches``
+    (CUDA) puts Liger-Kernel's RMSNorm/SwiGLU/RoPE in the model; ``tiled_mlp`` runs each decoder MLP over tiles of
     ``mlp_tile_tokens`` tokens (pacs/tiled_mlp.py); ``fsdp_cpu_offload`` keeps parameters, gradients and
     optimizer state on the host (FSDP2 CPUOffloadPolicy).
     """
@@ -175,7 +201,11 @@ def load_policy(path: str, *, dtype: str = "auto", gradient_checkpointing: bool 
             module.p = 0.0
     if gradient_checkpointing:
         causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if packed_attention:
+    if dist_info.sp_size > 1:  # attention trades the token split for a head split (pacs/sequence_parallel.py)
+        from .sequence_parallel import enable_sequence_parallel_attention
+
+        enable_sequence_parallel_attention(causal_lm, dist_info.sp_size)
+    elif packed_attention:
         enable_packed_attention(causal_lm, dist_info.device)
     policy = Policy(causal_lm).to(dist_info.device)
     if liger_patches:

@@ -1,0 +1,312 @@
+"""Sequence parallelism (DeepSpeed-Ulysses style): one packed micro-batch spread over several ranks.
+
+With ``train.sequence_parallel_size = P`` the ranks form groups of P consecutive ranks. The ranks of a
+group hold the same rollouts (the group's first rank generates them and hands them over) and split
+every packed micro-batch of N tokens along the tokens: rank i holds tokens [i N/P, (i+1) N/P) (the row
+padded to a multiple of P). Everything in a decoder layer works token by token (embeddings, norms,
+RoPE at each token's own position, the MLP, the LM head and the fused log-probs) except attention,
+which needs every earlier token of a sequence. So attention trades the split, twice per layer:
+
+    q, k, v (1, H, N/P, D) on each rank --all-to-all--> (1, H/P, N, D): every token, H/P heads
+    causal attention over each packed sequence on those heads (exact: heads are independent)
+    out (1, H/P, N, D) --all-to-all--> (1, H, N/P, D): this rank's tokens, every head again
+
+An all-to-all's adjoint is the reverse all-to-all, so the backward is the same exchange reversed.
+Each rank then holds activations of N/P tokens (attention: N tokens of H/P heads, the same size), so
+the longest trainable response grows with P.
+
+The loss couples the tokens of a group (PACS's RLOO baseline and BCE, GRPO's advantages), but only
+through the per-token log-probs, N floats: each rank computes the log-probs of its own tokens (the fused
+kernel, no N x V logits), the group's ranks gather them (:func:`gather_tokens`), and every rank
+computes the same loss on the whole micro-batch's log-probs. The gather's backward hands each rank the
+gradient of its own tokens, so the ranks' parameter gradients add up to the micro-batch's:
+
+    dL/dtheta = sum over ranks i of  sum_{t on rank i} dL/dlogp_t * dlogp_t/dtheta
+                (attention's cross-rank terms flow back through the all-to-alls)
+
+FSDP2 averages gradients over all W ranks while only W / P of them hold different data, so the
+trainer multiplies each backward by P (:attr:`SequenceParallel.size`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .packing import PACKED_ATTENTION, PackedMicroBatch, _packed_sdpa_attention, _packed_sdpa_mask
+
+ULYSSES_ATTENTION = "pacs_ulysses_sdpa"
+_SEQUENCE_PARALLEL_CALL: contextvars.ContextVar["SequenceParallel | None"] = contextvars.ContextVar(
+    "pacs_sequence_parallel_call", default=None)
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """This rank's sequence-parallel group: ``size`` consecutive ranks starting at global rank ``leader``
+    (the one that generates the group's rollouts); ``rank`` is this rank's place in it."""
+
+    size: int
+    rank: int
+    leader: int
+    group: object  # torch.distributed ProcessGroup
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+
+def new_sequence_parallel(size: int, rank: int, world_size: int) -> SequenceParallel | None:
+    """Groups of ``size`` consecutive ranks (every rank creates every group, in the same order:
+    ``new_group`` is collective); None for ``size == 1``."""
+    if size == 1:
+        return None
+    if size < 1 or world_size % size:
+        raise ValueError(f"train.sequence_parallel_size ({size}) must divide the number of processes ({world_size})")
+    mine = None
+    for leader in range(0, world_size, size):
+        group = dist.new_group(list(range(leader, leader + size)))
+        if leader <= rank < leader + size:
+            mine = SequenceParallel(size=size, rank=rank - leader, leader=leader, group=group)
+    return mine
+
+
+# ----------------------------------------------------------------------------- the tokens of each rank
+
+
+@dataclass
+class TokenShard:
+    """Where this rank's tokens sit in the whole packed micro-batch (padded to ``P`` x tokens per rank).
+
+    start, stop: this rank's tokens of the padded row; rows, cols, mask: (N_padded,) each token's place in
+    the padded batch and whether it is a response token (padding: False), for every rank's tokens."""
+
+    sp: SequenceParallel
+    start: int
+    stop: int
+    rows: torch.Tensor
+    cols: torch.Tensor
+    mask: torch.Tensor
+
+
+def shard_packed(packed: PackedMicroBatch, sp: SequenceParallel) -> PackedMicroBatch:
+    """This rank's tokens of ``packed``: the row padded to a multiple of ``sp.size`` (the padding is one
+    more sequence, masked out of the loss), then cut into equal slices. The result's per-token fields
+    (input_ids, position_ids, targets, mask, rows, cols) are this rank's slice; ``cu_seqlens`` and
+    ``max_seqlen`` stay those of the whole padded row (attention runs over it after the all-to-all);
+    ``shard`` says where the slice sits."""
+    n = packed.n_tokens
+    pad = -n % sp.size
+    per_rank = (n + pad) // sp.size
+
+    def padded(t: torch.Tensor, fill: torch.Tensor | int | bool) -> torch.Tensor:
+        if not pad:
+            return t
+        extra = fill.expand(pad) if isinstance(fill, torch.Tensor) else torch.full((pad,), fill, dtype=t.dtype,
+                                                                                    device=t.device)
+        return torch.cat([t, extra.to(t.dtype)])
+
+    cu = packed.cu_seqlens
+    if pad:
+        cu = torch.cat([cu, cu[-1:] + pad])
+    # padding tokens point at the row's last real token (any valid place: their mask is False)
+    rows, cols = padded(packed.rows, packed.rows[-1]), padded(packed.cols, packed.cols[-1])
+    mask = padded(packed.mask, False)
+    positions = torch.cat([packed.position_ids[0], torch.arange(pad, device=cu.device)])
+    start, stop = sp.rank * per_rank, (sp.rank + 1) * per_rank
+    return PackedMicroBatch(
+        input_ids=padded(packed.input_ids[0], packed.input_ids[0, -1])[start:stop].unsqueeze(0),
+        position_ids=positions[start:stop].unsqueeze(0), cu_seqlens=cu, max_seqlen=max(packed.max_seqlen, pad),
+        targets=padded(packed.targets, packed.targets[-1])[start:stop], mask=mask[start:stop],
+        rewards=packed.rewards, rows=rows[start:stop], cols=cols[start:stop],
+        shard=TokenShard(sp=sp, start=start, stop=stop, rows=rows, cols=cols, mask=mask))
+
+
+class _GatherTokens(torch.autograd.Function):
+    """(n,) on each rank of the group -> (P n,) in rank order; backward: this rank's slice of the gradient
+    (every rank computes the same loss from the gathered tensor, so no sum over ranks)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+        ctx.sp, ctx.n = sp, local.shape[0]
+        local = local.contiguous()
+        parts = [torch.empty_like(local) for _ in range(sp.size)]
+        dist.all_gather(parts, local, group=sp.group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[ctx.sp.rank * ctx.n:(ctx.sp.rank + 1) * ctx.n], None
+
+
+def gather_tokens(local: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """Every rank's ``local`` (n,) tokens, concatenated in rank order; differentiable."""
+    return _GatherTokens.apply(local, sp)
+
+
+def whole_micro_batch(part: PackedMicroBatch, values: torch.Tensor, lo: int, width: int) -> torch.Tensor:
+    """``values`` (one per ``part.mask == 1`` token of this rank, in order) -> (rows of the micro-batch,
+    ``width``) in the padded batch's layout, every rank's tokens gathered (differentiable; 0 off the mask).
+    ``lo``: the micro-batch's first row in the batch."""
+    shard = part.shard
+    dense = values.new_zeros(part.mask.shape[0]).masked_scatter(part.mask, values)
+    every = gather_tokens(dense, shard.sp)
+    out = every.new_zeros(int(part.rewards.shape[0]), width)
+    return out.index_put((shard.rows[shard.mask] - lo, shard.cols[shard.mask]), every[shard.mask])
+
+
+def sum_over_group(tensors: list[torch.Tensor], sp: SequenceParallel) -> None:
+    """In place: each tensor summed over the group's ranks (no gradient)."""
+    for t in tensors:
+        dist.all_reduce(t, group=sp.group)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def _all_to_all(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """x (P, ...) -> (P, ...): block j goes to rank j, block j of the result came from rank j."""
+    x = x.contiguous()
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)  # (empty_like(x) keeps x's strides)
+    dist.all_to_all_single(out, x, group=sp.group)
+    return out
+
+
+def _tokens_to_heads(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """(1, H, n, D) this rank's tokens, every head -> (1, H/P, P n, D) every token, this rank's heads."""
+    _, heads, n, dim = x.shape
+    received = _all_to_all(x.reshape(sp.size, heads // sp.size, n, dim), sp)  # (P from-rank, H/P, n, D)
+    return received.transpose(0, 1).reshape(1, heads // sp.size, sp.size * n, dim)
+
+
+def _heads_to_tokens(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """The inverse of :func:`_tokens_to_heads`: (1, H/P, P n, D) -> (1, H, n, D)."""
+    _, heads_here, total, dim = x.shape
+    n = total // sp.size
+    blocks = x.reshape(heads_here, sp.size, n, dim).transpose(0, 1)  # (P to-rank, H/P, n, D)
+    return _all_to_all(blocks, sp).reshape(1, heads_here * sp.size, n, dim)
+
+
+class _TokensToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+        ctx.sp = sp
+        return _tokens_to_heads(x, sp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _heads_to_tokens(grad, ctx.sp), None
+
+
+class _HeadsToTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+        ctx.sp = sp
+        return _heads_to_tokens(x, sp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _tokens_to_heads(grad, ctx.sp), None
+
+
+def _ulysses_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                       **kwargs):
+    """Hugging Face attention function. Inside a sequence-parallel call (:func:`sequence_parallel_call`):
+    query (1, H, n, D), key/value (1, H_kv, n, D) of this rank's tokens -> all-to-all -> causal SDPA over
+    each packed sequence (``cu_seq_lens_q``: the whole row's bounds) on H/P heads -> all-to-all ->
+    (1, n, H, D). Otherwise exactly ``pacs_packed_sdpa`` (pacs/packing.py)."""
+    sp = _SEQUENCE_PARALLEL_CALL.get()
+    if sp is None:
+        return _packed_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    bounds = kwargs["cu_seq_lens_q"].tolist()
+    window = kwargs.get("sliding_window")
+    longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
+    if window is not None and longest > window:
+        raise ValueError(
+            f"sequence parallelism does not implement sliding-window attention: a packed sequence of {longest} "
+            f"tokens exceeds this layer's window of {window}; set train.sequence_parallel_size=1 for this model")
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if kv_heads % sp.size:  # too few key/value heads to split: give every query head its own copy
+        key = key.repeat_interleave(heads // kv_heads, dim=1)
+        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    q = _TokensToHeads.apply(query, sp)
+    k = _TokensToHeads.apply(key, sp)
+    v = _TokensToHeads.apply(value, sp)
+    gqa = k.shape[1] != q.shape[1]
+    out = torch.cat([
+        torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], dropout_p=dropout, is_causal=True, scale=scaling,
+            enable_gqa=gqa)
+        for s, e in zip(bounds[:-1], bounds[1:]) if e > s], dim=2)
+    return _HeadsToTokens.apply(out, sp).transpose(1, 2).contiguous(), None
+
+
+class sequence_parallel_call:
+    """Context manager: the policy's attention layers run sequence-parallel over ``sp`` (None: a no-op)."""
+
+    def __init__(self, sp: SequenceParallel | None):
+        self.sp = sp
+
+    def __enter__(self):
+        self.token = _SEQUENCE_PARALLEL_CALL.set(self.sp)
+        return self
+
+    def __exit__(self, *exc):
+        _SEQUENCE_PARALLEL_CALL.reset(self.token)
+        return False
+
+
+def enable_sequence_parallel_attention(causal_lm, size: int) -> str:
+    """Switch ``causal_lm`` to ``pacs_ulysses_sdpa`` (registered here, idempotent), after checking that
+    its attention heads split over ``size`` ranks. Calls outside a sequence-parallel forward (generation,
+    padded rows) run as ``pacs_packed_sdpa``. Returns the implementation's name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    config = causal_lm.config
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if not isinstance(heads, int):
+        raise ValueError(f"train.sequence_parallel_size={size}: cannot find the number of attention heads of "
+                         f"{type(causal_lm).__name__} (config.num_attention_heads)")
+    if heads % size or heads % kv_heads:
+        raise ValueError(
+            f"train.sequence_parallel_size={size} must divide the model's attention heads "
+            f"(num_attention_heads={heads}, num_key_value_heads={kv_heads}): each rank attends with "
+            f"num_attention_heads / sequence_parallel_size of them")
+    AttentionInterface.register(PACKED_ATTENTION, _packed_sdpa_attention)
+    AttentionInterface.register(ULYSSES_ATTENTION, _ulysses_attention)
+    AttentionMaskInterface.register(ULYSSES_ATTENTION, _packed_sdpa_mask)
+    causal_lm.set_attn_implementation(ULYSSES_ATTENTION)
+    return ULYSSES_ATTENTION
+
+
+# ----------------------------------------------------------------------------- rollouts
+
+
+class NoRolloutEngine:
+    """The rollout engine of a sequence-parallel rank other than its group's first: it generates nothing
+    (the group's first rank does, :func:`share_rollouts`) and holds no memory for generation; it still takes
+    every weight push, as FSDP's gathers are collective."""
+
+    def sync_weights(self, named_tensors) -> None:
+        for _ in named_tensors:
+            pass
+
+    def generate(self, *args, **kwargs):
+        raise RuntimeError("a sequence-parallel rank other than its group's first generates nothing")
+
+    def close(self) -> None:
+        pass
+
+
+def share_rollouts(outputs, sp: SequenceParallel | None):
+    """The group's first rank's ``outputs`` (any picklable object), on every rank of the group."""
+    if sp is None:
+        return outputs
+    box = [outputs if sp.is_leader else None]
+    dist.broadcast_object_list(box, src=sp.leader, group=sp.group)
+    return box[0]
