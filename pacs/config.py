@@ -122,6 +122,8 @@ class TrainConfig:
                                     # mini-batch with optim.drop_single_label_groups): pacs/single_label_groups.py
     preflight: bool | None = None   # run the longest step the settings allow before the first rollout
                                     # (pacs/preflight.py); None: on CUDA
+    sequence_parallel_size: int = 1  # ranks that split each packed micro-batch's tokens (Ulysses attention,
+                                     # pacs/sequence_parallel.py): the longest response grows with it
 
 
 @dataclass
@@ -303,11 +305,13 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ValueError(f"rollout.temperature must be > 0 for training rollouts, got {r.temperature}")
     if not 0 < r.top_p <= 1:
         raise ValueError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
-    if r.prompts_per_step % world_size:
+    data_ranks = world_size // cfg.train.sequence_parallel_size  # (validate_train: a divisor)
+    if r.prompts_per_step % data_ranks:
         raise ValueError(
             f"rollout.prompts_per_step ({r.prompts_per_step}) must be divisible by the number of "
-            f"processes ({world_size})")
-    per_rank = r.prompts_per_step // world_size
+            f"processes ({world_size})" + (f" over train.sequence_parallel_size ({cfg.train.sequence_parallel_size})"
+                                           if data_ranks != world_size else ""))
+    per_rank = r.prompts_per_step // data_ranks
     _positive("optim.mini_batches_per_step", o.mini_batches_per_step)
     if per_rank % o.mini_batches_per_step:
         raise ValueError(
@@ -438,6 +442,19 @@ def validate_train(cfg: Config, world_size: int = 1) -> None:
     if tr.loss_chunk_mib is not None and not (isinstance(tr.loss_chunk_mib, (int, float))
                                               and 0 < tr.loss_chunk_mib < float("inf")):
         raise ValueError(f"train.loss_chunk_mib must be a positive number of MiB or None, got {tr.loss_chunk_mib!r}")
+    sp = tr.sequence_parallel_size
+    if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
+        raise ValueError(f"train.sequence_parallel_size must be a positive integer, got {sp!r}")
+    if sp > 1 and world_size % sp:
+        raise ValueError(
+            f"train.sequence_parallel_size={sp} must divide the number of processes ({world_size}): each group of "
+            f"{sp} ranks splits the tokens of its micro-batches (launch with torchrun --nproc-per-node a multiple "
+            f"of {sp})")
+    if sp > 1 and not use_packing(cfg):
+        raise ValueError(
+            f"train.sequence_parallel_size={sp} splits packed micro-batches: it needs train.packing (got "
+            f"{tr.packing!r}{' for --algo grpo' if cfg.optim.algo == 'grpo' else ''}); set train.packing=true or "
+            "leave it unset")
     if tr.fsdp_cpu_offload and world_size < 2:
         raise ValueError("train.fsdp_cpu_offload needs FSDP, i.e. torchrun with >= 2 processes; got "
                          f"{world_size} process(es)")

@@ -274,14 +274,13 @@ def packed_forward(policy, packed: PackedMicroBatch):
     thing: Hugging Face builds a block-diagonal causal mask from the restarting ``position_ids``
     (N x N memory).
     """
-    from .sequence_parallel import sequence_parallel_call
-
     token = _PACKED_CALL.set(True)
+    # sequence parallelism: this rank's slice of the tokens; the attention trades it (pacs/sequence_parallel.py)
+    split = {} if packed.shard is None else {"pacs_sequence_parallel": packed.shard.sp}
     try:
-        with sequence_parallel_call(None if packed.shard is None else packed.shard.sp):
-            hidden, weight, bias = policy(
-                packed.input_ids, None, position_ids=packed.position_ids, cu_seq_lens_q=packed.cu_seqlens,
-                cu_seq_lens_k=packed.cu_seqlens, max_length_q=packed.max_seqlen, max_length_k=packed.max_seqlen)
+        hidden, weight, bias = policy(
+            packed.input_ids, None, position_ids=packed.position_ids, cu_seq_lens_q=packed.cu_seqlens,
+            cu_seq_lens_k=packed.cu_seqlens, max_length_q=packed.max_seqlen, max_length_k=packed.max_seqlen, **split)
     finally:
         _PACKED_CALL.reset(token)
     return hidden.reshape(-1, hidden.shape[-1]), weight, bias

@@ -173,7 +173,7 @@ def _run_worst_cases(cfg, policy, optimizer, pad_token_id: int, dist_info, *, pa
     from .trainer import old_policy_logprobs, old_policy_ranges, update_policy
 
     r, o, tr = cfg.rollout, cfg.optim, cfg.train
-    device, world = dist_info.device, dist_info.world_size
+    device, world = dist_info.device, dist_info.dp_size  # ranks with their own data
     cuda = device.type == "cuda"
     vocab = policy.causal_lm.get_input_embeddings().num_embeddings
     per_rank = r.prompts_per_step // world
@@ -194,7 +194,7 @@ def _run_worst_cases(cfg, policy, optimizer, pad_token_id: int, dist_info, *, pa
     for case in old_only:  # the no-grad pass's own largest chunk
         batch = worst_case_batch(cfg, case, 1, vocab, pad_token_id, device)
         old_policy_logprobs(policy, batch, old_policy_ranges(cfg, batch, dist_info, packed), r.temperature,
-                            o.logprob_backend, packed)
+                            o.logprob_backend, packed, dist_info.sp)
         del batch
     for case in updates:
         step_cfg = copy.deepcopy(cfg)  # one micro-batch of the case per mini-batch, on every rank
@@ -202,7 +202,7 @@ def _run_worst_cases(cfg, policy, optimizer, pad_token_id: int, dist_info, *, pa
         step_cfg.optim.mini_batches_per_step = n_minis
         batch = worst_case_batch(cfg, case, n_minis, vocab, pad_token_id, device)
         old_logp, old_lse, _ = old_policy_logprobs(policy, batch, old_policy_ranges(step_cfg, batch, dist_info, packed),
-                                                   r.temperature, o.logprob_backend, packed)
+                                                   r.temperature, o.logprob_backend, packed, dist_info.sp)
         scratch = {"step": 0, "data_position": 0, "consecutive_nan": 0, "skipped_updates": 0}
         # a step's first mini-batch takes the one-sweep path where the reference is the rollout-time policy;
         # with a reference kept across rollout steps the steps in between take the usual path, which a second

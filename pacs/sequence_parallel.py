@@ -30,7 +30,6 @@ trainer multiplies each backward by P (:attr:`SequenceParallel.size`).
 
 from __future__ import annotations
 
-import contextvars
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +38,7 @@ import torch.distributed as dist
 from .packing import PACKED_ATTENTION, PackedMicroBatch, _packed_sdpa_attention, _packed_sdpa_mask
 
 ULYSSES_ATTENTION = "pacs_ulysses_sdpa"
-_SEQUENCE_PARALLEL_CALL: contextvars.ContextVar["SequenceParallel | None"] = contextvars.ContextVar(
-    "pacs_sequence_parallel_call", default=None)
+SEQUENCE_PARALLEL_KWARG = "pacs_sequence_parallel"  # the backbone keyword that reaches every attention call
 
 
 @dataclass(frozen=True)
@@ -213,11 +211,13 @@ class _HeadsToTokens(torch.autograd.Function):
 
 def _ulysses_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                        **kwargs):
-    """Hugging Face attention function. Inside a sequence-parallel call (:func:`sequence_parallel_call`):
-    query (1, H, n, D), key/value (1, H_kv, n, D) of this rank's tokens -> all-to-all -> causal SDPA over
-    each packed sequence (``cu_seq_lens_q``: the whole row's bounds) on H/P heads -> all-to-all ->
-    (1, n, H, D). Otherwise exactly ``pacs_packed_sdpa`` (pacs/packing.py)."""
-    sp = _SEQUENCE_PARALLEL_CALL.get()
+    """Hugging Face attention function. In a sequence-parallel forward (the backbone called with
+    ``pacs_sequence_parallel=sp``, which Hugging Face hands to every attention call, also when gradient
+    checkpointing recomputes a layer in the backward): query (1, H, n, D), key/value (1, H_kv, n, D) of this
+    rank's tokens -> all-to-all -> causal SDPA over each packed sequence (``cu_seq_lens_q``: the whole row's
+    bounds) on H/P heads -> all-to-all -> (1, n, H, D). Otherwise exactly ``pacs_packed_sdpa``
+    (pacs/packing.py)."""
+    sp = kwargs.pop(SEQUENCE_PARALLEL_KWARG, None)
     if sp is None:
         return _packed_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -242,21 +242,6 @@ def _ulysses_attention(module, query, key, value, attention_mask, dropout: float
             enable_gqa=gqa)
         for s, e in zip(bounds[:-1], bounds[1:]) if e > s], dim=2)
     return _HeadsToTokens.apply(out, sp).transpose(1, 2).contiguous(), None
-
-
-class sequence_parallel_call:
-    """Context manager: the policy's attention layers run sequence-parallel over ``sp`` (None: a no-op)."""
-
-    def __init__(self, sp: SequenceParallel | None):
-        self.sp = sp
-
-    def __enter__(self):
-        self.token = _SEQUENCE_PARALLEL_CALL.set(self.sp)
-        return self
-
-    def __exit__(self, *exc):
-        _SEQUENCE_PARALLEL_CALL.reset(self.token)
-        return False
 
 
 def enable_sequence_parallel_attention(causal_lm, size: int) -> str:

@@ -84,11 +84,12 @@ def group_gradients(cfg: Config, batch, first_rows: list[int], current_logp: tor
 
 
 def part_surrogate(cfg: Config, policy, batch, lo: int, hi: int, gradients: GroupGradients, *,
-                   packed: bool) -> torch.Tensor:
+                   packed: bool, sp=None) -> torch.Tensor:
     """Phase 3 for rows [lo, hi) of a split group: forward with gradient, then the surrogate
     sum_t g_t logp_t over its response tokens (one vocabulary sweep); its backward is the part's
-    share of the group loss's gradient."""
-    part = slice_micro_batch(batch, lo, hi, packed)
+    share of the group loss's gradient. ``sp`` (sequence parallelism): this rank's tokens of the part,
+    whose surrogate is this rank's share of it."""
+    part = slice_micro_batch(batch, lo, hi, packed, sp)
     hidden, weight, bias = forward_micro_batch(policy, part)
     selected = part.mask
     surrogate, _ = linear_logprobs_known_grad(

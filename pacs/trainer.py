@@ -52,8 +52,9 @@ from .reference_policy import ReferenceSnapshot, is_reset_step
 from .rollout import make_rollout_engine
 from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
 from .run_setup import Run, apply_torch_threads, check_config, engine_options, prepare_run
+from .sequence_parallel import NoRolloutEngine, SequenceParallel, share_rollouts, sum_over_group, whole_micro_batch
 from .single_label_groups import group_losses_at_zero, loss_valid, plan_group_skips, single_label, skip_rules
-from .split_groups import GroupGradients, group_gradients, part_surrogate, split_group_rows
+from .split_groups import GroupGradients, group_gradients, group_loss_on_logprobs, part_surrogate, split_group_rows
 from .stop_signals import StoppedBySignal, StopSignals
 
 
@@ -191,15 +192,16 @@ def step_seed(seed: int, step: int, first_row: int = 0) -> int:
 
 @torch.no_grad()
 def old_policy_logprobs(policy, batch: Batch, ranges: list[tuple[int, int]], temperature: float, backend: str,
-                        packed: bool = False):
+                        packed: bool = False, sp: SequenceParallel | None = None):
     """(B, L) log-probs of the targets under the current policy (0 off the mask), their (B, L)
     log-sum-exp (for the one-sweep first step), and the mean entropy of the policy over response
-    tokens. One no-grad pass in chunks: the row ranges ``ranges``, packed or padded."""
+    tokens. One no-grad pass in chunks: the row ranges ``ranges``, packed or padded; with ``sp`` each
+    rank of the group does its tokens of each chunk and the group adds up the results."""
     old_logp = torch.zeros(batch.targets.shape, dtype=torch.float32, device=batch.targets.device)
     old_lse = torch.zeros_like(old_logp)
     entropy_sum, tokens = 0.0, 0
     for lo, hi in ranges:
-        part = slice_micro_batch(batch, lo, hi, packed)
+        part = slice_micro_batch(batch, lo, hi, packed, sp)
         hidden, weight, bias = forward_micro_batch(policy, part)
         logp, entropy, lse = linear_logprobs(hidden[part.mask], weight, part.targets[part.mask], bias=bias,
                                              temperature=temperature, return_entropy=True, return_lse=True,
@@ -209,6 +211,10 @@ def old_policy_logprobs(policy, batch: Batch, ranges: list[tuple[int, int]], tem
         old_lse[rows, cols] = lse
         entropy_sum += float(entropy.sum())
         tokens += int(part.mask.sum())
+    if sp is not None:  # each token was written by one rank of the group, 0 elsewhere
+        totals = torch.tensor([entropy_sum, tokens], dtype=torch.float64, device=old_logp.device)
+        sum_over_group([old_logp, old_lse, totals], sp)
+        entropy_sum, tokens = float(totals[0]), int(totals[1])
     return old_logp, old_lse, entropy_sum / max(tokens, 1)
 
 
@@ -235,14 +241,28 @@ def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: t
     return loss, stats.as_dict()
 
 
+def sequence_parallel_loss(cfg: Config, policy, part: PackedMicroBatch, lo: int, old_logp_rows: torch.Tensor,
+                           mask_rows: torch.Tensor):
+    """The configured loss of a micro-batch whose tokens a sequence-parallel group splits
+    (pacs/sequence_parallel.py): this rank's log-probs from the fused kernel, gathered over the group into
+    the micro-batch's (rows, L) layout, then the loss on them, the same on every rank of the group.
+    old_logp_rows, mask_rows: the micro-batch's rows of the batch."""
+    hidden, weight, bias = forward_micro_batch(policy, part)
+    logp = linear_logprobs(hidden[part.mask], weight, part.targets[part.mask], bias=bias,
+                           temperature=cfg.rollout.temperature, backend=cfg.optim.logprob_backend)
+    logp_rows = whole_micro_batch(part, logp, lo, old_logp_rows.shape[1])
+    return group_loss_on_logprobs(cfg, logp_rows, old_logp_rows, part.rewards, mask_rows)
+
+
 def evaluate_policy(cfg: Config, engine, run: Run, dist_info: DistInfo, step: int) -> dict:
-    """Held-out accuracy (and pass@k) with the rollout engine; each rank scores its share with
-    :func:`pacs.evaluate.evaluate` (the evaluator of ``pacs eval``) and the shares are averaged."""
+    """Held-out accuracy (and pass@k) with the rollout engine; each data rank scores its share with
+    :func:`pacs.evaluate.evaluate` (the evaluator of ``pacs eval``) and the shares are averaged (of a
+    sequence-parallel group, the rank that generates scores the group's share)."""
     e = cfg.eval
     every = run.task.eval_problems(e.num_problems)
-    share = math.ceil(len(every) / dist_info.world_size)
-    first = dist_info.rank * share
-    problems = every[first:first + share]
+    share = math.ceil(len(every) / dist_info.dp_size)
+    first = dist_info.dp_rank * share
+    problems = every[first:first + share] if dist_info.generates else []
     sums = [0.0] * (2 + len(e.ks))
     if problems:
         result = evaluate(engine, run.task, run.tokenizer, problems, n_samples=e.n_samples, temperature=e.temperature,
@@ -325,7 +345,7 @@ def split_group_gradients(cfg: Config, policy, batch: Batch, micro_batches: list
             first = micro_batches[0][0]  # a rank without (enough) parts repeats a one-row forward
             ranges = parts + [(first, first + 1)] * (count - len(parts))
             current_logp, current_lse, _ = old_policy_logprobs(policy, batch, ranges, cfg.rollout.temperature,
-                                                               cfg.optim.logprob_backend, packed=packed)
+                                                               cfg.optim.logprob_backend, packed, dist_info.sp)
     return group_gradients(cfg, batch, split_group_rows(micro_batches, group), current_logp, current_lse, old_logp)
 
 
@@ -345,7 +365,7 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
     ``groups_run``: per mini-batch, how many of its groups to run (the rest, behind them, have a gradient of
     exactly 0: pacs/single_label_groups.py); None: all of them."""
     o, tr, group = cfg.optim, cfg.train, cfg.rollout.group_size
-    groups_per_mini = cfg.rollout.prompts_per_step // dist_info.world_size // o.mini_batches_per_step
+    groups_per_mini = cfg.rollout.prompts_per_step // dist_info.dp_size // o.mini_batches_per_step
     rows_per_mini = groups_per_mini * group
     lengths = batch.attention_mask.sum(1).tolist()
     # one vocabulary sweep needs every psi to be 0 on the first mini-batch: reference = current weights
@@ -355,6 +375,9 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
     losses, loss_groups, grad_norms, split_groups, skipped_losses = [], [], [], 0, []
     last_loss = float("nan")
     at_zero = None  # each group's loss value at psi = 0: what a group not run counts in the metrics
+    # FSDP averages gradients over every rank, but a sequence-parallel group's ranks each hold a part of one
+    # micro-batch's gradient: their backwards are scaled by the group's size so that the parts add up
+    sp, backward_scale = dist_info.sp, float(dist_info.sp_size)
     if groups_run is not None:
         valid = loss_valid(batch.rewards, group, o.drop_single_label_groups)
         at_zero = group_losses_at_zero(batch.rewards, valid, group, o.weighting).tolist()
@@ -379,16 +402,19 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
             with activation_offload(tr.offload_activations, dist_info.device):
                 if is_part_of_a_group(lo, hi, group):
                     group_lo = lo - lo % group
-                    surrogate = part_surrogate(cfg, policy, batch, lo, hi, split, packed=packed)
-                    (surrogate * (group / rows_per_mini)).backward()
+                    surrogate = part_surrogate(cfg, policy, batch, lo, hi, split, packed=packed, sp=sp)
+                    (surrogate * (backward_scale * group / rows_per_mini)).backward()
                     loss_value, stats = split.losses[group_lo], split.stats.pop(group_lo, {})  # stats once per group
                 else:
-                    part = slice_micro_batch(batch, lo, hi, packed)
-                    # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
-                    lse = to_layout(part, lo, old_lse) if one_sweep and mini == 0 else None
-                    loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, old_logp), lse)
+                    part = slice_micro_batch(batch, lo, hi, packed, sp)
+                    if sp is not None:
+                        loss, stats = sequence_parallel_loss(cfg, policy, part, lo, old_logp[lo:hi], batch.mask[lo:hi])
+                    else:
+                        # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
+                        lse = to_layout(part, lo, old_lse) if one_sweep and mini == 0 else None
+                        loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, old_logp), lse)
                     # each loss is a mean over its responses: weigh it by its share of the mini-batch
-                    (loss * ((hi - lo) / rows_per_mini)).backward()
+                    (loss * (backward_scale * (hi - lo) / rows_per_mini)).backward()
                     loss_value = float(loss.detach())
             losses.append(loss_value)
             loss_groups.append((hi - lo) / group)
@@ -448,7 +474,7 @@ def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: f
     row.update({
         "grad_norm": sum(update.grad_norms) / len(update.grad_norms) if update.grad_norms else float("nan"),
         "lr": scheduler.get_last_lr()[0], "skipped_updates": state["skipped_updates"],
-        "tokens_per_s": response_tokens * dist_info.world_size / times["step_time"], **times,
+        "tokens_per_s": response_tokens * dist_info.dp_size / times["step_time"], **times,
         "peak_memory_mib": peak_memory_mib(dist_info.device), "prompts_seen": state["data_position"],
     })
     return row
@@ -525,7 +551,7 @@ checkpoint_clock = time.monotonic  # what checkpoint_minutes is measured with (a
 
 def train(cfg: Config) -> TrainResult:
     """Run (or resume) training as configured."""
-    dist_info = setup_distributed()
+    dist_info = setup_distributed(cfg.train.sequence_parallel_size)
     say = print if dist_info.is_main else (lambda *a, **k: None)
     run, resume = start_run(cfg, dist_info, say)
     o, r = cfg.optim, cfg.rollout
@@ -549,7 +575,9 @@ def train(cfg: Config) -> TrainResult:
             reference.load_full_state(saved)
 
     # ---- rollout engine, serving the current weights; the metrics log (cut back when resuming)
-    engine = make_rollout_engine(**engine_options(cfg, run.model_dir, cfg.seed + dist_info.rank, log=say))
+    # (of a sequence-parallel group only the first rank generates: pacs/sequence_parallel.py)
+    engine = (make_rollout_engine(**engine_options(cfg, run.model_dir, cfg.seed + dist_info.dp_rank, log=say))
+              if dist_info.generates else NoRolloutEngine())
     hide_progress_bars()  # again: a vLLM engine's start turns transformers' back on
     if resume is not None:
         engine.sync_weights(full_named_tensors(policy))
@@ -577,13 +605,13 @@ def train(cfg: Config) -> TrainResult:
                 say(f"[eval] step 0: held-out accuracy {row['eval_accuracy']:.3f}")
             progress = tqdm(total=cfg.max_steps, initial=state["step"], desc="rollout steps",
                             disable=not dist_info.is_main, dynamic_ncols=True)
-            per_rank = r.prompts_per_step // dist_info.world_size
+            per_rank = r.prompts_per_step // dist_info.dp_size  # a sequence-parallel group shares its data
             warned_cut = False
             for step in range(state["step"] + 1, cfg.max_steps + 1):
                 step_start = time.time()
                 # 1. prompts (this rank's share), G responses each, groups contiguous; seeds depend on
                 #    (seed, step, row) only, so a resumed run samples what the uninterrupted one did
-                problems = run.task.train_batch(state["data_position"] + dist_info.rank * per_rank, per_rank)
+                problems = run.task.train_batch(state["data_position"] + dist_info.dp_rank * per_rank, per_rank)
                 state["data_position"] += r.prompts_per_step
                 prompts, cut = encode_prompts(run.tokenizer, problems, template=cfg.task.prompt_template,
                                               use_chat_template=cfg.task.use_chat_template,
@@ -592,9 +620,13 @@ def train(cfg: Config) -> TrainResult:
                     warned_cut = True
                     say(f"[warning] prompts longer than rollout.max_prompt_len={r.max_prompt_len} tokens are cut to "
                         "their last max_prompt_len tokens")
-                outputs = engine.generate(prompts, r.group_size, temperature=r.temperature, top_p=r.top_p,
-                                          max_new_tokens=r.max_new_tokens, stop_token_ids=run.stop_ids,
-                                          seed=step_seed(cfg.seed, step, dist_info.rank * per_rank * r.group_size))
+                outputs = None
+                if dist_info.generates:
+                    first_row = dist_info.dp_rank * per_rank * r.group_size
+                    outputs = engine.generate(prompts, r.group_size, temperature=r.temperature, top_p=r.top_p,
+                                              max_new_tokens=r.max_new_tokens, stop_token_ids=run.stop_ids,
+                                              seed=step_seed(cfg.seed, step, first_row))
+                outputs = share_rollouts(outputs, dist_info.sp)
                 rollout_time = time.time() - step_start
 
                 # 2. verifiable rewards, one row per response
@@ -609,7 +641,7 @@ def train(cfg: Config) -> TrainResult:
                 update_start = time.time()
                 ranges = old_policy_ranges(cfg, batch, dist_info, packed)
                 old_logp, old_lse, entropy = old_policy_logprobs(policy, batch, ranges, r.temperature,
-                                                                 o.logprob_backend, packed)
+                                                                 o.logprob_backend, packed, dist_info.sp)
                 rollout_logp = None
                 if reference is not None:
                     if reference.weights is None and not is_reset_step(step, o.ref_reset_every):
@@ -621,7 +653,7 @@ def train(cfg: Config) -> TrainResult:
                         rollout_logp = old_logp
                         with reference.weights_in():
                             old_logp, _, _ = old_policy_logprobs(policy, batch, ranges, r.temperature,
-                                                                 o.logprob_backend, packed)
+                                                                 o.logprob_backend, packed, dist_info.sp)
 
                 # groups whose gradient is exactly 0 this step (single-label ones after a reset) are not run:
                 # moved behind the others within their mini-batch (pacs/single_label_groups.py)
