@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pacs_kernels import fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs
+from pacs_kernels import fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs, linear_logprobs_known_grad
 
 from .checkpoint import find_checkpoint, latest_checkpoint, load_checkpoint, load_reference_state, save_checkpoint
 from .config import Config, micro_batch_groups, save_config, use_packing
@@ -248,10 +248,34 @@ def sequence_parallel_loss(cfg: Config, policy, part: PackedMicroBatch, lo: int,
     the micro-batch's (rows, L) layout, then the loss on them, the same on every rank of the group.
     old_logp_rows, mask_rows: the micro-batch's rows of the batch."""
     hidden, weight, bias = forward_micro_batch(policy, part)
+    chunk_mib = cfg.train.loss_chunk_mib  # the torch backend's logits chunk, where the user set one
     logp = linear_logprobs(hidden[part.mask], weight, part.targets[part.mask], bias=bias,
-                           temperature=cfg.rollout.temperature, backend=cfg.optim.logprob_backend)
+                           temperature=cfg.rollout.temperature, backend=cfg.optim.logprob_backend,
+                           chunk_elements=None if chunk_mib is None else max(1, int(chunk_mib * 2**20) // 4))
     logp_rows = whole_micro_batch(part, logp, lo, old_logp_rows.shape[1])
     return group_loss_on_logprobs(cfg, logp_rows, old_logp_rows, part.rewards, mask_rows)
+
+
+def sequence_parallel_first_step(cfg: Config, policy, part: PackedMicroBatch, lo: int, hi: int, batch: Batch,
+                                 old_logp: torch.Tensor, old_lse: torch.Tensor):
+    """The one-sweep first step under sequence parallelism: the weights are still the rollout's, so the
+    micro-batch's log-probs are ``old_logp`` (psi = 0 exactly). Its loss and the gradient g on every token come
+    first (from those few numbers, the same on every rank of the group); then this rank's tokens run one
+    vocabulary sweep with g fixed (``linear_logprobs_known_grad``, 3 LM-head matmuls). Returns (loss, stats,
+    surrogate): the surrogate's backward is this rank's share of the loss's gradient."""
+    rows = slice(lo, hi)
+    logp = old_logp[rows].detach().clone().requires_grad_(True)
+    with torch.enable_grad():
+        loss, stats = group_loss_on_logprobs(cfg, logp, old_logp[rows], batch.rewards[rows], batch.mask[rows])
+        (grad_logp,) = torch.autograd.grad(loss, logp)
+    whole = torch.zeros_like(old_logp)
+    whole[rows] = grad_logp.to(whole.dtype) * batch.mask[rows]
+    hidden, weight, bias = forward_micro_batch(policy, part)
+    selected = part.mask
+    surrogate, _ = linear_logprobs_known_grad(
+        hidden[selected], weight, part.targets[selected], part.take(whole)[selected], part.take(old_lse)[selected],
+        temperature=cfg.rollout.temperature, bias=bias, backend=cfg.optim.logprob_backend)
+    return loss.detach(), stats, surrogate
 
 
 def evaluate_policy(cfg: Config, engine, run: Run, dist_info: DistInfo, step: int) -> dict:
@@ -407,14 +431,19 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
                     loss_value, stats = split.losses[group_lo], split.stats.pop(group_lo, {})  # stats once per group
                 else:
                     part = slice_micro_batch(batch, lo, hi, packed, sp)
-                    if sp is not None:
+                    if sp is not None and one_sweep and mini == 0:  # psi = 0: the gradient on the log-probs first
+                        loss, stats, to_backward = sequence_parallel_first_step(cfg, policy, part, lo, hi, batch,
+                                                                                old_logp, old_lse)
+                    elif sp is not None:
                         loss, stats = sequence_parallel_loss(cfg, policy, part, lo, old_logp[lo:hi], batch.mask[lo:hi])
+                        to_backward = loss
                     else:
                         # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
                         lse = to_layout(part, lo, old_lse) if one_sweep and mini == 0 else None
                         loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, old_logp), lse)
+                        to_backward = loss
                     # each loss is a mean over its responses: weigh it by its share of the mini-batch
-                    (loss * (backward_scale * (hi - lo) / rows_per_mini)).backward()
+                    (to_backward * (backward_scale * (hi - lo) / rows_per_mini)).backward()
                     loss_value = float(loss.detach())
             losses.append(loss_value)
             loss_groups.append((hi - lo) / group)
