@@ -5,15 +5,28 @@ Llama with a large vocabulary (default V=32000, d=256, 2 layers) built in code, 
 for both, so that both heads run in the same precision), and one fixed on-policy micro-batch
 (default 8 responses x 256 completion tokens after 32 prompt tokens, 2 groups of 4, mixed 0/1
 rewards) handed straight to ``trainer.compute_loss`` + ``backward`` (no generation: only the loss
-step differs between the two). Measured: median wall time of ``--repeats`` steps after one warm-up
-step, and the peak increase of the resident set over the state before the first measured step
+step differs between the cases). Measured: median wall time of ``--repeats`` steps after one warm-up
+step (also recorded: the fastest step, the median process CPU time per step, and cpu_util = CPU time /
+wall time over the measured steps, about --threads on an idle machine, lower when other processes take
+the cores), and the peak increase of the resident set over the state before the first measured step
 (model, optimizer-free). Cases:
 
     trl_default   GRPOTrainer, GRPOConfig defaults (loss_type="dapo"; TRL's chunked fused LM head)
-    pacs          PACSTrainer (pacs_kernels torch backend; on-policy: one-sweep first step)
+    pacs          PACSTrainer (pacs_kernels torch backend; on-policy: one-sweep first step;
+                  pacs_skip_zero_gradient_groups on, its default)
+    pacs_no_skip  the same with pacs_skip_zero_gradient_groups=False (every group runs)
+
+``--single-label-groups K`` (default 0) makes the first K groups single-label (all rewards 1 in the
+first, all 0 in the next, alternating), the others mixed as by default: ``pacs`` leaves those out of
+the forward and backward (their gradient is exactly 0 on-policy; one group still runs when all are
+single-label), ``pacs_no_skip`` runs them. Both must give the same loss: the script stops with an
+error when their losses differ by more than 1e-5 relative. Each row records ``groups_run`` (the
+groups PACSTrainer put through the model, from its ``pacs/skipped_group_frac`` metric).
 
     python benchmarks/trl_dropin.py                        # writes benchmarks/results/trl_dropin_cpu.csv
     python benchmarks/trl_dropin.py --vocab 8192 --completion-len 64 --out /tmp/small.csv
+    python benchmarks/trl_dropin.py --cases pacs pacs_no_skip --responses 16 --single-label-groups 2 \
+        --out /tmp/skip.csv                                # 4 groups of 4, 2 of them single-label
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ import argparse
 import csv
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -32,7 +46,8 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CASES = ("trl_default", "pacs")
+CASES = ("trl_default", "pacs", "pacs_no_skip")
+LOSS_RTOL = 1e-5  # pacs vs pacs_no_skip: the same loss up to float rounding
 GROUP = 4
 
 
@@ -56,11 +71,11 @@ def build_trainer(case: str, args, out_dir: str):
     def reward(completions, **kwargs):
         return [0.0] * len(completions)
 
-    if case == "pacs":
+    if case in ("pacs", "pacs_no_skip"):
         from pacs.integrations.trl import PACSConfig, PACSTrainer
 
-        trainer = PACSTrainer(model, reward, args=PACSConfig(**common), train_dataset=dataset,
-                              processing_class=build_tokenizer())
+        config = PACSConfig(**common, pacs_skip_zero_gradient_groups=case == "pacs")
+        trainer = PACSTrainer(model, reward, args=config, train_dataset=dataset, processing_class=build_tokenizer())
     else:
         from trl import GRPOConfig, GRPOTrainer
 
@@ -71,8 +86,25 @@ def build_trainer(case: str, args, out_dir: str):
     return trainer
 
 
+def make_rewards(responses: int, single_label_groups: int = 0):
+    """(responses,) float32 0/1 rewards in groups of GROUP: the first ``single_label_groups`` groups
+    single-label (all 1, then all 0, alternating), every other group mixed (1, 0, 1, 0)."""
+    import torch
+
+    n_groups = responses // GROUP
+    if responses % GROUP or not 0 <= single_label_groups <= n_groups:
+        raise ValueError(f"--single-label-groups must be in [0, {n_groups}] (the number of groups of {GROUP} "
+                         f"in {responses} responses), got {single_label_groups}")
+    mixed = torch.tensor([1.0, 0.0] * (GROUP // 2) + [1.0] * (GROUP % 2))
+    groups = [torch.full((GROUP,), float(g % 2 == 0)) if g < single_label_groups else mixed
+              for g in range(n_groups)]
+    return torch.cat(groups)
+
+
 def micro_batch(args):
-    """The same inputs for both cases: completions with a few padded tails, mixed 0/1 rewards."""
+    """The same inputs for every case: completions with a few padded tails, 0/1 rewards (mixed, or the
+    first --single-label-groups groups single-label). ``pacs_rewards`` is what PACSTrainer's loss reads (the
+    reward function is never called: no generation); ``advantages`` (GRPO's) are derived from the same."""
     import torch
 
     gen = torch.Generator().manual_seed(1)
@@ -80,7 +112,7 @@ def micro_batch(args):
     completion_mask = torch.ones(B, C, dtype=torch.long)
     for i in range(0, B, 3):
         completion_mask[i, C - C // 4:] = 0
-    rewards = torch.tensor([1.0, 0.0] * (B // 2))
+    rewards = make_rewards(B, args.single_label_groups)
     advantages = (rewards.view(-1, GROUP) - rewards.view(-1, GROUP).mean(1, keepdim=True)).view(-1)
     return {
         "prompt_ids": torch.randint(3, args.vocab, (B, P), generator=gen),
@@ -111,32 +143,75 @@ def run_case(case: str, args) -> dict:
             loss.backward()
             return loss.item()
 
+        def groups_run():  # the groups the last step put through the model (PACSTrainer's metric)
+            metrics = getattr(trainer, "_metrics", {}).get("train", {})
+            skipped = metrics.get("pacs/skipped_group_frac")
+            n_groups = args.responses // GROUP
+            if case == "trl_default" or not skipped:  # no skipping: every group ran
+                return n_groups
+            return round(n_groups * (1.0 - skipped[-1]))
+
         step()  # warm-up (one-time buffers, lazy initialisation)
         trainer.model.zero_grad(set_to_none=True)
         base = reset_peak_rss()
-        times, loss = [], None
+        times, cpu_times, loss = [], [], None
         for _ in range(args.repeats):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             loss = step()
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
         peak = peak_rss_mib() - base
-    return {"case": case, "time_ms": 1000 * statistics.median(times), "peak_rss_increase_mib": peak, "loss": loss}
+        ran = groups_run()
+        grads = [p.grad.double().pow(2).sum() for p in trainer.model.parameters() if p.grad is not None]
+        grad_norm = float(torch.stack(grads).sum().sqrt()) if grads else 0.0  # the last step's, all parameters
+    return {"case": case, "time_ms": 1000 * statistics.median(times), "peak_rss_increase_mib": peak, "loss": loss,
+            "time_min_ms": 1000 * min(times), "cpu_time_ms": 1000 * statistics.median(cpu_times),
+            "cpu_util": sum(cpu_times) / sum(times), "grad_norm": grad_norm, "groups_run": ran,
+            "loadavg_1min": os.getloadavg()[0]}
 
 
-def main() -> None:
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--responses", type=int, default=8)
+    parser.add_argument("--responses", type=int, default=8, help=f"responses, in groups of {GROUP}")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--completion-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--single-label-groups", type=int, default=0, metavar="K",
+                        help="make the first K groups single-label (all 1, all 0, alternating); default 0")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES),
+                        help="the cases to run, in this order (default: all)")
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "trl_dropin_cpu.csv"))
     parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)  # one case, in this process
-    args = parser.parse_args()
-    if args.responses % GROUP:
-        parser.error(f"--responses must be a multiple of {GROUP} (whole groups), got {args.responses}")
+    args = parser.parse_args(argv)
+    if args.responses <= 0 or args.responses % GROUP:
+        parser.error(f"--responses must be a positive multiple of {GROUP} (whole groups), got {args.responses}")
+    n_groups = args.responses // GROUP
+    if not 0 <= args.single_label_groups <= n_groups:
+        parser.error(f"--single-label-groups must be in [0, {n_groups}] (the number of groups of {GROUP} in "
+                     f"--responses {args.responses}), got {args.single_label_groups}")
+    return args
+
+
+def check_losses(rows: list[dict]) -> None:
+    """pacs (skipping) and pacs_no_skip must give one loss up to float rounding; SystemExit otherwise.
+    (On-policy every response's PACS loss term is taken at psi = 0, so the loss checks that the skipped
+    groups' values are added back with the right divisor; the gradient norms, printed, check the rest.)"""
+    by_case = {row["case"]: row for row in rows}
+    if "pacs" in by_case and "pacs_no_skip" in by_case:
+        a, b = by_case["pacs"]["loss"], by_case["pacs_no_skip"]["loss"]
+        if not math.isclose(a, b, rel_tol=LOSS_RTOL, abs_tol=0.0):
+            sys.exit(f"pacs and pacs_no_skip losses differ: {a!r} vs {b!r} "
+                     f"(relative {abs(a - b) / max(abs(a), abs(b)):.3g} > {LOSS_RTOL:g})")
+        ga, gb = by_case["pacs"]["grad_norm"], by_case["pacs_no_skip"]["grad_norm"]
+        print(f"pacs vs pacs_no_skip: loss relative difference {abs(a - b) / max(abs(a), abs(b), 1e-300):.3g}, "
+              f"gradient norm {ga:.9g} vs {gb:.9g} (relative {abs(ga - gb) / max(ga, gb, 1e-300):.3g})")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if args.case:
         print(json.dumps(run_case(args.case, args)))
         return
@@ -145,7 +220,8 @@ def main() -> None:
            "MALLOC_TRIM_THRESHOLD_": "131072", "TOKENIZERS_PARALLELISM": "false"}
     flags = [f"--vocab={args.vocab}", f"--hidden={args.hidden}", f"--responses={args.responses}",
              f"--prompt-len={args.prompt_len}", f"--completion-len={args.completion_len}",
-             f"--repeats={args.repeats}", f"--threads={args.threads}"]
+             f"--repeats={args.repeats}", f"--threads={args.threads}",
+             f"--single-label-groups={args.single_label_groups}"]
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     device = f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     try:
@@ -155,7 +231,7 @@ def main() -> None:
     except (OSError, StopIteration):
         pass
     rows = []
-    for case in CASES:
+    for case in dict.fromkeys(args.cases):
         done = subprocess.run([sys.executable, __file__, f"--case={case}", *flags], cwd=REPO_ROOT, env=env,
                               capture_output=True, text=True)
         if done.returncode != 0:
@@ -163,9 +239,14 @@ def main() -> None:
         result = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append({**result, "device": device, "date": date, "vocab": args.vocab, "hidden": args.hidden,
                      "responses": args.responses, "prompt_len": args.prompt_len,
-                     "completion_len": args.completion_len, "threads": args.threads, "repeats": args.repeats})
-        print(f"{case:12s} {result['time_ms']:9.1f} ms  peak RSS +{result['peak_rss_increase_mib']:8.1f} MiB  "
-              f"loss {result['loss']:.6f}")
+                     "completion_len": args.completion_len, "threads": args.threads, "repeats": args.repeats,
+                     "groups": args.responses // GROUP, "single_label_groups": args.single_label_groups})
+        print(f"{case:12s} {result['time_ms']:9.1f} ms (min {result['time_min_ms']:.1f}, "
+              f"CPU {result['cpu_time_ms']:.1f}, "
+              f"util {result['cpu_util']:.2f})  peak RSS +{result['peak_rss_increase_mib']:8.1f} MiB  "
+              f"loss {result['loss']:.9f}  groups run {result['groups_run']}/{args.responses // GROUP}  "
+              f"load {result['loadavg_1min']:.2f}", flush=True)
+    check_losses(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

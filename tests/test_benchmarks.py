@@ -158,3 +158,77 @@ def test_zero_gradient_groups_benchmark_runs_both_settings_and_writes_its_table(
     assert float(next(r for r in rows if r["skip"] == "False")["skipped_frac"]) == 0.0
     table = (tmp_path / "zero_gradient_groups_cpu.md").read_text()
     assert "| addition | 0 |" in table and "rollout.engine=hf" in table
+
+
+@pytest.mark.slow
+def test_sequence_parallel_memory_benchmark_compares_one_process_with_two_ranks(tmp_path):
+    """benchmarks/sequence_parallel_memory.py at two short lengths: one process and 2 ranks (torchrun, gloo)
+    ran the same step (the same loss: checked by the script), and the table has both."""
+    from benchmarks import sequence_parallel_memory
+
+    rc = sequence_parallel_memory.main(["--lengths", "32", "64", "--variants", "packed", "--out", str(tmp_path)])
+    assert rc == 0
+    with open(tmp_path / "sequence_parallel_memory_cpu.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [int(r["longest"]) for r in rows] == [32, 64]
+    assert all(float(r["saved_mib_per_rank_2_ranks"]) > 0 and float(r["seconds_2_ranks"]) > 0 for r in rows)
+    assert all(float(r["saved_ratio"]) < 1 for r in rows)  # each rank saves less than the one process
+    assert "| packed | 64 |" in (tmp_path / "sequence_parallel_memory_cpu.md").read_text()
+
+
+def test_trl_dropin_single_label_groups_reach_the_loss_inputs():
+    """benchmarks/trl_dropin.py --single-label-groups K: the first K groups all 1 / all 0 (alternating), the rest
+    mixed as before (K = 0: the rewards of the committed CSV); they are the trainer's pacs_rewards, and the
+    groups PACSTrainer's skipping would leave out are exactly those K."""
+    from benchmarks import trl_dropin
+    from pacs.single_label_groups import groups_that_must_run
+
+    assert torch.equal(trl_dropin.make_rewards(8), torch.tensor([1.0, 0.0] * 4))
+    args = trl_dropin.parse_args(["--responses", "16", "--single-label-groups", "2", "--vocab", "64",
+                                  "--completion-len", "8", "--prompt-len", "4"])
+    inputs = trl_dropin.micro_batch(args)
+    expected = torch.tensor([1.0] * 4 + [0.0] * 4 + [1.0, 0.0] * 4)
+    assert torch.equal(inputs["pacs_rewards"], expected)
+    assert torch.equal(inputs["pacs_group_ids"], torch.arange(16) // 4)
+    assert torch.equal(inputs["advantages"][:8], torch.zeros(8))  # GRPO's advantages from the same rewards
+    run = groups_that_must_run(inputs["pacs_rewards"], inputs["pacs_valid"], 4)
+    assert run.tolist() == [False, False, True, True]
+    assert torch.equal(trl_dropin.make_rewards(8, 2), torch.tensor([1.0] * 4 + [0.0] * 4))
+
+
+@pytest.mark.parametrize("argv", [["--single-label-groups", "3"], ["--single-label-groups", "-1"],
+                                  ["--responses", "16", "--single-label-groups", "5"]])
+def test_trl_dropin_refuses_more_single_label_groups_than_groups(argv, capsys):
+    from benchmarks import trl_dropin
+
+    with pytest.raises(SystemExit) as exc:
+        trl_dropin.parse_args(argv)
+    assert exc.value.code == 2 and "--single-label-groups must be in [0, " in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--single-label-groups"):
+        trl_dropin.make_rewards(8, 3)
+
+
+def test_trl_dropin_stops_when_skipping_changes_the_loss():
+    from benchmarks import trl_dropin
+
+    rows = [{"case": "pacs", "loss": 0.6931472, "grad_norm": 1.0},
+            {"case": "pacs_no_skip", "loss": 0.6931472 * (1 + 3e-6), "grad_norm": 1.0}]
+    trl_dropin.check_losses(rows)  # within 1e-5 relative
+    rows[1]["loss"] = 0.6931472 * (1 + 3e-5)
+    with pytest.raises(SystemExit, match="pacs and pacs_no_skip losses differ"):
+        trl_dropin.check_losses(rows)
+
+
+def test_trl_dropin_pacs_skips_the_single_label_groups_with_the_same_loss_and_gradient():
+    """The two PACSTrainer cases in process at a tiny size (no subprocess): with 1 of 2 groups single-label,
+    skipping runs 1 group and gives the loss and gradient norm of running both."""
+    pytest.importorskip("trl")
+    from benchmarks import trl_dropin
+
+    args = trl_dropin.parse_args(["--vocab", "256", "--hidden", "32", "--completion-len", "8", "--prompt-len", "4",
+                                  "--single-label-groups", "1", "--repeats", "1",
+                                  "--threads", str(torch.get_num_threads())])
+    skip, no_skip = (trl_dropin.run_case(case, args) for case in ("pacs", "pacs_no_skip"))
+    assert (skip["groups_run"], no_skip["groups_run"]) == (1, 2)
+    assert skip["loss"] == pytest.approx(no_skip["loss"], rel=1e-6)
+    assert skip["grad_norm"] == pytest.approx(no_skip["grad_norm"], rel=1e-5) and skip["grad_norm"] > 0
