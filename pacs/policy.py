@@ -47,11 +47,6 @@ class DistInfo:
         """This rank's share of the data (ranks of one sequence-parallel group share it)."""
         return self.rank // self.sp_size
 
-    @property
-    def generates(self) -> bool:
-        """Does this rank run a rollout engine? (Of a sequence-parallel group, only its first rank.)"""
-        return self.sp is None or self.sp.is_leader
-
 
 def setup_distributed(sequence_parallel_size: int = 1) -> DistInfo:
     """Join the process group that ``torchrun`` describes (NCCL on GPU, gloo on CPU), and with

@@ -1,11 +1,12 @@
 """Sequence parallelism (DeepSpeed-Ulysses style): one packed micro-batch spread over several ranks.
 
 With ``train.sequence_parallel_size = P`` the ranks form groups of P consecutive ranks. The ranks of a
-group hold the same rollouts (the group's first rank generates them and hands them over) and split
-every packed micro-batch of N tokens along the tokens: rank i holds tokens [i N/P, (i+1) N/P) (the row
-padded to a multiple of P). Everything in a decoder layer works token by token (embeddings, norms,
-RoPE at each token's own position, the MLP, the LM head and the fused log-probs) except attention,
-which needs every earlier token of a sequence. So attention trades the split, twice per layer:
+group hold the same rollouts (each generates a share of the group's prompts and the group gathers them:
+:func:`gather_rollouts`) and split every packed micro-batch of N tokens along the tokens: rank i holds
+tokens [i N/P, (i+1) N/P) (the row padded to a multiple of P). Everything in a decoder layer works token
+by token (embeddings, norms, RoPE at each token's own position, the MLP, the LM head and the fused
+log-probs) except attention, which needs every earlier token of a sequence. So attention trades the
+split, twice per layer:
 
     q, k, v (1, H, N/P, D) on each rank --all-to-all--> (1, H/P, N, D): every token, H/P heads
     causal attention over each packed sequence on those heads (exact: heads are independent)
@@ -43,17 +44,11 @@ SEQUENCE_PARALLEL_KWARG = "pacs_sequence_parallel"  # the backbone keyword that 
 
 @dataclass(frozen=True)
 class SequenceParallel:
-    """This rank's sequence-parallel group: ``size`` consecutive ranks starting at global rank ``leader``
-    (the one that generates the group's rollouts); ``rank`` is this rank's place in it."""
+    """This rank's sequence-parallel group: ``size`` consecutive ranks; ``rank`` is this rank's place in it."""
 
     size: int
     rank: int
-    leader: int
     group: object  # torch.distributed ProcessGroup
-
-    @property
-    def is_leader(self) -> bool:
-        return self.rank == 0
 
 
 def new_sequence_parallel(size: int, rank: int, world_size: int) -> SequenceParallel | None:
@@ -64,10 +59,10 @@ def new_sequence_parallel(size: int, rank: int, world_size: int) -> SequencePara
     if size < 1 or world_size % size:
         raise ValueError(f"train.sequence_parallel_size ({size}) must divide the number of processes ({world_size})")
     mine = None
-    for leader in range(0, world_size, size):
-        group = dist.new_group(list(range(leader, leader + size)))
-        if leader <= rank < leader + size:
-            mine = SequenceParallel(size=size, rank=rank - leader, leader=leader, group=group)
+    for first in range(0, world_size, size):
+        group = dist.new_group(list(range(first, first + size)))
+        if first <= rank < first + size:
+            mine = SequenceParallel(size=size, rank=rank - first, group=group)
     return mine
 
 
@@ -272,26 +267,20 @@ def enable_sequence_parallel_attention(causal_lm, size: int) -> str:
 # ----------------------------------------------------------------------------- rollouts
 
 
-class NoRolloutEngine:
-    """The rollout engine of a sequence-parallel rank other than its group's first: it generates nothing
-    (the group's first rank does, :func:`share_rollouts`) and holds no memory for generation; it still takes
-    every weight push, as FSDP's gathers are collective."""
-
-    def sync_weights(self, named_tensors) -> None:
-        for _ in named_tensors:
-            pass
-
-    def generate(self, *args, **kwargs):
-        raise RuntimeError("a sequence-parallel rank other than its group's first generates nothing")
-
-    def close(self) -> None:
-        pass
+def prompt_share(n_prompts: int, sp: SequenceParallel | None) -> tuple[int, int]:
+    """The prompts [start, stop) of a data rank's ``n_prompts`` that this rank of its group generates:
+    contiguous, as equal as they can be (the first ranks take one more); all of them without a group."""
+    if sp is None:
+        return 0, n_prompts
+    base, extra = divmod(n_prompts, sp.size)
+    start = sp.rank * base + min(sp.rank, extra)
+    return start, start + base + (sp.rank < extra)
 
 
-def share_rollouts(outputs, sp: SequenceParallel | None):
-    """The group's first rank's ``outputs`` (any picklable object), on every rank of the group."""
+def gather_rollouts(outputs: list, sp: SequenceParallel | None) -> list:
+    """Every rank's ``outputs`` (a list, picklable) of the group, concatenated in rank order."""
     if sp is None:
         return outputs
-    box = [outputs if sp.is_leader else None]
-    dist.broadcast_object_list(box, src=sp.leader, group=sp.group)
-    return box[0]
+    every = [None] * sp.size
+    dist.all_gather_object(every, outputs, group=sp.group)
+    return [item for part in every for item in part]

@@ -52,7 +52,7 @@ from .reference_policy import ReferenceSnapshot, is_reset_step
 from .rollout import make_rollout_engine
 from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
 from .run_setup import Run, apply_torch_threads, check_config, engine_options, prepare_run
-from .sequence_parallel import NoRolloutEngine, SequenceParallel, share_rollouts, sum_over_group, whole_micro_batch
+from .sequence_parallel import SequenceParallel, gather_rollouts, prompt_share, sum_over_group, whole_micro_batch
 from .single_label_groups import group_losses_at_zero, loss_valid, plan_group_skips, single_label, skip_rules
 from .split_groups import GroupGradients, group_gradients, group_loss_on_logprobs, part_surrogate, split_group_rows
 from .stop_signals import StoppedBySignal, StopSignals
@@ -279,14 +279,13 @@ def sequence_parallel_first_step(cfg: Config, policy, part: PackedMicroBatch, lo
 
 
 def evaluate_policy(cfg: Config, engine, run: Run, dist_info: DistInfo, step: int) -> dict:
-    """Held-out accuracy (and pass@k) with the rollout engine; each data rank scores its share with
-    :func:`pacs.evaluate.evaluate` (the evaluator of ``pacs eval``) and the shares are averaged (of a
-    sequence-parallel group, the rank that generates scores the group's share)."""
+    """Held-out accuracy (and pass@k) with the rollout engine; each rank scores its share with
+    :func:`pacs.evaluate.evaluate` (the evaluator of ``pacs eval``) and the shares are averaged."""
     e = cfg.eval
     every = run.task.eval_problems(e.num_problems)
-    share = math.ceil(len(every) / dist_info.dp_size)
-    first = dist_info.dp_rank * share
-    problems = every[first:first + share] if dist_info.generates else []
+    share = math.ceil(len(every) / dist_info.world_size)
+    first = dist_info.rank * share
+    problems = every[first:first + share]
     sums = [0.0] * (2 + len(e.ks))
     if problems:
         result = evaluate(engine, run.task, run.tokenizer, problems, n_samples=e.n_samples, temperature=e.temperature,
@@ -604,9 +603,7 @@ def train(cfg: Config) -> TrainResult:
             reference.load_full_state(saved)
 
     # ---- rollout engine, serving the current weights; the metrics log (cut back when resuming)
-    # (of a sequence-parallel group only the first rank generates: pacs/sequence_parallel.py)
-    engine = (make_rollout_engine(**engine_options(cfg, run.model_dir, cfg.seed + dist_info.dp_rank, log=say))
-              if dist_info.generates else NoRolloutEngine())
+    engine = make_rollout_engine(**engine_options(cfg, run.model_dir, cfg.seed + dist_info.rank, log=say))
     hide_progress_bars()  # again: a vLLM engine's start turns transformers' back on
     if resume is not None:
         engine.sync_weights(full_named_tensors(policy))
@@ -649,13 +646,13 @@ def train(cfg: Config) -> TrainResult:
                     warned_cut = True
                     say(f"[warning] prompts longer than rollout.max_prompt_len={r.max_prompt_len} tokens are cut to "
                         "their last max_prompt_len tokens")
-                outputs = None
-                if dist_info.generates:
-                    first_row = dist_info.dp_rank * per_rank * r.group_size
-                    outputs = engine.generate(prompts, r.group_size, temperature=r.temperature, top_p=r.top_p,
-                                              max_new_tokens=r.max_new_tokens, stop_token_ids=run.stop_ids,
-                                              seed=step_seed(cfg.seed, step, first_row))
-                outputs = share_rollouts(outputs, dist_info.sp)
+                #    (the ranks of a sequence-parallel group each generate a share of them and gather the rest)
+                start, stop = prompt_share(per_rank, dist_info.sp)
+                outputs = engine.generate(prompts[start:stop], r.group_size, temperature=r.temperature,
+                                          top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop_token_ids=run.stop_ids,
+                                          seed=step_seed(cfg.seed, step, (dist_info.dp_rank * per_rank + start)
+                                                         * r.group_size)) if stop > start else []
+                outputs = gather_rollouts(outputs, dist_info.sp)
                 rollout_time = time.time() - step_start
 
                 # 2. verifiable rewards, one row per response
