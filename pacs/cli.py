@@ -123,6 +123,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         cfg.eval.num_problems = args.num_problems
     if args.data is not None:  # every row of this file is a problem to evaluate
         cfg.task.name, cfg.task.data_path, cfg.task.eval_path = "math", args.data, args.data
+    # one process, no training: a run's multi-process training settings (its config.yaml) do not apply
+    cfg.train.sequence_parallel_size, cfg.train.fsdp_cpu_offload = 1, False
     check_config(cfg)
     apply_torch_threads(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     run = prepare_run(cfg, log=lambda *_: None)

@@ -52,10 +52,12 @@ def test_smoke_train_eval_export(tmp_path, cache_dir):
     trained = result.policy.causal_lm.state_dict()
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, trained[name], msg=name)
-    # `pacs eval` serves the export (with vLLM when it is installed)
+    # `pacs eval` serves the export (with vLLM when it is installed), one process, whatever the training
+    # run's multi-process settings (as a run's config.yaml carries them)
     out = subprocess.run(
         [sys.executable, "-m", "pacs", "eval", "--model", export, "task.digits=2",
-         "eval.num_problems=8", "rollout.max_new_tokens=4"],
+         "eval.num_problems=8", "rollout.max_new_tokens=4", "train.sequence_parallel_size=2",
+         "train.fsdp_cpu_offload=true"],
         cwd=repo_root(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
