@@ -191,6 +191,19 @@ def fixed_micro_batches(n_rows: int, rows_per_micro: int) -> list[tuple[int, int
 # ----------------------------------------------------------------------------- attention
 
 
+def sequence_bounds(cu_seqlens: torch.Tensor, window: int | None, what: str, instead: str) -> list[int]:
+    """The packed sequences' offsets as a list; a ValueError when one is longer than the layer's sliding
+    window, which ``what`` (an attention that runs whole sequences) does not implement (``instead``: the
+    setting to use)."""
+    bounds = cu_seqlens.tolist()
+    longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
+    if window is not None and longest > window:
+        raise ValueError(
+            f"{what} does not implement sliding-window attention: a packed sequence of {longest} tokens exceeds "
+            f"this layer's window of {window}; set {instead} for this model")
+    return bounds
+
+
 def _packed_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                            scaling: float | None = None, **kwargs):
     """Hugging Face attention function: query (1, H, N, D), key/value (1, H_kv, N, D).
@@ -210,13 +223,7 @@ def _packed_sdpa_attention(module, query, key, value, attention_mask, dropout: f
     kwargs.pop("position_ids", None)
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one packed row, got batch size {query.shape[0]}")
-    bounds = cu.tolist()
-    window = kwargs.get("sliding_window")
-    longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
-    if window is not None and longest > window:
-        raise ValueError(
-            f"pacs_packed_sdpa does not implement sliding-window attention: a packed sequence of {longest} tokens "
-            f"exceeds this layer's window of {window}; set train.packing=false for this model")
+    bounds = sequence_bounds(cu, kwargs.get("sliding_window"), "pacs_packed_sdpa", "train.packing=false")
     outputs = [
         sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, dropout=dropout,
                                scaling=scaling, is_causal=True, **kwargs)[0]

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .packing import PACKED_ATTENTION, PackedMicroBatch, _packed_sdpa_attention, _packed_sdpa_mask
+from .packing import PACKED_ATTENTION, PackedMicroBatch, _packed_sdpa_attention, _packed_sdpa_mask, sequence_bounds
 
 ULYSSES_ATTENTION = "pacs_ulysses_sdpa"
 SEQUENCE_PARALLEL_KWARG = "pacs_sequence_parallel"  # the backbone keyword that reaches every attention call
@@ -182,26 +182,18 @@ def _heads_to_tokens(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
     return _all_to_all(blocks, sp).reshape(1, heads_here * sp.size, n, dim)
 
 
-class _TokensToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """One of the two layout exchanges (``to_heads``: :func:`_tokens_to_heads`, else :func:`_heads_to_tokens`);
+    its backward is the other one (an all-to-all's adjoint is the reverse all-to-all)."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
-        ctx.sp = sp
-        return _tokens_to_heads(x, sp)
+    def forward(ctx, x: torch.Tensor, sp: SequenceParallel, to_heads: bool) -> torch.Tensor:
+        ctx.sp, ctx.to_heads = sp, to_heads
+        return (_tokens_to_heads if to_heads else _heads_to_tokens)(x, sp)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _heads_to_tokens(grad, ctx.sp), None
-
-
-class _HeadsToTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
-        ctx.sp = sp
-        return _heads_to_tokens(x, sp)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _tokens_to_heads(grad, ctx.sp), None
+        return (_heads_to_tokens if ctx.to_heads else _tokens_to_heads)(grad, ctx.sp), None, None
 
 
 def _ulysses_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -216,27 +208,20 @@ def _ulysses_attention(module, query, key, value, attention_mask, dropout: float
     if sp is None:
         return _packed_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    bounds = kwargs["cu_seq_lens_q"].tolist()
-    window = kwargs.get("sliding_window")
-    longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
-    if window is not None and longest > window:
-        raise ValueError(
-            f"sequence parallelism does not implement sliding-window attention: a packed sequence of {longest} "
-            f"tokens exceeds this layer's window of {window}; set train.sequence_parallel_size=1 for this model")
+    bounds = sequence_bounds(kwargs["cu_seq_lens_q"], kwargs.get("sliding_window"), "sequence parallelism",
+                             "train.sequence_parallel_size=1")
     heads, kv_heads = query.shape[1], key.shape[1]
     if kv_heads % sp.size:  # too few key/value heads to split: give every query head its own copy
         key = key.repeat_interleave(heads // kv_heads, dim=1)
         value = value.repeat_interleave(heads // kv_heads, dim=1)
-    q = _TokensToHeads.apply(query, sp)
-    k = _TokensToHeads.apply(key, sp)
-    v = _TokensToHeads.apply(value, sp)
+    q, k, v = (_Exchange.apply(x, sp, True) for x in (query, key, value))
     gqa = k.shape[1] != q.shape[1]
     out = torch.cat([
         torch.nn.functional.scaled_dot_product_attention(
             q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], dropout_p=dropout, is_causal=True, scale=scaling,
             enable_gqa=gqa)
         for s, e in zip(bounds[:-1], bounds[1:]) if e > s], dim=2)
-    return _HeadsToTokens.apply(out, sp).transpose(1, 2).contiguous(), None
+    return _Exchange.apply(out, sp, False).transpose(1, 2).contiguous(), None
 
 
 def enable_sequence_parallel_attention(causal_lm, size: int) -> str:
