@@ -124,6 +124,9 @@ class TrainConfig:
                                     # (pacs/preflight.py); None: on CUDA
     sequence_parallel_size: int = 1  # ranks that split each packed micro-batch's tokens (Ulysses attention,
                                      # pacs/sequence_parallel.py): the longest response grows with it
+    distributed_timeout_minutes: float | None = None  # how long a rank waits in a collective for the others
+                                     # (torchrun); None: torch's default (NCCL 10 min); raise it when one rank's
+                                     # generation may outlast another's by more
 
 
 @dataclass
@@ -442,6 +445,11 @@ def validate_train(cfg: Config, world_size: int = 1) -> None:
     if tr.loss_chunk_mib is not None and not (isinstance(tr.loss_chunk_mib, (int, float))
                                               and 0 < tr.loss_chunk_mib < float("inf")):
         raise ValueError(f"train.loss_chunk_mib must be a positive number of MiB or None, got {tr.loss_chunk_mib!r}")
+    timeout = tr.distributed_timeout_minutes
+    if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+                                    and 0 < timeout < float("inf")):
+        raise ValueError(f"train.distributed_timeout_minutes must be a positive number of minutes or None, "
+                         f"got {timeout!r}")
     sp = tr.sequence_parallel_size
     if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
         raise ValueError(f"train.sequence_parallel_size must be a positive integer, got {sp!r}")

@@ -316,6 +316,8 @@ def slice_micro_batch(batch, lo: int, hi: int, packed: bool, sp=None):
     (``batch.rows``, trimmed to the longest row). ``sp`` (a
     :class:`pacs.sequence_parallel.SequenceParallel`, packed only): this rank's slice of the tokens."""
     if not packed:
+        if sp is not None:  # (the trainer's config checks refuse this earlier)
+            raise ValueError("sequence parallelism splits packed micro-batches only: set train.packing=true")
         return batch.rows(lo, hi)
     part = pack_rows(batch, lo, hi)
     if sp is None:

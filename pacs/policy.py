@@ -48,9 +48,10 @@ class DistInfo:
         return self.rank // self.sp_size
 
 
-def setup_distributed(sequence_parallel_size: int = 1) -> DistInfo:
-    """Join the process group that ``torchrun`` describes (NCCL on GPU, gloo on CPU), and with
-    ``sequence_parallel_size`` > 1 its sequence-parallel groups (pacs/sequence_parallel.py).
+def setup_distributed(sequence_parallel_size: int = 1, timeout_minutes: float | None = None) -> DistInfo:
+    """Join the process group that ``torchrun`` describes (NCCL on GPU, gloo on CPU; collectives wait
+    ``timeout_minutes`` for every rank, torch's default when None), and with ``sequence_parallel_size`` > 1
+    its sequence-parallel groups (pacs/sequence_parallel.py).
 
     A single process (no ``WORLD_SIZE`` > 1 in the environment) gets a DistInfo without any group.
     """
@@ -62,16 +63,19 @@ def setup_distributed(sequence_parallel_size: int = 1) -> DistInfo:
         torch.cuda.set_device(device)
     if world_size <= 1:
         return DistInfo(device=device)
+    import datetime
+
     from torch.distributed.device_mesh import init_device_mesh
 
+    timeout = None if timeout_minutes is None else datetime.timedelta(minutes=timeout_minutes)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timeout)
     from .sequence_parallel import new_sequence_parallel
 
     mesh = init_device_mesh(device.type, (world_size,))
     rank = dist.get_rank()
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh,
-                    sp=new_sequence_parallel(sequence_parallel_size, rank, world_size))
+                    sp=new_sequence_parallel(sequence_parallel_size, rank, world_size, timeout))
 
 
 def close_distributed() -> None:

@@ -42,11 +42,19 @@ def check_config(cfg: Config, world_size: int = 1) -> None:
     if cfg.rollout.engine == "vllm":
         check_vllm_available()
     if cfg.model.path != "embedded":
-        check_lengths(cfg, max_positions(check_model_path(cfg.model.path, cfg.model.trust_remote_code)))
-    else:
+        model_config = check_model_path(cfg.model.path, cfg.model.trust_remote_code)
+    else:  # built later, from the task's settings (its key/value heads: as many as the query heads)
+        from types import SimpleNamespace
+
         from .tasks.embedded import MAX_POSITIONS
 
-        check_lengths(cfg, MAX_POSITIONS)
+        model_config = SimpleNamespace(max_position_embeddings=MAX_POSITIONS, num_attention_heads=cfg.task.num_heads,
+                                       num_key_value_heads=cfg.task.num_heads)
+    check_lengths(cfg, max_positions(model_config))
+    if cfg.train.sequence_parallel_size > 1:  # before any model is built or trained
+        from .sequence_parallel import check_model_splits
+
+        check_model_splits(model_config, cfg.train.sequence_parallel_size)
 
 
 def prepare_run(cfg: Config, dist_info: DistInfo | None = None, log=print) -> Run:

@@ -31,6 +31,7 @@ trainer multiplies each backward by P (:attr:`SequenceParallel.size`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -51,16 +52,17 @@ class SequenceParallel:
     group: object  # torch.distributed ProcessGroup
 
 
-def new_sequence_parallel(size: int, rank: int, world_size: int) -> SequenceParallel | None:
+def new_sequence_parallel(size: int, rank: int, world_size: int, timeout=None) -> SequenceParallel | None:
     """Groups of ``size`` consecutive ranks (every rank creates every group, in the same order:
-    ``new_group`` is collective); None for ``size == 1``."""
+    ``new_group`` is collective), their collectives waiting ``timeout`` (a timedelta; None: torch's
+    default); None for ``size == 1``."""
     if size == 1:
         return None
     if size < 1 or world_size % size:
         raise ValueError(f"train.sequence_parallel_size ({size}) must divide the number of processes ({world_size})")
     mine = None
     for first in range(0, world_size, size):
-        group = dist.new_group(list(range(first, first + size)))
+        group = dist.new_group(list(range(first, first + size)), timeout=timeout)
         if first <= rank < first + size:
             mine = SequenceParallel(size=size, rank=rank - first, group=group)
     return mine
@@ -150,10 +152,10 @@ def whole_micro_batch(part: PackedMicroBatch, values: torch.Tensor, lo: int, wid
     return out.index_put((shard.rows[shard.mask] - lo, shard.cols[shard.mask]), every[shard.mask])
 
 
-def sum_over_group(tensors: list[torch.Tensor], sp: SequenceParallel) -> None:
-    """In place: each tensor summed over the group's ranks (no gradient)."""
+def reduce_over_group(tensors: list[torch.Tensor], sp: SequenceParallel, op=dist.ReduceOp.SUM) -> None:
+    """In place: each tensor reduced by ``op`` (a sum by default) over the group's ranks (no gradient)."""
     for t in tensors:
-        dist.all_reduce(t, group=sp.group)
+        dist.all_reduce(t, op=op, group=sp.group)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -210,10 +212,11 @@ def _ulysses_attention(module, query, key, value, attention_mask, dropout: float
                                       **kwargs)
     bounds = sequence_bounds(kwargs["cu_seq_lens_q"], kwargs.get("sliding_window"), "sequence parallelism",
                              "train.sequence_parallel_size=1")
-    heads, kv_heads = query.shape[1], key.shape[1]
-    if kv_heads % sp.size:  # too few key/value heads to split: give every query head its own copy
-        key = key.repeat_interleave(heads // kv_heads, dim=1)
-        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    kv_heads = key.shape[1]
+    if kv_heads % sp.size:  # too few key/value heads to split: copies of each, just enough to split them
+        # (P / gcd(H_kv, P) copies divide the H / H_kv query heads that share one, as P divides H)
+        copies = sp.size // math.gcd(kv_heads, sp.size)
+        key, value = key.repeat_interleave(copies, dim=1), value.repeat_interleave(copies, dim=1)
     q, k, v = (_Exchange.apply(x, sp, True) for x in (query, key, value))
     gqa = k.shape[1] != q.shape[1]
     out = torch.cat([
@@ -224,24 +227,40 @@ def _ulysses_attention(module, query, key, value, attention_mask, dropout: float
     return _Exchange.apply(out, sp, False).transpose(1, 2).contiguous(), None
 
 
-def enable_sequence_parallel_attention(causal_lm, size: int) -> str:
-    """Switch ``causal_lm`` to ``pacs_ulysses_sdpa`` (registered here, idempotent), after checking that
-    its attention heads split over ``size`` ranks. Calls outside a sequence-parallel forward (generation,
-    padded rows) run as ``pacs_packed_sdpa``. Returns the implementation's name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
-    config = causal_lm.config
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+
+def check_model_splits(model_config, size: int) -> None:
+    """Can a model with this (Hugging Face) config split its tokens over ``size`` ranks? Its attention heads
+    must split over them, and every layer must be attention (a layer that mixes tokens otherwise, a
+    state-space, linear-attention or convolution layer, would see this rank's tokens only). ValueError naming
+    the setting otherwise."""
+    name = type(model_config).__name__
+    heads = getattr(model_config, "num_attention_heads", None)
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     if not isinstance(heads, int):
-        raise ValueError(f"train.sequence_parallel_size={size}: cannot find the number of attention heads of "
-                         f"{type(causal_lm).__name__} (config.num_attention_heads)")
+        raise ValueError(f"train.sequence_parallel_size={size}: cannot find the number of attention heads of the "
+                         f"model ({name} has no num_attention_heads)")
     if heads % size or heads % kv_heads:
         raise ValueError(
             f"train.sequence_parallel_size={size} must divide the model's attention heads "
             f"(num_attention_heads={heads}, num_key_value_heads={kv_heads}): each rank attends with "
             f"num_attention_heads / sequence_parallel_size of them")
+    other = sorted({t for t in getattr(model_config, "layer_types", None) or () if t not in ATTENTION_LAYER_TYPES})
+    if other:
+        raise ValueError(
+            f"train.sequence_parallel_size={size}: the model has layers that are not attention ({', '.join(other)}; "
+            f"{name}.layer_types), which would see only this rank's tokens; set train.sequence_parallel_size=1")
+
+
+def enable_sequence_parallel_attention(causal_lm, size: int) -> str:
+    """Switch ``causal_lm`` to ``pacs_ulysses_sdpa`` (registered here, idempotent), after checking that
+    its tokens split over ``size`` ranks (:func:`check_model_splits`). Calls outside a sequence-parallel
+    forward (generation, padded rows) run as ``pacs_packed_sdpa``. Returns the implementation's name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    check_model_splits(causal_lm.config, size)
     AttentionInterface.register(PACKED_ATTENTION, _packed_sdpa_attention)
     AttentionInterface.register(ULYSSES_ATTENTION, _ulysses_attention)
     AttentionMaskInterface.register(ULYSSES_ATTENTION, _packed_sdpa_mask)
@@ -262,10 +281,11 @@ def prompt_share(n_prompts: int, sp: SequenceParallel | None) -> tuple[int, int]
     return start, start + base + (sp.rank < extra)
 
 
-def gather_rollouts(outputs: list, sp: SequenceParallel | None) -> list:
-    """Every rank's ``outputs`` (a list, picklable) of the group, concatenated in rank order."""
+def gather_rollouts(outputs: list, scores: list, sp: SequenceParallel | None) -> tuple[list, list]:
+    """Every rank's ``outputs`` and ``scores`` (lists, picklable, one item per prompt) of the group, each
+    concatenated in rank order."""
     if sp is None:
-        return outputs
+        return outputs, scores
     every = [None] * sp.size
-    dist.all_gather_object(every, outputs, group=sp.group)
-    return [item for part in every for item in part]
+    dist.all_gather_object(every, (outputs, scores), group=sp.group)
+    return [item for part, _ in every for item in part], [item for _, part in every for item in part]

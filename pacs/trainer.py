@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from pacs_kernels import fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs, linear_logprobs_known_grad
+from pacs_kernels.fused import stale_lse_tolerance
 
 from .checkpoint import find_checkpoint, latest_checkpoint, load_checkpoint, load_reference_state, save_checkpoint
 from .config import Config, micro_batch_groups, save_config, use_packing
@@ -52,7 +53,7 @@ from .reference_policy import ReferenceSnapshot, is_reset_step
 from .rollout import make_rollout_engine
 from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
 from .run_setup import Run, apply_torch_threads, check_config, engine_options, prepare_run
-from .sequence_parallel import SequenceParallel, gather_rollouts, prompt_share, sum_over_group, whole_micro_batch
+from .sequence_parallel import SequenceParallel, gather_rollouts, prompt_share, reduce_over_group, whole_micro_batch
 from .single_label_groups import group_losses_at_zero, loss_valid, plan_group_skips, single_label, skip_rules
 from .split_groups import GroupGradients, group_gradients, group_loss_on_logprobs, part_surrogate, split_group_rows
 from .stop_signals import StoppedBySignal, StopSignals
@@ -192,20 +193,25 @@ def step_seed(seed: int, step: int, first_row: int = 0) -> int:
 
 @torch.no_grad()
 def old_policy_logprobs(policy, batch: Batch, ranges: list[tuple[int, int]], temperature: float, backend: str,
-                        packed: bool = False, sp: SequenceParallel | None = None):
+                        packed: bool = False, sp: SequenceParallel | None = None,
+                        fillers: list[tuple[int, int]] = ()):
     """(B, L) log-probs of the targets under the current policy (0 off the mask), their (B, L)
     log-sum-exp (for the one-sweep first step), and the mean entropy of the policy over response
     tokens. One no-grad pass in chunks: the row ranges ``ranges``, packed or padded; with ``sp`` each
-    rank of the group does its tokens of each chunk and the group adds up the results."""
+    rank of the group does its tokens of each chunk and the group adds up the results. ``fillers``: more
+    forwards whose results are dropped (FSDP: a rank with fewer chunks than another runs as many)."""
     old_logp = torch.zeros(batch.targets.shape, dtype=torch.float32, device=batch.targets.device)
     old_lse = torch.zeros_like(old_logp)
     entropy_sum, tokens = 0.0, 0
-    for lo, hi in ranges:
+    for i, (lo, hi) in enumerate([*ranges, *fillers]):
         part = slice_micro_batch(batch, lo, hi, packed, sp)
         hidden, weight, bias = forward_micro_batch(policy, part)
-        logp, entropy, lse = linear_logprobs(hidden[part.mask], weight, part.targets[part.mask], bias=bias,
+        selected = part.mask
+        logp, entropy, lse = linear_logprobs(hidden[selected], weight, part.targets[selected], bias=bias,
                                              temperature=temperature, return_entropy=True, return_lse=True,
-                                             backend=backend)
+                                             backend=backend_for(selected, backend))
+        if i >= len(ranges):  # a filler: under sequence parallelism its tokens may sit on other ranks than in
+            continue          # the chunk that wrote them, and the group's sum would count them twice
         rows, cols = response_positions(part, lo)
         old_logp[rows, cols] = logp
         old_lse[rows, cols] = lse
@@ -213,9 +219,16 @@ def old_policy_logprobs(policy, batch: Batch, ranges: list[tuple[int, int]], tem
         tokens += int(part.mask.sum())
     if sp is not None:  # each token was written by one rank of the group, 0 elsewhere
         totals = torch.tensor([entropy_sum, tokens], dtype=torch.float64, device=old_logp.device)
-        sum_over_group([old_logp, old_lse, totals], sp)
+        reduce_over_group([old_logp, old_lse, totals], sp)
         entropy_sum, tokens = float(totals[0]), int(totals[1])
     return old_logp, old_lse, entropy_sum / max(tokens, 1)
+
+
+def backend_for(selected: torch.Tensor, backend: str) -> str:
+    """``backend`` for a log-prob call over the ``selected`` tokens, "torch" when there are none (a rank of a
+    sequence-parallel group may hold only prompt tokens: the empty call must still reach autograd, so that
+    this rank's backward runs the layers' exchanges with the others)."""
+    return backend if bool(selected.any()) else "torch"
 
 
 def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: torch.Tensor,
@@ -250,7 +263,8 @@ def sequence_parallel_loss(cfg: Config, policy, part: PackedMicroBatch, lo: int,
     hidden, weight, bias = forward_micro_batch(policy, part)
     chunk_mib = cfg.train.loss_chunk_mib  # the torch backend's logits chunk, where the user set one
     logp = linear_logprobs(hidden[part.mask], weight, part.targets[part.mask], bias=bias,
-                           temperature=cfg.rollout.temperature, backend=cfg.optim.logprob_backend,
+                           temperature=cfg.rollout.temperature,
+                           backend=backend_for(part.mask, cfg.optim.logprob_backend),
                            chunk_elements=None if chunk_mib is None else max(1, int(chunk_mib * 2**20) // 4))
     logp_rows = whole_micro_batch(part, logp, lo, old_logp_rows.shape[1])
     return group_loss_on_logprobs(cfg, logp_rows, old_logp_rows, part.rewards, mask_rows)
@@ -272,9 +286,19 @@ def sequence_parallel_first_step(cfg: Config, policy, part: PackedMicroBatch, lo
     whole[rows] = grad_logp.to(whole.dtype) * batch.mask[rows]
     hidden, weight, bias = forward_micro_batch(policy, part)
     selected = part.mask
-    surrogate, _ = linear_logprobs_known_grad(
+    surrogate, logp = linear_logprobs_known_grad(
         hidden[selected], weight, part.targets[selected], part.take(whole)[selected], part.take(old_lse)[selected],
-        temperature=cfg.rollout.temperature, bias=bias, backend=cfg.optim.logprob_backend)
+        temperature=cfg.rollout.temperature, bias=bias, backend=backend_for(selected, cfg.optim.logprob_backend))
+    # the sweep's own log-probs must be old_logp (psi = 0 is what the loss above assumed): checked by the
+    # group's ranks together (they run the same micro-batches), so that all of them stop, not one
+    old = part.take(old_logp)[selected]
+    drift = ((logp - old).abs() / (1.0 + old.abs())).max() if logp.numel() else logp.new_zeros(())
+    reduce_over_group([drift], part.shard.sp, op=dist.ReduceOp.MAX)
+    if not float(drift) <= stale_lse_tolerance(weight.dtype):
+        raise RuntimeError(
+            f"sequence parallelism's first step: the log-probs of the one sweep differ from the rollout-time ones by "
+            f"up to {float(drift):.3g} x (1 + |old_logp|), more than rounding: the weights changed since the "
+            "old-policy pass (a bug; optim.one_sweep_first_step=false avoids this path)")
     return loss.detach(), stats, surrogate
 
 
@@ -366,9 +390,9 @@ def split_group_gradients(cfg: Config, policy, batch: Batch, micro_batches: list
             count = int(shared)
         if count:
             first = micro_batches[0][0]  # a rank without (enough) parts repeats a one-row forward
-            ranges = parts + [(first, first + 1)] * (count - len(parts))
-            current_logp, current_lse, _ = old_policy_logprobs(policy, batch, ranges, cfg.rollout.temperature,
-                                                               cfg.optim.logprob_backend, packed, dist_info.sp)
+            current_logp, current_lse, _ = old_policy_logprobs(policy, batch, parts, cfg.rollout.temperature,
+                                                               cfg.optim.logprob_backend, packed, dist_info.sp,
+                                                               fillers=[(first, first + 1)] * (count - len(parts)))
     return group_gradients(cfg, batch, split_group_rows(micro_batches, group), current_logp, current_lse, old_logp)
 
 
@@ -579,7 +603,7 @@ checkpoint_clock = time.monotonic  # what checkpoint_minutes is measured with (a
 
 def train(cfg: Config) -> TrainResult:
     """Run (or resume) training as configured."""
-    dist_info = setup_distributed(cfg.train.sequence_parallel_size)
+    dist_info = setup_distributed(cfg.train.sequence_parallel_size, cfg.train.distributed_timeout_minutes)
     say = print if dist_info.is_main else (lambda *a, **k: None)
     run, resume = start_run(cfg, dist_info, say)
     o, r = cfg.optim, cfg.rollout
@@ -646,19 +670,21 @@ def train(cfg: Config) -> TrainResult:
                     warned_cut = True
                     say(f"[warning] prompts longer than rollout.max_prompt_len={r.max_prompt_len} tokens are cut to "
                         "their last max_prompt_len tokens")
-                #    (the ranks of a sequence-parallel group each generate a share of them and gather the rest)
+                #    (the ranks of a sequence-parallel group each generate, and score, a share of them)
                 start, stop = prompt_share(per_rank, dist_info.sp)
                 outputs = engine.generate(prompts[start:stop], r.group_size, temperature=r.temperature,
                                           top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop_token_ids=run.stop_ids,
                                           seed=step_seed(cfg.seed, step, (dist_info.dp_rank * per_rank + start)
                                                          * r.group_size)) if stop > start else []
-                outputs = gather_rollouts(outputs, dist_info.sp)
                 rollout_time = time.time() - step_start
 
-                # 2. verifiable rewards, one row per response
+                # 2. verifiable rewards, one per response, scored once, where it was generated (a reward with a
+                #    timeout could score differently elsewhere), then gathered with it within a sequence-parallel group
+                scores = [[run.task.reward(decode_response(run.tokenizer, resp), problem) for resp in group_out]
+                          for problem, group_out in zip(problems[start:stop], outputs)]
+                outputs, scores = gather_rollouts(outputs, scores, dist_info.sp)
                 responses = [resp for group_out in outputs for resp in group_out]
-                rewards = [run.task.reward(decode_response(run.tokenizer, resp), problem)
-                           for problem, group_out in zip(problems, outputs) for resp in group_out]
+                rewards = [reward for group_scores in scores for reward in group_scores]
                 batch = build_batch([p for p in prompts for _ in range(r.group_size)], responses, rewards,
                                     run.pad_id).to(dist_info.device)
 

