@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 
 PACKED_ATTENTION = "pacs_packed_sdpa"
+SEQUENCE_PARALLEL_KWARG = "pacs_sequence_parallel"  # the backbone keyword that reaches every attention call
+                                                    # of a sequence-parallel forward (pacs/sequence_parallel.py)
 _PACKED_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("pacs_packed_call", default=False)
 
 
@@ -283,7 +285,7 @@ def packed_forward(policy, packed: PackedMicroBatch):
     """
     token = _PACKED_CALL.set(True)
     # sequence parallelism: this rank's slice of the tokens; the attention trades it (pacs/sequence_parallel.py)
-    split = {} if packed.shard is None else {"pacs_sequence_parallel": packed.shard.sp}
+    split = {} if packed.shard is None else {SEQUENCE_PARALLEL_KWARG: packed.shard.sp}
     try:
         hidden, weight, bias = policy(
             packed.input_ids, None, position_ids=packed.position_ids, cu_seq_lens_q=packed.cu_seqlens,

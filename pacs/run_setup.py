@@ -43,13 +43,11 @@ def check_config(cfg: Config, world_size: int = 1) -> None:
         check_vllm_available()
     if cfg.model.path != "embedded":
         model_config = check_model_path(cfg.model.path, cfg.model.trust_remote_code)
-    else:  # built later, from the task's settings (its key/value heads: as many as the query heads)
-        from types import SimpleNamespace
+    else:  # built later, from the task's settings
+        from .tasks.embedded import build_tokenizer
+        from .tasks.embedded import model_config as embedded_config
 
-        from .tasks.embedded import MAX_POSITIONS
-
-        model_config = SimpleNamespace(max_position_embeddings=MAX_POSITIONS, num_attention_heads=cfg.task.num_heads,
-                                       num_key_value_heads=cfg.task.num_heads)
+        model_config = embedded_config(cfg.task, len(build_tokenizer()))
     check_lengths(cfg, max_positions(model_config))
     if cfg.train.sequence_parallel_size > 1:  # before any model is built or trained
         from .sequence_parallel import check_model_splits

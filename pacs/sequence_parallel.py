@@ -37,10 +37,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .packing import PACKED_ATTENTION, PackedMicroBatch, _packed_sdpa_attention, _packed_sdpa_mask, sequence_bounds
+from .packing import (
+    SEQUENCE_PARALLEL_KWARG,
+    PackedMicroBatch,
+    _packed_sdpa_attention,
+    _packed_sdpa_mask,
+    register_packed_attention,
+    sequence_bounds,
+)
 
 ULYSSES_ATTENTION = "pacs_ulysses_sdpa"
-SEQUENCE_PARALLEL_KWARG = "pacs_sequence_parallel"  # the backbone keyword that reaches every attention call
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,13 @@ def whole_micro_batch(part: PackedMicroBatch, values: torch.Tensor, lo: int, wid
     return out.index_put((shard.rows[shard.mask] - lo, shard.cols[shard.mask]), every[shard.mask])
 
 
+def backend_for(selected: torch.Tensor, backend: str) -> str:
+    """``backend`` for a log-prob call over the ``selected`` tokens, "torch" when there are none (a rank of a
+    sequence-parallel group may hold only prompt tokens: the empty call must still reach autograd, so that
+    this rank's backward runs the layers' exchanges with the others)."""
+    return backend if bool(selected.any()) else "torch"
+
+
 def reduce_over_group(tensors: list[torch.Tensor], sp: SequenceParallel, op=dist.ReduceOp.SUM) -> None:
     """In place: each tensor reduced by ``op`` (a sum by default) over the group's ranks (no gradient)."""
     for t in tensors:
@@ -261,7 +274,7 @@ def enable_sequence_parallel_attention(causal_lm, size: int) -> str:
     from transformers.masking_utils import AttentionMaskInterface
 
     check_model_splits(causal_lm.config, size)
-    AttentionInterface.register(PACKED_ATTENTION, _packed_sdpa_attention)
+    register_packed_attention()  # what calls outside a sequence-parallel forward run
     AttentionInterface.register(ULYSSES_ATTENTION, _ulysses_attention)
     AttentionMaskInterface.register(ULYSSES_ATTENTION, _packed_sdpa_mask)
     causal_lm.set_attn_implementation(ULYSSES_ATTENTION)

@@ -49,6 +49,13 @@ def loss_valid(rewards: torch.Tensor, group_size: int, drop_single_label_groups:
 # ----------------------------------------------------------------------------- skipping their compute
 
 
+def zero_gradient_at_psi_zero(score: str, advantage: str, score_function_term: bool) -> bool:
+    """Does a single-label group have a gradient of exactly 0 where every psi is 0, under these loss options?
+    The log-ratio score (mean_logp's psi is not 0 there), an "rloo"/"grpo" baseline (which cancels the group's
+    one slope), no score-function term (it adds w l / B per response, not cancelled)."""
+    return score == "log_ratio" and advantage in ("rloo", "grpo") and not score_function_term
+
+
 def skip_rules(cfg, *, reference_is_current: bool) -> tuple[bool, bool]:
     """(skip on the first mini-batch, skip on every mini-batch): where a single-label group's gradient is
     exactly 0, so ``train.skip_zero_gradient_groups`` may leave out its forward and backward.
@@ -62,8 +69,8 @@ def skip_rules(cfg, *, reference_is_current: bool) -> tuple[bool, bool]:
     if not cfg.train.skip_zero_gradient_groups or o.algo != "pacs":
         return False, False
     every = o.drop_single_label_groups
-    first = every or (reference_is_current and o.one_sweep_first_step and o.score == "log_ratio"
-                      and o.advantage in ("rloo", "grpo") and not o.score_function_term)
+    first = every or (reference_is_current and o.one_sweep_first_step
+                      and zero_gradient_at_psi_zero(o.score, o.advantage, o.score_function_term))
     return first, every
 
 

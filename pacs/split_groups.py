@@ -25,11 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from pacs_kernels import grpo_loss, linear_logprobs_known_grad, pacs_loss
+from pacs_kernels.fused import logprob_drift, stale_lse_tolerance
 
 from .config import Config
 from .packing import forward_micro_batch, is_part_of_a_group, slice_micro_batch, to_layout
+from .sequence_parallel import backend_for, reduce_over_group
 from .single_label_groups import loss_valid
 
 
@@ -72,28 +75,45 @@ def group_gradients(cfg: Config, batch, first_rows: list[int], current_logp: tor
     grad = torch.zeros_like(current_logp)
     losses, stats = {}, {}
     for lo in first_rows:
-        rows = slice(lo, lo + group)
-        logp = current_logp[rows].detach().clone().requires_grad_(True)
-        with torch.enable_grad():
-            loss, group_stats = group_loss_on_logprobs(cfg, logp, old_logp[rows], batch.rewards[rows],
-                                                       batch.mask[rows])
-            (g,) = torch.autograd.grad(loss, logp)
-        grad[rows] = g.to(grad.dtype) * batch.mask[rows]
-        losses[lo], stats[lo] = float(loss.detach()), group_stats
+        loss, stats[lo] = loss_gradient(cfg, batch, slice(lo, lo + group), current_logp, old_logp, grad)
+        losses[lo] = float(loss)
     return GroupGradients(grad, current_lse, losses, stats)
 
 
+def loss_gradient(cfg: Config, batch, rows: slice, current_logp: torch.Tensor, old_logp: torch.Tensor,
+                  grad_out: torch.Tensor):
+    """The configured loss of ``rows`` (whole groups) on their current log-probs, and its gradient on each of
+    them, written into ``grad_out[rows]`` (0 off the mask). Returns (loss, stats)."""
+    logp = current_logp[rows].detach().clone().requires_grad_(True)
+    with torch.enable_grad():
+        loss, stats = group_loss_on_logprobs(cfg, logp, old_logp[rows], batch.rewards[rows], batch.mask[rows])
+        (g,) = torch.autograd.grad(loss, logp)
+    grad_out[rows] = g.to(grad_out.dtype) * batch.mask[rows]
+    return loss.detach(), stats
+
+
 def part_surrogate(cfg: Config, policy, batch, lo: int, hi: int, gradients: GroupGradients, *,
-                   packed: bool, sp=None) -> torch.Tensor:
+                   packed: bool, sp=None, expected_logp: torch.Tensor | None = None) -> torch.Tensor:
     """Phase 3 for rows [lo, hi) of a split group: forward with gradient, then the surrogate
     sum_t g_t logp_t over its response tokens (one vocabulary sweep); its backward is the part's
     share of the group loss's gradient. ``sp`` (sequence parallelism): this rank's tokens of the part,
-    whose surrogate is this rank's share of it."""
+    whose surrogate is this rank's share of it. ``expected_logp`` (the batch's layout, sequence parallelism's
+    first step): the log-probs the gradients were computed at, which the sweep's must equal; checked by the
+    group's ranks together (they run the same micro-batches), so that all of them stop, not one."""
     part = slice_micro_batch(batch, lo, hi, packed, sp)
     hidden, weight, bias = forward_micro_batch(policy, part)
     selected = part.mask
-    surrogate, _ = linear_logprobs_known_grad(
+    surrogate, logp = linear_logprobs_known_grad(
         hidden[selected], weight, part.targets[selected], to_layout(part, lo, gradients.grad_logp)[selected],
         to_layout(part, lo, gradients.lse)[selected], temperature=cfg.rollout.temperature, bias=bias,
-        backend=cfg.optim.logprob_backend)
+        backend=backend_for(selected, cfg.optim.logprob_backend))
+    if expected_logp is not None:
+        drift = logprob_drift(logp, to_layout(part, lo, expected_logp)[selected])
+        if sp is not None:
+            reduce_over_group([drift], sp, op=dist.ReduceOp.MAX)
+        if not float(drift) <= stale_lse_tolerance(weight.dtype):
+            raise RuntimeError(
+                f"sequence parallelism's first step: the log-probs of the one sweep differ from the rollout-time ones "
+                f"by up to {float(drift):.3g} x (1 + |old_logp|), more than rounding: the weights changed since the "
+                "old-policy pass (a bug; optim.one_sweep_first_step=false avoids this path)")
     return surrogate

@@ -28,8 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pacs_kernels import fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs, linear_logprobs_known_grad
-from pacs_kernels.fused import stale_lse_tolerance
+from pacs_kernels import fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs
 
 from .checkpoint import find_checkpoint, latest_checkpoint, load_checkpoint, load_reference_state, save_checkpoint
 from .config import Config, micro_batch_groups, save_config, use_packing
@@ -53,9 +52,23 @@ from .reference_policy import ReferenceSnapshot, is_reset_step
 from .rollout import make_rollout_engine
 from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
 from .run_setup import Run, apply_torch_threads, check_config, engine_options, prepare_run
-from .sequence_parallel import SequenceParallel, gather_rollouts, prompt_share, reduce_over_group, whole_micro_batch
+from .sequence_parallel import (
+    SequenceParallel,
+    backend_for,
+    gather_rollouts,
+    prompt_share,
+    reduce_over_group,
+    whole_micro_batch,
+)
 from .single_label_groups import group_losses_at_zero, loss_valid, plan_group_skips, single_label, skip_rules
-from .split_groups import GroupGradients, group_gradients, group_loss_on_logprobs, part_surrogate, split_group_rows
+from .split_groups import (
+    GroupGradients,
+    group_gradients,
+    group_loss_on_logprobs,
+    loss_gradient,
+    part_surrogate,
+    split_group_rows,
+)
 from .stop_signals import StoppedBySignal, StopSignals
 
 
@@ -224,13 +237,6 @@ def old_policy_logprobs(policy, batch: Batch, ranges: list[tuple[int, int]], tem
     return old_logp, old_lse, entropy_sum / max(tokens, 1)
 
 
-def backend_for(selected: torch.Tensor, backend: str) -> str:
-    """``backend`` for a log-prob call over the ``selected`` tokens, "torch" when there are none (a rank of a
-    sequence-parallel group may hold only prompt tokens: the empty call must still reach autograd, so that
-    this rank's backward runs the layers' exchanges with the others)."""
-    return backend if bool(selected.any()) else "torch"
-
-
 def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: torch.Tensor,
                 old_lse: torch.Tensor | None = None):
     """The configured loss (PACS or GRPO) of one micro-batch (padded rows or packed), straight from
@@ -270,36 +276,19 @@ def sequence_parallel_loss(cfg: Config, policy, part: PackedMicroBatch, lo: int,
     return group_loss_on_logprobs(cfg, logp_rows, old_logp_rows, part.rewards, mask_rows)
 
 
-def sequence_parallel_first_step(cfg: Config, policy, part: PackedMicroBatch, lo: int, hi: int, batch: Batch,
-                                 old_logp: torch.Tensor, old_lse: torch.Tensor):
-    """The one-sweep first step under sequence parallelism: the weights are still the rollout's, so the
-    micro-batch's log-probs are ``old_logp`` (psi = 0 exactly). Its loss and the gradient g on every token come
-    first (from those few numbers, the same on every rank of the group); then this rank's tokens run one
-    vocabulary sweep with g fixed (``linear_logprobs_known_grad``, 3 LM-head matmuls). Returns (loss, stats,
-    surrogate): the surrogate's backward is this rank's share of the loss's gradient."""
-    rows = slice(lo, hi)
-    logp = old_logp[rows].detach().clone().requires_grad_(True)
-    with torch.enable_grad():
-        loss, stats = group_loss_on_logprobs(cfg, logp, old_logp[rows], batch.rewards[rows], batch.mask[rows])
-        (grad_logp,) = torch.autograd.grad(loss, logp)
-    whole = torch.zeros_like(old_logp)
-    whole[rows] = grad_logp.to(whole.dtype) * batch.mask[rows]
-    hidden, weight, bias = forward_micro_batch(policy, part)
-    selected = part.mask
-    surrogate, logp = linear_logprobs_known_grad(
-        hidden[selected], weight, part.targets[selected], part.take(whole)[selected], part.take(old_lse)[selected],
-        temperature=cfg.rollout.temperature, bias=bias, backend=backend_for(selected, cfg.optim.logprob_backend))
-    # the sweep's own log-probs must be old_logp (psi = 0 is what the loss above assumed): checked by the
-    # group's ranks together (they run the same micro-batches), so that all of them stop, not one
-    old = part.take(old_logp)[selected]
-    drift = ((logp - old).abs() / (1.0 + old.abs())).max() if logp.numel() else logp.new_zeros(())
-    reduce_over_group([drift], part.shard.sp, op=dist.ReduceOp.MAX)
-    if not float(drift) <= stale_lse_tolerance(weight.dtype):
-        raise RuntimeError(
-            f"sequence parallelism's first step: the log-probs of the one sweep differ from the rollout-time ones by "
-            f"up to {float(drift):.3g} x (1 + |old_logp|), more than rounding: the weights changed since the "
-            "old-policy pass (a bug; optim.one_sweep_first_step=false avoids this path)")
-    return loss.detach(), stats, surrogate
+def sequence_parallel_first_step(cfg: Config, policy, batch: Batch, lo: int, hi: int, old_logp: torch.Tensor,
+                                 old_lse: torch.Tensor, sp: SequenceParallel):
+    """The one-sweep first step under sequence parallelism, for micro-batch rows [lo, hi): the weights are
+    still the rollout's, so its log-probs are ``old_logp`` (psi = 0 exactly). Its loss and the gradient g on
+    every token come first (from those few numbers, the same on every rank of the group); then this rank's
+    tokens run one vocabulary sweep with g fixed (3 LM-head matmuls), checked to reproduce ``old_logp``: the
+    phases of pacs/split_groups.py with the whole micro-batch as the "group". Returns (loss, stats, surrogate):
+    the surrogate's backward is this rank's share of the loss's gradient."""
+    grad_logp = torch.zeros_like(old_logp)
+    loss, stats = loss_gradient(cfg, batch, slice(lo, hi), old_logp, old_logp, grad_logp)
+    surrogate = part_surrogate(cfg, policy, batch, lo, hi, GroupGradients(grad_logp, old_lse, {}, {}), packed=True,
+                               sp=sp, expected_logp=old_logp)
+    return loss, stats, surrogate
 
 
 def evaluate_policy(cfg: Config, engine, run: Run, dist_info: DistInfo, step: int) -> dict:
@@ -383,11 +372,7 @@ def split_group_gradients(cfg: Config, policy, batch: Batch, micro_batches: list
     parts = [(lo, hi) for lo, hi in micro_batches if is_part_of_a_group(lo, hi, group)]
     current_logp, current_lse = (old_logp if rollout_logp is None else rollout_logp), old_lse
     if not first_mini_batch:
-        count = len(parts)
-        if dist_info.world_size > 1:  # FSDP: every rank runs as many no-grad forwards
-            shared = torch.tensor([count], dtype=torch.int64, device=dist_info.device)
-            dist.all_reduce(shared, op=dist.ReduceOp.MAX)
-            count = int(shared)
+        count = most_on_any_rank([len(parts)], dist_info)[0]  # FSDP: every rank runs as many no-grad forwards
         if count:
             first = micro_batches[0][0]  # a rank without (enough) parts repeats a one-row forward
             current_logp, current_lse, _ = old_policy_logprobs(policy, batch, parts, cfg.rollout.temperature,
@@ -453,17 +438,18 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
                     (surrogate * (backward_scale * group / rows_per_mini)).backward()
                     loss_value, stats = split.losses[group_lo], split.stats.pop(group_lo, {})  # stats once per group
                 else:
-                    part = slice_micro_batch(batch, lo, hi, packed, sp)
                     if sp is not None and one_sweep and mini == 0:  # psi = 0: the gradient on the log-probs first
-                        loss, stats, to_backward = sequence_parallel_first_step(cfg, policy, part, lo, hi, batch,
-                                                                                old_logp, old_lse)
-                    elif sp is not None:
-                        loss, stats = sequence_parallel_loss(cfg, policy, part, lo, old_logp[lo:hi], batch.mask[lo:hi])
-                        to_backward = loss
+                        loss, stats, to_backward = sequence_parallel_first_step(cfg, policy, batch, lo, hi, old_logp,
+                                                                                old_lse, sp)
                     else:
-                        # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
-                        lse = to_layout(part, lo, old_lse) if one_sweep and mini == 0 else None
-                        loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, old_logp), lse)
+                        part = slice_micro_batch(batch, lo, hi, packed, sp)
+                        if sp is not None:
+                            loss, stats = sequence_parallel_loss(cfg, policy, part, lo, old_logp[lo:hi],
+                                                                 batch.mask[lo:hi])
+                        else:
+                            # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
+                            lse = to_layout(part, lo, old_lse) if one_sweep and mini == 0 else None
+                            loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, old_logp), lse)
                         to_backward = loss
                     # each loss is a mean over its responses: weigh it by its share of the mini-batch
                     (to_backward * (backward_scale * (hi - lo) / rows_per_mini)).backward()

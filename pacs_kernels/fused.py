@@ -222,6 +222,16 @@ def fused_linear_pacs_loss(
     return result
 
 
+def logprob_drift(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
+    """How far the one sweep's log-probs sit from old_logp: the largest |logp - old| / (1 + |old|), each token
+    against its own scale, so that a likely token's drift is not hidden by a rare one's (0-d float32; 0 for
+    no tokens). Compared with :func:`stale_lse_tolerance`."""
+    if not logp.numel():
+        return logp.new_zeros((), dtype=torch.float32)
+    old32 = old_logp.float()
+    return ((logp - old32).abs() / (1.0 + old32.abs())).max()
+
+
 def stale_lse_tolerance(dtype: torch.dtype) -> float:
     """How far (each token relative to 1 + |old_logp|) the one sweep's log-probs may sit from old_logp and
     still count as the same weights. Two forward passes over the same weights agree to float32 rounding in
@@ -338,9 +348,7 @@ def _first_step_after_rollout(tokens, weight, old_lse, rewards, valid, layout, *
     surrogate, logp = linear_logprobs_known_grad(
         pick(tokens.hidden, index), weight, pick(tokens.targets, index), grad_logp,
         pick(old_lse.reshape(-1), index), temperature=temperature, bias=bias, backend=backend, logit_softcap=softcap)
-    # each token against its own scale (1 + |old_logp|): a likely token's drift is not hidden by a rare one's
-    old32 = old_selected.float()
-    drift = ((logp - old32).abs() / (1.0 + old32.abs())).max().item() if logp.numel() else 0.0
+    drift = float(logprob_drift(logp, old_selected))
     if not drift <= stale_lse_tolerance(weight.dtype):
         warnings.warn(
             f"old_lse does not belong to these weights: the log-probs recomputed in the one sweep differ from "

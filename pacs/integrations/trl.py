@@ -49,7 +49,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from pacs_kernels import PACSLoss
 
-from ..single_label_groups import group_losses_at_zero, groups_that_must_run, single_label
+from ..single_label_groups import group_losses_at_zero, groups_that_must_run, single_label, zero_gradient_at_psi_zero
 from ..stop_signals import StoppedBySignal, StopSignals
 from ..tiled_mlp import tile_mlp
 from .model_forward import PACSBatch, add_pacs_forward, check_supported_head
@@ -346,8 +346,8 @@ class PACSTrainer(GRPOTrainer):
         """Whether this training step may skip single-label groups: psi = 0 exactly (on-policy: no old
         log-probs, the one-sweep step), and a loss whose single-label groups then have no gradient."""
         a = self.args
-        return (a.pacs_skip_zero_gradient_groups and old_logp is None and a.pacs_score == "log_ratio"
-                and a.pacs_advantage in ("rloo", "grpo") and not a.pacs_score_function_term)
+        return (a.pacs_skip_zero_gradient_groups and old_logp is None
+                and zero_gradient_at_psi_zero(a.pacs_score, a.pacs_advantage, a.pacs_score_function_term))
 
     def _log_pacs_stats(self, mode: str, stats: dict) -> None:
         """Every rank holds the same keys; each metric is the NaN-aware mean over ranks."""

@@ -43,17 +43,24 @@ def build_tokenizer():
         padding_side="left")
 
 
-def build_model(cfg: TaskConfig, vocab_size: int, seed: int):
-    """A Qwen2-style causal LM with tied embeddings, randomly initialized from ``seed``."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def model_config(cfg: TaskConfig, vocab_size: int):
+    """The Qwen2 config of the embedded model (also what the config checks read before it is built)."""
+    from transformers import Qwen2Config
 
     head_dim = cfg.hidden_size // cfg.num_heads
-    config = Qwen2Config(
+    return Qwen2Config(
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_heads, head_dim=head_dim, max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         use_sliding_window=False, torch_dtype="float32")
+
+
+def build_model(cfg: TaskConfig, vocab_size: int, seed: int):
+    """A Qwen2-style causal LM with tied embeddings, randomly initialized from ``seed``."""
+    from transformers import Qwen2ForCausalLM
+
+    config = model_config(cfg, vocab_size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Qwen2ForCausalLM(config)
