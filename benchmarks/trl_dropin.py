@@ -1,7 +1,7 @@
 """TRL drop-in: one training micro-step of PACSTrainer against GRPOTrainer's default loss, same run.
 
 Each case runs in a fresh subprocess (peak-RSS method and caveats: benchmarks/measure.py): a tiny
-Llama with a large vocabulary (default V=32000, d=256, 2 layers) built in code, float32 (bf16=False
+Llama with a large vocabulary (default V=32000, d=256, 2 layers: ``--layers``) built in code, float32 (bf16=False
 for both, so that both heads run in the same precision), and one fixed on-policy micro-batch
 (default 8 responses x 256 completion tokens after 32 prompt tokens, 2 groups of 4, mixed 0/1
 rewards) handed straight to ``trainer.compute_loss`` + ``backward`` (no generation: only the loss
@@ -15,18 +15,27 @@ the cores), and the peak increase of the resident set over the state before the 
     pacs          PACSTrainer (pacs_kernels torch backend; on-policy: one-sweep first step;
                   pacs_skip_zero_gradient_groups on, its default)
     pacs_no_skip  the same with pacs_skip_zero_gradient_groups=False (every group runs)
+    pacs_padded   PACSTrainer with pacs_padding_free=False: the loss's forward on TRL's padded rows
+                  (``pacs`` runs it on the real tokens packed into one row, its default)
 
 ``--single-label-groups K`` (default 0) makes the first K groups single-label (all rewards 1 in the
 first, all 0 in the next, alternating), the others mixed as by default: ``pacs`` leaves those out of
 the forward and backward (their gradient is exactly 0 on-policy; one group still runs when all are
 single-label), ``pacs_no_skip`` runs them. Both must give the same loss: the script stops with an
 error when their losses differ by more than 1e-5 relative. Each row records ``groups_run`` (the
-groups PACSTrainer put through the model, from its ``pacs/skipped_group_frac`` metric).
+groups PACSTrainer put through the model, from its ``pacs/skipped_group_frac`` metric). ``pacs_padded``
+must give ``pacs``'s loss too (up to the float32 rounding of RoPE's angles at other positions).
+
+``--varied-lengths`` gives the rows lengths as a rollout does: prompts of P/2 to P tokens (left-padded),
+completions of C/8 to C tokens (right-padded), spread over the rows; by default every prompt is P tokens
+and every third completion C - C/4.
 
     python benchmarks/trl_dropin.py                        # writes benchmarks/results/trl_dropin_cpu.csv
     python benchmarks/trl_dropin.py --vocab 8192 --completion-len 64 --out /tmp/small.csv
     python benchmarks/trl_dropin.py --cases pacs pacs_no_skip --responses 16 --single-label-groups 2 \
         --out /tmp/skip.csv                                # 4 groups of 4, 2 of them single-label
+    python benchmarks/trl_dropin.py --cases pacs pacs_padded --varied-lengths --completion-len 1024 \
+        --out benchmarks/results/trl_padding_free_cpu.csv  # padding-free vs padded rows
 """
 
 from __future__ import annotations
@@ -46,8 +55,8 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CASES = ("trl_default", "pacs", "pacs_no_skip")
-LOSS_RTOL = 1e-5  # pacs vs pacs_no_skip: the same loss up to float rounding
+CASES = ("trl_default", "pacs", "pacs_no_skip", "pacs_padded")
+LOSS_RTOL = 1e-5  # pacs vs pacs_no_skip / pacs_padded: the same loss up to float rounding
 GROUP = 4
 
 
@@ -60,8 +69,9 @@ def build_trainer(case: str, args, out_dir: str):
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=args.prompt_len + args.completion_len,
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=args.prompt_len + args.completion_len,
         pad_token_id=0, bos_token_id=1, eos_token_id=2))
     common = dict(output_dir=out_dir, per_device_train_batch_size=args.responses, num_generations=GROUP,
                   max_completion_length=args.completion_len, report_to="none", save_strategy="no", use_cpu=True,
@@ -71,10 +81,11 @@ def build_trainer(case: str, args, out_dir: str):
     def reward(completions, **kwargs):
         return [0.0] * len(completions)
 
-    if case in ("pacs", "pacs_no_skip"):
+    if case.startswith("pacs"):
         from pacs.integrations.trl import PACSConfig, PACSTrainer
 
-        config = PACSConfig(**common, pacs_skip_zero_gradient_groups=case == "pacs")
+        config = PACSConfig(**common, pacs_skip_zero_gradient_groups=case != "pacs_no_skip",
+                            pacs_padding_free=False if case == "pacs_padded" else None)
         trainer = PACSTrainer(model, reward, args=config, train_dataset=dataset, processing_class=build_tokenizer())
     else:
         from trl import GRPOConfig, GRPOTrainer
@@ -102,21 +113,22 @@ def make_rewards(responses: int, single_label_groups: int = 0):
 
 
 def micro_batch(args):
-    """The same inputs for every case: completions with a few padded tails, 0/1 rewards (mixed, or the
-    first --single-label-groups groups single-label). ``pacs_rewards`` is what PACSTrainer's loss reads (the
-    reward function is never called: no generation); ``advantages`` (GRPO's) are derived from the same."""
+    """The same inputs for every case: completions with a few padded tails (or, with --varied-lengths, prompts
+    and completions of lengths spread over the rows: :func:`row_lengths`), 0/1 rewards (mixed, or the first
+    --single-label-groups groups single-label). ``pacs_rewards`` is what PACSTrainer's loss reads (the reward
+    function is never called: no generation); ``advantages`` (GRPO's) are derived from the same."""
     import torch
 
     gen = torch.Generator().manual_seed(1)
     B, P, C = args.responses, args.prompt_len, args.completion_len
-    completion_mask = torch.ones(B, C, dtype=torch.long)
-    for i in range(0, B, 3):
-        completion_mask[i, C - C // 4:] = 0
+    prompt_lens, completion_lens = row_lengths(B, P, C, args.varied_lengths)
+    prompt_mask = (torch.arange(P)[None, :] >= P - torch.tensor(prompt_lens)[:, None]).long()  # left-padded
+    completion_mask = (torch.arange(C)[None, :] < torch.tensor(completion_lens)[:, None]).long()
     rewards = make_rewards(B, args.single_label_groups)
     advantages = (rewards.view(-1, GROUP) - rewards.view(-1, GROUP).mean(1, keepdim=True)).view(-1)
     return {
-        "prompt_ids": torch.randint(3, args.vocab, (B, P), generator=gen),
-        "prompt_mask": torch.ones(B, P, dtype=torch.long),
+        "prompt_ids": torch.randint(3, args.vocab, (B, P), generator=gen) * prompt_mask,
+        "prompt_mask": prompt_mask,
         "completion_ids": torch.randint(3, args.vocab, (B, C), generator=gen) * completion_mask,
         "completion_mask": completion_mask,
         "advantages": advantages,
@@ -125,6 +137,23 @@ def micro_batch(args):
         "pacs_valid": torch.ones(B, dtype=torch.bool),
         "pacs_group_ids": torch.arange(B) // GROUP,
     }
+
+
+def row_lengths(responses: int, prompt_len: int, completion_len: int, varied: bool) -> tuple[list, list]:
+    """(prompt lengths, completion lengths) of the rows. Default: every prompt ``prompt_len`` tokens, every third
+    completion ``completion_len - completion_len // 4`` and the others ``completion_len``. ``varied``: prompts
+    of P, 5P/6, 2P/3, P/2 tokens in turn, and completions from C down to C/8 in even steps, given to the rows
+    in a fixed random order (each group holds long and short ones)."""
+    if not varied:
+        return ([prompt_len] * responses,
+                [completion_len - completion_len // 4 if i % 3 == 0 else completion_len for i in range(responses)])
+    import torch
+
+    order = torch.randperm(responses, generator=torch.Generator().manual_seed(2)).tolist()
+    span = max(responses - 1, 1)
+    prompts = [prompt_len - (prompt_len // 2) * (i % 4) // 3 for i in range(responses)]
+    completions = [max(1, completion_len - (7 * completion_len // 8) * k // span) for k in order]
+    return prompts, completions
 
 
 def run_case(case: str, args) -> dict:
@@ -174,6 +203,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers of the tiny Llama (default 2)")
     parser.add_argument("--responses", type=int, default=8, help=f"responses, in groups of {GROUP}")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--completion-len", type=int, default=256)
@@ -181,8 +211,10 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--single-label-groups", type=int, default=0, metavar="K",
                         help="make the first K groups single-label (all 1, all 0, alternating); default 0")
-    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES),
-                        help="the cases to run, in this order (default: all)")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES[:3]),
+                        help="the cases to run, in this order (default: trl_default pacs pacs_no_skip)")
+    parser.add_argument("--varied-lengths", action="store_true",
+                        help="prompts of P/2..P and completions of C/8..C tokens, spread over the rows")
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "trl_dropin_cpu.csv"))
     parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)  # one case, in this process
     args = parser.parse_args(argv)
@@ -196,17 +228,20 @@ def parse_args(argv=None):
 
 
 def check_losses(rows: list[dict]) -> None:
-    """pacs (skipping) and pacs_no_skip must give one loss up to float rounding; SystemExit otherwise.
-    (On-policy every response's PACS loss term is taken at psi = 0, so the loss checks that the skipped
-    groups' values are added back with the right divisor; the gradient norms, printed, check the rest.)"""
+    """pacs (skipping, padding-free) and pacs_no_skip / pacs_padded must give one loss up to float rounding;
+    SystemExit otherwise. (On-policy every response's PACS loss term is taken at psi = 0, so the loss checks
+    that the skipped groups' values are added back with the right divisor; the gradient norms, printed, check
+    the rest.)"""
     by_case = {row["case"]: row for row in rows}
-    if "pacs" in by_case and "pacs_no_skip" in by_case:
-        a, b = by_case["pacs"]["loss"], by_case["pacs_no_skip"]["loss"]
+    for other in ("pacs_no_skip", "pacs_padded"):
+        if "pacs" not in by_case or other not in by_case:
+            continue
+        a, b = by_case["pacs"]["loss"], by_case[other]["loss"]
         if not math.isclose(a, b, rel_tol=LOSS_RTOL, abs_tol=0.0):
-            sys.exit(f"pacs and pacs_no_skip losses differ: {a!r} vs {b!r} "
+            sys.exit(f"pacs and {other} losses differ: {a!r} vs {b!r} "
                      f"(relative {abs(a - b) / max(abs(a), abs(b)):.3g} > {LOSS_RTOL:g})")
-        ga, gb = by_case["pacs"]["grad_norm"], by_case["pacs_no_skip"]["grad_norm"]
-        print(f"pacs vs pacs_no_skip: loss relative difference {abs(a - b) / max(abs(a), abs(b), 1e-300):.3g}, "
+        ga, gb = by_case["pacs"]["grad_norm"], by_case[other]["grad_norm"]
+        print(f"pacs vs {other}: loss relative difference {abs(a - b) / max(abs(a), abs(b), 1e-300):.3g}, "
               f"gradient norm {ga:.9g} vs {gb:.9g} (relative {abs(ga - gb) / max(ga, gb, 1e-300):.3g})")
 
 
@@ -218,10 +253,12 @@ def main(argv=None) -> None:
 
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1", "MALLOC_MMAP_THRESHOLD_": "131072",
            "MALLOC_TRIM_THRESHOLD_": "131072", "TOKENIZERS_PARALLELISM": "false"}
-    flags = [f"--vocab={args.vocab}", f"--hidden={args.hidden}", f"--responses={args.responses}",
+    flags = [f"--vocab={args.vocab}", f"--hidden={args.hidden}", f"--layers={args.layers}",
+             f"--responses={args.responses}",
              f"--prompt-len={args.prompt_len}", f"--completion-len={args.completion_len}",
              f"--repeats={args.repeats}", f"--threads={args.threads}",
              f"--single-label-groups={args.single_label_groups}"]
+    flags += ["--varied-lengths"] if args.varied_lengths else []
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     device = f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     try:
@@ -238,9 +275,11 @@ def main(argv=None) -> None:
             sys.exit(f"case {case} failed:\n{done.stderr[-4000:]}")
         result = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append({**result, "device": device, "date": date, "vocab": args.vocab, "hidden": args.hidden,
+                     "layers": args.layers,
                      "responses": args.responses, "prompt_len": args.prompt_len,
                      "completion_len": args.completion_len, "threads": args.threads, "repeats": args.repeats,
-                     "groups": args.responses // GROUP, "single_label_groups": args.single_label_groups})
+                     "groups": args.responses // GROUP, "single_label_groups": args.single_label_groups,
+                     "varied_lengths": args.varied_lengths})
         print(f"{case:12s} {result['time_ms']:9.1f} ms (min {result['time_min_ms']:.1f}, "
               f"CPU {result['cpu_time_ms']:.1f}, "
               f"util {result['cpu_util']:.2f})  peak RSS +{result['peak_rss_increase_mib']:8.1f} MiB  "

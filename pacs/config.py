@@ -414,11 +414,22 @@ def grpo_supports_packing() -> bool:
     return "cu_seqlens" in inspect.signature(fused_linear_grpo_loss).parameters
 
 
-def use_packing(cfg: Config) -> bool:
-    """train.packing resolved: None means packed wherever the configured loss takes that layout."""
-    if cfg.train.packing is not None:
-        return cfg.train.packing
-    return cfg.optim.algo == "pacs" or grpo_supports_packing()
+def use_packing(cfg: Config, model_config=None, attention: str = "pacs_packed_sdpa") -> bool:
+    """train.packing resolved: None means packed wherever that is exact: the configured loss takes the
+    layout and, given the model's (Hugging Face) config, packed rows run with the attention implementation
+    ``attention`` compute what padded rows do (:func:`pacs.packing.packing_obstacle`). ``train.packing=true``
+    for a model that cannot be packed exactly is a ValueError saying why."""
+    requested = cfg.train.packing
+    if requested is False or (requested is None and not (cfg.optim.algo == "pacs" or grpo_supports_packing())):
+        return False
+    if model_config is None:
+        return True
+    from .packing import packing_obstacle
+
+    why = packing_obstacle(model_config, attention)
+    if why is not None and requested:
+        raise ValueError(f"train.packing=true cannot be exact for this model: {why}; set train.packing=false")
+    return why is None
 
 
 def validate_train(cfg: Config, world_size: int = 1) -> None:

@@ -28,6 +28,7 @@ the sequence's token count (its forward cannot be cut).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from dataclasses import dataclass
 
@@ -77,15 +78,72 @@ class PackedMicroBatch:
         return padded[self.rows, self.cols]
 
 
-def row_lengths(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, L) right-padded 0/1 attention mask -> (B,) int64 real lengths; refuses left padding."""
+def real_token_spans(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L) 0/1 attention mask whose rows each hold one contiguous run of ones (right padding, left
+    padding, or both: a left-padded prompt before a right-padded completion) -> (starts, lengths),
+    (B,) int64 each. A ValueError for a row with a gap in its ones (packing would close the gap and
+    change the positions after it) or with no real token."""
     if attention_mask.dim() != 2:
         raise ValueError(f"attention_mask must be (B, L), got shape {tuple(attention_mask.shape)}")
-    lengths = attention_mask.sum(1).to(torch.int64)
+    real = attention_mask != 0
+    lengths = real.sum(1).to(torch.int64)
+    starts = real.to(torch.int8).argmax(1).to(torch.int64)  # the first one (0 for an empty row)
     positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    if not bool(((positions[None, :] < lengths[:, None]).to(attention_mask.dtype) == attention_mask).all()):
-        raise ValueError("attention_mask must be right-padded (ones, then zeros) to be packed")
-    return lengths
+    span = (positions[None, :] >= starts[:, None]) & (positions[None, :] < (starts + lengths)[:, None])
+    if not bool((span == real).all()):
+        rows = (span != real).any(1).nonzero().flatten().tolist()
+        raise ValueError(f"attention_mask rows {rows[:8]} hold real tokens with padding between them; a packed "
+                         "row needs each row's real tokens in one contiguous run (padding only before or after)")
+    if bool((lengths == 0).any()):
+        rows = (lengths == 0).nonzero().flatten().tolist()
+        raise ValueError(f"attention_mask rows {rows[:8]} hold no real token: an empty row cannot be packed")
+    return starts, lengths
+
+
+@dataclass
+class PackedRows:
+    """The real tokens of a (B, L) batch concatenated into one row of N tokens (:func:`pack_real_tokens`).
+
+    input_ids, position_ids: (1, N) int64 (positions restart at 0 for every sequence); cu_seqlens: (B + 1,)
+    int32; max_seqlen: the longest sequence; rows, cols: (N,) int64, where each packed token sits in the
+    (B, L) batch; starts, lengths: (B,) int64, each row's first real column and its real token count.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    rows: torch.Tensor
+    cols: torch.Tensor
+    starts: torch.Tensor
+    lengths: torch.Tensor
+
+    def packed_index(self, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, C) columns of the (B, L) batch, row b's in row b -> (index (B, C) into the packed row, real
+        (B, C) bool: the column holds a real token; where it does not, index is a valid stand-in, 0)."""
+        offset = cols - self.starts[:, None]
+        real = (offset >= 0) & (offset < self.lengths[:, None])
+        index = self.cu_seqlens[:-1].to(torch.int64)[:, None] + offset
+        return torch.where(real, index, torch.zeros_like(index)), real
+
+
+def pack_real_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRows:
+    """Pack the real tokens (``attention_mask`` 1, one contiguous run per row: :func:`real_token_spans`)
+    of ``input_ids`` (B, L) into one row."""
+    if input_ids.shape != attention_mask.shape:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
+                         "must have the same (B, L) shape")
+    starts, lengths = real_token_spans(attention_mask)
+    device = input_ids.device
+    cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64, device=device)
+    torch.cumsum(lengths, 0, out=cu[1:])
+    n = int(cu[-1])
+    rows = torch.repeat_interleave(torch.arange(lengths.shape[0], device=device), lengths)
+    offsets = torch.arange(n, device=device) - torch.repeat_interleave(cu[:-1], lengths)
+    cols = starts[rows] + offsets
+    return PackedRows(input_ids=input_ids[rows, cols].unsqueeze(0), position_ids=offsets.unsqueeze(0),
+                      cu_seqlens=cu.to(torch.int32), max_seqlen=int(lengths.max()), rows=rows, cols=cols,
+                      starts=starts, lengths=lengths)
 
 
 def pack_rows(batch, lo: int, hi: int) -> PackedMicroBatch:
@@ -98,19 +156,15 @@ def pack_rows(batch, lo: int, hi: int) -> PackedMicroBatch:
     """
     if not 0 <= lo < hi <= batch.input_ids.shape[0]:
         raise ValueError(f"rows [lo, hi) must satisfy 0 <= lo < hi <= {batch.input_ids.shape[0]}, got [{lo}, {hi})")
-    device = batch.input_ids.device
-    lengths = row_lengths(batch.attention_mask[lo:hi])
-    if bool((lengths == 0).any()):
-        raise ValueError(f"rows [{lo}, {hi}) hold an empty row (no real token) that cannot be packed")
-    cu = torch.zeros(hi - lo + 1, dtype=torch.int64, device=device)
-    torch.cumsum(lengths, 0, out=cu[1:])
-    n = int(cu[-1])
-    rows = torch.repeat_interleave(torch.arange(lo, hi, device=device), lengths)
-    cols = torch.arange(n, device=device) - torch.repeat_interleave(cu[:-1], lengths)
+    try:
+        layout = pack_real_tokens(batch.input_ids[lo:hi], batch.attention_mask[lo:hi])
+    except ValueError as exc:
+        raise ValueError(f"rows [{lo}, {hi}) cannot be packed: {exc}") from None
+    rows, cols = layout.rows + lo, layout.cols
     return PackedMicroBatch(
-        input_ids=batch.input_ids[rows, cols].unsqueeze(0), position_ids=cols.unsqueeze(0),
-        cu_seqlens=cu.to(torch.int32), max_seqlen=int(lengths.max()), targets=batch.targets[rows, cols],
-        mask=batch.mask[rows, cols].bool(), rewards=batch.rewards[lo:hi], rows=rows, cols=cols)
+        input_ids=layout.input_ids, position_ids=layout.position_ids, cu_seqlens=layout.cu_seqlens,
+        max_seqlen=layout.max_seqlen, targets=batch.targets[rows, cols], mask=batch.mask[rows, cols].bool(),
+        rewards=batch.rewards[lo:hi], rows=rows, cols=cols)
 
 
 # ----------------------------------------------------------------------------- token budgets
@@ -265,6 +319,55 @@ def packed_attention_implementation(device: torch.device) -> str:
     return register_packed_attention()
 
 
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # Hugging Face layer_types that attend
+
+
+def _text_config(model_config):
+    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+
+
+def non_attention_layer_types(model_config) -> list[str]:
+    """The model's layer types that mix tokens other than by attention (state-space, linear attention,
+    convolution: ``layer_types`` of hybrid models), sorted; [] for a plain transformer."""
+    types = getattr(_text_config(model_config), "layer_types", None) or ()
+    return sorted({t for t in types if t not in ATTENTION_LAYER_TYPES})
+
+
+def sliding_window_of(model_config) -> int | None:
+    """The window (tokens) some layer of the model attends within, or None when every layer sees its whole
+    sequence (``layer_types`` where the config has them, else ``sliding_window`` unless
+    ``use_sliding_window`` is False)."""
+    text = _text_config(model_config)
+    window, types = getattr(text, "sliding_window", None), getattr(text, "layer_types", None)
+    if types is not None:
+        return window if "sliding_attention" in types else None
+    return None if getattr(text, "use_sliding_window", True) is False else window
+
+
+def packing_obstacle(model_config, attention: str) -> str | None:
+    """Why packed rows, run with the attention implementation ``attention``, would not compute what
+    padded rows compute for this model; None when they would. Flash-attention's varlen kernels honour
+    sliding windows and attention soft-caps; ``pacs_packed_sdpa`` (and the sequence-parallel attention)
+    neither, and no attention keeps a state-space or linear-attention layer from carrying state from
+    one packed sequence into the next."""
+    other = non_attention_layer_types(model_config)
+    if other:
+        return (f"the model has layers that are not attention ({', '.join(other)}; "
+                f"{type(model_config).__name__}.layer_types), which would carry state from one packed sequence "
+                "into the next")
+    if "flash" in attention:
+        return None
+    window = sliding_window_of(model_config)
+    if window is not None:
+        return (f"the model attends within a sliding window of {window} tokens, which {attention} does not "
+                "implement (flash_attention_2 does: CUDA with flash_attn installed)")
+    softcap = getattr(_text_config(model_config), "attn_logit_softcapping", None)
+    if softcap is not None:
+        return (f"the model soft-caps its attention scores (attn_logit_softcapping={softcap}), which {attention} "
+                "does not (flash_attention_2 does: CUDA with flash_attn installed)")
+    return None
+
+
 def enable_packed_attention(causal_lm, device: torch.device) -> str:
     """Switch ``causal_lm`` (a Hugging Face model) to an attention that honours packed sequences;
     padded calls keep working unchanged. Returns the implementation's name."""
@@ -273,25 +376,38 @@ def enable_packed_attention(causal_lm, device: torch.device) -> str:
     return name
 
 
+@contextlib.contextmanager
+def packed_call():
+    """While a packed row runs through a backbone: ``pacs_packed_sdpa``'s mask function builds no mask
+    (the attention keeps each sequence to itself)."""
+    token = _PACKED_CALL.set(True)
+    try:
+        yield
+    finally:
+        _PACKED_CALL.reset(token)
+
+
+def packed_backbone_kwargs(position_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> dict:
+    """What a Hugging Face backbone takes for a packed row, besides ``input_ids`` and no attention mask:
+    ``position_ids`` (RoPE restarts per sequence) and the flash-attention varlen arguments
+    ``cu_seq_lens_q/k``, ``max_length_q/k`` (also read by ``pacs_packed_sdpa``)."""
+    return dict(position_ids=position_ids, cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
+                max_length_q=max_seqlen, max_length_k=max_seqlen)
+
+
 def packed_forward(policy, packed: PackedMicroBatch):
     """Run ``policy`` (:class:`pacs.policy.Policy`) on a packed micro-batch.
 
-    Returns (hidden (N, d), lm_head_weight (V, d), lm_head_bias (V,) or None). The backbone gets
-    ``position_ids`` (RoPE restarts per sequence), no attention mask, and ``cu_seq_lens_q/k`` and
-    ``max_length_q/k`` (the flash-attention varlen arguments, also read by ``pacs_packed_sdpa``).
-    A model on another attention implementation (``sdpa``, ``eager``) still computes the right
-    thing: Hugging Face builds a block-diagonal causal mask from the restarting ``position_ids``
-    (N x N memory).
+    Returns (hidden (N, d), lm_head_weight (V, d), lm_head_bias (V,) or None). The backbone gets no
+    attention mask and :func:`packed_backbone_kwargs`. A model on another attention implementation
+    (``sdpa``, ``eager``) still computes the right thing: Hugging Face builds a block-diagonal causal
+    mask from the restarting ``position_ids`` (N x N memory).
     """
-    token = _PACKED_CALL.set(True)
     # sequence parallelism: this rank's slice of the tokens; the attention trades it (pacs/sequence_parallel.py)
     split = {} if packed.shard is None else {SEQUENCE_PARALLEL_KWARG: packed.shard.sp}
-    try:
-        hidden, weight, bias = policy(
-            packed.input_ids, None, position_ids=packed.position_ids, cu_seq_lens_q=packed.cu_seqlens,
-            cu_seq_lens_k=packed.cu_seqlens, max_length_q=packed.max_seqlen, max_length_k=packed.max_seqlen, **split)
-    finally:
-        _PACKED_CALL.reset(token)
+    with packed_call():
+        hidden, weight, bias = policy(packed.input_ids, None, **split, **packed_backbone_kwargs(
+            packed.position_ids, packed.cu_seqlens, packed.max_seqlen))
     return hidden.reshape(-1, hidden.shape[-1]), weight, bias
 
 

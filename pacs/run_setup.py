@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .config import Config, check_lengths, validate
+from .config import Config, check_lengths, use_packing, validate
 from .policy import DistInfo, check_model_path, max_positions
 from .rollout import check_vllm_available
 from .tasks import Task, make_task
@@ -49,10 +49,29 @@ def check_config(cfg: Config, world_size: int = 1) -> None:
 
         model_config = embedded_config(cfg.task, len(build_tokenizer()))
     check_lengths(cfg, max_positions(model_config))
-    if cfg.train.sequence_parallel_size > 1:  # before any model is built or trained
+    sp = cfg.train.sequence_parallel_size
+    if sp > 1:  # before any model is built or trained
         from .sequence_parallel import check_model_splits
 
-        check_model_splits(model_config, cfg.train.sequence_parallel_size)
+        check_model_splits(model_config, sp)
+    attention = packed_attention_for(sp, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    if not use_packing(cfg, model_config, attention) and sp > 1:  # (train.packing=true for such a model raised)
+        from .packing import packing_obstacle
+
+        raise ValueError(f"train.sequence_parallel_size={sp} splits packed micro-batches, which cannot be exact "
+                         f"for this model: {packing_obstacle(model_config, attention)}")
+
+
+def packed_attention_for(sequence_parallel_size: int, device: torch.device) -> str:
+    """The attention implementation packed micro-batches run with: the sequence-parallel one under a token
+    split, else :func:`pacs.packing.packed_attention_implementation`."""
+    if sequence_parallel_size > 1:
+        from .sequence_parallel import ULYSSES_ATTENTION
+
+        return ULYSSES_ATTENTION
+    from .packing import packed_attention_implementation
+
+    return packed_attention_implementation(device)
 
 
 def prepare_run(cfg: Config, dist_info: DistInfo | None = None, log=print) -> Run:

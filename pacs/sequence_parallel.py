@@ -42,6 +42,7 @@ from .packing import (
     PackedMicroBatch,
     _packed_sdpa_attention,
     _packed_sdpa_mask,
+    non_attention_layer_types,
     register_packed_attention,
     sequence_bounds,
 )
@@ -240,9 +241,6 @@ def _ulysses_attention(module, query, key, value, attention_mask, dropout: float
     return _Exchange.apply(out, sp, False).transpose(1, 2).contiguous(), None
 
 
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
 def check_model_splits(model_config, size: int) -> None:
     """Can a model with this (Hugging Face) config split its tokens over ``size`` ranks? Its attention heads
     must split over them, and every layer must be attention (a layer that mixes tokens otherwise, a
@@ -259,7 +257,7 @@ def check_model_splits(model_config, size: int) -> None:
             f"train.sequence_parallel_size={size} must divide the model's attention heads "
             f"(num_attention_heads={heads}, num_key_value_heads={kv_heads}): each rank attends with "
             f"num_attention_heads / sequence_parallel_size of them")
-    other = sorted({t for t in getattr(model_config, "layer_types", None) or () if t not in ATTENTION_LAYER_TYPES})
+    other = non_attention_layer_types(model_config)
     if other:
         raise ValueError(
             f"train.sequence_parallel_size={size}: the model has layers that are not attention ({', '.join(other)}; "

@@ -46,12 +46,12 @@ from .packing import (
     slice_micro_batch,
     to_layout,
 )
-from .policy import DistInfo, export_hf, full_named_tensors, load_policy, setup_distributed
+from .policy import DistInfo, check_model_path, export_hf, full_named_tensors, load_policy, setup_distributed
 from .preflight import preflight_enabled, run_preflight
 from .reference_policy import ReferenceSnapshot, is_reset_step
 from .rollout import make_rollout_engine
 from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
-from .run_setup import Run, apply_torch_threads, check_config, engine_options, prepare_run
+from .run_setup import Run, apply_torch_threads, check_config, engine_options, packed_attention_for, prepare_run
 from .sequence_parallel import (
     SequenceParallel,
     backend_for,
@@ -595,7 +595,9 @@ def train(cfg: Config) -> TrainResult:
     o, r = cfg.optim, cfg.rollout
 
     # ---- policy and optimizer; the checkpoint's state when resuming
-    packed = use_packing(cfg)  # padding-free micro-batches (pacs/packing.py) where the loss allows them
+    # padding-free micro-batches (pacs/packing.py) wherever the loss takes them and they are exact for the model
+    packed = use_packing(cfg, check_model_path(run.model_dir, cfg.model.trust_remote_code),
+                         packed_attention_for(cfg.train.sequence_parallel_size, dist_info.device))
     policy = load_policy(run.model_dir, dtype=cfg.model.dtype, gradient_checkpointing=cfg.model.gradient_checkpointing,
                          dist_info=dist_info, trust_remote_code=cfg.model.trust_remote_code, packed_attention=packed,
                          liger_patches=cfg.train.liger_patches, fsdp_cpu_offload=cfg.train.fsdp_cpu_offload,

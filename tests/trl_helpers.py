@@ -29,9 +29,13 @@ def tiny_model(vocab_size: int, seed: int = 0, **config):
         return LlamaForCausalLM(LlamaConfig(**settings))
 
 
-def prompts(n: int = 64):
+def prompts(n: int = 64, varied: bool = False):
+    """``n`` prompts "a+b=", all 4 characters, or with ``varied`` "a+a+...=" of 3 to 13 characters (TRL left-pads
+    the shorter ones)."""
     from datasets import Dataset
 
+    if varied:
+        return Dataset.from_dict({"prompt": [f"{i % 10}+" * (1 + i % 6) + "=" for i in range(n)]})
     return Dataset.from_dict({"prompt": [f"{i % 10}+{(3 * i) % 10}=" for i in range(n)]})
 
 
@@ -57,12 +61,12 @@ def config(tmp_dir, **overrides):
     return PACSConfig(**settings)
 
 
-def trainer(tmp_dir, reward=contains_one, model=None, **overrides):
+def trainer(tmp_dir, reward=contains_one, model=None, varied_prompts: bool = False, **overrides):
     from pacs.integrations.trl import PACSTrainer
 
     tok = tokenizer()
     model = tiny_model(len(tok)) if model is None else model
-    return PACSTrainer(model, reward, args=config(tmp_dir, **overrides), train_dataset=prompts(),
+    return PACSTrainer(model, reward, args=config(tmp_dir, **overrides), train_dataset=prompts(varied=varied_prompts),
                        processing_class=tok)
 
 

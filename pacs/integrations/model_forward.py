@@ -130,7 +130,8 @@ def pacs_head_loss(loss_fn: PACSLoss, hidden, weight, bias, batch: PACSBatch):
     return loss, None if stats is None else stats.as_dict()
 
 
-def add_pacs_forward(model, loss_fn: PACSLoss, *, temperature: float) -> None:
+def add_pacs_forward(model, loss_fn: PACSLoss, *, temperature: float, padding_free: bool | None = False,
+                     setting: str = "padding_free") -> bool:
     """Patch ``model.forward`` (a transformers causal LM) and its LM head's forward
     (``model.get_output_embeddings()``) to serve ``pacs_batch=`` (see the module doc). Patch after
     any change to the head (a PEFT model built afterwards must not wrap ``lm_head``).
@@ -138,8 +139,17 @@ def add_pacs_forward(model, loss_fn: PACSLoss, *, temperature: float) -> None:
     ``temperature``: the sampling temperature; the model's own logit scale (``logit_scale_of``) is
     folded into it. ``loss_fn.temperature`` is overwritten with the effective value, and
     ``loss_fn.logit_softcap`` with the model's soft-cap (``final_logit_softcapping``, or None).
+
+    ``padding_free``: the ``pacs_batch`` forward runs the backbone on the rows' real tokens packed into
+    one row (:func:`packed_completion_hidden`) instead of the padded (B, P + C) batch; the loss and its
+    gradients are the padded forward's (up to float rounding), its cost is the real tokens'. The model's
+    attention then becomes ``pacs_packed_sdpa`` (plain ``sdpa`` for every call that is not a packed row:
+    generation, logits), unless it is a flash-attention one, which takes packed rows as they are.
+    None: padding-free wherever that is exact for the model (:func:`pacs.packing.packing_obstacle`);
+    True for a model where it is not: a ValueError naming ``setting``. Returns whether it is on.
     """
     check_supported_head(model.config)
+    padding_free = use_padding_free(model, padding_free, setting)
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__}.get_output_embeddings() returned None: the fused PACS loss needs "
@@ -158,12 +168,87 @@ def add_pacs_forward(model, loss_fn: PACSLoss, *, temperature: float) -> None:
             raise ValueError(f"the LM head ({type(head).__name__}) was replaced after add_pacs_forward: call "
                              "add_pacs_forward again on the model as it is now")
         kwargs["use_cache"] = False
-        completion_len = pacs_batch.targets.shape[1]
-        hidden = self.base_model(*args, **kwargs).last_hidden_state[:, -completion_len - 1:-1]
+        if padding_free:
+            hidden = packed_completion_hidden(self.base_model, args, kwargs, pacs_batch)
+        else:
+            completion_len = pacs_batch.targets.shape[1]
+            hidden = self.base_model(*args, **kwargs).last_hidden_state[:, -completion_len - 1:-1]
         loss, stats = head(hidden, pacs_batch=pacs_batch)  # a module call: module doc
         return PACSModelOutput(loss=loss, stats=stats)
 
     model.forward = types.MethodType(forward, model)
+    return padding_free
+
+
+def use_padding_free(model, requested: bool | None, setting: str) -> bool:
+    """``requested`` resolved for ``model`` (add_pacs_forward's ``padding_free``), its attention switched to one
+    that keeps packed sequences apart when on."""
+    from pacs.packing import packing_obstacle, register_packed_attention
+
+    if requested is False:
+        return False
+    if requested is not None and requested is not True:
+        raise ValueError(f"{setting} must be True, False or None (padding-free wherever exact), got {requested!r}")
+    current = model.config._attn_implementation or "sdpa"
+    attention = current if "flash" in current else register_packed_attention()
+    why = packing_obstacle(model.config, attention)
+    if why is not None:
+        if requested:
+            raise ValueError(f"{setting}=True cannot be exact for this model: {why}; set {setting}=False")
+        return False
+    if attention != current:
+        try:
+            model.set_attn_implementation(attention)
+        except (ValueError, ImportError) as exc:  # a model without Hugging Face's attention interface
+            if requested:
+                raise ValueError(f"{setting}=True needs an attention that keeps packed sequences apart, and "
+                                 f"{type(model).__name__} cannot switch to {attention}: {exc}; set {setting}=False") \
+                    from exc
+            return False
+    return True
+
+
+def packed_completion_hidden(backbone, args: tuple, kwargs: dict, batch: PACSBatch) -> torch.Tensor:
+    """The backbone's final hidden states at the positions that predict the completion tokens, (B, C, d),
+    computed on the rows' real tokens packed into one row.
+
+    ``input_ids`` / ``attention_mask`` (B, P + C), positional or keyword: each row's real tokens one
+    contiguous run (a left-padded prompt, then a right-padded completion); completion column j of a row
+    is predicted by the real token before it. A packed row restarts its positions at 0 where a
+    left-padded row's start at its padding: RoPE sees the same distances. Where ``batch.mask`` is 0 the
+    hidden state is a stand-in (the packed row's first), which the loss ignores.
+    """
+    names = ("input_ids", "attention_mask")
+    if len(args) > len(names):
+        raise TypeError(f"the padding-free PACS forward takes input_ids and attention_mask, got {len(args)} "
+                        "positional arguments")
+    for name, value in zip(names, args):
+        if name in kwargs:
+            raise TypeError(f"got {name} both as a positional and a keyword argument")
+        kwargs[name] = value
+    input_ids, attention_mask = kwargs.pop("input_ids", None), kwargs.pop("attention_mask", None)
+    refused = [name for name in ("inputs_embeds", "position_ids", "past_key_values") if kwargs.get(name) is not None]
+    if input_ids is None or refused:
+        raise ValueError(f"the padding-free PACS forward takes input_ids (B, L) and attention_mask, not "
+                         f"{refused or 'no input_ids'}; add_pacs_forward(..., padding_free=False) takes any")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    for name in ("inputs_embeds", "position_ids", "past_key_values"):
+        kwargs.pop(name, None)
+    from pacs.packing import pack_real_tokens, packed_backbone_kwargs, packed_call
+
+    layout = pack_real_tokens(input_ids, attention_mask)
+    with packed_call():
+        hidden = backbone(input_ids=layout.input_ids, **packed_backbone_kwargs(
+            layout.position_ids, layout.cu_seqlens, layout.max_seqlen), **kwargs).last_hidden_state[0]
+    width, completion_len = input_ids.shape[1], batch.targets.shape[1]
+    columns = torch.arange(width - completion_len, width, device=input_ids.device).expand(input_ids.shape[0], -1)
+    predictor, predictor_real = layout.packed_index(columns - 1)
+    _, target_real = layout.packed_index(columns)
+    if bool(((batch.mask != 0) & ~(predictor_real & target_real)).any()):
+        raise ValueError("pacs_batch.mask selects completion tokens that attention_mask marks as padding (or whose "
+                         "previous token it does): the loss may only count real tokens after a real token")
+    return hidden[predictor]
 
 
 def unbound_forward(module):

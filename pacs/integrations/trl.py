@@ -20,6 +20,8 @@ what PACS needs differently is done here:
   its gradients in one vocabulary sweep; with ``num_iterations > 1`` TRL's old log-probs are used;
   the same with vLLM generation (``use_vllm=True``): the old log-probs are the trainer's own, never
   vLLM's sampling log-probs (``sampling_per_token_logps``, from the engine's copy of the weights);
+- the loss's forward runs on each micro-batch's real tokens packed into one row (``pacs_padding_free``,
+  on wherever that is exact for the model): no compute or memory on padding, no (B, L, L) mask;
 - the loss is divided by the gradient-accumulation steps (as the public PACS code does);
 - on-policy training steps skip the groups whose gradient is exactly 0 (every response valid and one
   reward: ``pacs_skip_zero_gradient_groups``, pacs/single_label_groups.py), their loss value added, so
@@ -85,6 +87,12 @@ class PACSConfig(GRPOConfig):
         default=False, metadata={"help": "Add the paper's Eq. 6 score-function term to the gradient."})
     pacs_backend: str = field(
         default="auto", metadata={"help": "Log-prob backend: 'auto' | 'triton' | 'torch' | 'naive'."})
+    pacs_padding_free: bool | None = field(
+        default=None, metadata={"help": "Run the loss's forward on each micro-batch's real tokens packed into one row "
+                                        "(no padding: left-padded prompts, right-padded completions), attention kept "
+                                        "within each sequence (pacs_packed_sdpa, or the model's flash attention). "
+                                        "None: wherever that is exact for the model (not for hybrid models, nor for "
+                                        "sliding windows or attention soft-caps without flash attention)."})
     pacs_tiled_mlp: bool = field(
         default=False, metadata={"help": "Run each decoder MLP over tiles of tokens, keeping only its input for the "
                                          "backward (pacs/tiled_mlp.py): long completions on little memory."})
@@ -224,7 +232,8 @@ class PACSTrainer(GRPOTrainer):
             advantage=args.pacs_advantage, weighting=args.pacs_weighting, temperature=args.temperature,
             score_function_term=args.pacs_score_function_term, backend=args.pacs_backend)
         target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        add_pacs_forward(target, self.pacs_loss, temperature=args.temperature)
+        self.pacs_padding_free = add_pacs_forward(target, self.pacs_loss, temperature=args.temperature,
+                                                  padding_free=args.pacs_padding_free, setting="pacs_padding_free")
         if args.pacs_tiled_mlp:
             tile_mlp(target, args.pacs_mlp_tile_tokens, setting="pacs_mlp_tile_tokens")
         self._pacs_rewards_per_func = None

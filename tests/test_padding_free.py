@@ -1,0 +1,176 @@
+"""Padding-free PACS forwards (add_pacs_forward(..., padding_free=...), PACSTrainer's pacs_padding_free) and
+where packed rows are exact at all (pacs.packing.packing_obstacle, also used by ``pacs train``'s packing):
+the packed forward's loss and gradients equal the padded forward's in float64 with left-padded prompts and
+right-padded completions; models where packing cannot be exact are left padded by default and refused when
+it is asked for."""
+
+import pytest
+import torch
+import transformers
+import trl_helpers as helpers
+
+from pacs.config import load_config, use_packing
+from pacs.integrations.model_forward import PACSBatch, add_pacs_forward
+from pacs.packing import PACKED_ATTENTION, packing_obstacle
+from pacs_kernels import PACSLoss
+
+V, G = 23, 3
+
+
+def tiny_llama(seed: int = 0):
+    return helpers.tiny_model(V, seed=seed, max_position_embeddings=128).double()
+
+
+def left_right_padded(seed: int, n_groups: int = 2, prompt_len: int = 7, completion_len: int = 9):
+    """TRL's layout: prompts left-padded to prompt_len, completions right-padded to completion_len, every
+    row's lengths different; a mask that is 0 on one real completion token; mixed 0/1 rewards."""
+    gen = torch.Generator().manual_seed(seed)
+    B = n_groups * G
+    prompt_lens = torch.randint(1, prompt_len + 1, (B,), generator=gen)
+    completion_lens = torch.randint(1, completion_len + 1, (B,), generator=gen)
+    completion_lens[0] = completion_len  # one row without padding
+    cols_p, cols_c = torch.arange(prompt_len), torch.arange(completion_len)
+    prompt_mask = (cols_p[None] >= prompt_len - prompt_lens[:, None]).long()
+    completion_mask = (cols_c[None] < completion_lens[:, None]).long()
+    input_ids = torch.randint(3, V, (B, prompt_len + completion_len), generator=gen)
+    attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    input_ids = input_ids * attention_mask  # padding is token 0
+    loss_mask = completion_mask.double()
+    loss_mask[1, 0] = 0.0  # a real token left out of the loss
+    rewards = torch.tensor([float(i % 2) for i in range(B)])
+    old = torch.randn(B, completion_len, generator=gen, dtype=torch.float64) - 2.0
+    return input_ids, attention_mask, PACSBatch(
+        targets=input_ids[:, prompt_len:], mask=loss_mask, rewards=rewards, valid=torch.ones(B, dtype=torch.bool),
+        old_logp=old, return_stats=True)
+
+
+def positions_from_the_first_real_token(attention_mask):
+    """(B, L) position ids counting from each row's first real token, as a packed row counts (negative on the
+    left padding, so that every row still counts up by one). Hugging Face's Llama computes RoPE's angles in
+    float32, so a padded row whose positions start at its padding (TRL's call, no position_ids) differs from
+    the packed row by float32 rounding of the angles (about 1e-8 here), not by anything else."""
+    first_real = (attention_mask != 0).to(torch.int8).argmax(1)
+    return torch.arange(attention_mask.shape[1])[None, :] - first_real[:, None]
+
+
+def loss_and_grads(model, input_ids, attention_mask, batch, **kwargs):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, pacs_batch=batch, **kwargs)
+    out.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), grads, out.stats
+
+
+@pytest.mark.parametrize("on_policy", [False, True])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_padding_free_loss_and_gradients_equal_the_padded_forward_in_float64(on_policy, attention):
+    """The padded reference runs sdpa (Hugging Face's eager attention gives NaN on left-padded float64 rows);
+    the padding-free model starts from ``attention`` and runs pacs_packed_sdpa either way."""
+    input_ids, attention_mask, batch = left_right_padded(0)
+    if on_policy:
+        batch.old_logp = None
+    padded, packed = tiny_llama(), tiny_llama()
+    packed.set_attn_implementation(attention)
+    assert add_pacs_forward(padded, PACSLoss(group_size=G, backend="torch"), temperature=0.7) is False
+    assert add_pacs_forward(packed, PACSLoss(group_size=G, backend="torch"), temperature=0.7,
+                            padding_free=True) is True
+    assert packed.config._attn_implementation == PACKED_ATTENTION
+    loss, grads, stats = loss_and_grads(packed, input_ids, attention_mask, batch)
+    positions = positions_from_the_first_real_token(attention_mask)
+    ref_loss, ref_grads, ref_stats = loss_and_grads(padded, input_ids, attention_mask, batch, position_ids=positions)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-13)
+    assert grads.keys() == ref_grads.keys() and len(grads) == len(list(packed.parameters()))
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    assert scale > 1e-6, "the reference gradient vanished: the comparison would be vacuous"
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-10, atol=1e-12 * scale, msg=name)
+    for key in ("entropy_mean", "psi_std", "loss"):
+        assert stats[key] == pytest.approx(ref_stats[key], rel=1e-10, abs=1e-13), key
+    # TRL's padded call (positions counted from the padding): the same up to RoPE's float32 angles
+    trl_loss, trl_grads, _ = loss_and_grads(padded, input_ids, attention_mask, batch)
+    torch.testing.assert_close(loss, trl_loss, rtol=1e-6, atol=1e-8)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], trl_grads[name], rtol=1e-5, atol=1e-6 * scale, msg=name)
+    # calls without pacs_batch (logits, generation) are the padded model's
+    with torch.no_grad():
+        torch.testing.assert_close(packed(input_ids=input_ids, attention_mask=attention_mask).logits,
+                                   padded(input_ids=input_ids, attention_mask=attention_mask).logits,
+                                   rtol=1e-10, atol=1e-10)
+
+
+def test_padding_free_takes_positional_inputs_and_no_attention_mask():
+    input_ids, attention_mask, batch = left_right_padded(1)
+    full = torch.ones_like(attention_mask)
+    batch.mask = torch.ones_like(batch.mask)  # every completion token real
+    padded, packed = tiny_llama(), tiny_llama()
+    add_pacs_forward(padded, PACSLoss(group_size=G, backend="torch"), temperature=1.0)
+    add_pacs_forward(packed, PACSLoss(group_size=G, backend="torch"), temperature=1.0, padding_free=True)
+    with torch.no_grad():
+        expected = padded(input_ids, full, pacs_batch=batch).loss
+        torch.testing.assert_close(packed(input_ids, pacs_batch=batch).loss, expected, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(packed(input_ids, full, pacs_batch=batch).loss, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_a_loss_mask_on_padding_is_refused():
+    """The padded forward would silently train on a padding position's hidden state; the packed one has none."""
+    input_ids, attention_mask, batch = left_right_padded(2)
+    short = int((attention_mask[:, 7:].sum(1) < 9).nonzero()[0])
+    batch.mask[short] = 1.0
+    model = tiny_llama()
+    add_pacs_forward(model, PACSLoss(group_size=G, backend="torch"), temperature=1.0, padding_free=True)
+    with pytest.raises(ValueError, match="pacs_batch.mask selects completion tokens that attention_mask marks"):
+        model(input_ids=input_ids, attention_mask=attention_mask, pacs_batch=batch)
+    with pytest.raises(ValueError, match="not \\['position_ids'\\]"):
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=torch.zeros_like(input_ids),
+              pacs_batch=batch)
+
+
+# ----------------------------------------------------------------------------- where packing is exact
+
+
+def test_packing_obstacles_of_real_model_configs():
+    assert packing_obstacle(transformers.Qwen2Config(), PACKED_ATTENTION) is None
+    assert packing_obstacle(transformers.LlamaConfig(), PACKED_ATTENTION) is None
+    assert "sliding window of 4096 tokens" in packing_obstacle(transformers.MistralConfig(), PACKED_ATTENTION)
+    assert packing_obstacle(transformers.MistralConfig(sliding_window=None), PACKED_ATTENTION) is None
+    gemma2 = transformers.Gemma2Config()
+    assert "sliding window" in packing_obstacle(gemma2, PACKED_ATTENTION)
+    gemma2.layer_types = ["full_attention"] * gemma2.num_hidden_layers
+    assert "attn_logit_softcapping=50.0" in packing_obstacle(gemma2, PACKED_ATTENTION)
+    assert packing_obstacle(gemma2, "flash_attention_2") is None  # flash's varlen kernel does both
+    hybrid = transformers.Qwen3NextConfig()
+    assert "not attention (linear_attention; Qwen3NextConfig.layer_types)" in packing_obstacle(
+        hybrid, "flash_attention_2")
+
+
+def test_padding_free_none_is_off_where_packing_cannot_be_exact_and_true_is_refused():
+    model = tiny_llama()
+    model.config.layer_types = ["linear_attention", "full_attention"]  # as a hybrid model declares its layers
+    assert add_pacs_forward(model, PACSLoss(group_size=G), temperature=1.0, padding_free=None) is False
+    assert model.config._attn_implementation == "sdpa"  # left as it was
+    with pytest.raises(ValueError, match=r"pacs_padding_free=True cannot be exact for this model: .*linear_attention"):
+        add_pacs_forward(model, PACSLoss(group_size=G), temperature=1.0, padding_free=True,
+                         setting="pacs_padding_free")
+    with pytest.raises(ValueError, match="padding_free must be True, False or None"):
+        add_pacs_forward(tiny_llama(), PACSLoss(group_size=G), temperature=1.0, padding_free="yes")
+    plain = tiny_llama()
+    assert add_pacs_forward(plain, PACSLoss(group_size=G), temperature=1.0, padding_free=None) is True
+
+
+def test_a_flash_attention_model_keeps_its_attention():
+    model = tiny_llama()
+    model.config._attn_implementation = "flash_attention_2"  # as loaded on a GPU with flash_attn (not run here)
+    assert add_pacs_forward(model, PACSLoss(group_size=G), temperature=1.0, padding_free=None) is True
+    assert model.config._attn_implementation == "flash_attention_2"
+
+
+def test_pacs_train_packing_follows_the_model():
+    """``pacs train``: train.packing unset packs wherever exact, so a hybrid or sliding-window model trains on
+    padded rows; train.packing=true for one is refused, saying why."""
+    cfg = load_config(None, [])
+    assert use_packing(cfg, transformers.Qwen2Config(), PACKED_ATTENTION)
+    assert not use_packing(cfg, transformers.MistralConfig(), PACKED_ATTENTION)
+    assert use_packing(cfg, transformers.MistralConfig(), "flash_attention_2")
+    assert not use_packing(cfg, transformers.Qwen3NextConfig(), "flash_attention_2")
+    with pytest.raises(ValueError, match="train.packing=true cannot be exact for this model: .*sliding window"):
+        use_packing(load_config(None, ["train.packing=true"]), transformers.MistralConfig(), PACKED_ATTENTION)
