@@ -37,7 +37,9 @@ import torch
 PACKED_ATTENTION = "pacs_packed_sdpa"
 SEQUENCE_PARALLEL_KWARG = "pacs_sequence_parallel"  # the backbone keyword that reaches every attention call
                                                     # of a sequence-parallel forward (pacs/sequence_parallel.py)
-_PACKED_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("pacs_packed_call", default=False)
+# inside a packed row's forward: the row's sequence offsets, on the host (None outside one)
+_PACKED_CALL: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("pacs_packed_call",
+                                                                                default=None)
 
 
 # ----------------------------------------------------------------------------- the layout
@@ -90,11 +92,12 @@ def real_token_spans(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.
     starts = real.to(torch.int8).argmax(1).to(torch.int64)  # the first one (0 for an empty row)
     positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     span = (positions[None, :] >= starts[:, None]) & (positions[None, :] < (starts + lengths)[:, None])
-    if not bool((span == real).all()):
+    if not bool((span == real).all() & (lengths > 0).all()):  # (one device sync for both checks)
         rows = (span != real).any(1).nonzero().flatten().tolist()
-        raise ValueError(f"attention_mask rows {rows[:8]} hold real tokens with padding between them; a packed "
-                         "row needs each row's real tokens in one contiguous run (padding only before or after)")
-    if bool((lengths == 0).any()):
+        if rows:
+            raise ValueError(f"attention_mask rows {rows[:8]} hold real tokens with padding between them; a "
+                             "packed row needs each row's real tokens in one contiguous run (padding only before "
+                             "or after)")
         rows = (lengths == 0).nonzero().flatten().tolist()
         raise ValueError(f"attention_mask rows {rows[:8]} hold no real token: an empty row cannot be packed")
     return starts, lengths
@@ -105,13 +108,15 @@ class PackedRows:
     """The real tokens of a (B, L) batch concatenated into one row of N tokens (:func:`pack_real_tokens`).
 
     input_ids, position_ids: (1, N) int64 (positions restart at 0 for every sequence); cu_seqlens: (B + 1,)
-    int32; max_seqlen: the longest sequence; rows, cols: (N,) int64, where each packed token sits in the
-    (B, L) batch; starts, lengths: (B,) int64, each row's first real column and its real token count.
+    int32; bounds: the same offsets as a list; max_seqlen: the longest sequence; rows, cols: (N,) int64, where
+    each packed token sits in the (B, L) batch; starts, lengths: (B,) int64, each row's first real column and
+    its real token count.
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor
+    bounds: list[int]
     max_seqlen: int
     rows: torch.Tensor
     cols: torch.Tensor
@@ -137,12 +142,14 @@ def pack_real_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> P
     device = input_ids.device
     cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64, device=device)
     torch.cumsum(lengths, 0, out=cu[1:])
-    n = int(cu[-1])
-    rows = torch.repeat_interleave(torch.arange(lengths.shape[0], device=device), lengths)
-    offsets = torch.arange(n, device=device) - torch.repeat_interleave(cu[:-1], lengths)
+    bounds = cu.tolist()  # the one device sync of the layout
+    n = bounds[-1]
+    rows = torch.repeat_interleave(torch.arange(lengths.shape[0], device=device), lengths, output_size=n)
+    offsets = torch.arange(n, device=device) - torch.repeat_interleave(cu[:-1], lengths, output_size=n)
     cols = starts[rows] + offsets
     return PackedRows(input_ids=input_ids[rows, cols].unsqueeze(0), position_ids=offsets.unsqueeze(0),
-                      cu_seqlens=cu.to(torch.int32), max_seqlen=int(lengths.max()), rows=rows, cols=cols,
+                      cu_seqlens=cu.to(torch.int32), bounds=bounds,
+                      max_seqlen=max(e - s for s, e in zip(bounds[:-1], bounds[1:])), rows=rows, cols=cols,
                       starts=starts, lengths=lengths)
 
 
@@ -248,10 +255,12 @@ def fixed_micro_batches(n_rows: int, rows_per_micro: int) -> list[tuple[int, int
 
 
 def sequence_bounds(cu_seqlens: torch.Tensor, window: int | None, what: str, instead: str) -> list[int]:
-    """The packed sequences' offsets as a list; a ValueError when one is longer than the layer's sliding
-    window, which ``what`` (an attention that runs whole sequences) does not implement (``instead``: the
-    setting to use)."""
-    bounds = cu_seqlens.tolist()
+    """The packed sequences' offsets as a list (those :func:`packed_call` holds on the host, else read from
+    ``cu_seqlens``: a device sync, e.g. in a checkpointed layer's recompute); a ValueError when one is longer
+    than the layer's sliding window, which ``what`` (an attention that runs whole sequences) does not implement
+    (``instead``: the setting to use)."""
+    held = _PACKED_CALL.get()
+    bounds = held if held is not None and len(held) == cu_seqlens.numel() else cu_seqlens.tolist()
     longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
     if window is not None and longest > window:
         raise ValueError(
@@ -273,6 +282,9 @@ def _packed_sdpa_attention(module, query, key, value, attention_mask, dropout: f
     cu = kwargs.pop("cu_seq_lens_q", None)
     for name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(name, None)
+    if cu is not None and attention_mask is not None and _PACKED_CALL.get() is not None:
+        raise ValueError(f"{type(module).__name__}: the model built an attention mask for a packed row, which "
+                         "pacs_packed_sdpa cannot combine with the row's sequence bounds; this model cannot be packed")
     if cu is None or attention_mask is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -290,7 +302,7 @@ def _packed_sdpa_attention(module, query, key, value, attention_mask, dropout: f
 def _packed_sdpa_mask(*args, **kwargs):
     """Mask function paired with ``pacs_packed_sdpa``: none for a packed call (the attention keeps
     each sequence to itself), Hugging Face's sdpa mask otherwise."""
-    if _PACKED_CALL.get():
+    if _PACKED_CALL.get() is not None:
         return None
     from transformers.masking_utils import sdpa_mask
 
@@ -344,24 +356,52 @@ def sliding_window_of(model_config) -> int | None:
     return None if getattr(text, "use_sliding_window", True) is False else window
 
 
-def packing_obstacle(model_config, attention: str) -> str | None:
+def causal_lm_class(model_config):
+    """The transformers class ``AutoModelForCausalLM`` builds for this config, or None (a model whose code is
+    not in transformers: ``trust_remote_code``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING.get(type(model_config), None)
+
+
+def packing_obstacle(model_config, attention: str, model_class=None, left_padded: bool = False) -> str | None:
     """Why packed rows, run with the attention implementation ``attention``, would not compute what
-    padded rows compute for this model; None when they would. Flash-attention's varlen kernels honour
-    sliding windows and attention soft-caps; ``pacs_packed_sdpa`` (and the sequence-parallel attention)
-    neither, and no attention keeps a state-space or linear-attention layer from carrying state from
-    one packed sequence into the next."""
+    padded rows compute for this model; None when they would.
+
+    ``model_class``: the model's class (default: the one transformers builds for the config; unknown, a
+    model with code of its own, is an obstacle). Its attention must go through Hugging Face's attention
+    interface (``_supports_attention_backend``), which hands ``attention`` the packed row's sequence bounds;
+    a model that attends by code of its own (ALiBi models, older ports) would attend across them. No
+    attention keeps a state-space or linear-attention layer from carrying state from one packed sequence
+    into the next. Flash-attention's varlen kernels honour sliding windows and attention soft-caps;
+    ``pacs_packed_sdpa`` (and the sequence-parallel attention) neither. ``left_padded``: the padded rows
+    compared against are left-padded (TRL's prompts) without position ids, so a model with absolute
+    position embeddings counts their positions from the padding while the packed row counts from the first
+    token; rotary embeddings (``rope_parameters``) see only distances.
+    """
+    name = type(model_config).__name__
     other = non_attention_layer_types(model_config)
     if other:
-        return (f"the model has layers that are not attention ({', '.join(other)}; "
-                f"{type(model_config).__name__}.layer_types), which would carry state from one packed sequence "
-                "into the next")
+        return (f"the model has layers that are not attention ({', '.join(other)}; {name}.layer_types), which "
+                "would carry state from one packed sequence into the next")
+    model_class = causal_lm_class(model_config) if model_class is None else model_class
+    if model_class is None:
+        return (f"{name} is not a transformers model class (code of its own): cannot tell whether its attention "
+                "keeps packed sequences apart")
+    if not getattr(model_class, "_supports_attention_backend", False):
+        return (f"{model_class.__name__} attends by code of its own, not through transformers' attention "
+                "interface, so a packed row's sequences would attend to each other")
+    text = _text_config(model_config)
+    if left_padded and getattr(text, "rope_parameters", None) is None:
+        return (f"{model_class.__name__} has no rotary position embeddings: a left-padded row counts positions "
+                "from its padding, a packed row from its first token")
     if "flash" in attention:
         return None
     window = sliding_window_of(model_config)
     if window is not None:
         return (f"the model attends within a sliding window of {window} tokens, which {attention} does not "
                 "implement (flash_attention_2 does: CUDA with flash_attn installed)")
-    softcap = getattr(_text_config(model_config), "attn_logit_softcapping", None)
+    softcap = getattr(text, "attn_logit_softcapping", None)
     if softcap is not None:
         return (f"the model soft-caps its attention scores (attn_logit_softcapping={softcap}), which {attention} "
                 "does not (flash_attention_2 does: CUDA with flash_attn installed)")
@@ -373,14 +413,18 @@ def enable_packed_attention(causal_lm, device: torch.device) -> str:
     padded calls keep working unchanged. Returns the implementation's name."""
     name = packed_attention_implementation(device)
     causal_lm.set_attn_implementation(name)
+    if causal_lm.config._attn_implementation != name:  # transformers warns and keeps the old one
+        raise ValueError(f"{type(causal_lm).__name__} cannot switch to the attention {name} that keeps packed "
+                         f"sequences apart (it runs {causal_lm.config._attn_implementation}); set train.packing=false")
     return name
 
 
 @contextlib.contextmanager
-def packed_call():
+def packed_call(bounds: list[int]):
     """While a packed row runs through a backbone: ``pacs_packed_sdpa``'s mask function builds no mask
-    (the attention keeps each sequence to itself)."""
-    token = _PACKED_CALL.set(True)
+    (the attention keeps each sequence to itself), and its attention reads the sequence offsets ``bounds``
+    (the row's ``cu_seqlens`` as a list) from here instead of from the device in every layer."""
+    token = _PACKED_CALL.set(list(bounds))
     try:
         yield
     finally:
@@ -405,7 +449,7 @@ def packed_forward(policy, packed: PackedMicroBatch):
     """
     # sequence parallelism: this rank's slice of the tokens; the attention trades it (pacs/sequence_parallel.py)
     split = {} if packed.shard is None else {SEQUENCE_PARALLEL_KWARG: packed.shard.sp}
-    with packed_call():
+    with packed_call(packed.cu_seqlens.tolist()):
         hidden, weight, bias = policy(packed.input_ids, None, **split, **packed_backbone_kwargs(
             packed.position_ids, packed.cu_seqlens, packed.max_seqlen))
     return hidden.reshape(-1, hidden.shape[-1]), weight, bias

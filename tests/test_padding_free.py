@@ -174,3 +174,94 @@ def test_pacs_train_packing_follows_the_model():
     assert not use_packing(cfg, transformers.Qwen3NextConfig(), "flash_attention_2")
     with pytest.raises(ValueError, match="train.packing=true cannot be exact for this model: .*sliding window"):
         use_packing(load_config(None, ["train.packing=true"]), transformers.MistralConfig(), PACKED_ATTENTION)
+
+
+# ----------------------------------------------------------------------------- models that cannot be packed
+
+
+def tiny(config_class, model_class, **config):
+    torch.manual_seed(0)
+    return model_class(config_class(**config)).double()
+
+
+def test_models_attending_by_code_of_their_own_or_without_rotary_positions_are_not_packed():
+    """Falcon, Bloom, MPT attend by their own code (no attention interface): the packed row's sequences would
+    attend to each other (transformers only warns when asked to switch); GPT-2's absolute positions count from
+    a left-padded row's padding; a model transformers does not know (code of its own) cannot be told."""
+    assert "attends by code of its own" in packing_obstacle(transformers.FalconConfig(), PACKED_ATTENTION)
+    assert "attends by code of its own" in packing_obstacle(transformers.BloomConfig(), "flash_attention_2")
+    assert packing_obstacle(transformers.GPT2Config(), PACKED_ATTENTION) is None  # right-padded rows (pacs train)
+    assert "no rotary position embeddings" in packing_obstacle(transformers.GPT2Config(), PACKED_ATTENTION,
+                                                               left_padded=True)
+    assert packing_obstacle(transformers.Qwen2Config(), PACKED_ATTENTION, left_padded=True) is None
+
+    class RemoteConfig(transformers.PretrainedConfig):
+        model_type = "remote_code_model"
+
+    assert "not a transformers model class" in packing_obstacle(RemoteConfig(), PACKED_ATTENTION)
+    falcon = tiny(transformers.FalconConfig, transformers.FalconForCausalLM, vocab_size=V, hidden_size=32,
+                  num_hidden_layers=2, num_attention_heads=4)
+    before = falcon.config._attn_implementation
+    assert add_pacs_forward(falcon, PACSLoss(group_size=G), temperature=1.0, padding_free=None) is False
+    assert falcon.config._attn_implementation == before
+    with pytest.raises(ValueError, match="padding_free=True cannot be exact for this model: FalconForCausalLM "
+                                         "attends by code of its own"):
+        add_pacs_forward(falcon, PACSLoss(group_size=G), temperature=1.0, padding_free=True)
+    gpt2 = tiny(transformers.GPT2Config, transformers.GPT2LMHeadModel, vocab_size=V, n_embd=32, n_layer=2, n_head=4)
+    assert add_pacs_forward(gpt2, PACSLoss(group_size=G), temperature=1.0, padding_free=None) is False
+
+
+def test_a_model_that_keeps_its_attention_when_asked_to_switch_is_not_packed(monkeypatch):
+    """transformers may only warn and keep the old attention: padding-free then stays off (None) or is refused
+    (True), and the model keeps the attention it had."""
+    model = tiny_llama()
+    monkeypatch.setattr(model, "set_attn_implementation", lambda name: None)  # keeps sdpa, like a warning would
+    assert add_pacs_forward(model, PACSLoss(group_size=G), temperature=1.0, padding_free=None) is False
+    with pytest.raises(ValueError, match=r"padding_free=True needs an attention that keeps packed sequences apart.*"
+                                         r"transformers kept sdpa"):
+        add_pacs_forward(model, PACSLoss(group_size=G), temperature=1.0, padding_free=True)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_refused_head_leaves_the_attention_as_it_was():
+    model = tiny_llama()
+    model.get_output_embeddings = lambda: None
+    with pytest.raises(ValueError, match=r"get_output_embeddings\(\) returned None"):
+        add_pacs_forward(model, PACSLoss(group_size=G), temperature=1.0, padding_free=True)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_packed_row_with_an_attention_mask_or_images_is_refused():
+    from pacs.packing import _packed_sdpa_attention, packed_call
+
+    q = torch.randn(1, 2, 4, 8)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 1
+    with packed_call([0, 2, 4]), pytest.raises(ValueError, match="built an attention mask for a packed row"):
+        _packed_sdpa_attention(module, q, q, q, torch.zeros(1, 1, 4, 4), cu_seq_lens_q=torch.tensor([0, 2, 4]))
+    input_ids, attention_mask, batch = left_right_padded(4)
+    model = tiny_llama()
+    add_pacs_forward(model, PACSLoss(group_size=G, backend="torch"), temperature=1.0, padding_free=True)
+    with pytest.raises(ValueError, match=r"text only\), not \['pixel_values'\]"):
+        model(input_ids=input_ids, attention_mask=attention_mask, pixel_values=torch.zeros(1, 3, 4, 4),
+              pacs_batch=batch)
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_a_logprob_request_returns_the_completion_log_probs(padding_free):
+    """pacs_batch=LogprobRequest(targets): the completion tokens' log-probs at the loss's temperature from the
+    same forward (padded or packed), equal to the model's own logits' log-softmax on the real tokens (float64)."""
+    from pacs.integrations.model_forward import LogprobRequest
+
+    input_ids, attention_mask, batch = left_right_padded(5)
+    model = tiny_llama()
+    add_pacs_forward(model, PACSLoss(group_size=G, backend="torch"), temperature=0.7, padding_free=padding_free)
+    with torch.no_grad():
+        logp = model(input_ids=input_ids, attention_mask=attention_mask,
+                     pacs_batch=LogprobRequest(batch.targets)).logp
+        positions = positions_from_the_first_real_token(attention_mask)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
+        expected = torch.log_softmax(logits[:, -10:-1] / 0.7, -1).gather(-1, batch.targets[..., None])[..., 0]
+    real = attention_mask[:, -9:].bool()
+    assert logp.shape == batch.targets.shape and logp.dtype == torch.float32  # linear_logprobs' output dtype
+    torch.testing.assert_close(logp[real].double(), expected[real], rtol=1e-6, atol=1e-6)

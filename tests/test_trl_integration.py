@@ -3,6 +3,7 @@
 DDP and under FSDP2 (equal weights after training)."""
 
 import json
+import math
 import os
 import signal
 import warnings
@@ -176,14 +177,33 @@ def test_tiled_mlp_gives_the_untiled_loss_and_gradients(tmp_path):
 
 
 @pytest.mark.slow
-def test_multi_iteration_uses_trl_old_logprobs(tmp_path):
-    """num_iterations=2: TRL computes old log-probs at generation; after the weights move, the loss
-    and gradients equal pacs_loss(logp, TRL's old_logp, ...) (temperature 0.7, float32)."""
-    trainer = helpers.trainer(tmp_path, num_iterations=2, temperature=0.7, varied_prompts=True)
-    assert trainer.pacs_padding_free
+@pytest.mark.parametrize("padding_free", [None, False])
+def test_multi_iteration_uses_trl_old_logprobs(tmp_path, padding_free, monkeypatch):
+    """num_iterations=2: TRL computes old log-probs at generation (padding-free: through the loss's own forward
+    and fused log-probs, otherwise TRL's pass): they are the generating weights' (naive float32 log-probs), so
+    psi = 0 before the weights move; after they move, the loss and gradients equal pacs_loss(logp, TRL's
+    old_logp, ...) (temperature 0.7, float32)."""
+    trainer = helpers.trainer(tmp_path, num_iterations=2, temperature=0.7, varied_prompts=True,
+                              pacs_padding_free=padding_free)
+    assert trainer.pacs_padding_free is (padding_free is None)
+    from pacs.integrations import trl as pacs_trl
+
+    requests = []
+
+    class CountedRequest(pacs_trl.LogprobRequest):
+        def __init__(self, targets):
+            super().__init__(targets)
+            requests.append(targets.shape)
+
+    monkeypatch.setattr(pacs_trl, "LogprobRequest", CountedRequest)
     inputs = first_micro_batch(trainer)
     old = inputs["old_per_token_logps"]
     model, mask = trainer.model, inputs["completion_mask"]
+    assert len(requests) == (2 if padding_free is None else 0)  # fused passes (16 rows in 8s) or TRL's
+    real = mask.bool()
+    with torch.no_grad():
+        torch.testing.assert_close(old[real], helpers.naive_logp(model, inputs, 0.7)[real], rtol=1e-5, atol=1e-5)
+        assert trainer.compute_loss(model, inputs).item() == pytest.approx(math.log(2.0) / 2, abs=1e-6)  # psi = 0
     torch.manual_seed(1)
     with torch.no_grad():  # an optimizer step happened since the rollout
         for p in model.parameters():
@@ -357,6 +377,17 @@ def test_refused_options(tmp_path, overrides, match):
 
     with pytest.raises(ValueError, match=match):
         check_pacs_config(helpers.config(tmp_path, **overrides))
+
+
+def test_continuous_batching_generation_keeps_padded_rows(tmp_path):
+    """transformers' continuous batching refuses pacs_packed_sdpa for generation: with it, pacs_padding_free
+    None means padded rows (the model keeps its attention) and True is refused at construction."""
+    from pacs.integrations.trl import check_pacs_config
+
+    with pytest.raises(ValueError, match="pacs_padding_free=True switches.*continuous batching"):
+        check_pacs_config(helpers.config(tmp_path, use_transformers_continuous_batching=True, pacs_padding_free=True))
+    trainer = helpers.trainer(tmp_path, use_transformers_continuous_batching=True)
+    assert trainer.pacs_padding_free is False and trainer.model.config._attn_implementation == "sdpa"
 
 
 def test_use_vllm_alone_is_accepted(tmp_path):

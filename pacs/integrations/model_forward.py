@@ -31,7 +31,12 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import ModelOutput
 
-from pacs_kernels import PACSLoss
+from pacs_kernels import PACSLoss, linear_logprobs
+
+# Batch entries of multimodal models (images): the PACS forwards pass only token ids (refused where they would be
+# dropped silently).
+MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids",
+                   "mm_token_type_ids", "image_position_ids", "num_images")
 
 
 class PACSBatch:
@@ -67,12 +72,26 @@ class PACSBatch:
         return f"PACSBatch({shapes}, return_stats={self.return_stats})"
 
 
+class LogprobRequest:
+    """``pacs_batch=LogprobRequest(targets)``: the forward returns the per-token log-probs of ``targets`` (B, C),
+    the sampled completion tokens, at the loss's temperature (``PACSModelOutput.logp``, (B, C) float32), from
+    the same backbone call as the loss (padded or padding-free) and the fused kernels (no (B, C, V) logits).
+    Positions whose token is padding get a value that means nothing."""
+
+    __slots__ = ("targets",)
+
+    def __init__(self, targets: torch.Tensor):
+        self.targets = targets
+
+
 @dataclass
 class PACSModelOutput(ModelOutput):
-    """loss: 0-d float32; stats: dict of floats (``PACSStats.as_dict()``) or None."""
+    """loss: 0-d float32; stats: dict of floats (``PACSStats.as_dict()``) or None; logp: (B, C) float32 (for a
+    :class:`LogprobRequest`, which has no loss)."""
 
     loss: torch.Tensor | None = None
     stats: dict | None = None
+    logp: torch.Tensor | None = None
 
 
 def logit_scale_of(config) -> float:
@@ -149,7 +168,7 @@ def add_pacs_forward(model, loss_fn: PACSLoss, *, temperature: float, padding_fr
     True for a model where it is not: a ValueError naming ``setting``. Returns whether it is on.
     """
     check_supported_head(model.config)
-    padding_free = use_padding_free(model, padding_free, setting)
+    attention = padding_free_attention(model, padding_free, setting)  # None: padded rows (nothing changed yet)
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__}.get_output_embeddings() returned None: the fused PACS loss needs "
@@ -157,10 +176,12 @@ def add_pacs_forward(model, loss_fn: PACSLoss, *, temperature: float, padding_fr
     loss_fn.temperature = float(temperature) / logit_scale_of(model.config)
     loss_fn.logit_softcap = logit_softcap_of(model.config)  # Gemma-style soft-cap, inside the kernels
     add_pacs_head_forward(head, loss_fn)
+    padding_free = attention is not None and switch_attention(model, attention, required=padding_free is True,
+                                                              setting=setting)
     previous_forward = unbound_forward(model)
 
     @functools.wraps(type(model).forward)  # generate() checks its kwargs against this signature
-    def forward(self, *args, pacs_batch: PACSBatch | None = None, **kwargs):
+    def forward(self, *args, pacs_batch: PACSBatch | LogprobRequest | None = None, **kwargs):
         if pacs_batch is None:
             return previous_forward(self, *args, **kwargs)
         head = self.get_output_embeddings()
@@ -173,6 +194,8 @@ def add_pacs_forward(model, loss_fn: PACSLoss, *, temperature: float, padding_fr
         else:
             completion_len = pacs_batch.targets.shape[1]
             hidden = self.base_model(*args, **kwargs).last_hidden_state[:, -completion_len - 1:-1]
+        if isinstance(pacs_batch, LogprobRequest):
+            return PACSModelOutput(logp=head(hidden, pacs_batch=pacs_batch))
         loss, stats = head(hidden, pacs_batch=pacs_batch)  # a module call: module doc
         return PACSModelOutput(loss=loss, stats=stats)
 
@@ -180,35 +203,52 @@ def add_pacs_forward(model, loss_fn: PACSLoss, *, temperature: float, padding_fr
     return padding_free
 
 
-def use_padding_free(model, requested: bool | None, setting: str) -> bool:
-    """``requested`` resolved for ``model`` (add_pacs_forward's ``padding_free``), its attention switched to one
-    that keeps packed sequences apart when on."""
-    from pacs.packing import packing_obstacle, register_packed_attention
+def padding_free_attention(model, requested: bool | None, setting: str) -> str | None:
+    """The attention a padding-free ``model`` would run (its own flash attention, else ``pacs_packed_sdpa``), or
+    None for padded rows: ``requested`` False, or None where packing cannot be exact for the model
+    (:func:`pacs.packing.packing_obstacle`, rows left-padded as TRL's prompts are); ``requested`` True there is
+    a ValueError naming ``setting`` and saying why. Changes nothing."""
+    from pacs.packing import PACKED_ATTENTION, packing_obstacle
 
     if requested is False:
-        return False
+        return None
     if requested is not None and requested is not True:
         raise ValueError(f"{setting} must be True, False or None (padding-free wherever exact), got {requested!r}")
     current = model.config._attn_implementation or "sdpa"
-    attention = current if "flash" in current else register_packed_attention()
-    why = packing_obstacle(model.config, attention)
-    if why is not None:
-        if requested:
-            raise ValueError(f"{setting}=True cannot be exact for this model: {why}; set {setting}=False")
-        return False
-    if attention != current:
-        try:
-            model.set_attn_implementation(attention)
-        except (ValueError, ImportError) as exc:  # a model without Hugging Face's attention interface
-            if requested:
-                raise ValueError(f"{setting}=True needs an attention that keeps packed sequences apart, and "
-                                 f"{type(model).__name__} cannot switch to {attention}: {exc}; set {setting}=False") \
-                    from exc
-            return False
-    return True
+    attention = current if "flash" in current else PACKED_ATTENTION
+    why = packing_obstacle(model.config, attention, model_class=type(model), left_padded=True)
+    if why is not None and requested:
+        raise ValueError(f"{setting}=True cannot be exact for this model: {why}; set {setting}=False")
+    return None if why is not None else attention
 
 
-def packed_completion_hidden(backbone, args: tuple, kwargs: dict, batch: PACSBatch) -> torch.Tensor:
+def switch_attention(model, attention: str, *, required: bool, setting: str) -> bool:
+    """Switch ``model`` to ``attention`` (``pacs_packed_sdpa`` registered first); whether it runs it now. Where
+    transformers keeps the old attention (it may only warn), the old one is restored and, when ``required``, a
+    ValueError names ``setting``."""
+    from pacs.packing import register_packed_attention
+
+    current = model.config._attn_implementation or "sdpa"
+    if attention == current:
+        return True
+    register_packed_attention()
+    try:
+        model.set_attn_implementation(attention)
+        failure = None if model.config._attn_implementation == attention else "transformers kept " + str(
+            model.config._attn_implementation)
+    except (ValueError, ImportError) as exc:
+        failure = str(exc)
+    if failure is None:
+        return True
+    if model.config._attn_implementation != current:
+        model.set_attn_implementation(current)
+    if required:
+        raise ValueError(f"{setting}=True needs an attention that keeps packed sequences apart, and "
+                         f"{type(model).__name__} cannot switch to {attention} ({failure}); set {setting}=False")
+    return False
+
+
+def packed_completion_hidden(backbone, args: tuple, kwargs: dict, batch: PACSBatch | LogprobRequest) -> torch.Tensor:
     """The backbone's final hidden states at the positions that predict the completion tokens, (B, C, d),
     computed on the rows' real tokens packed into one row.
 
@@ -227,23 +267,26 @@ def packed_completion_hidden(backbone, args: tuple, kwargs: dict, batch: PACSBat
             raise TypeError(f"got {name} both as a positional and a keyword argument")
         kwargs[name] = value
     input_ids, attention_mask = kwargs.pop("input_ids", None), kwargs.pop("attention_mask", None)
-    refused = [name for name in ("inputs_embeds", "position_ids", "past_key_values") if kwargs.get(name) is not None]
+    refused = [name for name in ("inputs_embeds", "position_ids", "past_key_values", "cache_position",
+                                 *MULTIMODAL_KEYS) if kwargs.get(name) is not None]
     if input_ids is None or refused:
-        raise ValueError(f"the padding-free PACS forward takes input_ids (B, L) and attention_mask, not "
+        raise ValueError(f"the padding-free PACS forward takes input_ids (B, L) and attention_mask (text only), not "
                          f"{refused or 'no input_ids'}; add_pacs_forward(..., padding_free=False) takes any")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    for name in ("inputs_embeds", "position_ids", "past_key_values"):
+    for name in ("inputs_embeds", "position_ids", "past_key_values", "cache_position", *MULTIMODAL_KEYS):
         kwargs.pop(name, None)
     from pacs.packing import pack_real_tokens, packed_backbone_kwargs, packed_call
 
     layout = pack_real_tokens(input_ids, attention_mask)
-    with packed_call():
+    with packed_call(layout.bounds):
         hidden = backbone(input_ids=layout.input_ids, **packed_backbone_kwargs(
             layout.position_ids, layout.cu_seqlens, layout.max_seqlen), **kwargs).last_hidden_state[0]
     width, completion_len = input_ids.shape[1], batch.targets.shape[1]
     columns = torch.arange(width - completion_len, width, device=input_ids.device).expand(input_ids.shape[0], -1)
     predictor, predictor_real = layout.packed_index(columns - 1)
+    if isinstance(batch, LogprobRequest):  # every completion position; padding's values mean nothing
+        return hidden[predictor]
     _, target_real = layout.packed_index(columns)
     if bool(((batch.mask != 0) & ~(predictor_real & target_real)).any()):
         raise ValueError("pacs_batch.mask selects completion tokens that attention_mask marks as padding (or whose "
@@ -281,6 +324,9 @@ def add_pacs_head_forward(head, loss_fn: PACSLoss) -> None:
                 f"the LM head's weight is a DTensor ({tuple(weight.placements)}) inside the head's own forward: the "
                 "fused loss needs the full (V, d) weight, gathered by FSDP2 (which also reduces its gradient); a "
                 "tensor-parallel or otherwise distributed LM head is not supported")
+        if isinstance(pacs_batch, LogprobRequest):
+            return linear_logprobs(hidden.to(weight.dtype), weight, pacs_batch.targets, temperature=loss_fn.temperature,
+                                   bias=bias, logit_softcap=loss_fn.logit_softcap, backend=loss_fn.backend)
         return pacs_head_loss(loss_fn, hidden, weight, bias, pacs_batch)
 
     head.forward = types.MethodType(forward, head)

@@ -54,7 +54,7 @@ from pacs_kernels import PACSLoss
 from ..single_label_groups import group_losses_at_zero, groups_that_must_run, single_label, zero_gradient_at_psi_zero
 from ..stop_signals import StoppedBySignal, StopSignals
 from ..tiled_mlp import tile_mlp
-from .model_forward import PACSBatch, add_pacs_forward, check_supported_head
+from .model_forward import MULTIMODAL_KEYS, LogprobRequest, PACSBatch, add_pacs_forward, check_supported_head
 
 # GRPOConfig fields that only shape GRPO's loss or advantages: ignored by PACS (warning when changed).
 IGNORED_GRPO_OPTIONS = (
@@ -62,9 +62,6 @@ IGNORED_GRPO_OPTIONS = (
     "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
     "vespo_lambda_neg", "multi_objective_aggregation",
 )
-# Batch entries of multimodal models: refused (the PACS forward passes only token ids).
-MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids",
-                   "mm_token_type_ids", "image_position_ids", "num_images")
 
 
 @dataclass
@@ -91,8 +88,10 @@ class PACSConfig(GRPOConfig):
         default=None, metadata={"help": "Run the loss's forward on each micro-batch's real tokens packed into one row "
                                         "(no padding: left-padded prompts, right-padded completions), attention kept "
                                         "within each sequence (pacs_packed_sdpa, or the model's flash attention). "
-                                        "None: wherever that is exact for the model (not for hybrid models, nor for "
-                                        "sliding windows or attention soft-caps without flash attention)."})
+                                        "None: wherever that is exact for the model (not for hybrid models, models "
+                                        "attending by code of their own or without rotary positions, nor for sliding "
+                                        "windows or attention soft-caps without flash attention) and TRL's "
+                                        "generation allows it (not with transformers' continuous batching)."})
     pacs_tiled_mlp: bool = field(
         default=False, metadata={"help": "Run each decoder MLP over tiles of tokens, keeping only its input for the "
                                          "backward (pacs/tiled_mlp.py): long completions on little memory."})
@@ -129,6 +128,10 @@ def check_pacs_config(args: PACSConfig) -> None:
     minutes = args.pacs_checkpoint_minutes
     if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not minutes > 0):
         raise ValueError(f"pacs_checkpoint_minutes must be a number of minutes > 0 or None, got {minutes!r}")
+    if args.pacs_padding_free is True and args.use_transformers_continuous_batching:
+        raise ValueError("pacs_padding_free=True switches the model's attention to pacs_packed_sdpa, which "
+                         "transformers' continuous batching (use_transformers_continuous_batching=True) refuses for "
+                         "generation: expected pacs_padding_free=None or False with it")
     G = args.num_generations
     if args.per_device_train_batch_size % G != 0:
         raise ValueError(
@@ -232,8 +235,10 @@ class PACSTrainer(GRPOTrainer):
             advantage=args.pacs_advantage, weighting=args.pacs_weighting, temperature=args.temperature,
             score_function_term=args.pacs_score_function_term, backend=args.pacs_backend)
         target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        # transformers' continuous batching (generation) refuses any attention but its own few: padded rows then
+        padding_free = False if args.use_transformers_continuous_batching else args.pacs_padding_free
         self.pacs_padding_free = add_pacs_forward(target, self.pacs_loss, temperature=args.temperature,
-                                                  padding_free=args.pacs_padding_free, setting="pacs_padding_free")
+                                                  padding_free=padding_free, setting="pacs_padding_free")
         if args.pacs_tiled_mlp:
             tile_mlp(target, args.pacs_mlp_tile_tokens, setting="pacs_mlp_tile_tokens")
         self._pacs_rewards_per_func = None
@@ -350,6 +355,26 @@ class PACSTrainer(GRPOTrainer):
         if mode == "train":  # GRPOTrainer declares the loss already scaled for gradient accumulation
             loss = loss / self.current_gradient_accumulation_steps
         return loss
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        """TRL's no-grad log-prob pass (the old log-probs, with ``num_iterations > 1`` or generation not aligned
+        with optimizer steps). With padding-free forwards: the loss's own forward (the packed real tokens, the
+        fused log-probs; no (B, C, V) logits), so that psi starts from log-probs of the layout and kernels the
+        loss uses; otherwise, and for entropies, the MoE loss or images, TRL's."""
+        if (not self.pacs_padding_free or compute_entropy or compute_aux_loss
+                or any(value is not None for value in multimodal.values())):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal)
+        batch_size = batch_size or input_ids.size(0)
+        parts = []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+            with self.accelerator.autocast():
+                output = model(input_ids=ids, attention_mask=mask, pacs_batch=LogprobRequest(ids[:, -logits_to_keep:]))
+            parts.append(output.logp)
+        return torch.cat(parts), None, None
 
     def _skips_zero_gradient_groups(self, old_logp) -> bool:
         """Whether this training step may skip single-label groups: psi = 0 exactly (on-policy: no old
