@@ -43,6 +43,24 @@ def loss_and_grads(model, compute):
     return loss.detach(), grads
 
 
+def first_step_against_a_plain_copy(trainer):
+    """The trainer's first micro-batch (on-policy, temperature 1): its loss and gradients through the trainer,
+    and pacs_loss's on naive log-probs of a plain copy of the trainer's model (the same weights, no memory
+    lever, padded rows): ((loss, grads), (ref_loss, ref_grads))."""
+    plain = helpers.tiny_model(len(trainer.processing_class))  # the trainer's model before any step
+    plain.load_state_dict(trainer.model.state_dict())
+    inputs = first_micro_batch(trainer)
+    rewards = labels_from_text(trainer.processing_class, inputs, helpers.contains_one)
+    assert 0 < rewards.sum() < len(rewards), "mixed labels keep the gradient from vanishing"
+
+    def reference():
+        logp = helpers.naive_logp(plain, inputs, 1.0)
+        return pacs_loss(logp, logp.detach(), rewards, inputs["completion_mask"], group_size=helpers.GROUP) / 2
+
+    return (loss_and_grads(trainer.model, lambda: trainer.compute_loss(trainer.model, inputs)),
+            loss_and_grads(plain, reference))
+
+
 def assert_same(loss, grads, ref_loss, ref_grads, tol=2e-5):
     torch.testing.assert_close(loss, ref_loss, rtol=tol, atol=tol)
     assert grads.keys() == ref_grads.keys()
@@ -103,18 +121,8 @@ def test_padding_free_with_gradient_checkpointing_equals_pacs_loss(tmp_path):
     trainer = helpers.trainer(tmp_path, varied_prompts=True, gradient_checkpointing=True)
     trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=None)  # what train() does with it
     assert trainer.pacs_padding_free and trainer.model.is_gradient_checkpointing
-    plain = helpers.tiny_model(len(trainer.processing_class))
-    plain.load_state_dict(trainer.model.state_dict())
-    inputs = first_micro_batch(trainer)
-    rewards = labels_from_text(trainer.processing_class, inputs, helpers.contains_one)
-    assert 0 < rewards.sum() < len(rewards), "mixed labels keep the gradient from vanishing"
-
-    def reference():
-        logp = helpers.naive_logp(plain, inputs, 1.0)
-        return pacs_loss(logp, logp.detach(), rewards, inputs["completion_mask"], group_size=helpers.GROUP) / 2
-
-    loss, grads = loss_and_grads(trainer.model, lambda: trainer.compute_loss(trainer.model, inputs))
-    assert_same(loss, grads, *loss_and_grads(plain, reference))
+    ours, reference = first_step_against_a_plain_copy(trainer)
+    assert_same(*ours, *reference)
 
 
 @pytest.mark.slow
@@ -160,20 +168,9 @@ def test_tiled_mlp_gives_the_untiled_loss_and_gradients(tmp_path):
     first micro-batch equal pacs_loss on an untiled copy of the same weights."""
     trainer = helpers.trainer(tmp_path, pacs_tiled_mlp=True, pacs_mlp_tile_tokens=3)
     assert all(layer.mlp.tiled_mlp_tokens == 3 for layer in trainer.model.model.layers)
-    untiled = helpers.tiny_model(len(trainer.processing_class))  # the trainer's model before any step
-    untiled.load_state_dict(trainer.model.state_dict())
-    inputs = first_micro_batch(trainer)
-    rewards = labels_from_text(trainer.processing_class, inputs, helpers.contains_one)
-    assert 0 < rewards.sum() < len(rewards), "mixed labels keep the gradient from vanishing"
-
-    def reference():
-        logp = helpers.naive_logp(untiled, inputs, 1.0)
-        return pacs_loss(logp, logp.detach(), rewards, inputs["completion_mask"], group_size=helpers.GROUP) / 2
-
-    loss, grads = loss_and_grads(trainer.model, lambda: trainer.compute_loss(trainer.model, inputs))
-    ref_loss, ref_grads = loss_and_grads(untiled, reference)
+    ours, (ref_loss, ref_grads) = first_step_against_a_plain_copy(trainer)
     assert any(".mlp." in name for name in ref_grads)
-    assert_same(loss, grads, ref_loss, ref_grads)
+    assert_same(*ours, ref_loss, ref_grads)
 
 
 @pytest.mark.slow
