@@ -17,6 +17,9 @@ the cores), and the peak increase of the resident set over the state before the 
     pacs_no_skip  the same with pacs_skip_zero_gradient_groups=False (every group runs)
     pacs_padded   PACSTrainer with pacs_padding_free=False: the loss's forward on TRL's padded rows
                   (``pacs`` runs it on the real tokens packed into one row, its default)
+    pacs_ckpt     ``pacs`` with gradient_checkpointing=True (switched on as Trainer.train() does it: the
+                  micro-step bypasses train()); each decoder layer recomputed in the backward
+    pacs_ckpt_tiled  ``pacs_ckpt`` with pacs_tiled_mlp=True (each decoder MLP run in tiles of d tokens)
 
 ``--single-label-groups K`` (default 0) makes the first K groups single-label (all rewards 1 in the
 first, all 0 in the next, alternating), the others mixed as by default: ``pacs`` leaves those out of
@@ -24,7 +27,8 @@ the forward and backward (their gradient is exactly 0 on-policy; one group still
 single-label), ``pacs_no_skip`` runs them. Both must give the same loss: the script stops with an
 error when their losses differ by more than 1e-5 relative. Each row records ``groups_run`` (the
 groups PACSTrainer put through the model, from its ``pacs/skipped_group_frac`` metric). ``pacs_padded``
-must give ``pacs``'s loss too (up to the float32 rounding of RoPE's angles at other positions).
+must give ``pacs``'s loss too (up to the float32 rounding of RoPE's angles at other positions), and so must
+``pacs_ckpt`` and ``pacs_ckpt_tiled`` (the same forward, recomputed or tiled).
 
 ``--varied-lengths`` gives the rows lengths as a rollout does: prompts of P/2 to P tokens (left-padded),
 completions of C/8 to C tokens (right-padded), spread over the rows; by default every prompt is P tokens
@@ -55,8 +59,12 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CASES = ("trl_default", "pacs", "pacs_no_skip", "pacs_padded")
-LOSS_RTOL = 1e-5  # pacs vs pacs_no_skip / pacs_padded: the same loss up to float rounding
+CASES = ("trl_default", "pacs", "pacs_no_skip", "pacs_padded", "pacs_ckpt", "pacs_ckpt_tiled")
+LOSS_RTOL = 1e-5  # pacs vs pacs_no_skip / pacs_padded / pacs_ckpt*: the same loss up to float rounding
+SAME_LOSS_AS_PACS = ("pacs_no_skip", "pacs_padded", "pacs_ckpt", "pacs_ckpt_tiled")
+CHECKPOINTED = ("pacs_ckpt", "pacs_ckpt_tiled")
+WORKER_ENV = {"HF_HUB_OFFLINE": "1", "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072",
+              "TOKENIZERS_PARALLELISM": "false"}
 GROUP = 4
 
 
@@ -85,13 +93,18 @@ def build_trainer(case: str, args, out_dir: str):
         from pacs.integrations.trl import PACSConfig, PACSTrainer
 
         config = PACSConfig(**common, pacs_skip_zero_gradient_groups=case != "pacs_no_skip",
-                            pacs_padding_free=False if case == "pacs_padded" else None)
+                            pacs_padding_free=False if case == "pacs_padded" else None,
+                            gradient_checkpointing=case in CHECKPOINTED, pacs_tiled_mlp=case == "pacs_ckpt_tiled")
         trainer = PACSTrainer(model, reward, args=config, train_dataset=dataset, processing_class=build_tokenizer())
     else:
         from trl import GRPOConfig, GRPOTrainer
 
         trainer = GRPOTrainer(model, reward, args=GRPOConfig(**common), train_dataset=dataset,
                               processing_class=build_tokenizer())
+    if trainer.args.gradient_checkpointing:  # what Trainer.train() does with it (the micro-step bypasses train())
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=None)
+        if not trainer.model.is_gradient_checkpointing:
+            raise RuntimeError(f"{case}: gradient checkpointing did not switch on")
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     return trainer
@@ -228,12 +241,13 @@ def parse_args(argv=None):
 
 
 def check_losses(rows: list[dict]) -> None:
-    """pacs (skipping, padding-free) and pacs_no_skip / pacs_padded must give one loss up to float rounding;
+    """pacs (skipping, padding-free) and pacs_no_skip / pacs_padded / pacs_ckpt / pacs_ckpt_tiled must give one
+    loss up to float rounding;
     SystemExit otherwise. (On-policy every response's PACS loss term is taken at psi = 0, so the loss checks
     that the skipped groups' values are added back with the right divisor; the gradient norms, printed, check
     the rest.)"""
     by_case = {row["case"]: row for row in rows}
-    for other in ("pacs_no_skip", "pacs_padded"):
+    for other in SAME_LOSS_AS_PACS:
         if "pacs" not in by_case or other not in by_case:
             continue
         a, b = by_case["pacs"]["loss"], by_case[other]["loss"]
@@ -245,21 +259,24 @@ def check_losses(rows: list[dict]) -> None:
               f"gradient norm {ga:.9g} vs {gb:.9g} (relative {abs(ga - gb) / max(ga, gb, 1e-300):.3g})")
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    if args.case:
-        print(json.dumps(run_case(args.case, args)))
-        return
+def worker_env() -> dict:
+    """The environment of a case's subprocess (the malloc settings of benchmarks/measure.py's RSS method)."""
+    return {**os.environ, "PYTHONPATH": str(REPO_ROOT), **WORKER_ENV}
 
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1", "MALLOC_MMAP_THRESHOLD_": "131072",
-           "MALLOC_TRIM_THRESHOLD_": "131072", "TOKENIZERS_PARALLELISM": "false"}
+
+def worker_command(case: str, args) -> list[str]:
+    """The command line that runs ``case`` alone in a fresh process and prints its row as one JSON line."""
     flags = [f"--vocab={args.vocab}", f"--hidden={args.hidden}", f"--layers={args.layers}",
              f"--responses={args.responses}",
              f"--prompt-len={args.prompt_len}", f"--completion-len={args.completion_len}",
              f"--repeats={args.repeats}", f"--threads={args.threads}",
              f"--single-label-groups={args.single_label_groups}"]
     flags += ["--varied-lengths"] if args.varied_lengths else []
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return [sys.executable, __file__, f"--case={case}", *flags]
+
+
+def device_name() -> str:
+    """The CPU's model name (/proc/cpuinfo) and core count, e.g. "cpu: Intel(R) Xeon(R) Processor, 2 cores"."""
     device = f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     try:
         with open("/proc/cpuinfo") as info:
@@ -267,9 +284,21 @@ def main(argv=None) -> None:
         device = f"cpu: {name}, {os.cpu_count()} cores"
     except (OSError, StopIteration):
         pass
+    return device
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.case:
+        print(json.dumps(run_case(args.case, args)))
+        return
+
+    env = worker_env()
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    device = device_name()
     rows = []
     for case in dict.fromkeys(args.cases):
-        done = subprocess.run([sys.executable, __file__, f"--case={case}", *flags], cwd=REPO_ROOT, env=env,
+        done = subprocess.run(worker_command(case, args), cwd=REPO_ROOT, env=env,
                               capture_output=True, text=True)
         if done.returncode != 0:
             sys.exit(f"case {case} failed:\n{done.stderr[-4000:]}")
@@ -280,7 +309,7 @@ def main(argv=None) -> None:
                      "completion_len": args.completion_len, "threads": args.threads, "repeats": args.repeats,
                      "groups": args.responses // GROUP, "single_label_groups": args.single_label_groups,
                      "varied_lengths": args.varied_lengths})
-        print(f"{case:12s} {result['time_ms']:9.1f} ms (min {result['time_min_ms']:.1f}, "
+        print(f"{case:15s} {result['time_ms']:9.1f} ms (min {result['time_min_ms']:.1f}, "
               f"CPU {result['cpu_time_ms']:.1f}, "
               f"util {result['cpu_util']:.2f})  peak RSS +{result['peak_rss_increase_mib']:8.1f} MiB  "
               f"loss {result['loss']:.9f}  groups run {result['groups_run']}/{args.responses // GROUP}  "

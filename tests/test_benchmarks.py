@@ -267,3 +267,147 @@ def test_trl_dropin_padding_free_and_padded_give_one_loss(tmp_path):
     assert [row["case"] for row in rows] == ["pacs", "pacs_padded"]
     assert float(rows[0]["loss"]) == pytest.approx(float(rows[1]["loss"]), rel=1e-5)
     assert float(rows[0]["grad_norm"]) == pytest.approx(float(rows[1]["grad_norm"]), rel=1e-4)
+
+
+# ----------------------------------------------------------------------------- benchmarks/trl_long_context.py
+
+
+@pytest.mark.parametrize("edge", [0, 1, 24, 100, 255, 256, 257, 3000, 4863, 65535, 65536, 10**6])
+def test_trl_long_context_search_doubles_then_bisects_to_the_resolution(edge):
+    """On a fake probe that fits up to ``edge`` tokens: doubling from the start (halving when the start does not
+    fit), then bisection; the answer fits, the first failure does not, and the bracket between them is at most
+    min(resolution, longest/8) tokens (never over the cap); no length is probed twice."""
+    from benchmarks.trl_long_context import search_longest, tolerance
+
+    calls = []
+
+    def fits(length):
+        calls.append(length)
+        return length <= edge
+
+    result = search_longest(fits, start=256, resolution=128, max_len=65536)
+    assert result.complete and len(set(calls)) == len(calls) == len(result.probes)
+    assert result.longest == min(edge, 65536) or result.longest <= edge < result.first_failing
+    if edge >= 65536:
+        assert (result.longest, result.first_failing) == (65536, None)
+    else:
+        assert result.longest <= edge < result.first_failing
+        assert result.first_failing - result.longest <= tolerance(result.longest, 128)
+        assert result.first_failing - result.longest <= 128
+    if edge >= 256:  # the doubling phase: 256, 512, ... up to the first length over the edge (or the cap)
+        doubling = [256 * 2**k for k in range(9) if 256 * 2**k <= 65536]
+        n = next((i for i, c in enumerate(doubling) if c > edge), len(doubling) - 1) + 1
+        assert calls[:n] == doubling[:n]
+    else:  # halving down from the start
+        assert calls[0] == 256 and calls[1] == 128
+
+
+def test_trl_long_context_search_stops_at_max_probes():
+    from benchmarks.trl_long_context import search_longest
+
+    result = search_longest(lambda c: c <= 3000, start=256, resolution=128, max_len=65536, max_probes=2)
+    assert [c for c, _ in result.probes] == [256, 512] and result.longest == 512 and not result.complete
+    result = search_longest(lambda c: c <= 3000, start=256, resolution=128, max_len=65536, max_probes=6)
+    assert [c for c, _ in result.probes] == [256, 512, 1024, 2048, 4096, 3072] and not result.complete
+    assert (result.longest, result.first_failing) == (2048, 3072)
+
+
+def test_trl_long_context_flags_probes_against_a_growing_peak():
+    from benchmarks.trl_long_context import disagreements
+
+    rows = [{"completion_len": 1024, "peak_rss_increase_mib": 300.0, "fits": True},
+            {"completion_len": 2048, "peak_rss_increase_mib": 200.0, "fits": True},
+            {"completion_len": 4096, "peak_rss_increase_mib": None, "fits": False}]
+    assert disagreements(rows) == ["peak fell from 300 MiB at C=1024 to 200 MiB at C=2048"]
+    rows[0]["fits"] = False
+    assert "C=1024 did not fit but C=2048 did" in disagreements(rows)
+    rows[1]["peak_rss_increase_mib"] = 295.0  # within 5%: rounding, not a contradiction
+    assert disagreements(rows) == ["C=1024 did not fit but C=2048 did"]
+
+
+def test_trl_long_context_dry_run_writes_every_case(monkeypatch, tmp_path):
+    """--dry-run's search, CSV, Markdown and plot for every case, on fake probes (a real probe is a subprocess
+    that imports TRL, ~10 s: the next test runs one): 2 probes per case, every probe a CSV row with the
+    expected columns, a summary row per case with its ratio to trl_default."""
+    from benchmarks import trl_long_context as tlc
+
+    slope = {"trl_default": 0.1, "pacs_padded": 0.05, "pacs": 0.03, "pacs_ckpt": 0.02, "pacs_ckpt_tiled": 0.01}
+
+    def fake_probe(case, length, args):
+        peak = slope[case] * length
+        return {"case": case, "completion_len": length, "peak_rss_increase_mib": peak,
+                "fits": peak <= args.budget_mib, "seconds": 0.5, "status": "ok", "step_ms": 1.0, "cpu_util": 1.0,
+                "loadavg_1min": 0.1, "loss": 0.69, "completion_tokens": length, "padded_completion_tokens": length,
+                "max_rss_mib": 700.0, "note": ""}
+
+    monkeypatch.setattr(tlc, "probe_case", fake_probe)
+    assert tlc.main(["--dry-run", "--out-dir", str(tmp_path)]) == 0
+    with open(tmp_path / "trl_long_context_dry_run.csv", newline="") as handle:
+        reader = csv.DictReader(handle)
+        assert reader.fieldnames == tlc.COLUMNS
+        rows = list(reader)
+    for name in ("case", "completion_len", "peak_rss_increase_mib", "fits", "seconds", "device", "date"):
+        assert name in tlc.COLUMNS
+    assert [r["case"] for r in rows] == [case for case in tlc.CASES for _ in range(2)]
+    assert [int(r["completion_len"]) for r in rows[:2]] == [16, 8]  # trl_default: 16 is over 1 MiB, 8 fits
+    assert all(r["device"].startswith("cpu: ") and r["date"].endswith("UTC") for r in rows)
+    markdown = (tmp_path / "trl_long_context_dry_run.md").read_text()
+    assert "| case | longest C that fits | x vs trl_default | peak at that C (MiB) |" in markdown
+    assert "| trl_default | 8 (search cut short) | 1.0x | 1 | 16 | 2 |" in markdown
+    assert "| pacs_padded | 16 (search cut short) | 2.0x | 1 | 32 | 2 |" in markdown
+    assert "| pacs_ckpt_tiled | 32 (search cut short) | 4.0x | 0 | none probed | 2 |" in markdown
+    assert all(f"| {case} |" in markdown for case in tlc.CASES)
+    assert (tmp_path / "trl_long_context_dry_run.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_trl_long_context_probe_runs_one_case_in_a_fresh_process(tmp_path):
+    """One real probe (a fresh subprocess, trl_dropin's worker): its peak RSS increase, time and loss reach the
+    CSV; the probe's process gets the checkpointed, tiled case."""
+    pytest.importorskip("trl")
+    from benchmarks import trl_long_context as tlc
+
+    assert tlc.main(["--dry-run", "--cases", "pacs_ckpt_tiled", "--max-probes", "1", "--budget-mib", "1000",
+                     "--no-plot", "--out-dir", str(tmp_path)]) == 0
+    rows = list(csv.DictReader((tmp_path / "trl_long_context_dry_run.csv").open()))
+    assert len(rows) == 1 and rows[0]["case"] == "pacs_ckpt_tiled" and rows[0]["status"] == "ok"
+    assert rows[0]["fits"] == "True" and 0 <= float(rows[0]["peak_rss_increase_mib"]) <= 1000
+    assert float(rows[0]["loss"]) == pytest.approx(0.6931472, rel=1e-5)  # on-policy PACS: log 2 per response
+    assert "| pacs_ckpt_tiled | 16 (search cut short) |  |" in (tmp_path / "trl_long_context_dry_run.md").read_text()
+
+
+@pytest.mark.slow  # importing TRL: ~5 s alone
+def test_trl_dropin_checkpointing_cases_recompute_the_layers_and_tile_the_mlp(tmp_path):
+    """pacs_ckpt / pacs_ckpt_tiled switch gradient checkpointing on as Trainer.train() does (each decoder layer
+    runs again in the backward: its attention's forward is called twice) and pacs_ckpt_tiled tiles every MLP;
+    the loss and gradient equal pacs's."""
+    pytest.importorskip("trl")
+    from benchmarks import trl_dropin
+    from pacs.tiled_mlp import is_tiled
+
+    args = trl_dropin.parse_args(["--vocab", "256", "--hidden", "32", "--completion-len", "12", "--prompt-len", "4",
+                                  "--varied-lengths", "--repeats", "1", "--threads", str(torch.get_num_threads())])
+    inputs = trl_dropin.micro_batch(args)
+    losses, norms = {}, {}
+    for case in ("pacs", "pacs_ckpt", "pacs_ckpt_tiled"):
+        trainer = trl_dropin.build_trainer(case, args, str(tmp_path / case))
+        assert trainer.model.is_gradient_checkpointing == (case != "pacs")
+        layers = trainer.model.model.layers
+        assert all(is_tiled(layer.mlp) for layer in layers) == (case == "pacs_ckpt_tiled")
+        calls = []
+        layers[0].self_attn.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+        loss = trainer.compute_loss(trainer.model, inputs)
+        forward_calls = len(calls)
+        loss.backward()
+        assert (forward_calls, len(calls)) == ((1, 1) if case == "pacs" else (1, 2))  # recomputed in the backward
+        losses[case] = loss.item()
+        norms[case] = float(torch.stack([p.grad.double().pow(2).sum() for p in trainer.model.parameters()
+                                         if p.grad is not None]).sum().sqrt())
+    assert losses["pacs_ckpt"] == pytest.approx(losses["pacs"], rel=1e-6) == losses["pacs_ckpt_tiled"]
+    assert norms["pacs_ckpt"] == pytest.approx(norms["pacs"], rel=1e-6)
+    assert norms["pacs_ckpt_tiled"] == pytest.approx(norms["pacs"], rel=1e-5) and norms["pacs"] > 0
+    rows = [{"case": case, "loss": losses[case], "grad_norm": norms[case]} for case in losses]
+    trl_dropin.check_losses(rows)  # the script's own check covers the new cases against pacs
+    rows[2]["loss"] *= 1 + 1e-4
+    with pytest.raises(SystemExit, match="pacs and pacs_ckpt_tiled losses differ"):
+        trl_dropin.check_losses(rows)
