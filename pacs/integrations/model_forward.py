@@ -19,6 +19,13 @@ trained on that rank's data alone (tests/test_model_forward_fsdp.py, layout "hea
 
 Shapes: input_ids / attention_mask (B, P + C): prompt then completion; completion tensors (B, C):
 ``hidden[:, -C-1:-1]`` predicts ``input_ids[:, -C:]``.
+
+Padding-free (``add_pacs_forward(..., padding_free=True/None)``): the backbone runs on the rows' real tokens
+packed into one row (each row's real tokens one run: a left-padded prompt, a right-padded completion), and the
+hidden states that predict the completion tokens are gathered back into the (B, C) layout, so the loss is
+unchanged; only models for which that is exact are packed (``pacs.packing.packing_obstacle``).
+``pacs_batch=LogprobRequest(targets)`` asks the same forward for the completion tokens' log-probs instead of
+the loss (old log-probs, with the fused kernels).
 """
 
 from __future__ import annotations
