@@ -265,3 +265,21 @@ def test_a_logprob_request_returns_the_completion_log_probs(padding_free):
     real = attention_mask[:, -9:].bool()
     assert logp.shape == batch.targets.shape and logp.dtype == torch.float32  # linear_logprobs' output dtype
     torch.testing.assert_close(logp[real].double(), expected[real], rtol=1e-6, atol=1e-6)
+
+
+def test_pacs_train_refuses_packing_a_sliding_window_model_before_any_work(tmp_path):
+    """``pacs train``'s config check reads the model's config and class: train.packing=true for a model with a
+    sliding window (no flash attention here) is refused, naming the setting; unset, it is accepted (padded
+    rows); sequence parallelism, which needs packed rows, is refused for it."""
+    from pacs.run_setup import check_config
+
+    model_dir = tmp_path / "mistral"
+    tiny(transformers.MistralConfig, transformers.MistralForCausalLM, vocab_size=V, hidden_size=32,
+         intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+         max_position_embeddings=256, sliding_window=16).save_pretrained(model_dir)
+    base = [f"model.path={model_dir}", "rollout.max_prompt_len=16", "rollout.max_new_tokens=16"]
+    check_config(load_config(None, base))
+    with pytest.raises(ValueError, match="train.packing=true cannot be exact for this model: .*sliding window of 16"):
+        check_config(load_config(None, [*base, "train.packing=true"]))
+    with pytest.raises(ValueError, match="sequence_parallel_size=2 splits packed micro-batches, which cannot be exact"):
+        check_config(load_config(None, [*base, "train.sequence_parallel_size=2"]), world_size=2)
