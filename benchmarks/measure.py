@@ -48,17 +48,17 @@ WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131
 # ----------------------------------------------------------------------------- CPU memory
 
 
-def _proc_status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
+def _proc_status_kib(field: str, pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as status:
         for line in status:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field} line")
+    raise RuntimeError(f"/proc/{pid}/status has no {field} line")
 
 
-def rss_mib() -> float:
-    """Current resident set of this process, MiB."""
-    return _proc_status_kib("VmRSS") / 1024.0
+def rss_mib(pid: int | str = "self") -> float:
+    """Current resident set of this process (or of process ``pid``), MiB."""
+    return _proc_status_kib("VmRSS", pid) / 1024.0
 
 
 def reset_peak_rss() -> float:

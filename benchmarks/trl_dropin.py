@@ -50,7 +50,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -63,8 +62,7 @@ CASES = ("trl_default", "pacs", "pacs_no_skip", "pacs_padded", "pacs_ckpt", "pac
 LOSS_RTOL = 1e-5  # pacs vs pacs_no_skip / pacs_padded / pacs_ckpt*: the same loss up to float rounding
 SAME_LOSS_AS_PACS = ("pacs_no_skip", "pacs_padded", "pacs_ckpt", "pacs_ckpt_tiled")
 CHECKPOINTED = ("pacs_ckpt", "pacs_ckpt_tiled")
-WORKER_ENV = {"HF_HUB_OFFLINE": "1", "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072",
-              "TOKENIZERS_PARALLELISM": "false"}
+WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # with benchmarks/measure.py's malloc settings
 GROUP = 4
 
 
@@ -261,7 +259,9 @@ def check_losses(rows: list[dict]) -> None:
 
 def worker_env() -> dict:
     """The environment of a case's subprocess (the malloc settings of benchmarks/measure.py's RSS method)."""
-    return {**os.environ, "PYTHONPATH": str(REPO_ROOT), **WORKER_ENV}
+    from benchmarks.measure import WORKER_ENV as MALLOC_SETTINGS
+
+    return {**os.environ, "PYTHONPATH": str(REPO_ROOT), **MALLOC_SETTINGS, **WORKER_ENV}
 
 
 def worker_command(case: str, args) -> list[str]:
@@ -277,14 +277,9 @@ def worker_command(case: str, args) -> list[str]:
 
 def device_name() -> str:
     """The CPU's model name (/proc/cpuinfo) and core count, e.g. "cpu: Intel(R) Xeon(R) Processor, 2 cores"."""
-    device = f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    try:
-        with open("/proc/cpuinfo") as info:
-            name = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-        device = f"cpu: {name}, {os.cpu_count()} cores"
-    except (OSError, StopIteration):
-        pass
-    return device
+    from benchmarks.run import cpu_model
+
+    return f"cpu: {cpu_model()}, {os.cpu_count()} cores"
 
 
 def main(argv=None) -> None:

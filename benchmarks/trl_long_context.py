@@ -146,14 +146,13 @@ def disagreements(rows: list[dict]) -> list[str]:
 
 
 def _rss_mib(pid: int) -> float | None:
+    """Process ``pid``'s resident set, MiB; None once it is gone (or a zombie without one)."""
+    from benchmarks.measure import rss_mib
+
     try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024.0
-    except (OSError, ValueError):
+        return rss_mib(pid)
+    except (OSError, ValueError, RuntimeError):
         return None
-    return None
 
 
 def probe_case(case: str, completion_len: int, args) -> dict:

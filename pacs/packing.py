@@ -408,14 +408,36 @@ def packing_obstacle(model_config, attention: str, model_class=None, left_padded
     return None
 
 
+def switch_attention(causal_lm, attention: str, *, required_by: str | None, off: str) -> bool:
+    """Switch ``causal_lm`` (a Hugging Face model) to ``attention``, one that keeps packed sequences apart
+    (``pacs_packed_sdpa`` is registered first); whether it runs it now. Where transformers keeps the old
+    attention (it may only warn) or refuses, the old one is restored and, when the switch is ``required_by``
+    a setting (e.g. "train.packing=true"), a ValueError names it and ``off``, the setting that avoids it."""
+    current = causal_lm.config._attn_implementation or "sdpa"
+    if attention == current:
+        return True
+    register_packed_attention()
+    try:
+        causal_lm.set_attn_implementation(attention)
+        failure = None if causal_lm.config._attn_implementation == attention else "transformers kept " + str(
+            causal_lm.config._attn_implementation)
+    except (ValueError, ImportError) as exc:
+        failure = str(exc)
+    if failure is None:
+        return True
+    if causal_lm.config._attn_implementation != current:
+        causal_lm.set_attn_implementation(current)
+    if required_by:
+        raise ValueError(f"{required_by} needs an attention that keeps packed sequences apart, and "
+                         f"{type(causal_lm).__name__} cannot switch to {attention} ({failure}); set {off}")
+    return False
+
+
 def enable_packed_attention(causal_lm, device: torch.device) -> str:
     """Switch ``causal_lm`` (a Hugging Face model) to an attention that honours packed sequences;
     padded calls keep working unchanged. Returns the implementation's name."""
     name = packed_attention_implementation(device)
-    causal_lm.set_attn_implementation(name)
-    if causal_lm.config._attn_implementation != name:  # transformers warns and keeps the old one
-        raise ValueError(f"{type(causal_lm).__name__} cannot switch to the attention {name} that keeps packed "
-                         f"sequences apart (it runs {causal_lm.config._attn_implementation}); set train.packing=false")
+    switch_attention(causal_lm, name, required_by="train.packing", off="train.packing=false")
     return name
 
 

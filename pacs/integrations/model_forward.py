@@ -183,8 +183,10 @@ def add_pacs_forward(model, loss_fn: PACSLoss, *, temperature: float, padding_fr
     loss_fn.temperature = float(temperature) / logit_scale_of(model.config)
     loss_fn.logit_softcap = logit_softcap_of(model.config)  # Gemma-style soft-cap, inside the kernels
     add_pacs_head_forward(head, loss_fn)
-    padding_free = attention is not None and switch_attention(model, attention, required=padding_free is True,
-                                                              setting=setting)
+    from pacs.packing import switch_attention
+
+    padding_free = attention is not None and switch_attention(
+        model, attention, required_by=f"{setting}=True" if padding_free is True else None, off=f"{setting}=False")
     previous_forward = unbound_forward(model)
 
     @functools.wraps(type(model).forward)  # generate() checks its kwargs against this signature
@@ -229,32 +231,6 @@ def padding_free_attention(model, requested: bool | None, setting: str) -> str |
     return None if why is not None else attention
 
 
-def switch_attention(model, attention: str, *, required: bool, setting: str) -> bool:
-    """Switch ``model`` to ``attention`` (``pacs_packed_sdpa`` registered first); whether it runs it now. Where
-    transformers keeps the old attention (it may only warn), the old one is restored and, when ``required``, a
-    ValueError names ``setting``."""
-    from pacs.packing import register_packed_attention
-
-    current = model.config._attn_implementation or "sdpa"
-    if attention == current:
-        return True
-    register_packed_attention()
-    try:
-        model.set_attn_implementation(attention)
-        failure = None if model.config._attn_implementation == attention else "transformers kept " + str(
-            model.config._attn_implementation)
-    except (ValueError, ImportError) as exc:
-        failure = str(exc)
-    if failure is None:
-        return True
-    if model.config._attn_implementation != current:
-        model.set_attn_implementation(current)
-    if required:
-        raise ValueError(f"{setting}=True needs an attention that keeps packed sequences apart, and "
-                         f"{type(model).__name__} cannot switch to {attention} ({failure}); set {setting}=False")
-    return False
-
-
 def packed_completion_hidden(backbone, args: tuple, kwargs: dict, batch: PACSBatch | LogprobRequest) -> torch.Tensor:
     """The backbone's final hidden states at the positions that predict the completion tokens, (B, C, d),
     computed on the rows' real tokens packed into one row.
@@ -274,15 +250,13 @@ def packed_completion_hidden(backbone, args: tuple, kwargs: dict, batch: PACSBat
             raise TypeError(f"got {name} both as a positional and a keyword argument")
         kwargs[name] = value
     input_ids, attention_mask = kwargs.pop("input_ids", None), kwargs.pop("attention_mask", None)
-    refused = [name for name in ("inputs_embeds", "position_ids", "past_key_values", "cache_position",
-                                 *MULTIMODAL_KEYS) if kwargs.get(name) is not None]
+    not_packed = ("inputs_embeds", "position_ids", "past_key_values", "cache_position", *MULTIMODAL_KEYS)
+    refused = [name for name in not_packed if kwargs.pop(name, None) is not None]
     if input_ids is None or refused:
         raise ValueError(f"the padding-free PACS forward takes input_ids (B, L) and attention_mask (text only), not "
                          f"{refused or 'no input_ids'}; add_pacs_forward(..., padding_free=False) takes any")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    for name in ("inputs_embeds", "position_ids", "past_key_values", "cache_position", *MULTIMODAL_KEYS):
-        kwargs.pop(name, None)
     from pacs.packing import pack_real_tokens, packed_backbone_kwargs, packed_call
 
     layout = pack_real_tokens(input_ids, attention_mask)
