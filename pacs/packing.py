@@ -6,8 +6,10 @@ offsets) mark where each sequence starts, so that
 
   * attention stays within each sequence: on CUDA with ``flash_attn`` installed, Hugging Face's
     ``flash_attention_2`` runs the varlen kernel on ``cu_seq_lens_q/k``; everywhere else the
-    attention registered here (``pacs_packed_sdpa``) runs ``scaled_dot_product_attention`` with
-    ``is_causal=True`` once per sequence, so no N x N mask is ever built (memory O(N), exact);
+    attention registered here (``pacs_packed_sdpa``) runs PyTorch's own flash varlen kernel, one call
+    for the whole row, where it can (CUDA, 16-bit: pacs/varlen_attention.py), else
+    ``scaled_dot_product_attention`` with ``is_causal=True`` once per sequence; no N x N mask is ever
+    built (memory O(N), exact);
   * the loss takes the packed layout directly: ``fused_linear_pacs_loss(hidden (N, d), ...,
     cu_seqlens=cu_seqlens)`` with the mask selecting the response tokens of each sequence.
 
@@ -33,6 +35,8 @@ import contextvars
 from dataclasses import dataclass
 
 import torch
+
+from .varlen_attention import varlen_causal_attention
 
 PACKED_ATTENTION = "pacs_packed_sdpa"
 SEQUENCE_PARALLEL_KWARG = "pacs_sequence_parallel"  # the backbone keyword that reaches every attention call
@@ -273,8 +277,9 @@ def _packed_sdpa_attention(module, query, key, value, attention_mask, dropout: f
                            scaling: float | None = None, **kwargs):
     """Hugging Face attention function: query (1, H, N, D), key/value (1, H_kv, N, D).
 
-    With ``cu_seq_lens_q`` (a packed call from :func:`packed_forward`): causal SDPA over each
-    sequence on its own, outputs concatenated -> (1, N, H, D). Otherwise (padded rows, generation,
+    With ``cu_seq_lens_q`` (a packed call from :func:`packed_forward`): causal attention over each
+    sequence on its own -> (1, N, H, D), as one flash varlen call where it runs
+    (pacs/varlen_attention.py), else SDPA per sequence, outputs concatenated. Otherwise (padded rows, generation,
     a single sequence): exactly Hugging Face's ``sdpa`` attention.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -292,6 +297,9 @@ def _packed_sdpa_attention(module, query, key, value, attention_mask, dropout: f
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one packed row, got batch size {query.shape[0]}")
     bounds = sequence_bounds(cu, kwargs.get("sliding_window"), "pacs_packed_sdpa", "train.packing=false")
+    fused = varlen_causal_attention(query, key, value, cu, bounds, scaling=scaling, dropout=dropout, extras=kwargs)
+    if fused is not None:  # one flash varlen call for the whole row (CUDA, 16-bit: pacs/varlen_attention.py)
+        return fused.transpose(1, 2), None
     outputs = [
         sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, dropout=dropout,
                                scaling=scaling, is_causal=True, **kwargs)[0]

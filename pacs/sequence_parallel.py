@@ -46,6 +46,7 @@ from .packing import (
     register_packed_attention,
     sequence_bounds,
 )
+from .varlen_attention import loop_causal_attention, varlen_causal_attention
 
 ULYSSES_ATTENTION = "pacs_ulysses_sdpa"
 
@@ -217,8 +218,9 @@ def _ulysses_attention(module, query, key, value, attention_mask, dropout: float
     """Hugging Face attention function. In a sequence-parallel forward (the backbone called with
     ``pacs_sequence_parallel=sp``, which Hugging Face hands to every attention call, also when gradient
     checkpointing recomputes a layer in the backward): query (1, H, n, D), key/value (1, H_kv, n, D) of this
-    rank's tokens -> all-to-all -> causal SDPA over each packed sequence (``cu_seq_lens_q``: the whole row's
-    bounds) on H/P heads -> all-to-all -> (1, n, H, D). Otherwise exactly ``pacs_packed_sdpa``
+    rank's tokens -> all-to-all -> causal attention over each packed sequence (``cu_seq_lens_q``: the whole row's
+    bounds) on H/P heads (one flash varlen call where it runs, pacs/varlen_attention.py, else SDPA per sequence)
+    -> all-to-all -> (1, n, H, D). Otherwise exactly ``pacs_packed_sdpa``
     (pacs/packing.py)."""
     sp = kwargs.pop(SEQUENCE_PARALLEL_KWARG, None)
     if sp is None:
@@ -232,12 +234,10 @@ def _ulysses_attention(module, query, key, value, attention_mask, dropout: float
         copies = sp.size // math.gcd(kv_heads, sp.size)
         key, value = key.repeat_interleave(copies, dim=1), value.repeat_interleave(copies, dim=1)
     q, k, v = (_Exchange.apply(x, sp, True) for x in (query, key, value))
-    gqa = k.shape[1] != q.shape[1]
-    out = torch.cat([
-        torch.nn.functional.scaled_dot_product_attention(
-            q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], dropout_p=dropout, is_causal=True, scale=scaling,
-            enable_gqa=gqa)
-        for s, e in zip(bounds[:-1], bounds[1:]) if e > s], dim=2)
+    out = varlen_causal_attention(q, k, v, kwargs["cu_seq_lens_q"], bounds, scaling=scaling, dropout=dropout,
+                                  extras=kwargs)
+    if out is None:  # no flash varlen kernel here (pacs/varlen_attention.py): SDPA once per sequence
+        out = loop_causal_attention(q, k, v, bounds, scaling=scaling, dropout=dropout)
     return _Exchange.apply(out, sp, False).transpose(1, 2).contiguous(), None
 
 
