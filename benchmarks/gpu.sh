@@ -12,11 +12,13 @@
 #   3. dispatch.json (what backend/path "auto" should pick, by measurement) and the cost model's
 #      predictions next to the measured times (roofline_measured.csv)
 #   4. the long-context sweep (largest N within 40 GiB, naive vs Triton)
-# PACS_GPU_PART=long runs instead, in a second call (hard limits add up to 5m35s), "how long can I train
+# PACS_GPU_PART=long runs instead, in a second call (hard limits add up to 6m00s), "how long can I train
 # here", the most needed first (the session's 15 device minutes may cut the end of this call):
 #   5. the trainer itself (pacs train on the built-in task: preflight, tiled MLP, split groups), resumed
-#   6. the tiled MLP's cost in step time (with and without checkpointing, L = 4096)
-#   7. the longest response whose full training step (Qwen2.5-1.5B-shaped model, random weights)
+#   6. the packed row's attention, forward + backward, at Qwen2.5-1.5B's and 7B's heads on N = 16384: one
+#      flash varlen call (its first run on a GPU, checked against float32) vs SDPA per sequence vs padded rows
+#   7. the tiled MLP's cost in step time (with and without checkpointing, L = 4096)
+#   8. the longest response whose full training step (Qwen2.5-1.5B-shaped model, random weights)
 #      fits 24 GiB, padded naive vs packed fused, the memory levers (tiled MLP included); 80 GiB
 #      would share the same 100 s (every search cut short): run it by hand when there is time
 # (PACS_GPU_PART=all runs both, for the CPU dry run.)
@@ -81,6 +83,7 @@ if [ "${PACS_GPU_DRY_RUN:-0}" = "1" ]; then
     long_args=(--device cpu --d 32 --v 512 --budget-mib 24 --n-start 256 --n-max 4096)
     long_train_args=(--dry-run)
     tiled_cost_args=(--dry-run)
+    packed_attention_args=(--dry-run)
     smoke_steps=(2 3)
 else
     check_args=(--device cuda)
@@ -89,6 +92,7 @@ else
     long_args=(--device cuda --budget-gib 40 --n-start 8192 --n-max 1048576)
     long_train_args=(--device cuda --budget-gib 24 --time-budget 100)  # 7 searches of ~14 s; 80 GiB: by hand
     tiled_cost_args=(--device cuda --repeats 5)
+    packed_attention_args=(--device cuda --repeats 5)
     smoke_steps=(4 6)
 fi
 part="${PACS_GPU_PART:-race}"
@@ -156,16 +160,23 @@ if [ "$part" != "race" ]; then
            rollout.engine=hf eval.every=0 eval.num_problems=16 checkpoint_every=2 plot=false train.preflight=true
            train.tiled_mlp=true model.gradient_checkpointing=true train.max_tokens_per_micro_batch=64)
     # (the first call compiles every Triton kernel it meets at this model's shapes: the generous first limit)
-    stamp "5/7 the trainer on this device: ${smoke_steps[0]} steps, then resumed to ${smoke_steps[1]} (limit 145s)"
+    stamp "5/8 the trainer on this device: ${smoke_steps[0]} steps, then resumed to ${smoke_steps[1]} (limit 145s)"
     timeout 100 "$py" -m pacs train "${smoke[@]}" --max-steps "${smoke_steps[0]}" \
         && timeout 45 "$py" -m pacs train "${smoke[@]}" --max-steps "${smoke_steps[1]}" --resume \
         || { echo "!!! the trainer's smoke run exited with $?"; status=1; }
     cp /tmp/pacs-train-smoke/metrics.jsonl "$out/train_smoke_metrics.jsonl" 2>/dev/null  # not the model
-    stamp "6/7 what the tiled MLP costs in step time, Qwen2.5-1.5B shapes, L = 4096 (limit 50s)"
+    # its CSV is written after every case; an error over tolerance (or an engine's failure) exits 1
+    stamp "6/8 the packed row's attention: flash varlen vs SDPA per sequence vs padded (budget 15s, limit 25s)"
+    timeout 25 "$py" benchmarks/packed_attention.py "${packed_attention_args[@]}" --time-budget 15 --out "$out" \
+        || { echo "!!! packed-attention benchmark exited with $?"; status=1; }
+    # its table goes into log.txt, not into a file of its own: the device tool brings back 8 files at most, and
+    # this part writes 8 without it (log, smoke metrics, this CSV, the tiled-MLP cost's 2, the sweep's 3)
+    cat "$out"/packed_attention_*.md 2>/dev/null && rm -f "$out"/packed_attention_*.md
+    stamp "7/8 what the tiled MLP costs in step time, Qwen2.5-1.5B shapes, L = 4096 (limit 50s)"
     timeout 50 "$py" benchmarks/tiled_mlp_cost.py "${tiled_cost_args[@]}" --out "$out" \
         || { echo "!!! tiled-MLP cost exited with $?"; status=1; }
     # last: its CSV is written after every trial, so a call cut short keeps what it measured
-    stamp "7/7 how long can I train here: Qwen2.5-1.5B shapes, 24 GiB (budget 100s, limit 140s)"
+    stamp "8/8 how long can I train here: Qwen2.5-1.5B shapes, 24 GiB (budget 100s, limit 140s)"
     timeout 140 "$py" benchmarks/long_context_train.py "${long_train_args[@]}" --out "$out/long_context_train" \
         || { echo "!!! long-context training sweep exited with $?"; status=1; }
 fi

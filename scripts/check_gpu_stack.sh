@@ -41,7 +41,7 @@ echo "== 3/4 the trainer's tests (what gpu.sh's pacs train uses)"
 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_model_forward.py tests/test_tiled_mlp.py \
   tests/test_preflight.py tests/test_trainer_e2e.py tests/test_memory_levers.py tests/test_packing.py \
   tests/test_split_groups.py tests/test_trainer_components.py tests/test_run_setup.py tests/test_sequence_parallel.py \
-  tests/test_padding_free.py
+  tests/test_padding_free.py tests/test_varlen_attention.py
 echo "== 4/4 benchmarks/gpu.sh, both parts, dry run"
 dry="$(mktemp -d)"
 PACS_GPU_DRY_RUN=1 PACS_GPU_PART=all PYTHON="$venv/bin/python" bash benchmarks/gpu.sh "$dry/out" > "$dry/log.txt" 2>&1 \

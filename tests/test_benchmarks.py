@@ -411,3 +411,58 @@ def test_trl_dropin_checkpointing_cases_recompute_the_layers_and_tile_the_mlp(tm
     rows[2]["loss"] *= 1 + 1e-4
     with pytest.raises(SystemExit, match="pacs and pacs_ckpt_tiled losses differ"):
         trl_dropin.check_losses(rows)
+
+
+def test_packed_attention_dry_run_checks_loop_and_padded_and_says_why_varlen_cannot_run(tmp_path):
+    """benchmarks/packed_attention.py --dry-run (CPU, tiny shapes): every layout has a loop and a padded row,
+    timed and within float32's tolerance of the float32 per-sequence reference (output and q/k/v gradients);
+    varlen, CUDA only, is marked unavailable with the reason; the Markdown carries the verdict."""
+    from benchmarks import packed_attention
+
+    assert packed_attention.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "packed_attention_dry.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    layouts = [layout for layout, _ in packed_attention.LAYOUTS["cpu"][1]]
+    assert [(r["layout"], r["engine"]) for r in rows] == [(lay, e) for lay in layouts for e in packed_attention.ENGINES]
+    for row in rows:
+        assert (row["device"], row["dtype"], int(row["tokens"])) == ("cpu", "float32", 512) and row["commit"], row
+        if row["engine"] == "varlen":
+            assert row["status"] == "unavailable" and row["note"].startswith("no varlen kernel on cpu"), row
+            assert row["median_ms"] == row["max_err"] == "", row
+        else:
+            assert row["status"] == "ok" and row["within_tolerance"] == "True", row
+            assert float(row["median_ms"]) > 0 and float(row["max_err"]) <= packed_attention.TOLERANCE["float32"]
+            assert all(float(row[f"err_{name}"]) <= float(row["max_err"]) for name in ("out", "dq", "dk", "dv"))
+    assert {int(r["sequences"]) for r in rows} == {16, 4}  # 16 x 32, 16 of random lengths, 4 x 128
+    table = (tmp_path / "packed_attention_dry.md").read_text()
+    assert "tolerance 1e-04): ok" in table and "| varlen | unavailable: no varlen kernel on cpu" in table
+
+
+def test_packed_attention_times_varlen_where_the_kernel_runs(monkeypatch, tmp_path):
+    """The varlen engine's own path (self-check, errors, speedups) through a fake kernel on the CPU (the one of
+    tests/test_varlen_attention.py, float32 allowed here); a kernel that fails its self-check is unavailable,
+    with the self-check's reason, and the others are still measured."""
+    from test_varlen_attention import FakeKernel
+
+    from benchmarks import packed_attention
+    from pacs import varlen_attention as va
+
+    monkeypatch.setattr(va, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(va, "KERNEL_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
+    monkeypatch.delenv(va.ENGINE_VARIABLE, raising=False)
+    for wrong in (None, "raise"):
+        fake = FakeKernel("2.13", wrong)
+        monkeypatch.setattr(va, "_varlen_kernel", lambda fake=fake: (fake, fake.params))
+        for name, state in list(vars(va).items()):  # its caches (the self-checks' results) start empty
+            if name.startswith("_") and isinstance(state, (dict, set)):
+                monkeypatch.setattr(va, name, type(state)())
+        assert packed_attention.main(["--dry-run", "--out", str(tmp_path)]) == 0
+        rows = list(csv.DictReader((tmp_path / "packed_attention_dry.csv").open(newline="")))
+        varlen = [r for r in rows if r["engine"] == "varlen"]
+        assert len(varlen) == 3 and all(r["status"] == "ok" for r in rows if r["engine"] != "varlen")
+        if wrong is None:
+            assert fake.calls and all(r["status"] == "ok" and r["within_tolerance"] == "True" for r in varlen)
+            assert all(float(r["speedup_vs_loop"]) > 0 and float(r["speedup_vs_padded"]) > 0 for r in varlen)
+        else:
+            assert all(r["status"] == "unavailable" and "self-check failed: RuntimeError: FlashAttention" in r["note"]
+                       for r in varlen)
