@@ -33,6 +33,7 @@ import functools
 import inspect
 import math
 import os
+import threading
 import warnings
 
 import torch
@@ -134,34 +135,50 @@ def loop_causal_attention(query, key, value, bounds: list[int], scaling: float |
 
 def _self_check(query, key, scaling: float | None) -> str | None:
     """Run the kernel, forward and backward, on three short random sequences of this configuration against
-    float32 per-sequence SDPA; None when it agrees to the dtype's rounding, else what went wrong."""
-    heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[-1]
+    per-sequence SDPA (float32 for 16-bit kernels); None when it agrees to the dtype's rounding, else what went
+    wrong. It runs in a thread of its own: autograd's thread-local state there is fresh, so the check's own
+    graph never meets the caller's saved-tensor hooks (gradient checkpointing, activation offload), grad mode,
+    inference mode or autocast (the first call usually comes from inside a decoder layer's forward)."""
+    config = (query.device, query.dtype, query.shape[1], key.shape[1], query.shape[-1], scaling)
+    result: list[str | None] = []
+    thread = threading.Thread(target=lambda: result.append(_check_kernel(*config)), name="pacs-varlen-self-check")
+    thread.start()
+    thread.join()
+    return result[0] if result else "the self-check's thread ended without a result"
+
+
+def _check_kernel(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                  scaling: float | None) -> str | None:
+    """:func:`_self_check`'s body, for a thread without autograd state; every failure is returned, as a reason."""
     bounds = [0, 5, 8, 20]
-    sixteen_bit = query.dtype in (torch.float16, torch.bfloat16)
-    reference_dtype = torch.float32 if sixteen_bit else query.dtype  # (tests run a float64 fake kernel)
-    tolerance = (4 if sixteen_bit else 1000) * torch.finfo(query.dtype).eps
-    generator = torch.Generator(device=query.device).manual_seed(0)
-    with torch.inference_mode(False), torch.enable_grad(), torch.autocast(query.device.type, enabled=False):
-        q, k, v = (torch.randn(1, h, bounds[-1], head_dim, device=query.device, dtype=query.dtype,
-                               generator=generator).requires_grad_()
-                   for h in (heads, kv_heads, kv_heads))
-        upstream = torch.randn(1, heads, bounds[-1], head_dim, device=query.device, dtype=query.dtype,
-                               generator=generator)
-        cu = torch.tensor(bounds, device=query.device, dtype=torch.int32)
-        try:
-            out = _run_kernel(q, k, v, cu, max(e - s for s, e in zip(bounds[:-1], bounds[1:])), scaling)
-            grads = torch.autograd.grad(out, (q, k, v), upstream)
-        except Exception as exc:  # an incompatible PyTorch: keep the loop, say why
-            return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        q_ref, k_ref, v_ref = (x.detach().to(reference_dtype).requires_grad_() for x in (q, k, v))
-        ref = loop_causal_attention(q_ref, k_ref, v_ref, bounds, scaling)
-        ref_grads = torch.autograd.grad(ref, (q_ref, k_ref, v_ref), upstream.to(reference_dtype))
-    for name, got, want in zip(("output", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
-        if tuple(got.shape) != tuple(want.shape):
-            return f"{name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-        error = (got.to(reference_dtype) - want).abs().max().item()
-        if not error <= tolerance * (1 + want.abs().max().item()):
-            return f"{name} differs from per-sequence SDPA by {error:.3g}"
+    sixteen_bit = dtype in (torch.float16, torch.bfloat16)
+    reference_dtype = torch.float32 if sixteen_bit else dtype  # (tests run a float64 fake kernel)
+    tolerance = (4 if sixteen_bit else 1000) * torch.finfo(dtype).eps
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # the current device is per thread
+        generator = torch.Generator(device=device).manual_seed(0)
+        q, k, v, upstream = (torch.randn(1, h, bounds[-1], head_dim, device=device, dtype=dtype, generator=generator)
+                             for h in (heads, kv_heads, kv_heads, heads))
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        cu = torch.tensor(bounds, device=device, dtype=torch.int32)
+        with torch.enable_grad():
+            try:
+                out = _run_kernel(q, k, v, cu, max(e - s for s, e in zip(bounds[:-1], bounds[1:])), scaling)
+                grads = torch.autograd.grad(out, (q, k, v), upstream)
+            except Exception as exc:  # an incompatible PyTorch: keep the loop, say why
+                return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            q_ref, k_ref, v_ref = (x.detach().to(reference_dtype).requires_grad_() for x in (q, k, v))
+            ref = loop_causal_attention(q_ref, k_ref, v_ref, bounds, scaling)
+            ref_grads = torch.autograd.grad(ref, (q_ref, k_ref, v_ref), upstream.to(reference_dtype))
+        for name, got, want in zip(("output", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+            if tuple(got.shape) != tuple(want.shape):
+                return f"{name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+            error = (got.to(reference_dtype) - want).abs().max().item()
+            if not error <= tolerance * (1 + want.abs().max().item()):
+                return f"{name} differs from per-sequence SDPA by {error:.3g}"
+    except Exception as exc:  # the reference or the comparison failed: the kernel is not trusted either
+        return f"{type(exc).__name__} while checking: {str(exc).splitlines()[0] if str(exc) else ''}"
     return None
 
 

@@ -38,6 +38,7 @@ class FakeKernel:
     def __init__(self, signature: str, wrong: str | None = None):
         self.signature, self.wrong, self.calls = signature, wrong, []
         self.params = frozenset({"2.10": ("is_causal", "return_aux"),
+                                 "2.11": ("return_aux", "scale", "window_size"),  # grouped heads: natively
                                  "2.13": ("return_aux", "scale", "window_size", "enable_gqa")}[signature])
 
     def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, **kw):
@@ -85,7 +86,7 @@ def packed_qkv(bounds, heads=4, kv_heads=2, head_dim=8, seed=0):
     return q, k, v, torch.tensor(bounds, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("signature", ["2.10", "2.13"])
+@pytest.mark.parametrize("signature", ["2.10", "2.11", "2.13"])
 def test_one_kernel_call_equals_the_per_sequence_loop_with_gradients(kernel, signature):
     fake = kernel(signature)
     bounds = [0, 1, 7, 9, 16]  # a one-token sequence among them
@@ -100,7 +101,8 @@ def test_one_kernel_call_equals_the_per_sequence_loop_with_gradients(kernel, sig
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     assert len(fake.calls) == 2  # the self-check's, then this row's
-    causal = {"is_causal": True} if signature == "2.10" else {"window_size": (-1, 0), "enable_gqa": True}
+    causal = {"2.10": {"is_causal": True}, "2.11": {"window_size": (-1, 0)},
+              "2.13": {"window_size": (-1, 0), "enable_gqa": True}}[signature]
     assert fake.calls[-1] == causal
 
 
@@ -187,6 +189,35 @@ def test_a_packed_training_step_through_the_kernel_equals_the_loop(kernel, monke
     # padded rows (no cu_seq_lens) never reach the kernel
     loss_and_grads(tiny_policy(1), batch, old_logp, False, config())
     assert len(fake.calls) == 3
+
+
+@pytest.mark.parametrize("lever", ["checkpointing", "checkpointing_reentrant", "offload"])
+def test_the_first_call_inside_a_checkpointed_or_offloaded_layer(kernel, monkeypatch, lever):
+    """The self-check runs at the first packed call, inside a decoder layer's forward: under gradient
+    checkpointing (whose saved-tensor hooks would count the check's tensors and break the recompute) and under
+    activation offload (save_on_cpu) the training step still equals the loop's, the kernel engaged."""
+    from pacs.memory import activation_offload
+
+    batch = random_batch(2)
+    old_logp = torch.randn(batch.targets.shape, dtype=torch.float64) * 0.1 - 3.0
+
+    def step():
+        policy = tiny_policy(1)
+        if lever.startswith("checkpointing"):
+            policy.causal_lm.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": lever.endswith("reentrant")})
+        with activation_offload(lever == "offload", torch.device("cpu")):
+            return loss_and_grads(policy, batch, old_logp, True, config())
+
+    monkeypatch.setenv(va.ENGINE_VARIABLE, "loop")
+    loss_loop, grads_loop, _ = step()
+    monkeypatch.setenv(va.ENGINE_VARIABLE, "varlen")
+    fake = kernel("2.11")
+    loss_fused, grads_fused, _ = step()
+    assert len(fake.calls) >= 1 + 2 and va._self_checks == {(torch.device("cpu"), torch.float64, 4, 2, 8, None): None}
+    torch.testing.assert_close(loss_fused, loss_loop, rtol=1e-10, atol=1e-12)
+    for name in grads_loop:
+        torch.testing.assert_close(grads_fused[name], grads_loop[name], rtol=1e-9, atol=1e-12, msg=name)
 
 
 def test_the_sequence_parallel_attention_takes_the_kernel_too(kernel, monkeypatch):
