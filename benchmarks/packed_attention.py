@@ -25,7 +25,6 @@ OUT/packed_attention_<device>.csv (``_dry`` for --dry-run) after every case, and
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import gc
 import random
@@ -43,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.measure import error_line
+from benchmarks.report import write_csv_and_markdown
 from pacs import varlen_attention as va
 
 ENGINES = ("varlen", "loop", "padded")
@@ -273,14 +273,8 @@ def write_outputs(rows: list[dict], args, meta: dict) -> Path:
         error = "" if r.get("max_err") is None else f"{r['max_err']:.1e}"
         lines.append(f"| {r['model']} ({r['heads']}/{r['kv_heads']}/{r['head_dim']}) | {r['layout']} | {r['engine']} | "
                      f"{time_ms} | {peak} | {error} | {r['speedup_vs_loop'] or ''} | {r['speedup_vs_padded'] or ''} |")
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"packed_attention_{'dry' if args.dry_run else args.device}"
-    with open(stem.with_suffix(".csv"), "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    return stem
+    return write_csv_and_markdown(args.out / f"packed_attention_{'dry' if args.dry_run else args.device}", rows,
+                                  COLUMNS, lines)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,18 @@ def write_csv(rows: list[dict], path: Path) -> None:
             writer.writerow({key: _fmt(row.get(key)) for key in COLUMNS})
 
 
+def write_csv_and_markdown(stem: Path, rows: list[dict], columns: list[str], markdown: list[str]) -> Path:
+    """STEM.csv (``columns``, other keys ignored) and STEM.md (``markdown``'s lines), the folder made if need be;
+    returns ``stem``."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    with open(stem.with_suffix(".csv"), "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    stem.with_suffix(".md").write_text("\n".join(markdown) + "\n")
+    return stem
+
+
 def read_csv(path: Path) -> list[dict]:
     with open(path, newline="") as handle:
         return list(csv.DictReader(handle))

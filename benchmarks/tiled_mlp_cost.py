@@ -16,7 +16,6 @@ device and date.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import gc
 import statistics
@@ -31,6 +30,7 @@ import torch
 
 from benchmarks import long_context_train as steps
 from benchmarks.measure import error_line
+from benchmarks.report import write_csv_and_markdown
 
 CASES = {  # name: the trainer's switches (long_context_train.py's levers)
     "packed_fused": ("packed", "fused"),
@@ -160,14 +160,8 @@ def write_outputs(rows: list[dict], check: str, args, name: str, date: str, toke
         seconds, base = row["median_step_s"], by_case.get(row["case"].replace("_tiled", ""))
         ratio = f"{seconds / base:.2f}x" if row["case"].endswith("_tiled") and seconds and base else ""
         lines.append(f"| {row['case']} | {row['note'] if seconds is None else f'{seconds:.3f}'} | {ratio} |")
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"tiled_mlp_cost_{'dry' if args.dry_run else args.device}"
-    with open(stem.with_suffix(".csv"), "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    return stem
+    return write_csv_and_markdown(args.out / f"tiled_mlp_cost_{'dry' if args.dry_run else args.device}", rows,
+                                  list(rows[0]), lines)
 
 
 if __name__ == "__main__":
