@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 
 from .config import Config, check_lengths, use_packing, validate
-from .policy import DistInfo, check_model_path, max_positions
+from .policy import DistInfo, check_model_path, max_positions, resolve_dtype
 from .rollout import check_vllm_available
 from .tasks import Task, make_task
+from .varlen_attention import check_requested_engine, requested_engine
 
 
 @dataclass
@@ -54,12 +55,17 @@ def check_config(cfg: Config, world_size: int = 1) -> None:
         from .sequence_parallel import check_model_splits
 
         check_model_splits(model_config, sp)
-    attention = packed_attention_for(sp, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    if not use_packing(cfg, model_config, attention) and sp > 1:  # (train.packing=true for such a model raised)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    attention = packed_attention_for(sp, device)
+    packed = use_packing(cfg, model_config, attention)
+    if not packed and sp > 1:  # (train.packing=true for such a model raised)
         from .packing import packing_obstacle
 
         raise ValueError(f"train.sequence_parallel_size={sp} splits packed micro-batches, which cannot be exact "
                          f"for this model: {packing_obstacle(model_config, attention)}")
+    requested_engine()  # PACS_PACKED_ATTENTION's value
+    if packed:
+        check_requested_engine(device, resolve_dtype(cfg.model.dtype, device))
 
 
 def packed_attention_for(sequence_parallel_size: int, device: torch.device) -> str:

@@ -79,15 +79,30 @@ def _default_scale(scaling: float | None, head_dim: int) -> bool:
     return scaling is None or math.isclose(scaling, head_dim ** -0.5, rel_tol=1e-6)
 
 
+def _device_or_dtype_obstacle(device: torch.device, dtype: torch.dtype) -> str | None:
+    if device.type not in KERNEL_DEVICE_TYPES:
+        return f"no varlen kernel on {device.type} (only {', '.join(KERNEL_DEVICE_TYPES)})"
+    if dtype not in KERNEL_DTYPES:
+        return f"{dtype} (the flash kernel takes float16 and bfloat16)"
+    return None
+
+
+def check_requested_engine(device: torch.device, dtype: torch.dtype) -> None:
+    """Before a run's first forward: ``PACS_PACKED_ATTENTION``'s value, and ``varlen`` where the kernel cannot
+    run at all (this device or dtype); a ValueError naming the variable."""
+    if requested_engine() == "varlen" and (why := _device_or_dtype_obstacle(device, dtype)):
+        raise ValueError(f"{ENGINE_VARIABLE}=varlen: the packed rows' attention cannot run as one flash varlen call "
+                         f"here: {why}; unset it (or set loop) to run SDPA once per sequence")
+
+
 def varlen_unavailable(query: torch.Tensor, key: torch.Tensor, *, scaling: float | None = None,
                        dropout: float = 0.0, extras: dict | None = None) -> str | None:
     """Why one flash varlen call cannot compute this packed row's attention (None: it can). query
     (1, H, N, D), key (1, H_kv, N, D); ``extras``: the other keywords of a Hugging Face attention call."""
     head_dim, heads, kv_heads = query.shape[-1], query.shape[1], key.shape[1]
-    if query.device.type not in KERNEL_DEVICE_TYPES:
-        return f"no varlen kernel on {query.device.type} (only {', '.join(KERNEL_DEVICE_TYPES)})"
-    if query.dtype not in KERNEL_DTYPES:
-        return f"{query.dtype} (the flash kernel takes float16 and bfloat16)"
+    why = _device_or_dtype_obstacle(query.device, query.dtype)
+    if why:
+        return why
     if dropout:
         return f"attention dropout {dropout} (the varlen kernel has none)"
     if head_dim > MAX_HEAD_DIM or head_dim % 8:

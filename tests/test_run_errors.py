@@ -220,3 +220,16 @@ def test_a_crash_mid_run_says_how_to_resume_and_keeps_its_traceback(tmp_path, ca
             f"{out}/checkpoints/step_000002 (step 2); resume with: pacs train --config {out}/config.yaml --resume"
             ) in err
     assert "pacs train: error:" not in err
+
+
+@pytest.mark.parametrize("value, message", [
+    ("flash", "PACS_PACKED_ATTENTION='flash': expected one of auto, loop, varlen"),
+    ("varlen", "PACS_PACKED_ATTENTION=varlen: the packed rows' attention cannot run as one flash varlen call here: "
+               "no varlen kernel on cpu"),
+])
+def test_a_packed_attention_engine_that_cannot_run_is_refused_before_any_work(tmp_path, capsys, monkeypatch,
+                                                                              value, message):
+    monkeypatch.setenv("PACS_PACKED_ATTENTION", value)
+    code, _, err = run_cli(capsys, "train", "--output-dir", str(tmp_path / "o"))
+    assert code == 2 and message in one_error_line(err)
+    assert not (tmp_path / "o").exists()

@@ -163,6 +163,9 @@ def test_where_the_kernel_cannot_run_it_says_why(monkeypatch):
         va.varlen_causal_attention(q, k, v, cu, bounds)
     monkeypatch.setattr(va, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
     assert "float64" in va.varlen_unavailable(q, k)
+    with pytest.raises(ValueError, match=r"PACS_PACKED_ATTENTION=varlen: .* here: torch.float32 \(the flash kernel"):
+        va.check_requested_engine(torch.device("cpu"), torch.float32)  # pacs train's check, before any work
+    va.check_requested_engine(torch.device("cpu"), torch.bfloat16)
     monkeypatch.setattr(va, "KERNEL_DTYPES", (torch.float64,))
     assert "dropout" in va.varlen_unavailable(q, k, dropout=0.1)
     assert "head_dim 12" in va.varlen_unavailable(torch.zeros(1, 4, 3, 12, dtype=torch.float64),
