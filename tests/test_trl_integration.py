@@ -174,6 +174,33 @@ def test_tiled_mlp_gives_the_untiled_loss_and_gradients(tmp_path):
 
 
 @pytest.mark.slow
+def test_activation_offload_moves_the_saved_tensors_and_keeps_the_loss_and_gradients(tmp_path, monkeypatch):
+    """pacs_activation_offload=True with gradient checkpointing: the loss's forward saves its tensors through
+    the offload hooks (here a counting stand-in for save_on_cpu that moves them the same way), and the loss
+    and gradients still equal pacs_loss on a plain copy."""
+    import pacs.integrations.trl as trl_module
+    from pacs.memory import activation_offload
+
+    moved = []
+
+    def counting_offload(enabled, device):
+        assert enabled and device.type == "cpu"
+        real = activation_offload(enabled, device)
+
+        def pack(tensor):
+            moved.append(tensor.numel())
+            return real.pack_hook(tensor)
+        return torch.autograd.graph.saved_tensors_hooks(pack, real.unpack_hook)
+
+    monkeypatch.setattr(trl_module, "activation_offload", counting_offload)
+    trainer = helpers.trainer(tmp_path, varied_prompts=True, gradient_checkpointing=True, pacs_activation_offload=True)
+    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=None)  # what train() does with it
+    ours, reference = first_step_against_a_plain_copy(trainer)
+    assert moved, "nothing went through the offload hooks"
+    assert_same(*ours, *reference)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("padding_free", [None, False])
 def test_multi_iteration_uses_trl_old_logprobs(tmp_path, padding_free, monkeypatch):
     """num_iterations=2: TRL computes old log-probs at generation (padding-free: through the loss's own forward

@@ -51,6 +51,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from pacs_kernels import PACSLoss
 
+from ..memory import activation_offload
 from ..single_label_groups import group_losses_at_zero, groups_that_must_run, single_label, zero_gradient_at_psi_zero
 from ..stop_signals import StoppedBySignal, StopSignals
 from ..tiled_mlp import tile_mlp
@@ -97,6 +98,11 @@ class PACSConfig(GRPOConfig):
                                          "backward (pacs/tiled_mlp.py): long completions on little memory."})
     pacs_mlp_tile_tokens: int | None = field(
         default=None, metadata={"help": "Tokens per MLP tile with pacs_tiled_mlp (None: the model's hidden size)."})
+    pacs_activation_offload: bool = field(
+        default=False, metadata={"help": "Tensors the loss's forward saves for the backward go to host memory (pinned "
+                                         "on CUDA) and come back for the backward (torch's save_on_cpu); with "
+                                         "gradient_checkpointing that is each decoder layer's input only: long "
+                                         "completions on little GPU memory, for a host copy each way."})
     pacs_skip_zero_gradient_groups: bool = field(
         default=True, metadata={"help": "On-policy training steps (no old log-probs: psi = 0), rloo/grpo advantage, "
                                         "log-ratio score, no score-function term: groups whose responses all got "
@@ -343,7 +349,7 @@ class PACSTrainer(GRPOTrainer):
                           group_ids=group_ids, return_stats=True)
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        with self.accelerator.autocast():
+        with self.accelerator.autocast(), activation_offload(self.args.pacs_activation_offload, input_ids.device):
             output = model(input_ids=input_ids, attention_mask=attention_mask, pacs_batch=batch)
         stats, loss = dict(output.stats), output.loss
         if skipping:  # the whole micro-batch's loss: a mean over its n_rows responses
