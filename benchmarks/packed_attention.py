@@ -17,9 +17,10 @@ N = 512, float32. Inputs are in Hugging Face's memory layout ((1, N, H, D) trans
 Method, per (shape, layout, engine): correctness first: the output and the q/k/v gradients for a random
 upstream gradient against the per-sequence loop in float32 on float32 copies of the same inputs (max
 |err| / max |ref|; tolerance 2e-2 in bf16, 1e-4 in float32; the exit status is 1 when an engine that ran
-is over it or failed). Then a warm-up step and the median wall time of --repeats steps (CUDA:
-synchronized), and on CUDA the peak allocated memory of one step over what existed before it. Writes
-OUT/packed_attention_<device>.csv (``_dry`` for --dry-run) after every case, and the .md table.
+is over it or failed, and on CUDA when varlen did not run). Then a warm-up step and the median wall time
+of --repeats steps (CUDA: synchronized), and on CUDA the peak allocated memory of one step over what
+existed before it. Writes OUT/packed_attention_<device>.csv (``_dry`` for --dry-run) after every case, and
+the .md table.
 """
 
 from __future__ import annotations
@@ -233,7 +234,14 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.empty_cache()
     print(f"[packed-attention] wrote {stem}.csv, .md", flush=True)
-    return 1 if any(r.get("within_tolerance") is False or r["status"] == "failed" for r in rows) else 0
+    if any(r.get("within_tolerance") is False or r["status"] == "failed" for r in rows):
+        return 1
+    absent = [r["note"] for r in rows if r["engine"] == "varlen" and r["status"] == "unavailable"]
+    if cuda and absent:  # the kernel the trainer picks on a GPU did not run: as loud as a wrong result
+        print(f"!!! varlen did not run on this GPU ({absent[0]}): packed rows train with SDPA once per sequence",
+              flush=True)
+        return 1
+    return 0
 
 
 COLUMNS = ("date", "device", "device_name", "torch", "commit", "model", "heads", "kv_heads", "head_dim", "dtype",

@@ -273,6 +273,14 @@ def sequence_bounds(cu_seqlens: torch.Tensor, window: int | None, what: str, ins
     return bounds
 
 
+def require_causal(module, kwargs: dict, what: str) -> None:
+    """A packed row's attention keeps each sequence causal: a ValueError for a layer that is not (the module's
+    ``is_causal``, or the call's); the call's ``is_causal`` is taken out of ``kwargs`` (the attention sets it)."""
+    if kwargs.pop("is_causal", None) is False or getattr(module, "is_causal", True) is False:
+        raise ValueError(f"{type(module).__name__} is not a causal attention layer, and {what} keeps every packed "
+                         "sequence causal: this model cannot be packed")
+
+
 def _packed_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                            scaling: float | None = None, **kwargs):
     """Hugging Face attention function: query (1, H, N, D), key/value (1, H_kv, N, D).
@@ -294,6 +302,7 @@ def _packed_sdpa_attention(module, query, key, value, attention_mask, dropout: f
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     kwargs.pop("position_ids", None)
+    require_causal(module, kwargs, "pacs_packed_sdpa")
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one packed row, got batch size {query.shape[0]}")
     bounds = sequence_bounds(cu, kwargs.get("sliding_window"), "pacs_packed_sdpa", "train.packing=false")

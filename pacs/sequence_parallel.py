@@ -44,6 +44,7 @@ from .packing import (
     _packed_sdpa_mask,
     non_attention_layer_types,
     register_packed_attention,
+    require_causal,
     sequence_bounds,
 )
 from .varlen_attention import loop_causal_attention, varlen_causal_attention
@@ -226,6 +227,7 @@ def _ulysses_attention(module, query, key, value, attention_mask, dropout: float
     if sp is None:
         return _packed_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    require_causal(module, kwargs, "sequence parallelism")
     bounds = sequence_bounds(kwargs["cu_seq_lens_q"], kwargs.get("sliding_window"), "sequence parallelism",
                              "train.sequence_parallel_size=1")
     kv_heads = key.shape[1]

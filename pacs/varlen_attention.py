@@ -103,6 +103,8 @@ def varlen_unavailable(query: torch.Tensor, key: torch.Tensor, *, scaling: float
     why = _device_or_dtype_obstacle(query.device, query.dtype)
     if why:
         return why
+    if (key.dtype, key.device) != (query.dtype, query.device):
+        return f"key/value in {key.dtype} on {key.device}, query in {query.dtype} on {query.device}"
     if dropout:
         return f"attention dropout {dropout} (the varlen kernel has none)"
     if head_dim > MAX_HEAD_DIM or head_dim % 8:
@@ -112,8 +114,6 @@ def varlen_unavailable(query: torch.Tensor, key: torch.Tensor, *, scaling: float
     extra = [name for name in _LOOP_ONLY_EXTRAS if (extras or {}).get(name) is not None]
     if extra:
         return f"the layer passes {', '.join(extra)}, which the varlen kernel does not take"
-    if (extras or {}).get("is_causal") is False:
-        return "a non-causal attention layer"
     kernel, params = _varlen_kernel()
     if kernel is None:
         return params
@@ -133,7 +133,7 @@ def _run_kernel(query, key, value, cu_seqlens: torch.Tensor, max_len: int, scali
     if "enable_gqa" in params and key.shape[1] != query.shape[1]:
         keywords["enable_gqa"] = True
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (N, heads, D), the last dim contiguous
-    cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
+    cu = cu_seqlens.to(device=query.device, dtype=torch.int32).contiguous()
     return kernel(q, k, v, cu, cu, max_len, max_len, **keywords).transpose(0, 1).unsqueeze(0)
 
 
@@ -149,10 +149,12 @@ def loop_causal_attention(query, key, value, bounds: list[int], scaling: float |
 
 
 def _self_check(query, key, scaling: float | None) -> str | None:
-    """Run the kernel, forward and backward, on three short random sequences of this configuration against
-    per-sequence SDPA (float32 for 16-bit kernels); None when it agrees to the dtype's rounding, else what went
-    wrong. It runs in a thread of its own: autograd's thread-local state there is fresh, so the check's own
-    graph never meets the caller's saved-tensor hooks (gradient checkpointing, activation offload), grad mode,
+    """Run the kernel, forward and backward, on four random sequences of this configuration (one longer than
+    a kernel tile, the inputs laid out as Hugging Face's attention gets them) against per-sequence SDPA (float32
+    for 16-bit kernels); None when it agrees to the dtype's rounding, else what went wrong.
+
+    It runs in a thread of its own: autograd's thread-local state there is fresh, so the check's own graph never
+    meets the caller's saved-tensor hooks (gradient checkpointing, activation offload), grad mode,
     inference mode or autocast (the first call usually comes from inside a decoder layer's forward)."""
     config = (query.device, query.dtype, query.shape[1], key.shape[1], query.shape[-1], scaling)
     result: list[str | None] = []
@@ -165,7 +167,7 @@ def _self_check(query, key, scaling: float | None) -> str | None:
 def _check_kernel(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
                   scaling: float | None) -> str | None:
     """:func:`_self_check`'s body, for a thread without autograd state; every failure is returned, as a reason."""
-    bounds = [0, 5, 8, 20]
+    bounds = [0, 5, 8, 20, 320]
     sixteen_bit = dtype in (torch.float16, torch.bfloat16)
     reference_dtype = torch.float32 if sixteen_bit else dtype  # (tests run a float64 fake kernel)
     tolerance = (4 if sixteen_bit else 1000) * torch.finfo(dtype).eps
@@ -173,7 +175,9 @@ def _check_kernel(device: torch.device, dtype: torch.dtype, heads: int, kv_heads
         if device.type == "cuda":
             torch.cuda.set_device(device)  # the current device is per thread
         generator = torch.Generator(device=device).manual_seed(0)
-        q, k, v, upstream = (torch.randn(1, h, bounds[-1], head_dim, device=device, dtype=dtype, generator=generator)
+        # (1, N, heads, D) memory seen as (1, heads, N, D): the projections' layout, after rotary embeddings too
+        q, k, v, upstream = (torch.randn(1, bounds[-1], h, head_dim, device=device, dtype=dtype,
+                                         generator=generator).transpose(1, 2)
                              for h in (heads, kv_heads, kv_heads, heads))
         q, k, v = (x.requires_grad_() for x in (q, k, v))
         cu = torch.tensor(bounds, device=device, dtype=torch.int32)
@@ -197,6 +201,13 @@ def _check_kernel(device: torch.device, dtype: torch.dtype, heads: int, kv_heads
     return None
 
 
+def _inside_backward() -> bool:
+    """Is this thread running an autograd backward (e.g. a checkpointed layer's recompute)? The self-check's
+    thread would then wait for the autograd engine that this thread holds."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
 def varlen_causal_attention(query, key, value, cu_seqlens: torch.Tensor, bounds: list[int], *,
                             scaling: float | None = None, dropout: float = 0.0,
                             extras: dict | None = None) -> torch.Tensor | None:
@@ -210,6 +221,8 @@ def varlen_causal_attention(query, key, value, cu_seqlens: torch.Tensor, bounds:
     why = varlen_unavailable(query, key, scaling=scaling, dropout=dropout, extras=extras)
     config = (query.device, query.dtype, query.shape[1], key.shape[1], query.shape[-1],
               None if _default_scale(scaling, query.shape[-1]) else float(scaling))
+    if why is None and config not in _self_checks and _inside_backward():
+        return None  # first met in a backward (the check's thread would wait on this one): the loop, checked later
     if why is None:
         if config not in _self_checks:
             _self_checks[config] = _self_check(query, key, scaling)
@@ -218,7 +231,7 @@ def varlen_causal_attention(query, key, value, cu_seqlens: torch.Tensor, bounds:
                               f"({_self_checks[config]}); these layers run SDPA once per sequence instead",
                               stacklevel=2)
         why = _self_checks[config] and f"its self-check failed: {_self_checks[config]}"
-    _decisions.setdefault(config, why)
+    _decisions[config] = None if why is None or _decisions.get(config, why) is None else why
     if why is not None:
         if engine == "varlen":
             raise ValueError(f"{ENGINE_VARIABLE}=varlen: the packed row's attention cannot run as one flash varlen "

@@ -172,7 +172,6 @@ def test_where_the_kernel_cannot_run_it_says_why(monkeypatch):
                                                   torch.zeros(1, 2, 3, 12, dtype=torch.float64))
     assert "not a multiple" in va.varlen_unavailable(q, torch.zeros(1, 3, 9, 8, dtype=torch.float64))
     assert "softcap" in va.varlen_unavailable(q, k, extras={"softcap": 30.0, "sliding_window": None})
-    assert "non-causal" in va.varlen_unavailable(q, k, extras={"is_causal": False})
 
 
 def test_a_packed_training_step_through_the_kernel_equals_the_loop(kernel, monkeypatch):
@@ -259,3 +258,75 @@ def test_what_ran_is_reported_once_per_configuration(kernel):
     va.varlen_causal_attention(q2, k2, v2, cu, bounds)
     assert va.new_decisions("cpu") == ("float64, 2 heads / 2 key-value heads of 12: SDPA once per sequence "
                                        "(head_dim 12 (the flash kernel takes multiples of 8 up to 256))")
+
+
+def test_the_real_kernel_takes_our_layout_and_grouped_heads_on_the_meta_device(monkeypatch):
+    """The installed PyTorch's own varlen_attn (no kernel runs on the meta device, its shape rules do): our
+    (N, heads, D) views of (1, heads, N, D) tensors, int32 offsets, grouped key/value heads; the gradients come
+    back in the inputs' shapes."""
+    monkeypatch.delenv(va.ENGINE_VARIABLE, raising=False)
+    if va._varlen_kernel()[0] is None:
+        pytest.skip(va._varlen_kernel()[1])
+    q, k, v = (torch.empty(1, h, 10, 64, device="meta", dtype=torch.bfloat16).requires_grad_() for h in (4, 2, 2))
+    out = va._run_kernel(q, k, v, torch.tensor([0, 3, 10], dtype=torch.int32, device="meta"), 7, None)
+    assert out.shape == q.shape
+    grads = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+def test_a_configuration_first_met_inside_a_backward_runs_the_loop_there(kernel):
+    """The self-check's thread needs the autograd engine: inside a backward (this thread holds it) a configuration
+    not yet checked runs the loop, unchecked; one already checked runs the kernel there too (a checkpointed
+    layer's recompute must repeat its forward)."""
+    fake = kernel("2.13")
+    bounds = [0, 5, 9]
+    q, k, v, cu = packed_qkv(bounds)
+    seen = []
+
+    class CallsAttentionInItsBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(va.varlen_causal_attention(q.detach(), k.detach(), v.detach(), cu, bounds))
+            return grad
+
+    x = torch.ones(2, requires_grad=True)
+    CallsAttentionInItsBackward.apply(x).sum().backward()
+    assert seen == [None] and not fake.calls and not va._self_checks
+    assert va.varlen_causal_attention(q, k, v, cu, bounds) is not None  # checked now, in a forward
+    CallsAttentionInItsBackward.apply(x).sum().backward()
+    assert seen[-1] is not None and len(fake.calls) == 3
+
+
+def test_mismatched_key_dtype_and_a_first_call_that_fell_back(kernel):
+    fake = kernel("2.13")
+    bounds = [0, 5, 9]
+    q, k, v, cu = packed_qkv(bounds)
+    assert "key/value in torch.float32" in va.varlen_unavailable(q, k.float())
+    assert va.varlen_causal_attention(q, k, v, cu, bounds, dropout=0.1) is None  # this call: the loop
+    assert va.varlen_causal_attention(q, k, v, cu, bounds) is not None and fake.calls
+    assert va.new_decisions("cpu").endswith("one flash varlen call per layer")  # what the configuration runs
+
+
+def test_a_layer_that_is_not_causal_cannot_be_packed(kernel):
+    """The packed attention keeps each sequence causal: a non-causal layer is refused (not silently made causal),
+    and a call that says is_causal=True itself is fine."""
+    import pacs.sequence_parallel as sp_module
+    from pacs.packing import _packed_sdpa_attention, packed_call
+
+    kernel("2.13")
+    bounds = [0, 5, 9]
+    q, k, v, cu = packed_qkv(bounds)
+    layer = torch.nn.Module()
+    with packed_call(bounds):
+        out, _ = _packed_sdpa_attention(layer, q, k, v, None, cu_seq_lens_q=cu, is_causal=True)
+        torch.testing.assert_close(out, va.loop_causal_attention(q, k, v, bounds).transpose(1, 2))
+        layer.is_causal = False
+        with pytest.raises(ValueError, match="Module is not a causal attention layer.*cannot be packed"):
+            _packed_sdpa_attention(layer, q, k, v, None, cu_seq_lens_q=cu)
+        one_rank = type("OneRank", (), {"size": 1})()
+        with pytest.raises(ValueError, match="sequence parallelism keeps every packed sequence causal"):
+            _ulysses_attention(layer, q, k, v, None, cu_seq_lens_q=cu, **{sp_module.SEQUENCE_PARALLEL_KWARG: one_rank})
