@@ -19,9 +19,13 @@ When it runs (:func:`varlen_unavailable` says why not, otherwise):
     later), the scale where it is not the default 1/sqrt(D) (``scale=``), and grouped key/value heads
     (``enable_gqa=`` where the signature has it, else natively, as flash does);
   * a self-check passed: the first call for each (device, dtype, heads, head_dim, scale) runs the kernel
-    and its backward on three short random sequences against float32 SDPA per sequence; a failure (an
-    error, or a result off by more than the dtype's rounding) warns once and keeps that configuration on
-    the loop, so an incompatible PyTorch costs speed, never a wrong gradient.
+    and its backward, in a thread of its own, on four random sequences (one longer than a kernel tile)
+    against float32 SDPA per sequence; a failure (an error, or a result off by more than the dtype's
+    rounding) warns once and keeps that configuration on the loop, so an incompatible PyTorch costs speed,
+    never a wrong gradient.
+
+A layer that is not causal is refused by the callers (pacs/packing.py's ``require_causal``), never computed
+as causal.
 
 ``PACS_PACKED_ATTENTION`` picks by hand: ``auto`` (the default, the above), ``loop`` (always the
 per-sequence SDPA), ``varlen`` (an error naming the reason where the kernel cannot run).
