@@ -712,7 +712,7 @@ def train(cfg: Config) -> TrainResult:
                 update = update_policy(cfg, policy, optimizer, scheduler, batch, old_logp, old_lse, state, dist_info,
                                        step, say, packed=packed, rollout_logp=rollout_logp, groups_run=groups_run)
                 update_time = time.time() - update_start
-                if packed and (attention := new_attention_decisions("cuda")):  # once per configuration
+                if packed and (attention := new_attention_decisions(dist_info.device)):  # once per configuration
                     say(f"[train] packed attention: {attention}")
                 sync_start = time.time()
                 engine.sync_weights(full_named_tensors(policy))

@@ -245,10 +245,14 @@ def varlen_causal_attention(query, key, value, cu_seqlens: torch.Tensor, bounds:
     return _run_kernel(query, key, value, cu_seqlens, max_len, scaling)
 
 
-def new_decisions(device_type: str = "cuda") -> str | None:
-    """What the packed rows' attention on ``device_type`` has run as, for each configuration (dtype, heads,
-    head_dim, scale) met since the last call; None when there is nothing new. E.g. ``"bfloat16, 12 heads /
-    2 key-value heads of 128: one flash varlen call per layer"``."""
+def new_decisions(device: torch.device | str) -> str | None:
+    """What the packed rows' attention on ``device`` has run as, for each configuration (dtype, heads, head_dim,
+    scale) met since the last call; None when there is nothing new, and on a device without the kernel (the
+    CPU: always the loop, nothing to report). E.g. ``"bfloat16, 12 heads / 2 key-value heads of 128: one flash
+    varlen call per layer"``; the trainers print it once per configuration."""
+    device_type = torch.device(device).type
+    if device_type not in KERNEL_DEVICE_TYPES:
+        return None
     lines = []
     for config, why in _decisions.items():
         device, dtype, heads, kv_heads, head_dim, scale = config

@@ -201,6 +201,32 @@ def test_activation_offload_moves_the_saved_tensors_and_keeps_the_loss_and_gradi
 
 
 @pytest.mark.slow
+def test_the_packed_attention_kernel_is_reported_once_and_keeps_the_loss(tmp_path, monkeypatch, capsys):
+    """Where the flash varlen kernel runs (a stand-in on the CPU here, tests/test_varlen_attention.py), the padding-free
+    forward takes it, PACSTrainer prints what its packed rows ran as, once, and the loss and gradients are still
+    pacs_loss's on a plain copy."""
+    from test_varlen_attention import FakeKernel
+
+    from pacs import varlen_attention as va
+
+    fake = FakeKernel("2.13")
+    monkeypatch.setattr(va, "_varlen_kernel", lambda: (fake, fake.params))
+    monkeypatch.setattr(va, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(va, "KERNEL_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
+    for name in ("_self_checks", "_decisions", "_reported"):
+        monkeypatch.setattr(va, name, type(getattr(va, name))())
+    monkeypatch.delenv(va.ENGINE_VARIABLE, raising=False)
+    trainer = helpers.trainer(tmp_path, varied_prompts=True)
+    ours, reference = first_step_against_a_plain_copy(trainer)
+    assert fake.calls, "the padding-free forward did not reach the kernel"
+    assert_same(*ours, *reference)
+    printed = capsys.readouterr().out
+    assert printed.count("[PACSTrainer] packed attention: float32, ") == 1, printed
+    assert "one flash varlen call per layer" in printed
+    assert va.new_decisions("cpu") is None  # reported: a later micro-batch prints nothing
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("padding_free", [None, False])
 def test_multi_iteration_uses_trl_old_logprobs(tmp_path, padding_free, monkeypatch):
     """num_iterations=2: TRL computes old log-probs at generation (padding-free: through the loss's own forward

@@ -158,6 +158,7 @@ def test_where_the_kernel_cannot_run_it_says_why(monkeypatch):
     q, k, v, cu = packed_qkv(bounds)
     assert va.varlen_unavailable(q, k).startswith("no varlen kernel on cpu")  # this machine: the loop
     assert va.varlen_causal_attention(q, k, v, cu, bounds) is None
+    assert va.new_decisions(torch.device("cpu")) is None  # no kernel here: nothing for a trainer to report
     monkeypatch.setenv(va.ENGINE_VARIABLE, "varlen")
     with pytest.raises(ValueError, match="no varlen kernel on cpu"):
         va.varlen_causal_attention(q, k, v, cu, bounds)

@@ -55,6 +55,7 @@ from ..memory import activation_offload
 from ..single_label_groups import group_losses_at_zero, groups_that_must_run, single_label, zero_gradient_at_psi_zero
 from ..stop_signals import StoppedBySignal, StopSignals
 from ..tiled_mlp import tile_mlp
+from ..varlen_attention import new_decisions as new_attention_decisions
 from .model_forward import MULTIMODAL_KEYS, LogprobRequest, PACSBatch, add_pacs_forward, check_supported_head
 
 # GRPOConfig fields that only shape GRPO's loss or advantages: ignored by PACS (warning when changed).
@@ -352,6 +353,9 @@ class PACSTrainer(GRPOTrainer):
         with self.accelerator.autocast(), activation_offload(self.args.pacs_activation_offload, input_ids.device):
             output = model(input_ids=input_ids, attention_mask=attention_mask, pacs_batch=batch)
         stats, loss = dict(output.stats), output.loss
+        attention = new_attention_decisions(input_ids.device) if self.pacs_padding_free else None
+        if attention and self.is_world_process_zero():  # what the packed rows' attention ran as, once per kind
+            print(f"[PACSTrainer] packed attention: {attention}", flush=True)
         if skipping:  # the whole micro-batch's loss: a mean over its n_rows responses
             loss = loss * (rewards.shape[0] / n_rows) + skipped_sum / n_rows
             stats["loss"] = float(loss.detach())
