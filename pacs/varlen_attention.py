@@ -212,6 +212,18 @@ def _inside_backward() -> bool:
     return current is not None and current() != -1
 
 
+def _configuration(query, key, scaling: float | None) -> tuple:
+    """What the self-check and the report are kept by: (device, dtype, heads, key/value heads, head_dim, scale)."""
+    return (query.device, query.dtype, query.shape[1], key.shape[1], query.shape[-1],
+            None if _default_scale(scaling, query.shape[-1]) else float(scaling))
+
+
+def decision(query, key, scaling: float | None = None) -> str | None:
+    """Why this configuration's packed attention runs the loop (a failed self-check included), None where the
+    kernel ran for it or it has not been met yet."""
+    return _decisions.get(_configuration(query, key, scaling))
+
+
 def varlen_causal_attention(query, key, value, cu_seqlens: torch.Tensor, bounds: list[int], *,
                             scaling: float | None = None, dropout: float = 0.0,
                             extras: dict | None = None) -> torch.Tensor | None:
@@ -223,8 +235,7 @@ def varlen_causal_attention(query, key, value, cu_seqlens: torch.Tensor, bounds:
     if engine == "loop":
         return None
     why = varlen_unavailable(query, key, scaling=scaling, dropout=dropout, extras=extras)
-    config = (query.device, query.dtype, query.shape[1], key.shape[1], query.shape[-1],
-              None if _default_scale(scaling, query.shape[-1]) else float(scaling))
+    config = _configuration(query, key, scaling)
     if why is None and config not in _self_checks and _inside_backward():
         return None  # first met in a backward (the check's thread would wait on this one): the loop, checked later
     if why is None:
