@@ -78,6 +78,9 @@ class OptimConfig:
     micro_batch_groups: int = 4     # groups per micro-batch (gradient accumulation)
     micro_batch_responses: int | None = None  # alternative to micro_batch_groups; must be a multiple of G
     max_grad_norm: float = 1.0
+    # the dtype of the weights AdamW steps (pacs/mixed_precision.py): float32 master weights under a 16-bit
+    # model.dtype; a 16-bit name equal to model.dtype steps those weights directly (warns: small updates round away)
+    master_dtype: str = "float32"   # float32 | bfloat16 | float16
     # PACS
     beta: float = 1.0
     score: str = "log_ratio"
@@ -292,6 +295,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _choice("rollout.engine (--rollout)", r.engine, ("auto", "vllm", "hf"))
     _choice("task.name", t.name, ("embedded", "wordmath", "math"))
     _choice("model.dtype", cfg.model.dtype, ("auto", "float32", "bfloat16", "float16"))
+    _choice("optim.master_dtype", cfg.optim.master_dtype, ("float32", "bfloat16", "float16"))
+    if cfg.optim.master_dtype != "float32" and cfg.model.dtype not in ("auto", cfg.optim.master_dtype):
+        raise ValueError(f"optim.master_dtype={cfg.optim.master_dtype!r} (16-bit weights stepped directly) needs "
+                         f"model.dtype={cfg.optim.master_dtype!r}, got model.dtype={cfg.model.dtype!r}; "
+                         "optim.master_dtype=float32 keeps float32 master weights (the default)")
     _choice("optim.lr_schedule", o.lr_schedule, ("constant", "cosine", "linear"))
     validate_train(cfg, world_size)
     if o.one_sweep_first_step and o.logprob_backend == "naive":

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .mixed_precision import Precision, resolve_precision
+
 
 @dataclass
 class DistInfo:
@@ -142,13 +144,22 @@ def max_positions(model_config) -> int | None:
 class Policy(nn.Module):
     """Wraps a causal LM; ``forward`` returns ``(hidden, lm_head_weight, lm_head_bias)``.
 
-    hidden: (B, T, d) final hidden states after the backbone's last norm, in the model dtype;
+    hidden: (B, T, d) final hidden states after the backbone's last norm, in the compute dtype;
     lm_head_weight: (V, d); lm_head_bias: (V,) or None.
+
+    ``precision`` (pacs/mixed_precision.py): the compute and master dtypes; None: both the model's own.
+    ``autocast``: float32 master parameters on one process: the backbone runs under autocast to the
+    16-bit compute dtype, and the hidden states and the head are cast to it, so the fused loss runs in
+    16 bits while the gradients reach the float32 parameters. (FSDP2's mixed precision casts the
+    parameters itself: no autocast there.)
     """
 
-    def __init__(self, causal_lm: nn.Module):
+    def __init__(self, causal_lm: nn.Module, precision: Precision | None = None, autocast: bool = False):
         super().__init__()
         self.causal_lm = causal_lm
+        dtype = getattr(causal_lm, "dtype", torch.float32)
+        self.precision = precision or Precision(compute=dtype, master=dtype)
+        self.autocast_dtype = self.precision.compute if autocast and self.precision.mixed else None
 
     @property
     def backbone(self) -> nn.Module:
@@ -157,9 +168,16 @@ class Policy(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, **backbone_kwargs):
         """``backbone_kwargs``: e.g. ``position_ids`` and ``cu_seq_lens_q`` for a packed row
         (:func:`pacs.packing.packed_forward`)."""
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **backbone_kwargs)
         head = self.causal_lm.get_output_embeddings()
-        return out.last_hidden_state, head.weight, getattr(head, "bias", None)
+        bias = getattr(head, "bias", None)
+        if self.autocast_dtype is None:
+            out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **backbone_kwargs)
+            return out.last_hidden_state, head.weight, bias
+        dtype = self.autocast_dtype
+        with torch.autocast(input_ids.device.type, dtype=dtype):
+            out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **backbone_kwargs)
+        return (out.last_hidden_state.to(dtype), head.weight.to(dtype),
+                None if bias is None else bias.to(dtype))
 
 
 def decoder_layers(causal_lm: nn.Module) -> list[nn.Module]:
@@ -173,7 +191,7 @@ def decoder_layers(causal_lm: nn.Module) -> list[nn.Module]:
 def load_policy(path: str, *, dtype: str = "auto", gradient_checkpointing: bool = False,
                 dist_info: DistInfo | None = None, trust_remote_code: bool = False, packed_attention: bool = False,
                 liger_patches: bool = False, fsdp_cpu_offload: bool = False, tiled_mlp: bool = False,
-                mlp_tile_tokens: int | None = None) -> Policy:
+                mlp_tile_tokens: int | None = None, master_dtype: str = "float32") -> Policy:
     """Load ``path`` as a :class:`Policy` on this rank's device, FSDP2-sharded when world_size > 1.
 
     Dropout is switched off: the old-policy log-probs and the training forward must agree.
@@ -183,6 +201,10 @@ def load_policy(path: str, *, dtype: str = "auto", gradient_checkpointing: bool 
     (CUDA) puts Liger-Kernel's RMSNorm/SwiGLU/RoPE in the model; ``tiled_mlp`` runs each decoder MLP over tiles of
     ``mlp_tile_tokens`` tokens (pacs/tiled_mlp.py); ``fsdp_cpu_offload`` keeps parameters, gradients and
     optimizer state on the host (FSDP2 CPUOffloadPolicy).
+
+    ``dtype`` is the compute dtype, ``master_dtype`` the dtype of the parameters the optimizer steps
+    (pacs/mixed_precision.py): float32 parameters under a 16-bit ``dtype`` compute in 16 bits through
+    autocast on one process and FSDP2's MixedPrecisionPolicy on several.
     """
     from transformers import AutoModelForCausalLM
 
@@ -191,9 +213,9 @@ def load_policy(path: str, *, dtype: str = "auto", gradient_checkpointing: bool 
     from .tiled_mlp import tile_mlp
 
     dist_info = dist_info or DistInfo()
-    torch_dtype = resolve_dtype(dtype, dist_info.device)
+    precision = resolve_precision(resolve_dtype(dtype, dist_info.device), master_dtype)
     causal_lm = AutoModelForCausalLM.from_pretrained(
-        os.path.expanduser(path), dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        os.path.expanduser(path), dtype=precision.master, trust_remote_code=trust_remote_code)
     causal_lm.config.use_cache = False
     for module in causal_lm.modules():
         if isinstance(module, nn.Dropout):
@@ -206,16 +228,19 @@ def load_policy(path: str, *, dtype: str = "auto", gradient_checkpointing: bool 
         enable_sequence_parallel_attention(causal_lm, dist_info.sp_size)
     elif packed_attention:
         enable_packed_attention(causal_lm, dist_info.device)
-    policy = Policy(causal_lm).to(dist_info.device)
+    sharded = dist_info.world_size > 1
+    policy = Policy(causal_lm, precision, autocast=not sharded).to(dist_info.device)
     if liger_patches:
         apply_liger_patches(causal_lm, dist_info.device)
     if tiled_mlp:  # after Liger: the tiles run whichever MLP forward the model has now
         tile_mlp(causal_lm, mlp_tile_tokens)
     policy.train()
-    if dist_info.world_size > 1:
-        from torch.distributed.fsdp import fully_shard
+    if sharded:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         options = fsdp_kwargs(fsdp_cpu_offload)
+        if precision.mixed:  # FSDP all-gathers 16-bit copies, reduce-scatters float32 gradients
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=torch.float32)
         for layer in decoder_layers(causal_lm):
             fully_shard(layer, mesh=dist_info.mesh, **options)
         fully_shard(policy, mesh=dist_info.mesh, **options)
@@ -238,17 +263,28 @@ def full_named_tensors(policy: Policy) -> Iterator[tuple[str, torch.Tensor]]:
 def export_hf(policy: Policy, tokenizer, out_dir: str, dist_info: DistInfo | None = None) -> None:
     """Save the policy in Hugging Face format (config, safetensors, tokenizer); rank 0 writes.
 
-    Written to a temporary directory and renamed, so that a reader never sees half an export.
+    Written to a temporary directory and renamed, so that a reader never sees half an export. Float32
+    master weights are written in the compute dtype (``model.dtype``), the dtype the model came in and
+    was served in.
     """
+    import json
     import shutil
 
     dist_info = dist_info or DistInfo()
-    state = {name: t.cpu() for name, t in full_named_tensors(policy)}
+    dtype = policy.precision.compute
+    state = {name: (t.to(dtype) if t.is_floating_point() else t).cpu() for name, t in full_named_tensors(policy)}
     if not dist_info.is_main:
         return
     tmp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     policy.causal_lm.save_pretrained(tmp, state_dict=state)
+    if policy.precision.mixed:  # save_pretrained records the parameters' (float32) dtype in the config
+        config_path = os.path.join(tmp, "config.json")
+        with open(config_path) as fh:
+            config = json.load(fh)
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        with open(config_path, "w") as fh:
+            json.dump(config, fh, indent=2, sort_keys=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if os.path.isdir(out_dir):

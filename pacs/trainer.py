@@ -36,6 +36,7 @@ from .console import hide_progress_bars
 from .evaluate import decode_response, encode_prompts, evaluate
 from .memory import activation_offload
 from .metrics import MetricsLog, plot_metrics, read_metrics
+from .mixed_precision import rounding_warning, share_frozen_by_rounding
 from .packing import (
     PackedMicroBatch,
     forward_micro_batch,
@@ -71,6 +72,7 @@ from .split_groups import (
 )
 from .stop_signals import StoppedBySignal, StopSignals
 from .varlen_attention import new_decisions as new_attention_decisions
+from .weight_updates import UpdateMonitor
 
 
 @dataclass
@@ -337,6 +339,8 @@ class UpdateResult:
     split_groups: int = 0  # groups larger than the token budget, run in parts (pacs/split_groups.py)
     skipped_groups: int | None = None  # groups whose gradient is exactly 0, not run (None: not planned)
     skipped_losses: list[float] = dataclasses.field(default_factory=list)  # their loss values, one per group
+    # per applied update: the share of (sampled) weights with a gradient that the step changed (pacs/weight_updates.py)
+    update_nonzero_fracs: list[float] = dataclasses.field(default_factory=list)
 
     def mean_loss(self) -> float:
         """The step's loss: the mean over groups (each micro-batch's loss weighs the groups it held)."""
@@ -405,7 +409,9 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
     one_sweep = o.algo == "pacs" and o.one_sweep_first_step and rollout_logp is None
     stat_sums: dict[str, float] = {}
     stat_counts: dict[str, int] = {}
-    losses, loss_groups, grad_norms, split_groups, skipped_losses = [], [], [], 0, []
+    losses, loss_groups, grad_norms, split_groups, skipped_losses, moved = [], [], [], 0, [], []
+    # weights that a step leaves where they are, though they have a gradient: updates that rounded away
+    monitor = UpdateMonitor(policy.parameters(), distributed=dist_info.world_size > 1)
     last_loss = float("nan")
     at_zero = None  # each group's loss value at psi = 0: what a group not run counts in the metrics
     # FSDP averages gradients over every rank, but a sequence-parallel group's ranks each hold a part of one
@@ -484,12 +490,15 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
             continue
         state["consecutive_nan"] = 0
         grad_norms.append(float(grad_norm))
+        monitor.before()
         optimizer.step()
+        moved.append(monitor.after())
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     stats = {k: (v / stat_counts[k] if stat_counts[k] else float("nan")) for k, v in stat_sums.items()}
     skipped = None if groups_run is None else groups_per_mini * o.mini_batches_per_step - sum(groups_run)
-    return UpdateResult(losses, loss_groups, grad_norms, stats, last_loss, split_groups, skipped, skipped_losses)
+    return UpdateResult(losses, loss_groups, grad_norms, stats, last_loss, split_groups, skipped, skipped_losses,
+                        moved)
 
 
 def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: float, update: UpdateResult,
@@ -512,6 +521,8 @@ def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: f
     row = {"step": step, **all_reduce_mean(local, dist_info)}
     row.update({
         "grad_norm": sum(update.grad_norms) / len(update.grad_norms) if update.grad_norms else float("nan"),
+        "update_nonzero_frac": (sum(update.update_nonzero_fracs) / len(update.update_nonzero_fracs)
+                                if update.update_nonzero_fracs else float("nan")),
         "lr": scheduler.get_last_lr()[0], "skipped_updates": state["skipped_updates"],
         "tokens_per_s": response_tokens * dist_info.dp_size / times["step_time"], **times,
         "peak_memory_mib": peak_memory_mib(dist_info.device), "prompts_seen": state["data_position"],
@@ -602,7 +613,11 @@ def train(cfg: Config) -> TrainResult:
     policy = load_policy(run.model_dir, dtype=cfg.model.dtype, gradient_checkpointing=cfg.model.gradient_checkpointing,
                          dist_info=dist_info, trust_remote_code=cfg.model.trust_remote_code, packed_attention=packed,
                          liger_patches=cfg.train.liger_patches, fsdp_cpu_offload=cfg.train.fsdp_cpu_offload,
-                         tiled_mlp=cfg.train.tiled_mlp, mlp_tile_tokens=cfg.train.mlp_tile_tokens)
+                         tiled_mlp=cfg.train.tiled_mlp, mlp_tile_tokens=cfg.train.mlp_tile_tokens,
+                         master_dtype=o.master_dtype)
+    if policy.precision.steps_16_bit_weights:  # asked for by name (optim.master_dtype): say what it costs
+        say(rounding_warning(share_frozen_by_rounding(policy.parameters(), o.lr), o.lr, policy.precision.master,
+                             f"optim.master_dtype={o.master_dtype}"))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, cfg.max_steps * o.mini_batches_per_step))
     state = {"step": 0, "data_position": 0, "consecutive_nan": 0, "skipped_updates": 0}

@@ -52,10 +52,12 @@ from trl import GRPOConfig, GRPOTrainer
 from pacs_kernels import PACSLoss
 
 from ..memory import activation_offload
+from ..mixed_precision import rounding_warning, share_frozen_by_rounding
 from ..single_label_groups import group_losses_at_zero, groups_that_must_run, single_label, zero_gradient_at_psi_zero
 from ..stop_signals import StoppedBySignal, StopSignals
 from ..tiled_mlp import tile_mlp
 from ..varlen_attention import new_decisions as new_attention_decisions
+from ..weight_updates import UpdateMonitor
 from .model_forward import MULTIMODAL_KEYS, LogprobRequest, PACSBatch, add_pacs_forward, check_supported_head
 
 # GRPOConfig fields that only shape GRPO's loss or advantages: ignored by PACS (warning when changed).
@@ -218,6 +220,48 @@ class StopOnSignal(TrainerCallback):
         return control
 
 
+class UpdateMonitorCallback(TrainerCallback):
+    """Logs ``update_nonzero_frac`` (pacs/weight_updates.py) for each optimizer step: the share of sampled
+    trainable weights with a gradient that the step changed; near 0 when 16-bit weights are stepped at a
+    learning rate whose updates round away."""
+
+    def __init__(self, trainer: "PACSTrainer") -> None:
+        self.trainer = trainer
+        self.monitor: UpdateMonitor | None = None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.monitor is None:
+            self.monitor = UpdateMonitor(self.trainer.model.parameters(),
+                                         distributed=torch.distributed.is_initialized())
+        self.monitor.before()
+        return control
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self.monitor is not None:
+            self.trainer._metrics["train"]["update_nonzero_frac"].append(self.monitor.after())
+        return control
+
+
+# warn when more than this share of the trainable weights cannot move at the learning rate (16-bit weights)
+FROZEN_SHARE_WARNING = 0.1
+
+
+def warn_if_updates_round_away(model, learning_rate: float) -> float:
+    """Warn (a UserWarning) when AdamW at ``learning_rate`` cannot move more than FROZEN_SHARE_WARNING of
+    the model's trainable 16-bit weights (their half ulp exceeds the update: pacs/mixed_precision.py).
+    Returns that share (0.0 where every trainable weight is float32)."""
+    trainable = [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
+    low_precision = [p for p in trainable if p.dtype in (torch.bfloat16, torch.float16)]
+    if not low_precision:
+        return 0.0
+    share = share_frozen_by_rounding(trainable, learning_rate)
+    if share > FROZEN_SHARE_WARNING:
+        warnings.warn(rounding_warning(share, learning_rate, low_precision[0].dtype, "PACSTrainer").removeprefix(
+            "[warning] ") + "; load the model in float32 and train with bf16=True (autocast), or raise "
+            "learning_rate", stacklevel=3)
+    return share
+
+
 class PACSTrainer(GRPOTrainer):
     """``GRPOTrainer`` with the PACS loss; same constructor, ``args`` a :class:`PACSConfig`.
 
@@ -252,6 +296,10 @@ class PACSTrainer(GRPOTrainer):
         # idle unless train() installs the handlers or pacs_checkpoint_minutes is set
         self._stop_on_signal = StopOnSignal(args.pacs_checkpoint_minutes)
         self.add_callback(self._stop_on_signal)
+        # a bf16-loaded model stepped by AdamW at a small learning rate does not train: said now, and measured
+        # every step (update_nonzero_frac)
+        warn_if_updates_round_away(self.model, args.learning_rate)
+        self.add_callback(UpdateMonitorCallback(self))
 
     def train(self, *args, **kwargs):
         """TRL's train(); with ``pacs_checkpoint_on_signal`` (the default) SIGTERM / SIGUSR1 / Ctrl-C finish
