@@ -521,8 +521,9 @@ def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: f
     row = {"step": step, **all_reduce_mean(local, dist_info)}
     row.update({
         "grad_norm": sum(update.grad_norms) / len(update.grad_norms) if update.grad_norms else float("nan"),
-        "update_nonzero_frac": (sum(update.update_nonzero_fracs) / len(update.update_nonzero_fracs)
-                                if update.update_nonzero_fracs else float("nan")),
+        # over the updates with a gradient (an update whose groups were all skipped has none)
+        "update_nonzero_frac": weighted_mean([f for f in update.update_nonzero_fracs if math.isfinite(f)],
+                                             [1.0 for f in update.update_nonzero_fracs if math.isfinite(f)]),
         "lr": scheduler.get_last_lr()[0], "skipped_updates": state["skipped_updates"],
         "tokens_per_s": response_tokens * dist_info.dp_size / times["step_time"], **times,
         "peak_memory_mib": peak_memory_mib(dist_info.device), "prompts_seen": state["data_position"],
