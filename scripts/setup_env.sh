@@ -5,7 +5,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
 stamp="$venv/.pacs-installed"
-want="$( (cat "$root/setup.py" "$root/scripts/setup_env.sh"; echo "verl=${PACS_WITH_VERL:-0}") | sha1sum | cut -d' ' -f1)"
+want="$( (cat "$root/pyproject.toml" "$root/scripts/setup_env.sh"; echo "verl=${PACS_WITH_VERL:-0}") | sha1sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
