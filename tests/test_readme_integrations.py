@@ -22,7 +22,7 @@ def readme_block(name: str) -> str:
     for page in pages:
         with open(page) as f:
             found += re.findall(rf"<!-- tested: {name} -->\n```python\n(.*?)```", f.read(), re.S)
-    assert len(found) == 1, f"expected one block marked <!-- tested: {name} --> in README.md and docs/, got {len(found)}"
+    assert len(found) == 1, f"expected one block marked <!-- tested: {name} --> in README.md and docs/: {len(found)}"
     return found[0]
 
 
