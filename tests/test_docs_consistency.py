@@ -180,3 +180,13 @@ def test_layout_names_every_benchmark_script():
                if f.endswith((".py", ".sh")) and f != "__init__.py"]
     missing = [f for f in scripts if f not in layout]
     assert not missing, f"docs/development.md's layout does not name {missing}"
+
+
+def test_readme_sections_in_the_users_order():
+    headings = re.findall(r"^## (.+)$", read("README.md"), re.M)
+    assert headings == ["What it is", "Install", "Quick start", "API", "TRL", "verl and plain PyTorch / FSDP2",
+                        "`pacs train`", "Limited memory", "Results in brief", "Development"]
+    quick_start = read("README.md").split("## Quick start")[1]
+    block = re.search(r"```python\n(.*?)```", quick_start, re.S).group(1)
+    assert len(block.strip().split("\n")) <= 20
+    assert "fused_linear_pacs_loss" in block and "None" in block
