@@ -35,7 +35,7 @@ SETS = {
     # the timed runs of one case
     "cpu": {"device": "cpu", "dtype": "float32", "max_seconds": 10.0,
             "shapes": [(256, 8192, [512, 1024, 2048, 4096]), (512, 32768, [512, 1024, 2048])]},
-    # the race of issue 12, sized for one ~3-minute slot of benchmarks/gpu.sh: Qwen2.5-7B's head
+    # the PACS loss paths raced on the GPU, sized for one ~3-minute slot of benchmarks/gpu.sh: Qwen2.5-7B's head
     "gpu": {"device": "cuda", "dtype": "bfloat16",
             "shapes": [(3584, 152064, [8192, 16384, 32768, 65536])]},
     "gpu-quick": {"device": "cuda", "dtype": "bfloat16",

@@ -3,4 +3,4 @@
 Entry point: ``pacs train | eval | bench`` (pacs/cli.py); the loop is pacs/trainer.py.
 """
 
-__version__ = "0.1.0"
+from pacs_kernels import __version__  # noqa: F401  (one version source, read by pyproject.toml)

@@ -159,12 +159,41 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def benchmarks_dir() -> str:
+    """Where ``pacs bench`` looks for the benchmark harness: ``benchmarks/`` next to the ``pacs`` package,
+    i.e. in a source checkout (the harness is not part of the installed distribution)."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def load_benchmarks_run():
+    """benchmarks.run from the source checkout; a ``RuntimeError`` saying why when it cannot be loaded."""
+    where = benchmarks_dir()
+    if not os.path.isfile(os.path.join(where, "run.py")):
+        raise RuntimeError(f"pacs bench needs a source checkout (benchmarks/ not found next to the pacs package: "
+                           f"{where}); clone the repository and run it from there")
+    checkout = os.path.dirname(where)
+    if checkout not in sys.path:
+        sys.path.insert(0, checkout)
+    import benchmarks
+
+    found = os.path.dirname(os.path.abspath(benchmarks.__file__ or ""))
+    if os.path.realpath(found) != os.path.realpath(where):
+        raise RuntimeError(f"pacs bench: the imported 'benchmarks' package is {found}, not this checkout's {where}; "
+                           "uninstall the other one")
+    from benchmarks import run
+
+    return run
+
+
 def cmd_bench(argv: list[str]) -> int:
-    """Forward everything to :func:`benchmarks.run.main` (the ``benchmarks`` package ships with pacs)."""
+    """Forward everything to :func:`benchmarks.run.main`, loaded from the source checkout."""
     try:
-        from benchmarks import run
+        run = load_benchmarks_run()
     except ImportError as exc:
-        print(f"pacs bench: error: the benchmarks cannot be imported ({exc}); install pacs[bench]", file=sys.stderr)
+        print(f"pacs bench: error: the benchmarks cannot be imported ({exc}); install pacs-rl[bench]", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        print(f"pacs bench: error: {exc}", file=sys.stderr)
         return 2
     result = run.main(argv)
     return int(result) if isinstance(result, int) else 0

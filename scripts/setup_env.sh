@@ -14,7 +14,7 @@ if [ "${PACS_LOCK:-}" = "none" ]; then
   constraints=()
   lock=/dev/null
 fi
-want="$( (cat "$root/setup.py" "$root/scripts/setup_env.sh" "$lock"; echo "verl=${PACS_WITH_VERL:-0}") | sha1sum | cut -d' ' -f1)"
+want="$( (cat "$root/pyproject.toml" "$root/scripts/setup_env.sh" "$lock"; echo "verl=${PACS_WITH_VERL:-0}") | sha1sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi

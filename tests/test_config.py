@@ -126,3 +126,21 @@ def test_bench_nonsense_sizes_exit_2(argv, message, capsys):
         main(["bench", *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_outside_a_source_checkout_says_so(monkeypatch, tmp_path, capsys):
+    """The benchmarks are not installed with the package: pacs bench loads them from the checkout and
+    says clearly when there is none."""
+    import pacs.cli
+
+    monkeypatch.setattr(pacs.cli, "benchmarks_dir", lambda: str(tmp_path / "benchmarks"))
+    assert main(["bench", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "pacs bench needs a source checkout (benchmarks/ not found next to the pacs package" in err
+
+
+def test_bench_finds_the_checkouts_harness():
+    import pacs.cli
+
+    run = pacs.cli.load_benchmarks_run()
+    assert os.path.realpath(os.path.dirname(run.__file__)) == os.path.realpath(pacs.cli.benchmarks_dir())

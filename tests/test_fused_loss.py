@@ -167,7 +167,8 @@ def test_module_matches_function_and_reports_stats():
 
 
 def test_drop_in_trainer_snippet():
-    """The README's "Drop it into your trainer" snippet, verbatim except for the tiny model."""
+    """The "Drop it into your trainer" snippet of docs/pytorch.md (run as it stands by
+    tests/test_docs_code_blocks.py), with one response padded."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,

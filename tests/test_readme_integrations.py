@@ -1,8 +1,10 @@
-"""The README's "Use PACS in the trainer you already have" code blocks, run as they stand.
+"""The integration code blocks of README.md and docs/*.md, run as they stand.
 
-Each block follows a ``<!-- tested: NAME -->`` line in README.md; the test supplies what the block
-assumes exists (a tiny model, a tokenizer, a dataset, a batch) and checks what it produced."""
+Each block follows a ``<!-- tested: NAME -->`` line in README.md or a page of docs/; the test supplies
+what the block assumes exists (a tiny model, a batch) and checks what it produced. Every other code
+block runs in tests/test_docs_code_blocks.py."""
 
+import glob
 import importlib.util
 import os
 import re
@@ -15,25 +17,22 @@ from pacs_kernels import pacs_loss
 
 
 def readme_block(name: str) -> str:
-    with open(os.path.join(repo_root(), "README.md")) as f:
-        text = f.read()
-    match = re.search(rf"<!-- tested: {name} -->\n```python\n(.*?)```", text, re.S)
-    assert match, f"README.md has no code block marked <!-- tested: {name} -->"
-    return match.group(1)
+    pages = [os.path.join(repo_root(), "README.md")] + sorted(glob.glob(os.path.join(repo_root(), "docs", "*.md")))
+    found = []
+    for page in pages:
+        with open(page) as f:
+            found += re.findall(rf"<!-- tested: {name} -->\n```python\n(.*?)```", f.read(), re.S)
+    assert len(found) == 1, f"expected one block marked <!-- tested: {name} --> in README.md and docs/: {len(found)}"
+    return found[0]
 
 
 @pytest.mark.slow
 def test_trl_snippet(tmp_path, monkeypatch):
     pytest.importorskip("trl")
-    import trl_helpers as helpers
-    from datasets import Dataset
-
     monkeypatch.chdir(tmp_path)
-    tokenizer = helpers.tokenizer()
-    model = helpers.tiny_model(len(tokenizer))
-    dataset = Dataset.from_dict({"prompt": ["1+2=", "2+2=", "3+4=", "5+1="], "answer": ["3", "4", "7", "6"]})
-    namespace = {"model": model, "tokenizer": tokenizer, "dataset": dataset}
-    exec(readme_block("trl"), namespace)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    namespace = {}
+    exec(readme_block("trl"), namespace)  # self-contained: builds its own tiny model, tokenizer and data
     trainer = namespace["trainer"]
     assert type(trainer).__name__ == "PACSTrainer" and trainer.state.global_step == 2
     assert os.path.isdir(tmp_path / "runs" / "trl-pacs")

@@ -16,8 +16,9 @@ what PACS needs differently is done here:
   (``fsdp=True, fsdp_config={"version": 2}``) gathers the head and averages its gradient; a PEFT model
   gets the patch on its base model and is still called through the PeftModel (LoRA layers active);
 - on-policy (TRL's default: one iteration, generation aligned with optimizer steps, so TRL keeps no
-  old log-probs) the old log-probs are the current ones, and the first-step path gives the loss and
-  its gradients in one vocabulary sweep; with ``num_iterations > 1`` TRL's old log-probs are used;
+  old log-probs) the old log-probs are the current ones (``old_logp=None``) and the fused loss picks
+  its path as usual: the single pass wherever the groups fit its chunk budget (not the one-sweep
+  step, which needs the old log-sum-exp); with ``num_iterations > 1`` TRL's old log-probs are used;
   the same with vLLM generation (``use_vllm=True``): the old log-probs are the trainer's own, never
   vLLM's sampling log-probs (``sampling_per_token_logps``, from the engine's copy of the weights);
 - the loss's forward runs on each micro-batch's real tokens packed into one row (``pacs_padding_free``,
@@ -436,7 +437,7 @@ class PACSTrainer(GRPOTrainer):
 
     def _skips_zero_gradient_groups(self, old_logp) -> bool:
         """Whether this training step may skip single-label groups: psi = 0 exactly (on-policy: no old
-        log-probs, the one-sweep step), and a loss whose single-label groups then have no gradient."""
+        log-probs: old = current), and a loss whose single-label groups then have no gradient."""
         a = self.args
         return (a.pacs_skip_zero_gradient_groups and old_logp is None
                 and zero_gradient_at_psi_zero(a.pacs_score, a.pacs_advantage, a.pacs_score_function_term))

