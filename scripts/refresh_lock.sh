@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Re-resolves requirements/lock-cpu.txt, the constraints file that pins every package scripts/setup_env.sh
-# installs (and so CI's): builds a fresh venv without the lock (the newest versions setup.py and
+# installs (and so CI's): builds a fresh venv without the lock (the newest versions pyproject.toml and
 # setup_env.sh allow), runs the whole test suite in it, and only when the suite passes writes what was
 # resolved as the new lock. Takes about 4 minutes for the venv and 10-15 for the suite.
 #   bash scripts/refresh_lock.sh            # refresh; the lock changes only if the suite passes
