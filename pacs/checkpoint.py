@@ -264,8 +264,11 @@ def save_checkpoint(output_dir: str, step: int, policy, optimizer, scheduler, st
                     dist_info: DistInfo, keep: int = 2, reference_state: dict | None = None) -> str:
     """Write checkpoint ``step`` of a training run (every rank must call this). ``reference_state``:
     the reference snapshot's full tensors (pacs/reference_policy.py), when the run keeps one."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # frozen parameters (a LoRA run's base model) are the model directory's: not written again
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     model_state, optim_state = get_state_dict(policy, optimizer, options=options)
+    frozen = {name for name, p in policy.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    model_state = {name: tensor for name, tensor in model_state.items() if name not in frozen}  # (tied ones too)
 
     def write_files(tmp: str) -> None:
         save_torch(rng_state(), os.path.join(tmp, f"rng_rank{dist_info.rank}.pt"))
@@ -296,8 +299,14 @@ def load_reference_state(path: str) -> dict | None:
 def load_checkpoint(path: str, policy, optimizer, scheduler, dist_info: DistInfo) -> dict:
     """Restore everything saved by :func:`save_checkpoint`; returns the trainer state dict."""
     model_state, optim_state = _load(path, "model.pt"), _load(path, "optimizer.pt")
+    frozen = {name for name, p in policy.named_parameters() if not p.requires_grad}
+    # a LoRA run's checkpoint holds the adapters only; every trainable parameter must be in it
     set_state_dict(policy, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
-                   options=StateDictOptions(full_state_dict=True))
+                   options=StateDictOptions(full_state_dict=True, strict=not frozen))
+    missing = sorted(name for name, p in policy.named_parameters() if p.requires_grad and name not in model_state)
+    if missing:
+        raise ValueError(f"checkpoint {path} does not hold {len(missing)} trainable parameters of the model "
+                         f"(e.g. {missing[0]}): written for another model or another model.lora setting")
     scheduler.load_state_dict(_load(path, "scheduler.pt"))
     with open(os.path.join(path, "state.json")) as fh:
         state = json.load(fh)

@@ -22,11 +22,21 @@ _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters instead of full fine-tuning (pacs/lora.py); rank 0: off."""
+
+    rank: int = 0
+    alpha: float = 16.0             # the adapters' output is scaled by alpha / rank
+    target_modules: str = "all-linear"  # every linear layer but the LM head, or comma-separated names (q_proj,v_proj)
+
+
+@dataclass
 class ModelConfig:
     path: str = "embedded"          # "embedded" (the task builds a tiny model) or an HF dir / hub id
     dtype: str = "auto"             # auto: bfloat16 on GPU, float32 on CPU | float32 | bfloat16 | float16
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -296,6 +306,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _choice("task.name", t.name, ("embedded", "wordmath", "math"))
     _choice("model.dtype", cfg.model.dtype, ("auto", "float32", "bfloat16", "float16"))
     _choice("optim.master_dtype", cfg.optim.master_dtype, ("float32", "bfloat16", "float16"))
+    _positive("model.lora.rank", cfg.model.lora.rank, allow_zero=True)
+    _positive("model.lora.alpha", cfg.model.lora.alpha)
+    if not cfg.model.lora.target_modules.strip(" ,"):
+        raise ValueError("model.lora.target_modules must name modules ('all-linear' or e.g. 'q_proj,v_proj'), got ''")
     if cfg.optim.master_dtype != "float32" and cfg.model.dtype not in ("auto", cfg.optim.master_dtype):
         raise ValueError(f"optim.master_dtype={cfg.optim.master_dtype!r} (16-bit weights stepped directly) needs "
                          f"model.dtype={cfg.optim.master_dtype!r}, got model.dtype={cfg.model.dtype!r}; "

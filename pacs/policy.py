@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .lora import add_lora, has_lora, merged_named_tensors
 from .mixed_precision import Precision, resolve_precision
 
 
@@ -191,7 +192,7 @@ def decoder_layers(causal_lm: nn.Module) -> list[nn.Module]:
 def load_policy(path: str, *, dtype: str = "auto", gradient_checkpointing: bool = False,
                 dist_info: DistInfo | None = None, trust_remote_code: bool = False, packed_attention: bool = False,
                 liger_patches: bool = False, fsdp_cpu_offload: bool = False, tiled_mlp: bool = False,
-                mlp_tile_tokens: int | None = None, master_dtype: str = "float32") -> Policy:
+                mlp_tile_tokens: int | None = None, master_dtype: str = "float32", lora=None) -> Policy:
     """Load ``path`` as a :class:`Policy` on this rank's device, FSDP2-sharded when world_size > 1.
 
     Dropout is switched off: the old-policy log-probs and the training forward must agree.
@@ -205,6 +206,9 @@ def load_policy(path: str, *, dtype: str = "auto", gradient_checkpointing: bool 
     ``dtype`` is the compute dtype, ``master_dtype`` the dtype of the parameters the optimizer steps
     (pacs/mixed_precision.py): float32 parameters under a 16-bit ``dtype`` compute in 16 bits through
     autocast on one process and FSDP2's MixedPrecisionPolicy on several.
+
+    ``lora`` (``model.lora``: rank, alpha, target_modules; rank 0 or None: full fine-tuning): LoRA adapters
+    (pacs/lora.py) in the master dtype over a frozen base kept in the compute dtype.
     """
     from transformers import AutoModelForCausalLM
 
@@ -214,12 +218,17 @@ def load_policy(path: str, *, dtype: str = "auto", gradient_checkpointing: bool 
 
     dist_info = dist_info or DistInfo()
     precision = resolve_precision(resolve_dtype(dtype, dist_info.device), master_dtype)
+    with_lora = lora is not None and lora.rank > 0
+    # the frozen base of a LoRA run needs no master copy: it stays in the compute dtype
     causal_lm = AutoModelForCausalLM.from_pretrained(
-        os.path.expanduser(path), dtype=precision.master, trust_remote_code=trust_remote_code)
+        os.path.expanduser(path), dtype=precision.compute if with_lora else precision.master,
+        trust_remote_code=trust_remote_code)
     causal_lm.config.use_cache = False
     for module in causal_lm.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+    if with_lora:
+        add_lora(causal_lm, lora.rank, lora.alpha, lora.target_modules, precision.master)
     if gradient_checkpointing:
         causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if dist_info.sp_size > 1:  # attention trades the token split for a head split (pacs/sequence_parallel.py)
@@ -248,16 +257,22 @@ def load_policy(path: str, *, dtype: str = "auto", gradient_checkpointing: bool 
 
 
 def full_named_tensors(policy: Policy) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) pairs of the policy, one tensor gathered at a time under FSDP.
+    """(HF name, full tensor) pairs of the policy, one tensor gathered at a time under FSDP; LoRA adapters
+    merged into the weights they adapt.
 
     Every rank must consume the iterator completely (each DTensor is an all-gather).
     """
     from torch.distributed.tensor import DTensor
 
-    for name, tensor in policy.causal_lm.state_dict().items():
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
-        yield name, tensor.detach()
+    def full(tensor: torch.Tensor) -> torch.Tensor:
+        return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+
+    state = policy.causal_lm.state_dict()
+    if has_lora(policy.causal_lm):  # the adapters merged into plain Hugging Face weights (pacs/lora.py)
+        yield from merged_named_tensors(policy.causal_lm, state, full)
+        return
+    for name, tensor in state.items():
+        yield name, full(tensor)
 
 
 def export_hf(policy: Policy, tokenizer, out_dir: str, dist_info: DistInfo | None = None) -> None:

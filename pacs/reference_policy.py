@@ -57,7 +57,8 @@ class ReferenceSnapshot:
 
     def __init__(self, policy: torch.nn.Module) -> None:
         self.policy = policy
-        self.params = dict(policy.named_parameters())
+        # the trainable ones: frozen parameters (a LoRA run's base) never differ from the reference's
+        self.params = {name: p for name, p in policy.named_parameters() if p.requires_grad}
         self.weights: dict[str, torch.Tensor] | None = None
         self.step: int | None = None  # the rollout step whose weights these are
 

@@ -615,11 +615,13 @@ def train(cfg: Config) -> TrainResult:
                          dist_info=dist_info, trust_remote_code=cfg.model.trust_remote_code, packed_attention=packed,
                          liger_patches=cfg.train.liger_patches, fsdp_cpu_offload=cfg.train.fsdp_cpu_offload,
                          tiled_mlp=cfg.train.tiled_mlp, mlp_tile_tokens=cfg.train.mlp_tile_tokens,
-                         master_dtype=o.master_dtype)
+                         master_dtype=o.master_dtype, lora=cfg.model.lora)
     if policy.precision.steps_16_bit_weights:  # asked for by name (optim.master_dtype): say what it costs
         say(rounding_warning(share_frozen_by_rounding(policy.parameters(), o.lr), o.lr, policy.precision.master,
                              f"optim.master_dtype={o.master_dtype}"))
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    # the trainable parameters: all of them, or the LoRA adapters (model.lora)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=o.lr, betas=tuple(o.betas),
+                                  weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, cfg.max_steps * o.mini_batches_per_step))
     state = {"step": 0, "data_position": 0, "consecutive_nan": 0, "skipped_updates": 0}
     if resume is not None:
