@@ -165,6 +165,14 @@ if [ "$part" != "race" ]; then
         && timeout 45 "$py" -m pacs train "${smoke[@]}" --max-steps "${smoke_steps[1]}" --resume \
         || { echo "!!! the trainer's smoke run exited with $?"; status=1; }
     cp /tmp/pacs-train-smoke/metrics.jsonl "$out/train_smoke_metrics.jsonl" 2>/dev/null  # not the model
+    # model.dtype auto on a GPU: bfloat16 compute over float32 master weights; every update must move the weights
+    "$py" - /tmp/pacs-train-smoke/metrics.jsonl <<'PY' || { echo "!!! the smoke run's weights did not move"; status=1; }
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if '"update_nonzero_frac"' in line]
+moved = [row["update_nonzero_frac"] for row in rows if row["update_nonzero_frac"] is not None]
+print(f"update_nonzero_frac per step (bf16 compute, float32 master weights): {moved}")
+sys.exit(0 if moved and min(moved) > 0.99 else 1)
+PY
     # its CSV is written after every case; an error over tolerance (or an engine's failure) exits 1
     stamp "6/8 the packed row's attention: flash varlen vs SDPA per sequence vs padded (budget 15s, limit 25s)"
     timeout 25 "$py" benchmarks/packed_attention.py "${packed_attention_args[@]}" --time-budget 15 --out "$out" \
