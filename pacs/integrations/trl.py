@@ -50,6 +50,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from pacs_kernels import PACSLoss
+from pacs_kernels.loss_inputs import check_beta
 
 from ..memory import activation_offload
 from ..single_label_groups import group_losses_at_zero, groups_that_must_run, single_label, zero_gradient_at_psi_zero
@@ -122,11 +123,16 @@ class PACSConfig(GRPOConfig):
     vllm_importance_sampling_correction: bool = field(
         default=False, metadata={"help": "Must stay False: PACS has no per-token loss for the correction to weight."})
 
+    def __post_init__(self):
+        check_beta(self.pacs_beta, "pacs_beta")  # before GRPOConfig's own checks: a bad value is named first
+        super().__post_init__()
+
 
 def check_pacs_config(args: PACSConfig) -> None:
     """Refuse (ValueError/TypeError) the settings PACS cannot honour; warn about GRPO-only knobs."""
     if not isinstance(args, PACSConfig):
         raise TypeError(f"args must be a PACSConfig, got {type(args).__name__}")
+    check_beta(args.pacs_beta, "pacs_beta")
     if args.loss_type != "pacs":
         raise ValueError(f"PACSTrainer computes the PACS loss: loss_type must be 'pacs', got {args.loss_type!r}")
     tile = args.pacs_mlp_tile_tokens
