@@ -106,6 +106,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .eval_outputs import write_eval_outputs
     from .evaluate import run_eval
     from .rollout import make_rollout_engine
+    from .run_lock import lock_run_directory
     from .run_setup import apply_torch_threads, check_config, engine_options, prepare_run
 
     cfg = build_config(args)
@@ -126,6 +127,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     # one process, no training: a run's multi-process training settings (its config.yaml) do not apply
     cfg.train.sequence_parallel_size, cfg.train.fsdp_cpu_offload = 1, False
     check_config(cfg)
+    out_dir = args.eval_dir or os.path.join(cfg.output_dir, "eval")
+    lock_run_directory(out_dir, "--eval-dir")  # one evaluation per eval directory (its journal)
     apply_torch_threads(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     run = prepare_run(cfg, log=lambda *_: None)
     engine = make_rollout_engine(**engine_options(cfg, run.model_dir, cfg.seed, log=lambda *_: None))
@@ -134,7 +137,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     info = {"model": model_dir, "data": cfg.task.data_path if cfg.task.name == "math" else cfg.task.name,
             "preset": args.preset, "temperature": e.temperature, "top_p": e.top_p,
             "max_new_tokens": r.max_new_tokens, "seed": cfg.seed, "label": os.path.basename(model_dir.rstrip("/"))}
-    out_dir = args.eval_dir or os.path.join(cfg.output_dir, "eval")
     problems = run.task.eval_problems(e.num_problems)
     sampling = dict(n_samples=e.n_samples, temperature=e.temperature, top_p=e.top_p, ks=e.ks,
                     max_new_tokens=r.max_new_tokens, seed=cfg.seed, template=cfg.task.prompt_template,

@@ -51,6 +51,7 @@ from .preflight import preflight_enabled, run_preflight
 from .reference_policy import ReferenceSnapshot, is_reset_step
 from .rollout import make_rollout_engine
 from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
+from .run_lock import RunDirectoryLocked, lock_run_directory
 from .run_setup import Run, apply_torch_threads, check_config, engine_options, packed_attention_for, prepare_run
 from .sequence_parallel import (
     SequenceParallel,
@@ -526,6 +527,7 @@ def start_run(cfg: Config, dist_info: DistInfo, say=print) -> tuple[Run, object]
     (None when not resuming)."""
     check_config(cfg, dist_info.world_size)
     check_usable(cfg.output_dir)
+    lock_for_run(cfg.output_dir, dist_info)  # one process per run directory, before anything there is read
     check_free_for_run(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite)
     choice = None
     if cfg.resume:
@@ -551,6 +553,7 @@ def start_run(cfg: Config, dist_info: DistInfo, say=print) -> tuple[Run, object]
         if cfg.overwrite:
             moved = move_run_aside(cfg.output_dir)
             if moved:
+                lock_run_directory(cfg.output_dir)  # the lock file went aside with the old run: lock the new one
                 say(f"[train] --overwrite: moved the previous run in {cfg.output_dir} to {moved}")
         # the saved config resumes this run: `pacs train --config OUTPUT_DIR/config.yaml --resume`
         save_config(dataclasses.replace(cfg, resume=False, overwrite=False), os.path.join(cfg.output_dir,
@@ -559,6 +562,23 @@ def start_run(cfg: Config, dist_info: DistInfo, say=print) -> tuple[Run, object]
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     return prepare_run(cfg, dist_info, log=say), choice
+
+
+def lock_for_run(output_dir: str, dist_info: DistInfo) -> None:
+    """Rank 0 takes the run directory's lock (pacs/run_lock.py); under torchrun every rank raises its
+    refusal, so that none waits for a run that does not start."""
+    refusal = None
+    if dist_info.is_main:
+        try:
+            lock_run_directory(output_dir)
+        except RunDirectoryLocked as exc:
+            refusal = str(exc)
+    if dist_info.world_size > 1:
+        shared = [refusal]
+        dist.broadcast_object_list(shared, src=0)
+        refusal = shared[0]
+    if refusal is not None:
+        raise RunDirectoryLocked(refusal)
 
 
 def resume_hint(cfg: Config) -> str:

@@ -53,6 +53,7 @@ from pacs_kernels import PACSLoss
 from pacs_kernels.loss_inputs import check_beta
 
 from ..memory import activation_offload
+from ..run_lock import RunDirectoryLocked, lock_run_directory
 from ..single_label_groups import group_losses_at_zero, groups_that_must_run, single_label, zero_gradient_at_psi_zero
 from ..stop_signals import StoppedBySignal, StopSignals
 from ..tiled_mlp import tile_mlp
@@ -239,6 +240,7 @@ class PACSTrainer(GRPOTrainer):
             raise TypeError("args must be a PACSConfig (PACSTrainer has no default config), got None")
         check_pacs_config(args)
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
+        self._lock_output_dir()
         check_supported_head(self.model.config)
         if self.aux_loss_enabled:
             raise ValueError("PACSTrainer cannot honour the MoE router auxiliary loss: expected "
@@ -258,6 +260,23 @@ class PACSTrainer(GRPOTrainer):
         # idle unless train() installs the handlers or pacs_checkpoint_minutes is set
         self._stop_on_signal = StopOnSignal(args.pacs_checkpoint_minutes)
         self.add_callback(self._stop_on_signal)
+
+    def _lock_output_dir(self) -> None:
+        """One training process per output directory (pacs/run_lock.py): the main process takes its lock for
+        the life of the process, before training reads or writes anything there; every process raises its
+        refusal (RunDirectoryLocked, a ValueError naming the holder's pid)."""
+        refusal = None
+        if self.is_world_process_zero():
+            try:
+                lock_run_directory(self.args.output_dir, "output_dir")
+            except RunDirectoryLocked as exc:
+                refusal = str(exc)
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            refusal = broadcast_object_list([refusal], from_process=0)[0]
+        if refusal is not None:
+            raise RunDirectoryLocked(refusal)
 
     def train(self, *args, **kwargs):
         """TRL's train(); with ``pacs_checkpoint_on_signal`` (the default) SIGTERM / SIGUSR1 / Ctrl-C finish
