@@ -1,7 +1,8 @@
 """``pacs train | eval | bench``: one entry point (also ``python -m pacs``).
 
 Exit codes: 0 done; 2 a setting, path or file that cannot work (one line on stderr, before any
-work when it can be known then); 3 training stopped by repeated non-finite updates; 130 Ctrl-C;
+work when it can be known then; also another process using the run directory, a full disk mid-run);
+3 training stopped by repeated non-finite updates; 130 Ctrl-C;
 143 / 138 training stopped by SIGTERM / SIGUSR1 after checkpointing its step (pacs/stop_signals.py).
 """
 
@@ -71,6 +72,7 @@ def _is_main_rank() -> bool:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from .disk_space import NoSpaceLeft
     from .policy import close_distributed
     from .trainer import TrainingInterrupted, TrainingPreempted, TrainingStopped, resume_hint, train
 
@@ -86,6 +88,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         if _is_main_rank():
             print(f"pacs train: stopped: {exc}", file=sys.stderr)
         return 3
+    except NoSpaceLeft as exc:  # a full disk mid-run: one line, and how to continue once space is freed
+        if _is_main_rank():
+            print(f"pacs train: error: {exc}; {resume_hint(cfg)}", file=sys.stderr)
+        return 2
     except TrainingInterrupted as exc:
         if _is_main_rank():
             print(f"pacs train: {exc}", file=sys.stderr)

@@ -30,9 +30,18 @@ import torch.distributed as dist
 
 from pacs_kernels import fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs
 
-from .checkpoint import find_checkpoint, latest_checkpoint, load_checkpoint, load_reference_state, save_checkpoint
+from .checkpoint import KEEP as CHECKPOINTS_KEPT
+from .checkpoint import (
+    checkpoint_steps,
+    find_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    load_reference_state,
+    save_checkpoint,
+)
 from .config import Config, micro_batch_groups, save_config, use_packing
 from .console import hide_progress_bars
+from .disk_space import NoSpaceLeft, check_checkpoint_space
 from .evaluate import decode_response, encode_prompts, evaluate
 from .memory import activation_offload
 from .metrics import MetricsLog, plot_metrics, read_metrics
@@ -635,6 +644,10 @@ def train(cfg: Config) -> TrainResult:
         if saved is not None:
             reference.load_full_state(saved)
 
+    # the checkpoints this run keeps and its final model fit on the disk: said, or refused, before any rollout
+    check_checkpoint_space(cfg.output_dir, policy, keep=CHECKPOINTS_KEPT, reference_kept=reference is not None,
+                           existing=len(checkpoint_steps(cfg.output_dir)), say=say)
+
     # ---- rollout engine, serving the current weights; the metrics log (cut back when resuming)
     engine = make_rollout_engine(**engine_options(cfg, run.model_dir, cfg.seed + dist_info.rank, log=say))
     hide_progress_bars()  # again: a vLLM engine's start turns transformers' back on
@@ -786,7 +799,8 @@ def train(cfg: Config) -> TrainResult:
                 pass
             if isinstance(exc, KeyboardInterrupt):
                 raise TrainingInterrupted(f"interrupted at step {state['step'] + 1}; {resume_hint(cfg)}") from None
-            if isinstance(exc, Exception) and not isinstance(exc, (TrainingInterrupted, TrainingStopped)):
+            said = (TrainingInterrupted, TrainingStopped, NoSpaceLeft)  # their own line says how to resume
+            if isinstance(exc, Exception) and not isinstance(exc, said):
                 # a crash mid-run (out of memory in generation, a reward function's bug, a lost rank): the
                 # error itself follows; say on this rank where the run can be continued from
                 rank = f" on rank {dist_info.rank}" if dist_info.world_size > 1 else ""
