@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from .disk_space import NoSpaceLeft, is_disk_full, no_space_message, tensor_bytes
 from .policy import DistInfo
+from .resume_check import check_model_matches
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -316,7 +317,9 @@ def load_reference_state(path: str) -> dict | None:
 
 def load_checkpoint(path: str, policy, optimizer, scheduler, dist_info: DistInfo) -> dict:
     """Restore everything saved by :func:`save_checkpoint`; returns the trainer state dict."""
-    model_state, optim_state = _load(path, "model.pt"), _load(path, "optimizer.pt")
+    model_state = _load(path, "model.pt")
+    check_model_matches(model_state, policy.state_dict(), path)  # another model: one line, not a size traceback
+    optim_state = _load(path, "optimizer.pt")
     set_state_dict(policy, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
                    options=StateDictOptions(full_state_dict=True))
     scheduler.load_state_dict(_load(path, "scheduler.pt"))

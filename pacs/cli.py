@@ -47,7 +47,8 @@ def _key_list() -> str:
 def build_config(args: argparse.Namespace) -> Config:
     from .eval_presets import preset_overrides
 
-    cfg = load_config(args.config, preset_overrides(getattr(args, "preset", None)) + list(args.overrides))
+    changes = list(getattr(args, "change", None) or [])
+    cfg = load_config(args.config, preset_overrides(getattr(args, "preset", None)) + list(args.overrides) + changes)
     if args.model is not None:
         cfg.model.path = args.model
     if args.output_dir is not None:
@@ -67,6 +68,16 @@ def build_config(args: argparse.Namespace) -> Config:
     return cfg
 
 
+def changed_keys(assignments: list[str], *, resume: bool) -> tuple[str, ...]:
+    """The dotted keys of ``--change KEY=VALUE`` arguments (checked: they go with --resume)."""
+    if assignments and not resume:
+        raise ValueError("--change names the settings a resumed run changes: it goes with --resume")
+    for assignment in assignments:
+        if "=" not in assignment or not assignment.split("=", 1)[0].strip():
+            raise ValueError(f"--change must look like KEY=VALUE (e.g. --change optim.lr=1e-5), got {assignment!r}")
+    return tuple(assignment.split("=", 1)[0].strip() for assignment in assignments)
+
+
 def _is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
@@ -76,9 +87,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .policy import close_distributed
     from .trainer import TrainingInterrupted, TrainingPreempted, TrainingStopped, resume_hint, train
 
+    change = changed_keys(args.change or [], resume=args.resume)
     cfg = build_config(args)
     try:
-        train(cfg)
+        train(cfg, change)
         close_distributed()  # under torchrun: every rank leaves the process group together
     except KeyboardInterrupt:  # outside the training loop (warm-up, model loading, export)
         if _is_main_rank():
@@ -191,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--algo", choices=("pacs", "grpo"), help=f"(default: {DEFAULTS.optim.algo})")
     train.add_argument("--resume", action="store_true",
                        help="continue the run in --output-dir from its newest verified checkpoint")
+    train.add_argument("--change", action="append", metavar="KEY=VALUE",
+                       help="with --resume: set a setting that changes what the run is (model, algorithm, objective, "
+                            "group size, learning rate or schedule, data, seed), from the resumed step on; recorded "
+                            "in OUTPUT_DIR/config_history.jsonl (repeatable). A resume with such a setting changed "
+                            "otherwise is refused")
     train.add_argument("--overwrite", action="store_true",
                        help="--output-dir holds a run: move it aside (to OUTPUT_DIR.replaced-<time>) and start afresh")
     ev = sub.add_parser("eval", help="held-out accuracy and pass@k of a model", epilog=_key_list(),

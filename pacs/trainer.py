@@ -58,6 +58,7 @@ from .packing import (
 from .policy import DistInfo, check_model_path, export_hf, full_named_tensors, load_policy, setup_distributed
 from .preflight import preflight_enabled, run_preflight
 from .reference_policy import ReferenceSnapshot, is_reset_step
+from .resume_check import apply_optimizer_settings, plan_resume, record_resume, resume_command
 from .rollout import make_rollout_engine
 from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
 from .run_lock import RunDirectoryLocked, lock_run_directory
@@ -529,17 +530,21 @@ def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: f
     return row
 
 
-def start_run(cfg: Config, dist_info: DistInfo, say=print) -> tuple[Run, object]:
+def start_run(cfg: Config, dist_info: DistInfo, say=print,
+              change: tuple[str, ...] = ()) -> tuple[Run, object, object]:
     """Everything before the model loads: config checks, a usable output directory that holds
-    no other run (unless ``resume`` / ``overwrite``), the checkpoint to resume from, the model
-    directory, task and tokenizer. Returns the run and the :class:`~pacs.checkpoint.CheckpointChoice`
-    (None when not resuming)."""
+    no other run (unless ``resume`` / ``overwrite``) and no other process, a resume's settings
+    compared with the run's (``change``: the keys named with --change; pacs/resume_check.py), the
+    checkpoint to resume from, the model directory, task and tokenizer. Returns the run, the
+    :class:`~pacs.checkpoint.CheckpointChoice` and the :class:`~pacs.resume_check.ResumePlan` (both None
+    when not resuming). Nothing is written on a resume: its record is appended once the checkpoint loaded."""
     check_config(cfg, dist_info.world_size)
     check_usable(cfg.output_dir)
     lock_for_run(cfg.output_dir, dist_info)  # one process per run directory, before anything there is read
     check_free_for_run(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite)
-    choice = None
+    choice = plan = None
     if cfg.resume:
+        plan = on_main_rank(lambda: plan_resume(cfg, cfg.output_dir, change), dist_info)
         choice = find_checkpoint(cfg.output_dir) if dist_info.is_main else None
         if dist_info.world_size > 1:  # rank 0 verifies; every rank resumes from its choice
             shared = [choice]
@@ -555,7 +560,7 @@ def start_run(cfg: Config, dist_info: DistInfo, say=print) -> tuple[Run, object]
                     "verifies (reasons above); pass --overwrite instead of --resume to move it aside and "
                     "start afresh")
             say(f"[resume] no checkpoint under {cfg.output_dir}/checkpoints: starting from scratch")
-            choice = None
+            choice = plan = None
     if dist_info.world_size > 1:  # every rank has checked the directory before rank 0 changes it
         dist.barrier()
     if dist_info.is_main:
@@ -564,13 +569,35 @@ def start_run(cfg: Config, dist_info: DistInfo, say=print) -> tuple[Run, object]
             if moved:
                 lock_run_directory(cfg.output_dir)  # the lock file went aside with the old run: lock the new one
                 say(f"[train] --overwrite: moved the previous run in {cfg.output_dir} to {moved}")
-        # the saved config resumes this run: `pacs train --config OUTPUT_DIR/config.yaml --resume`
-        save_config(dataclasses.replace(cfg, resume=False, overwrite=False), os.path.join(cfg.output_dir,
-                                                                                          "config.yaml"))
+        # the saved config resumes this run: `pacs train --config OUTPUT_DIR/config.yaml --resume`; written once,
+        # when the run starts (a resume's settings go to config_history.jsonl)
+        if choice is None or not os.path.isfile(os.path.join(cfg.output_dir, "config.yaml")):
+            save_config(dataclasses.replace(cfg, resume=False, overwrite=False), os.path.join(cfg.output_dir,
+                                                                                              "config.yaml"))
     apply_torch_threads(cfg, dist_info.device)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    return prepare_run(cfg, dist_info, log=say), choice
+    return prepare_run(cfg, dist_info, log=say), choice, plan
+
+
+def on_main_rank(check, dist_info: DistInfo):
+    """``check()`` on rank 0, its result shared with every rank; its ValueError raised on every rank (one
+    that only rank 0 raised would leave the others waiting in the next collective)."""
+    result, refusal = None, None
+    if dist_info.is_main:
+        try:
+            result = check()
+        except ValueError as exc:
+            if dist_info.world_size == 1:
+                raise
+            refusal = str(exc)
+    if dist_info.world_size > 1:
+        shared = [result, refusal]
+        dist.broadcast_object_list(shared, src=0)
+        result, refusal = shared
+    if refusal is not None:
+        raise ValueError(refusal)
+    return result
 
 
 def lock_for_run(output_dir: str, dist_info: DistInfo) -> None:
@@ -594,7 +621,7 @@ def resume_hint(cfg: Config) -> str:
     """Where the last checkpoint is and the command that continues the run. (Manifests and sizes checked,
     not checksums: said within a scheduler's grace period or as a crashed run ends; --resume verifies all.)"""
     last = find_checkpoint(cfg.output_dir, checksums=False)
-    command = f"pacs train --config {os.path.join(cfg.output_dir, 'config.yaml')} --resume"
+    command = resume_command(cfg.output_dir)
     if last.path is None:
         return f"no checkpoint was written yet; start again with {command.replace('--resume', '--overwrite')}"
     return f"the last checkpoint is {last.path} (step {last.step}); resume with: {command}"
@@ -617,11 +644,12 @@ def summary_line(cfg: Config, metrics_path: str, steps: int, seconds: float, pea
 checkpoint_clock = time.monotonic  # what checkpoint_minutes is measured with (a module name: tests replace it)
 
 
-def train(cfg: Config) -> TrainResult:
-    """Run (or resume) training as configured."""
+def train(cfg: Config, change: tuple[str, ...] = ()) -> TrainResult:
+    """Run (or resume) training as configured. ``change``: the settings a resume may change although they
+    change what the run is (``pacs train --resume --change KEY=VALUE``; pacs/resume_check.py)."""
     dist_info = setup_distributed(cfg.train.sequence_parallel_size, cfg.train.distributed_timeout_minutes)
     say = print if dist_info.is_main else (lambda *a, **k: None)
-    run, resume = start_run(cfg, dist_info, say)
+    run, resume, resume_plan = start_run(cfg, dist_info, say, change)
     o, r = cfg.optim, cfg.rollout
 
     # ---- policy and optimizer; the checkpoint's state when resuming
@@ -637,6 +665,10 @@ def train(cfg: Config) -> TrainResult:
     state = {"step": 0, "data_position": 0, "consecutive_nan": 0, "skipped_updates": 0}
     if resume is not None:
         state.update(load_checkpoint(resume.path, policy, optimizer, scheduler, dist_info))
+        if resume_plan is not None and any(key.startswith("optim.") for key in resume_plan.changed):
+            apply_optimizer_settings(cfg, optimizer, scheduler)  # the checkpoint's lr / betas / decay replaced
+        if resume_plan is not None and dist_info.is_main:  # the checkpoint fits the model: the resume is recorded
+            record_resume(cfg.output_dir, resume_plan, resume.step, say)
     # PACS's reference, when it is kept for optim.ref_reset_every > 1 rollout steps (pacs/reference_policy.py)
     reference = ReferenceSnapshot(policy) if o.ref_reset_every > 1 else None
     if reference is not None and resume is not None:
