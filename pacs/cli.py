@@ -126,6 +126,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .rollout import make_rollout_engine
     from .run_lock import lock_run_directory
     from .run_setup import apply_torch_threads, check_config, engine_options, prepare_run
+    from .stop_signals import Terminated, sigterm_raises
 
     cfg = build_config(args)
     if args.n_samples is not None:
@@ -165,12 +166,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                     "dtype": cfg.model.dtype, "problems": problems_digest(problems), **sampling},
                           say=lambda line: print(line, file=sys.stderr))
     try:
-        report = run_eval(engine, run.task, run.tokenizer, problems, stop_token_ids=run.stop_ids, journal=journal,
-                          progress=True, **sampling)
-    except KeyboardInterrupt:
-        print(f"pacs eval: interrupted after {len(journal.done)} of {len(problems)} problems, which are kept in "
+        with sigterm_raises():  # a scheduler's SIGTERM: say what is kept, like Ctrl-C
+            report = run_eval(engine, run.task, run.tokenizer, problems, stop_token_ids=run.stop_ids,
+                              journal=journal, progress=True, **sampling)
+    except (KeyboardInterrupt, Terminated) as exc:
+        what = "SIGTERM received" if isinstance(exc, Terminated) else "interrupted"
+        print(f"pacs eval: {what} after {len(journal.done)} of {len(problems)} problems, which are kept in "
               f"{journal.path}: the same command again continues from there", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGTERM if isinstance(exc, Terminated) else 130
     finally:
         engine.close()
     paths = write_eval_outputs(report, out_dir, info=info, plot=cfg.plot)

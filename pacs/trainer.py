@@ -720,10 +720,10 @@ def train(cfg: Config, change: tuple[str, ...] = ()) -> TrainResult:
                 prompts, cut = encode_prompts(run.tokenizer, problems, template=cfg.task.prompt_template,
                                               use_chat_template=cfg.task.use_chat_template,
                                               max_prompt_len=r.max_prompt_len)
-                if cut and not warned_cut:
-                    warned_cut = True
-                    say(f"[warning] prompts longer than rollout.max_prompt_len={r.max_prompt_len} tokens are cut to "
-                        "their last max_prompt_len tokens")
+                if cut and not warned_cut and dist_info.is_main:
+                    warned_cut = True  # (tqdm's write: on a line of its own above the progress bar, not after it)
+                    progress.write(f"[warning] prompts longer than rollout.max_prompt_len={r.max_prompt_len} tokens "
+                                   "are cut to their last max_prompt_len tokens")
                 #    (the ranks of a sequence-parallel group each generate, and score, a share of them)
                 start, stop = prompt_share(per_rank, dist_info.sp)
                 outputs = engine.generate(prompts[start:stop], r.group_size, temperature=r.temperature,
