@@ -4,7 +4,7 @@
 output directory, main process) take the lock before they read or write anything there, and hold it
 for the life of the process. The lock is ``fcntl.flock``: the kernel releases it when the process
 ends, however it ends (kill -9, a crash, a power loss), so a stale lock never blocks a run. The file
-holds the holder's pid and command line, for the message the next process prints.
+holds the holder's pid and program name, for the message the next process prints.
 
 Taking the lock again in the process that holds it is a no-op (``pacs train`` run twice from Python,
 a trainer built twice); a lock file moved away with its directory (``--overwrite`` moves the old run
@@ -34,6 +34,13 @@ def _holder(path: str) -> str:
         return "another process"
     pid, _, command = text.partition(" ")
     return f"process {pid}" + (f" ({command})" if command else "") if pid.isdigit() else "another process"
+
+
+def _program() -> str:
+    """What the holder is, for people: its program and subcommand (``__main__.py train``), no arguments (a
+    command line may carry what others should not read)."""
+    argv = [arg for arg in sys.argv[:2] if arg and not arg.startswith("-") and "=" not in arg]
+    return " ".join([os.path.basename(argv[0]), *argv[1:]]) if argv else ""
 
 
 def _still_held(path: str, fd: int) -> bool:
@@ -73,8 +80,7 @@ def lock_run_directory(directory: str, what: str = "--output-dir") -> str:
               f"{what} {directory!r} at the same time", file=sys.stderr)
         return path
     os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()} {' '.join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv))}"
-                 .strip().encode()[:4096] + b"\n")
+    os.write(fd, f"{os.getpid()} {_program()}".strip().encode() + b"\n")
     os.fsync(fd)
     _held[path] = fd
     return path
