@@ -87,8 +87,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .policy import close_distributed
     from .trainer import TrainingInterrupted, TrainingPreempted, TrainingStopped, resume_hint, train
 
-    change = changed_keys(args.change or [], resume=args.resume)
     cfg = build_config(args)
+    change = changed_keys(args.change or [], resume=cfg.resume)
     try:
         train(cfg, change)
         close_distributed()  # under torchrun: every rank leaves the process group together

@@ -61,7 +61,7 @@ from .reference_policy import ReferenceSnapshot, is_reset_step
 from .resume_check import apply_optimizer_settings, plan_resume, record_resume, resume_command
 from .rollout import make_rollout_engine
 from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
-from .run_lock import RunDirectoryLocked, lock_run_directory
+from .run_lock import lock_run_directory
 from .run_setup import Run, apply_torch_threads, check_config, engine_options, packed_attention_for, prepare_run
 from .sequence_parallel import (
     SequenceParallel,
@@ -540,7 +540,8 @@ def start_run(cfg: Config, dist_info: DistInfo, say=print,
     when not resuming). Nothing is written on a resume: its record is appended once the checkpoint loaded."""
     check_config(cfg, dist_info.world_size)
     check_usable(cfg.output_dir)
-    lock_for_run(cfg.output_dir, dist_info)  # one process per run directory, before anything there is read
+    # one process per run directory (pacs/run_lock.py), before anything there is read
+    on_main_rank(lambda: lock_run_directory(cfg.output_dir), dist_info)
     check_free_for_run(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite)
     choice = plan = None
     if cfg.resume:
@@ -598,23 +599,6 @@ def on_main_rank(check, dist_info: DistInfo):
     if refusal is not None:
         raise ValueError(refusal)
     return result
-
-
-def lock_for_run(output_dir: str, dist_info: DistInfo) -> None:
-    """Rank 0 takes the run directory's lock (pacs/run_lock.py); under torchrun every rank raises its
-    refusal, so that none waits for a run that does not start."""
-    refusal = None
-    if dist_info.is_main:
-        try:
-            lock_run_directory(output_dir)
-        except RunDirectoryLocked as exc:
-            refusal = str(exc)
-    if dist_info.world_size > 1:
-        shared = [refusal]
-        dist.broadcast_object_list(shared, src=0)
-        refusal = shared[0]
-    if refusal is not None:
-        raise RunDirectoryLocked(refusal)
 
 
 def resume_hint(cfg: Config) -> str:
