@@ -36,7 +36,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from .disk_space import NoSpaceLeft, is_disk_full, no_space_message, tensor_bytes
 from .policy import DistInfo
+from .resume_check import check_model_matches
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -205,15 +207,33 @@ def latest_checkpoint(output_dir: str) -> str | None:
 # writing, rotating, loading
 
 
+KEEP = 2  # checkpoints a training run keeps (rotation deletes older ones)
+
+
 def write_checkpoint_files(root: str, step: int, write_files, dist_info: DistInfo | None = None,
-                           keep: int = 2) -> str:
+                           keep: int = KEEP, expected_bytes: int | None = None) -> str:
     """Write checkpoint ``step`` under ``root`` so that it is complete or absent; returns its path.
 
     ``write_files(tmp_dir)`` writes this rank's files (with :func:`save_torch` / :func:`save_json`).
     Every rank calls this; rank 0 creates the temporary directory, writes the manifest, renames,
-    points ``latest`` at the new checkpoint and rotates old ones.
+    points ``latest`` at the new checkpoint and rotates old ones. A full disk (ENOSPC, EDQUOT) on this
+    rank removes the unfinished ``step_X.tmp`` and raises :class:`~pacs.disk_space.NoSpaceLeft` naming
+    the checkpoint, ``expected_bytes`` (what it needs) and the bytes free; older checkpoints are kept.
     """
-    dist_info = dist_info or DistInfo()
+    try:
+        return _write_checkpoint_files(root, step, write_files, dist_info or DistInfo(), keep)
+    except Exception as exc:
+        if not is_disk_full(exc):
+            raise
+        final = os.path.join(root, f"step_{step:06d}")
+        shutil.rmtree(final + ".tmp", ignore_errors=True)
+        if os.path.exists(os.path.join(root, "latest.tmp")):
+            os.remove(os.path.join(root, "latest.tmp"))
+        raise NoSpaceLeft(no_space_message("checkpoint", final, expected_bytes)
+                          + f"; the unfinished {final}.tmp was removed") from exc
+
+
+def _write_checkpoint_files(root: str, step: int, write_files, dist_info: DistInfo, keep: int) -> str:
     name = f"step_{step:06d}"
     final, tmp = os.path.join(root, name), os.path.join(root, name + ".tmp")
     if dist_info.is_main:
@@ -261,7 +281,7 @@ REFERENCE_FILE = "reference.pt"  # PACS's reference weights, when kept across ro
 
 
 def save_checkpoint(output_dir: str, step: int, policy, optimizer, scheduler, state: dict,
-                    dist_info: DistInfo, keep: int = 2, reference_state: dict | None = None) -> str:
+                    dist_info: DistInfo, keep: int = KEEP, reference_state: dict | None = None) -> str:
     """Write checkpoint ``step`` of a training run (every rank must call this). ``reference_state``:
     the reference snapshot's full tensors (pacs/reference_policy.py), when the run keeps one."""
     # frozen parameters (a LoRA run's base model) are the model directory's: not written again
@@ -280,7 +300,9 @@ def save_checkpoint(output_dir: str, step: int, policy, optimizer, scheduler, st
             save_torch(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
             save_json({**state, "step": step, "world_size": dist_info.world_size}, os.path.join(tmp, "state.json"))
 
-    return write_checkpoint_files(os.path.join(output_dir, "checkpoints"), step, write_files, dist_info, keep)
+    expected = tensor_bytes([model_state, optim_state, reference_state or {}])
+    return write_checkpoint_files(os.path.join(output_dir, "checkpoints"), step, write_files, dist_info, keep,
+                                  expected_bytes=expected)
 
 
 def _load(path: str, name: str):
@@ -298,7 +320,9 @@ def load_reference_state(path: str) -> dict | None:
 
 def load_checkpoint(path: str, policy, optimizer, scheduler, dist_info: DistInfo) -> dict:
     """Restore everything saved by :func:`save_checkpoint`; returns the trainer state dict."""
-    model_state, optim_state = _load(path, "model.pt"), _load(path, "optimizer.pt")
+    model_state = _load(path, "model.pt")
+    check_model_matches(model_state, policy.state_dict(), path)  # another model: one line, not a size traceback
+    optim_state = _load(path, "optimizer.pt")
     frozen = {name for name, p in policy.named_parameters() if not p.requires_grad}
     # a LoRA run's checkpoint holds the adapters only; every trainable parameter must be in it
     set_state_dict(policy, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,

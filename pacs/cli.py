@@ -1,7 +1,8 @@
 """``pacs train | eval | bench``: one entry point (also ``python -m pacs``).
 
 Exit codes: 0 done; 2 a setting, path or file that cannot work (one line on stderr, before any
-work when it can be known then); 3 training stopped by repeated non-finite updates; 130 Ctrl-C;
+work when it can be known then; also another process using the run directory, a full disk mid-run);
+3 training stopped by repeated non-finite updates; 130 Ctrl-C;
 143 / 138 training stopped by SIGTERM / SIGUSR1 after checkpointing its step (pacs/stop_signals.py).
 """
 
@@ -46,7 +47,8 @@ def _key_list() -> str:
 def build_config(args: argparse.Namespace) -> Config:
     from .eval_presets import preset_overrides
 
-    cfg = load_config(args.config, preset_overrides(getattr(args, "preset", None)) + list(args.overrides))
+    changes = list(getattr(args, "change", None) or [])
+    cfg = load_config(args.config, preset_overrides(getattr(args, "preset", None)) + list(args.overrides) + changes)
     if args.model is not None:
         cfg.model.path = args.model
     if args.output_dir is not None:
@@ -66,17 +68,29 @@ def build_config(args: argparse.Namespace) -> Config:
     return cfg
 
 
+def changed_keys(assignments: list[str], *, resume: bool) -> tuple[str, ...]:
+    """The dotted keys of ``--change KEY=VALUE`` arguments (checked: they go with --resume)."""
+    if assignments and not resume:
+        raise ValueError("--change names the settings a resumed run changes: it goes with --resume")
+    for assignment in assignments:
+        if "=" not in assignment or not assignment.split("=", 1)[0].strip():
+            raise ValueError(f"--change must look like KEY=VALUE (e.g. --change optim.lr=1e-5), got {assignment!r}")
+    return tuple(assignment.split("=", 1)[0].strip() for assignment in assignments)
+
+
 def _is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from .disk_space import NoSpaceLeft
     from .policy import close_distributed
     from .trainer import TrainingInterrupted, TrainingPreempted, TrainingStopped, resume_hint, train
 
     cfg = build_config(args)
+    change = changed_keys(args.change or [], resume=cfg.resume)
     try:
-        train(cfg)
+        train(cfg, change)
         close_distributed()  # under torchrun: every rank leaves the process group together
     except KeyboardInterrupt:  # outside the training loop (warm-up, model loading, export)
         if _is_main_rank():
@@ -86,6 +100,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         if _is_main_rank():
             print(f"pacs train: stopped: {exc}", file=sys.stderr)
         return 3
+    except NoSpaceLeft as exc:  # a full disk mid-run: one line, and how to continue once space is freed
+        if _is_main_rank():
+            print(f"pacs train: error: {exc}; {resume_hint(cfg)}", file=sys.stderr)
+        return 2
     except TrainingInterrupted as exc:
         if _is_main_rank():
             print(f"pacs train: {exc}", file=sys.stderr)
@@ -106,7 +124,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .eval_outputs import write_eval_outputs
     from .evaluate import run_eval
     from .rollout import make_rollout_engine
+    from .run_lock import lock_run_directory
     from .run_setup import apply_torch_threads, check_config, engine_options, prepare_run
+    from .stop_signals import Terminated, sigterm_raises
 
     cfg = build_config(args)
     if args.n_samples is not None:
@@ -126,6 +146,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     # one process, no training: a run's multi-process training settings (its config.yaml) do not apply
     cfg.train.sequence_parallel_size, cfg.train.fsdp_cpu_offload = 1, False
     check_config(cfg)
+    out_dir = args.eval_dir or os.path.join(cfg.output_dir, "eval")
+    lock_run_directory(out_dir, "--eval-dir")  # one evaluation per eval directory (its journal)
     apply_torch_threads(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     run = prepare_run(cfg, log=lambda *_: None)
     engine = make_rollout_engine(**engine_options(cfg, run.model_dir, cfg.seed, log=lambda *_: None))
@@ -134,7 +156,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     info = {"model": model_dir, "data": cfg.task.data_path if cfg.task.name == "math" else cfg.task.name,
             "preset": args.preset, "temperature": e.temperature, "top_p": e.top_p,
             "max_new_tokens": r.max_new_tokens, "seed": cfg.seed, "label": os.path.basename(model_dir.rstrip("/"))}
-    out_dir = args.eval_dir or os.path.join(cfg.output_dir, "eval")
     problems = run.task.eval_problems(e.num_problems)
     sampling = dict(n_samples=e.n_samples, temperature=e.temperature, top_p=e.top_p, ks=e.ks,
                     max_new_tokens=r.max_new_tokens, seed=cfg.seed, template=cfg.task.prompt_template,
@@ -145,12 +166,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                     "dtype": cfg.model.dtype, "problems": problems_digest(problems), **sampling},
                           say=lambda line: print(line, file=sys.stderr))
     try:
-        report = run_eval(engine, run.task, run.tokenizer, problems, stop_token_ids=run.stop_ids, journal=journal,
-                          progress=True, **sampling)
-    except KeyboardInterrupt:
-        print(f"pacs eval: interrupted after {len(journal.done)} of {len(problems)} problems, which are kept in "
+        with sigterm_raises():  # a scheduler's SIGTERM: say what is kept, like Ctrl-C
+            report = run_eval(engine, run.task, run.tokenizer, problems, stop_token_ids=run.stop_ids,
+                              journal=journal, progress=True, **sampling)
+    except (KeyboardInterrupt, Terminated) as exc:
+        what = "SIGTERM received" if isinstance(exc, Terminated) else "interrupted"
+        print(f"pacs eval: {what} after {len(journal.done)} of {len(problems)} problems, which are kept in "
               f"{journal.path}: the same command again continues from there", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGTERM if isinstance(exc, Terminated) else 130
     finally:
         engine.close()
     paths = write_eval_outputs(report, out_dir, info=info, plot=cfg.plot)
@@ -212,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--algo", choices=("pacs", "grpo"), help=f"(default: {DEFAULTS.optim.algo})")
     train.add_argument("--resume", action="store_true",
                        help="continue the run in --output-dir from its newest verified checkpoint")
+    train.add_argument("--change", action="append", metavar="KEY=VALUE",
+                       help="with --resume: set a setting that changes what the run is (model, algorithm, objective, "
+                            "group size, learning rate or schedule, data, seed), from the resumed step on; recorded "
+                            "in OUTPUT_DIR/config_history.jsonl (repeatable). A resume with such a setting changed "
+                            "otherwise is refused")
     train.add_argument("--overwrite", action="store_true",
                        help="--output-dir holds a run: move it aside (to OUTPUT_DIR.replaced-<time>) and start afresh")
     ev = sub.add_parser("eval", help="held-out accuracy and pass@k of a model", epilog=_key_list(),

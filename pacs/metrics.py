@@ -24,7 +24,11 @@ class MetricsLog:
     ``resume_step=None`` starts a new log (the run directory was checked to hold no run). With a
     step, the existing log is cut back to the rows of steps <= ``resume_step``, so that the resumed
     run appends exactly the rows an uninterrupted run would have written after them; a torn last
-    line (a crash mid-write) is dropped with a warning through ``warn``.
+    line (a crash mid-write) is dropped with a warning through ``warn``, and so are steps up to
+    ``resume_step`` that have no row (one line).
+
+    Every row is flushed and fsynced before :meth:`write` returns: the trainer writes a step's row
+    before its checkpoint, so a checkpoint that survives a power loss never has rows missing behind it.
     """
 
     def __init__(self, path: str, resume_step: int | None = None, enabled: bool = True, warn=print):
@@ -33,23 +37,62 @@ class MetricsLog:
             return
         if resume_step is None or not os.path.isfile(path):
             open(path, "w").close()
+            _fsync_dir(os.path.dirname(os.path.abspath(path)))
+            if resume_step is not None and resume_step > 0:
+                warn(f"[resume] {path} was missing: the rows of steps 0-{resume_step} are lost (the checkpoint "
+                     f"of step {resume_step} is not); the log continues from step {resume_step + 1}")
             return
         rows, torn = read_metrics(path, allow_torn_tail=True)
         if torn:
             warn(f"[resume] {path}: dropped a torn last line (a crash mid-write): {torn[:80]!r}")
         kept = [row for row in rows if row.get("step", 0) <= resume_step]
+        missing = missing_steps([row.get("step", 0) for row in kept], resume_step)
+        if missing:
+            warn(f"[resume] {path} has no rows for steps {missing} behind the checkpoint of step {resume_step} "
+                 "(lost before they reached the disk, or removed): the log keeps that gap")
         with open(path + ".tmp", "w") as fh:
             fh.writelines(json.dumps(row) + "\n" for row in kept)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(path + ".tmp", path)
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
     def write(self, row: dict) -> None:
         if not self.enabled:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(clean) + "\n")
+        try:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(clean) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            from .disk_space import DISK_FULL, NoSpaceLeft, no_space_message
+
+            if exc.errno in DISK_FULL:  # a torn row is dropped on resume
+                raise NoSpaceLeft(no_space_message("metrics row to", self.path, None)) from exc
+            raise
+
+
+def missing_steps(steps: list[int], last: int) -> str:
+    """The steps 0..``last`` absent from ``steps``, as ranges ("6-7, 9"; empty: none)."""
+    present, ranges = set(steps), []
+    for step in range(last + 1):
+        if step in present:
+            continue
+        if ranges and ranges[-1][1] == step - 1:
+            ranges[-1][1] = step
+        else:
+            ranges.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_metrics(path: str, allow_torn_tail: bool = False):

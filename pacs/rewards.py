@@ -16,6 +16,7 @@ it overruns a hard deadline.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import re
 import threading
@@ -95,9 +96,17 @@ def _warm_up_math_verify() -> None:
         return
     from math_verify import LatexExtractionConfig, parse, verify
 
+    # without a timeout on purpose: math-verify's warning about that ("Timeout is disabled ...", once per
+    # process, on the console) is about these two calls only, every later one has its timeout
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(_not_the_timeout_warning)
     gold = parse("\\boxed{\\frac{1}{2}}", extraction_config=(LatexExtractionConfig(),), parsing_timeout=None)
     verify(gold, parse("$0.5$", parsing_timeout=None), timeout_seconds=None)
     _WARMED_UP = True
+
+
+def _not_the_timeout_warning(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Timeout is disabled")
 
 
 def math_verify_check(response: str, answer: str, timeout_s: int) -> tuple[float, str]:

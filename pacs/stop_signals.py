@@ -27,6 +27,7 @@ import os
 import signal
 import threading
 import time
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -111,3 +112,27 @@ class Agreement(NamedTuple):
     signal: str | None      # the stop signal's name (SIGTERM, SIGUSR1, SIGINT), or None
     out_of_time: bool       # max_minutes reached on some rank
     checkpoint_due: bool    # checkpoint_minutes passed since the last checkpoint on some rank
+
+
+class Terminated(Exception):
+    """SIGTERM received inside :func:`sigterm_raises`: raised where the process was."""
+
+
+@contextmanager
+def sigterm_raises():
+    """Inside the block, SIGTERM raises :class:`Terminated` at once (instead of ending the process without a
+    word), so that the caller can say what was kept (``pacs eval``: its journal) and exit with 143, the shell's
+    code for SIGTERM. A SIGTERM ignored on purpose (nohup) stays ignored; outside the main thread nothing
+    changes."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        yield
+        return
+
+    def handle(signum, frame):
+        raise Terminated("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

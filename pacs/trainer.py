@@ -30,9 +30,18 @@ import torch.distributed as dist
 
 from pacs_kernels import fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs
 
-from .checkpoint import find_checkpoint, latest_checkpoint, load_checkpoint, load_reference_state, save_checkpoint
+from .checkpoint import KEEP as CHECKPOINTS_KEPT
+from .checkpoint import (
+    checkpoint_steps,
+    find_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    load_reference_state,
+    save_checkpoint,
+)
 from .config import Config, micro_batch_groups, save_config, use_packing
 from .console import hide_progress_bars
+from .disk_space import NoSpaceLeft, check_checkpoint_space
 from .evaluate import decode_response, encode_prompts, evaluate
 from .memory import activation_offload
 from .metrics import MetricsLog, plot_metrics, read_metrics
@@ -50,8 +59,10 @@ from .packing import (
 from .policy import DistInfo, check_model_path, export_hf, full_named_tensors, load_policy, setup_distributed
 from .preflight import preflight_enabled, run_preflight
 from .reference_policy import ReferenceSnapshot, is_reset_step
+from .resume_check import apply_optimizer_settings, plan_resume, record_resume, resume_command
 from .rollout import make_rollout_engine
 from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
+from .run_lock import lock_run_directory
 from .run_setup import Run, apply_torch_threads, check_config, engine_options, packed_attention_for, prepare_run
 from .sequence_parallel import (
     SequenceParallel,
@@ -531,16 +542,22 @@ def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: f
     return row
 
 
-def start_run(cfg: Config, dist_info: DistInfo, say=print) -> tuple[Run, object]:
+def start_run(cfg: Config, dist_info: DistInfo, say=print,
+              change: tuple[str, ...] = ()) -> tuple[Run, object, object]:
     """Everything before the model loads: config checks, a usable output directory that holds
-    no other run (unless ``resume`` / ``overwrite``), the checkpoint to resume from, the model
-    directory, task and tokenizer. Returns the run and the :class:`~pacs.checkpoint.CheckpointChoice`
-    (None when not resuming)."""
+    no other run (unless ``resume`` / ``overwrite``) and no other process, a resume's settings
+    compared with the run's (``change``: the keys named with --change; pacs/resume_check.py), the
+    checkpoint to resume from, the model directory, task and tokenizer. Returns the run, the
+    :class:`~pacs.checkpoint.CheckpointChoice` and the :class:`~pacs.resume_check.ResumePlan` (both None
+    when not resuming). Nothing is written on a resume: its record is appended once the checkpoint loaded."""
     check_config(cfg, dist_info.world_size)
     check_usable(cfg.output_dir)
+    # one process per run directory (pacs/run_lock.py), before anything there is read
+    on_main_rank(lambda: lock_run_directory(cfg.output_dir), dist_info)
     check_free_for_run(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite)
-    choice = None
+    choice = plan = None
     if cfg.resume:
+        plan = on_main_rank(lambda: plan_resume(cfg, cfg.output_dir, change), dist_info)
         choice = find_checkpoint(cfg.output_dir) if dist_info.is_main else None
         if dist_info.world_size > 1:  # rank 0 verifies; every rank resumes from its choice
             shared = [choice]
@@ -556,28 +573,51 @@ def start_run(cfg: Config, dist_info: DistInfo, say=print) -> tuple[Run, object]
                     "verifies (reasons above); pass --overwrite instead of --resume to move it aside and "
                     "start afresh")
             say(f"[resume] no checkpoint under {cfg.output_dir}/checkpoints: starting from scratch")
-            choice = None
+            choice = plan = None
     if dist_info.world_size > 1:  # every rank has checked the directory before rank 0 changes it
         dist.barrier()
     if dist_info.is_main:
         if cfg.overwrite:
             moved = move_run_aside(cfg.output_dir)
             if moved:
+                lock_run_directory(cfg.output_dir)  # the lock file went aside with the old run: lock the new one
                 say(f"[train] --overwrite: moved the previous run in {cfg.output_dir} to {moved}")
-        # the saved config resumes this run: `pacs train --config OUTPUT_DIR/config.yaml --resume`
-        save_config(dataclasses.replace(cfg, resume=False, overwrite=False), os.path.join(cfg.output_dir,
-                                                                                          "config.yaml"))
+        # the saved config resumes this run: `pacs train --config OUTPUT_DIR/config.yaml --resume`; written once,
+        # when the run starts (a resume's settings go to config_history.jsonl)
+        if choice is None or not os.path.isfile(os.path.join(cfg.output_dir, "config.yaml")):
+            save_config(dataclasses.replace(cfg, resume=False, overwrite=False), os.path.join(cfg.output_dir,
+                                                                                              "config.yaml"))
     apply_torch_threads(cfg, dist_info.device)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    return prepare_run(cfg, dist_info, log=say), choice
+    return prepare_run(cfg, dist_info, log=say), choice, plan
+
+
+def on_main_rank(check, dist_info: DistInfo):
+    """``check()`` on rank 0, its result shared with every rank; its ValueError raised on every rank (one
+    that only rank 0 raised would leave the others waiting in the next collective)."""
+    result, refusal = None, None
+    if dist_info.is_main:
+        try:
+            result = check()
+        except ValueError as exc:
+            if dist_info.world_size == 1:
+                raise
+            refusal = str(exc)
+    if dist_info.world_size > 1:
+        shared = [result, refusal]
+        dist.broadcast_object_list(shared, src=0)
+        result, refusal = shared
+    if refusal is not None:
+        raise ValueError(refusal)
+    return result
 
 
 def resume_hint(cfg: Config) -> str:
     """Where the last checkpoint is and the command that continues the run. (Manifests and sizes checked,
     not checksums: said within a scheduler's grace period or as a crashed run ends; --resume verifies all.)"""
     last = find_checkpoint(cfg.output_dir, checksums=False)
-    command = f"pacs train --config {os.path.join(cfg.output_dir, 'config.yaml')} --resume"
+    command = resume_command(cfg.output_dir)
     if last.path is None:
         return f"no checkpoint was written yet; start again with {command.replace('--resume', '--overwrite')}"
     return f"the last checkpoint is {last.path} (step {last.step}); resume with: {command}"
@@ -600,11 +640,12 @@ def summary_line(cfg: Config, metrics_path: str, steps: int, seconds: float, pea
 checkpoint_clock = time.monotonic  # what checkpoint_minutes is measured with (a module name: tests replace it)
 
 
-def train(cfg: Config) -> TrainResult:
-    """Run (or resume) training as configured."""
+def train(cfg: Config, change: tuple[str, ...] = ()) -> TrainResult:
+    """Run (or resume) training as configured. ``change``: the settings a resume may change although they
+    change what the run is (``pacs train --resume --change KEY=VALUE``; pacs/resume_check.py)."""
     dist_info = setup_distributed(cfg.train.sequence_parallel_size, cfg.train.distributed_timeout_minutes)
     say = print if dist_info.is_main else (lambda *a, **k: None)
-    run, resume = start_run(cfg, dist_info, say)
+    run, resume, resume_plan = start_run(cfg, dist_info, say, change)
     o, r = cfg.optim, cfg.rollout
 
     # ---- policy and optimizer; the checkpoint's state when resuming
@@ -626,12 +667,20 @@ def train(cfg: Config) -> TrainResult:
     state = {"step": 0, "data_position": 0, "consecutive_nan": 0, "skipped_updates": 0}
     if resume is not None:
         state.update(load_checkpoint(resume.path, policy, optimizer, scheduler, dist_info))
+        if resume_plan is not None and any(key.startswith("optim.") for key in resume_plan.changed):
+            apply_optimizer_settings(cfg, optimizer, scheduler)  # the checkpoint's lr / betas / decay replaced
+        if resume_plan is not None and dist_info.is_main:  # the checkpoint fits the model: the resume is recorded
+            record_resume(cfg.output_dir, resume_plan, resume.step, say)
     # PACS's reference, when it is kept for optim.ref_reset_every > 1 rollout steps (pacs/reference_policy.py)
     reference = ReferenceSnapshot(policy) if o.ref_reset_every > 1 else None
     if reference is not None and resume is not None:
         saved = load_reference_state(resume.path)
         if saved is not None:
             reference.load_full_state(saved)
+
+    # the checkpoints this run keeps and its final model fit on the disk: said, or refused, before any rollout
+    check_checkpoint_space(cfg.output_dir, policy, keep=CHECKPOINTS_KEPT, reference_kept=reference is not None,
+                           existing=len(checkpoint_steps(cfg.output_dir)), say=say)
 
     # ---- rollout engine, serving the current weights; the metrics log (cut back when resuming)
     engine = make_rollout_engine(**engine_options(cfg, run.model_dir, cfg.seed + dist_info.rank, log=say))
@@ -673,10 +722,10 @@ def train(cfg: Config) -> TrainResult:
                 prompts, cut = encode_prompts(run.tokenizer, problems, template=cfg.task.prompt_template,
                                               use_chat_template=cfg.task.use_chat_template,
                                               max_prompt_len=r.max_prompt_len)
-                if cut and not warned_cut:
-                    warned_cut = True
-                    say(f"[warning] prompts longer than rollout.max_prompt_len={r.max_prompt_len} tokens are cut to "
-                        "their last max_prompt_len tokens")
+                if cut and not warned_cut and dist_info.is_main:
+                    warned_cut = True  # (tqdm's write: on a line of its own above the progress bar, not after it)
+                    progress.write(f"[warning] prompts longer than rollout.max_prompt_len={r.max_prompt_len} tokens "
+                                   "are cut to their last max_prompt_len tokens")
                 #    (the ranks of a sequence-parallel group each generate, and score, a share of them)
                 start, stop = prompt_share(per_rank, dist_info.sp)
                 outputs = engine.generate(prompts[start:stop], r.group_size, temperature=r.temperature,
@@ -784,7 +833,8 @@ def train(cfg: Config) -> TrainResult:
                 pass
             if isinstance(exc, KeyboardInterrupt):
                 raise TrainingInterrupted(f"interrupted at step {state['step'] + 1}; {resume_hint(cfg)}") from None
-            if isinstance(exc, Exception) and not isinstance(exc, (TrainingInterrupted, TrainingStopped)):
+            said = (TrainingInterrupted, TrainingStopped, NoSpaceLeft)  # their own line says how to resume
+            if isinstance(exc, Exception) and not isinstance(exc, said):
                 # a crash mid-run (out of memory in generation, a reward function's bug, a lost rank): the
                 # error itself follows; say on this rank where the run can be continued from
                 rank = f" on rank {dist_info.rank}" if dist_info.world_size > 1 else ""

@@ -183,6 +183,11 @@ def linear_logprobs(
         respect to hidden, weight and bias for any upstream gradient on either output;
         gradients come back in the input dtypes. Nothing of size N x V is allocated (except by
         the "naive" backend); under ``torch.no_grad()`` nothing is saved for backward.
+
+    Non-finite inputs: a token whose hidden state holds an inf or a NaN gets NaN as its log-prob (and
+    entropy and lse) on every backend, never a finite value or -inf that would look like a token the
+    model rules out; its gradients are NaN or 0. (Without this rule the backends differed: an inf could
+    give -inf on one, NaN on another.) Tokens with finite hidden states are unaffected.
     """
     check_linear_inputs(hidden, weight, targets, bias)
     temperature = check_temperature(temperature)
@@ -209,7 +214,7 @@ def linear_logprobs(
                 if logit_softcap is not None:
                     logits = logit_softcap * torch.tanh(logits / logit_softcap)
                 outputs.append(torch.logsumexp(logits / temperature, -1))
-        return tuple(outputs) if len(outputs) > 1 else outputs[0]
+        return _nan_where_not_finite(hidden, outputs)
 
     hidden_2d = hidden.reshape(-1, width)
     targets_1d = targets.reshape(-1)
@@ -237,4 +242,14 @@ def linear_logprobs(
         outputs.append(entropy.reshape(lead_shape))
     if return_lse:
         outputs.append(lse.detach().float().reshape(lead_shape))
+    return _nan_where_not_finite(hidden, outputs)
+
+
+def _nan_where_not_finite(hidden: torch.Tensor, outputs: list[torch.Tensor]):
+    """NaN in every output of a token whose hidden state holds an inf or a NaN (see linear_logprobs), the
+    outputs as linear_logprobs returns them. One reduction over ``hidden``, no (N, d) temporary, no sync."""
+    with torch.no_grad():
+        finite = torch.isfinite(torch.linalg.vector_norm(hidden, ord=float("inf"), dim=-1))
+    nan = torch.tensor(float("nan"), device=hidden.device)
+    outputs = [torch.where(finite, out, nan) for out in outputs]
     return tuple(outputs) if len(outputs) > 1 else outputs[0]

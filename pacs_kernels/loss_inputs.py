@@ -83,9 +83,11 @@ def check_group_size(group_size, n_responses: int, advantage: str) -> int:
     return group_size
 
 
-def check_beta(beta) -> float:
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta):
-        raise ValueError(f"beta must be a finite number, got {beta!r}")
+def check_beta(beta, name: str = "beta") -> float:
+    """PACS's score scale: a finite number > 0 (0 makes every score 0 and the loss constant; a negative
+    one rewards the wrong answers)."""
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or not beta > 0:
+        raise ValueError(f"{name} must be a finite number > 0 (PACS's score scale), got {beta!r}")
     return float(beta)
 
 

@@ -150,3 +150,46 @@ def test_pacs_eval_killed_and_run_again_writes_the_uninterrupted_report(tmp_path
     monkeypatch.setattr(HFGenerateEngine, "generate", counted)
     assert report(tmp_path / "killed") == expected
     assert len(resumed_calls) == 2  # problems 4-5 and 6: the first 4 came from the journal
+
+
+@pytest.mark.slow
+def test_sigterm_during_pacs_eval_says_what_is_kept_and_exits_143(tmp_path, monkeypatch, capsys):
+    """A scheduler's SIGTERM in the third chunk: the line Ctrl-C gets (what the journal keeps, how to go on)
+    and the shell's code for SIGTERM (issue #26; it ended with 143 and no word)."""
+    import signal
+
+    from pacs.config import Config
+    from pacs.rollout.hf import HFGenerateEngine
+    from pacs.tasks.embedded import build_model, build_tokenizer
+
+    model = tmp_path / "model"
+    build_model(Config().task, len(build_tokenizer()), seed=3).save_pretrained(model)
+    build_tokenizer().save_pretrained(model)
+    monkeypatch.setattr(cli, "EVAL_CHUNK_SEQUENCES", 4)  # 2 samples: 2 problems a chunk
+    generate, calls = HFGenerateEngine.generate, []
+
+    def terminated_in_chunk_3(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return generate(self, *args, **kwargs)
+
+    class NotHandledByPacsEval(Exception):
+        pass
+
+    def unhandled(signum, frame):  # what SIGTERM does here unless pacs eval handles it (not: end pytest)
+        raise NotHandledByPacsEval
+
+    monkeypatch.setattr(HFGenerateEngine, "generate", terminated_in_chunk_3)
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        code = cli.main(["eval", "--model", str(model), "--n-samples", "2", "--temperature", "1", "task.digits=1",
+                         "eval.num_problems=7", "rollout.max_new_tokens=3", "rollout.engine=hf", "plot=false",
+                         "--eval-dir", str(tmp_path / "eval")])
+        assert signal.getsignal(signal.SIGTERM) is unhandled  # put back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    journal = tmp_path / "eval" / JOURNAL_NAME
+    assert code == 143
+    assert (f"pacs eval: SIGTERM received after 4 of 7 problems, which are kept in {journal}: the same command "
+            "again continues from there") in capsys.readouterr().err

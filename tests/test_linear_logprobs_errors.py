@@ -116,3 +116,24 @@ def test_sharded_dtensor_head_is_refused_with_the_fix():
     finally:
         if created:
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["torch", "naive", "triton"])
+def test_a_non_finite_hidden_state_gives_nan_on_every_backend(backend):
+    """One documented rule for inf and NaN in a hidden state (issue #26): NaN for that token's log-prob,
+    entropy and lse on every backend (+inf gave -inf on torch and NaN on naive; -inf, -inf on torch and NaN
+    on Triton); the other tokens keep their values."""
+    h, w, y = _ok()
+    w[:, 0] = 1.0
+    w[y[1], 0] = -1.0  # +inf in column 0: the target's logit -inf, every other +inf
+    w[y[2], 0] = 1.0
+    h[1, 0], h[2, 0], h[3, 0] = float("inf"), float("-inf"), float("nan")
+    logp, entropy, lse = linear_logprobs(h, w, y, backend=backend, return_entropy=True, return_lse=True)
+    for out in (logp, entropy, lse):
+        assert torch.isnan(out[1:4]).all(), (backend, out)
+        assert torch.isfinite(out[[0, 4, 5]]).all(), (backend, out)
+    finite = linear_logprobs(h[[0, 4, 5]], w, y[[0, 4, 5]], backend="torch")
+    torch.testing.assert_close(logp[[0, 4, 5]], finite, rtol=1e-5, atol=1e-5)
+    leaf = h.clone().requires_grad_(True)
+    linear_logprobs(leaf, w, y, backend=backend)[[0, 4, 5]].sum().backward()
+    assert torch.isfinite(leaf.grad[[0, 4, 5]]).all()

@@ -115,3 +115,19 @@ def test_first_check_in_a_fresh_process_is_not_timed_out_by_set_up():
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["1.0", "0"]
+
+
+@needs_math_verify
+def test_the_warm_up_without_a_timeout_prints_nothing():
+    """math-verify warns "Timeout is disabled ..." on the console when called without a timeout, which only
+    the warm-up does (on purpose): that line must not reach the user (issue #26)."""
+    import subprocess
+    import sys
+
+    code = ("from pacs.rewards import MathVerifyReward\n"
+            "print(MathVerifyReward(timeout_s=5)('so \\\\boxed{2}', '2'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1.0"]
+    assert "Timeout is disabled" not in out.stderr + out.stdout

@@ -233,3 +233,21 @@ def test_a_packed_attention_engine_that_cannot_run_is_refused_before_any_work(tm
     code, _, err = run_cli(capsys, "train", "--output-dir", str(tmp_path / "o"))
     assert code == 2 and message in one_error_line(err)
     assert not (tmp_path / "o").exists()
+
+
+def test_the_prompt_cut_warning_gets_a_line_of_its_own(tmp_path, tiny_model, monkeypatch):
+    """Printed on a console where the progress bar (stderr) and the trainer's lines (stdout) share the
+    screen, the warning starts a line of its own, not the bar's line (issue #26)."""
+    import io
+    import sys
+
+    screen = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", screen)
+    monkeypatch.setattr(sys, "stderr", screen)
+    code = main(["train", "--model", tiny_model, "--output-dir", str(tmp_path / "run"), "--max-steps", "1",
+                 *TINY_RUN, "rollout.max_prompt_len=2"])
+    text = screen.getvalue()
+    assert code == 0, text
+    at = text.index("[warning] prompts longer than rollout.max_prompt_len=2 tokens")
+    assert "rollout steps" in text[:at]  # the bar was drawn before it
+    assert text[at - 1] in "\r\n", repr(text[max(0, at - 80):at + 20])

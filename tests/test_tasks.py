@@ -134,3 +134,11 @@ def test_rewards():
     assert math_reward("thus \\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}") == 1.0
     assert math_reward("no answer here", "3") == 0.0
     assert math_reward("the result is 3.0", "3") == 1.0
+
+
+def test_a_data_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps({"problem": "1+1", "answer": "2"}).encode() + b"\n"
+                     + '{"problem": "caf\u00e9", "answer": "2"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.jsonl:2: not UTF-8 text \(byte 0xe9 at offset \d+\); save the file"):
+        load_problems(str(path))

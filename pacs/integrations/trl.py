@@ -51,9 +51,11 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from pacs_kernels import PACSLoss
+from pacs_kernels.loss_inputs import check_beta
 
 from ..memory import activation_offload
 from ..mixed_precision import rounding_warning, share_frozen_by_rounding
+from ..run_lock import RunDirectoryLocked, lock_run_directory
 from ..single_label_groups import group_losses_at_zero, groups_that_must_run, single_label, zero_gradient_at_psi_zero
 from ..stop_signals import StoppedBySignal, StopSignals
 from ..tiled_mlp import tile_mlp
@@ -125,11 +127,16 @@ class PACSConfig(GRPOConfig):
     vllm_importance_sampling_correction: bool = field(
         default=False, metadata={"help": "Must stay False: PACS has no per-token loss for the correction to weight."})
 
+    def __post_init__(self):
+        check_beta(self.pacs_beta, "pacs_beta")  # before GRPOConfig's own checks: a bad value is named first
+        super().__post_init__()
+
 
 def check_pacs_config(args: PACSConfig) -> None:
     """Refuse (ValueError/TypeError) the settings PACS cannot honour; warn about GRPO-only knobs."""
     if not isinstance(args, PACSConfig):
         raise TypeError(f"args must be a PACSConfig, got {type(args).__name__}")
+    check_beta(args.pacs_beta, "pacs_beta")
     if args.loss_type != "pacs":
         raise ValueError(f"PACSTrainer computes the PACS loss: loss_type must be 'pacs', got {args.loss_type!r}")
     tile = args.pacs_mlp_tile_tokens
@@ -278,6 +285,7 @@ class PACSTrainer(GRPOTrainer):
             raise TypeError("args must be a PACSConfig (PACSTrainer has no default config), got None")
         check_pacs_config(args)
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
+        self._lock_output_dir()
         check_supported_head(self.model.config)
         if self.aux_loss_enabled:
             raise ValueError("PACSTrainer cannot honour the MoE router auxiliary loss: expected "
@@ -301,6 +309,23 @@ class PACSTrainer(GRPOTrainer):
         # every step (update_nonzero_frac)
         warn_if_updates_round_away(self.model, args.learning_rate)
         self.add_callback(UpdateMonitorCallback(self))
+
+    def _lock_output_dir(self) -> None:
+        """One training process per output directory (pacs/run_lock.py): the main process takes its lock for
+        the life of the process, before training reads or writes anything there; every process raises its
+        refusal (RunDirectoryLocked, a ValueError naming the holder's pid)."""
+        refusal = None
+        if self.is_world_process_zero():
+            try:
+                lock_run_directory(self.args.output_dir, "output_dir")
+            except RunDirectoryLocked as exc:
+                refusal = str(exc)
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            refusal = broadcast_object_list([refusal], from_process=0)[0]
+        if refusal is not None:
+            raise RunDirectoryLocked(refusal)
 
     def train(self, *args, **kwargs):
         """TRL's train(); with ``pacs_checkpoint_on_signal`` (the default) SIGTERM / SIGUSR1 / Ctrl-C finish

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 import torch
 
 from pacs_kernels import pacs_loss
+from pacs_kernels.loss_inputs import check_beta
 
 OPTION_NAMES = ("beta", "score", "advantage", "weighting", "score_function_term")
 
@@ -59,6 +60,8 @@ def pacs_options() -> dict:
     unknown = sorted(set(options) - set(OPTION_NAMES))
     if unknown:
         raise ValueError(f"PACS_OPTIONS: unknown option(s) {unknown}; expected a subset of {list(OPTION_NAMES)}")
+    if "beta" in options:
+        check_beta(options["beta"], "PACS_OPTIONS beta")
     return options
 
 

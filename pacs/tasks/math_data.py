@@ -41,13 +41,20 @@ def read_rows(path: str) -> list[dict]:
         return pd.read_parquet(path).to_dict("records")
     if path.endswith((".jsonl", ".json")):
         rows = []
-        with open(path) as fh:
-            for n, line in enumerate(fh, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as exc:
-                        raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from exc
+        with open(path, "rb") as fh:
+            data = fh.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = data[:exc.start].count(b"\n") + 1
+            raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+                             "save the file as UTF-8") from None
+        for n, line in enumerate(text.split("\n"), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from exc
         return rows
     raise ValueError(f"task.data_path must end in .jsonl, .json or .parquet, got {path!r}")
 
