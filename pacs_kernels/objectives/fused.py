@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import BACKENDS, FLOAT_DTYPES, check_choice, check_linear_inputs, check_tensor, check_temperature
+from ..checks import BACKENDS, FLOAT_DTYPES, check_choice, check_linear_inputs, check_temperature, check_tensor
 from ..logprobs import linear_logprobs
 from ..loss_inputs import check_group_size
 from ..token_selection import check_response_tokens, match_head_dtype, pick, selected_index
@@ -73,7 +73,8 @@ def fused_linear_objective_loss(
         ``(loss, stats)`` as the objective returns them; the loss is differentiable in hidden, weight, bias.
     """
     if not callable(objective):
-        raise TypeError(f"objective must be a callable satisfying the Objective protocol, got {type(objective).__name__}")
+        raise TypeError("objective must be a callable satisfying the Objective protocol, "
+                        f"got {type(objective).__name__}")
     check_choice("backend", backend, BACKENDS)
     hidden = match_head_dtype(hidden, weight)
     tokens = check_response_tokens(hidden, targets, mask, old_logp, cu_seqlens)
