@@ -164,3 +164,24 @@ def test_fused_bad_inputs(changes, error, match):
     with pytest.raises(error, match=match):
         fused_linear_objective_loss(args.pop("hidden"), args.pop("weight"), args.pop("targets"), args.pop("mask"),
                                     args.pop("rewards"), args.pop("objective"), **args)
+
+
+def test_grpo_and_pacs_objectives_equal_the_existing_fused_losses():
+    """The plug-in path (two passes, rows) gives what fused_linear_grpo_loss / fused_linear_pacs_loss give."""
+    from pacs_kernels import fused_linear_grpo_loss, fused_linear_pacs_loss
+
+    for name, existing, options in [
+        ("grpo", fused_linear_grpo_loss, dict(clip_eps_high=0.25, aggregation="seq_mean", kl_coef=0.05)),
+        ("pacs", fused_linear_pacs_loss, dict(beta=0.5)),
+    ]:
+        data = make_inputs(stable_seed("existing", name), name == "pacs")
+        objective = GRPO(**options) if name == "grpo" else PACS(**options)
+        got = fused((name, objective, None, None), data, False, "torch")
+        hidden, weight = data["hidden"].clone().requires_grad_(), data["weight"].clone().requires_grad_()
+        extra = dict(ref_logp=data["ref"]) if name == "grpo" else {}
+        loss = existing(hidden, weight, data["targets"], data["mask"], data["old"], data["rewards"], group_size=G,
+                        temperature=TEMPERATURE, backend="torch", **options, **extra)
+        loss.backward()
+        torch.testing.assert_close(got[0], loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[2], hidden.grad, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got[3], weight.grad, rtol=1e-4, atol=1e-6)
