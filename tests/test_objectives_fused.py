@@ -1,5 +1,5 @@
 """fused_linear_objective_loss against naive logits + each objective's float64 reference: the loss and
-its gradients with respect to hidden and weight, padded and packed, torch and triton (interpreter, tiny
+its gradients with respect to hidden, weight and bias, padded and packed, torch and triton (interpreter, tiny
 odd shapes: V and d no multiple of a tile), and a user's own objective (a plain function)."""
 
 import pytest
@@ -53,6 +53,7 @@ def make_inputs(seed, binary_rewards):
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(B, T, D, generator=gen)
     weight = 0.4 * torch.randn(V, D, generator=gen)
+    bias = 0.5 * torch.randn(V, generator=gen)
     targets = torch.randint(0, V, (B, T), generator=gen)
     lengths = torch.randint(2, T + 1, (B,), generator=gen)
     mask = (torch.rand(B, T, generator=gen) > 0.25) & (torch.arange(T)[None, :] < lengths[:, None])
@@ -60,30 +61,33 @@ def make_inputs(seed, binary_rewards):
     targets = targets.masked_fill(~mask, -1)  # never read
     with torch.no_grad():
         logp, _ = naive_linear_logprobs(hidden.double(), weight.double(), targets.clamp(min=0),
-                                        temperature=TEMPERATURE)
+                                        temperature=TEMPERATURE, bias=bias.double())
     old = (logp + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)).float().masked_fill(~mask, 50.0)
     ref = (logp + 0.2 * torch.randn(B, T, generator=gen, dtype=torch.float64)).float().masked_fill(~mask, -50.0)
     if binary_rewards:
         rewards = (torch.arange(B) % 3 == 0).float()
     else:
         rewards = torch.randn(B, generator=gen)
-    return dict(hidden=hidden, weight=weight, targets=targets, mask=mask, old=old, ref=ref, rewards=rewards,
+    return dict(hidden=hidden, weight=weight, bias=bias, targets=targets, mask=mask, old=old, ref=ref, rewards=rewards,
                 lengths=lengths)
 
 
 def expected_loss_and_grads(case, data, on_policy):
     _, objective, reference, _ = case
     hidden, weight = data["hidden"].double().requires_grad_(), data["weight"].double().requires_grad_()
-    logp, entropy = naive_linear_logprobs(hidden, weight, data["targets"].clamp(min=0), temperature=TEMPERATURE)
+    bias = data["bias"].double().requires_grad_()
+    logp, entropy = naive_linear_logprobs(hidden, weight, data["targets"].clamp(min=0), temperature=TEMPERATURE,
+                                          bias=bias)
     old = None if on_policy else data["old"]
     loss = reference(objective, logp, old, data["rewards"], data["mask"], group_size=G, ref_logp=data["ref"],
                      entropy=entropy)
     loss.backward()
-    return loss, hidden.grad, weight.grad
+    return loss, hidden.grad, weight.grad, bias.grad
 
 
 def fused(case, data, on_policy, backend, packed=False):
     hidden, weight = data["hidden"].clone().requires_grad_(), data["weight"].clone().requires_grad_()
+    bias = data["bias"].clone().requires_grad_()
     inputs = dict(hidden=hidden, targets=data["targets"], mask=data["mask"], old=data["old"], ref=data["ref"])
     cu_seqlens = None
     if packed:  # each response's first `length` tokens, back to back: no padding at all
@@ -92,18 +96,19 @@ def fused(case, data, on_policy, backend, packed=False):
         cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), data["lengths"].cumsum(0)])
     loss, stats = fused_linear_objective_loss(
         inputs["hidden"], weight, inputs["targets"], inputs["mask"], data["rewards"], case[1], group_size=G,
-        old_logp=None if on_policy else inputs["old"], ref_logp=inputs["ref"], temperature=TEMPERATURE,
+        old_logp=None if on_policy else inputs["old"], ref_logp=inputs["ref"], temperature=TEMPERATURE, bias=bias,
         cu_seqlens=cu_seqlens, backend=backend)
     loss.backward()
-    return loss, stats, hidden.grad, weight.grad
+    return loss, stats, hidden.grad, weight.grad, bias.grad
 
 
 def assert_matches(got, expected):
-    loss, _, d_hidden, d_weight = got
-    want_loss, want_hidden, want_weight = expected
+    loss, _, d_hidden, d_weight, d_bias = got
+    want_loss, want_hidden, want_weight, want_bias = expected
     torch.testing.assert_close(loss.double(), want_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(d_hidden.double(), want_hidden, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(d_weight.double(), want_weight, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(d_bias.double(), want_bias, rtol=1e-4, atol=1e-6)
     assert want_weight.abs().sum() > 0
 
 
@@ -135,7 +140,7 @@ def test_fused_triton_interpreter_matches_reference(name):
 def test_fused_stats_are_the_objectives():
     case = BY_NAME["dapo"]
     data = make_inputs(5, False)
-    _, stats, _, _ = fused(case, data, False, "torch")
+    _, stats, _, _, _ = fused(case, data, False, "torch")
     assert set(stats) >= {"loss", "clip_frac", "ratio_mean", "kl_mean", "entropy_mean"}
     assert stats["clip_frac"] > 0 and stats["entropy_mean"] > 0
 
@@ -180,7 +185,7 @@ def test_grpo_and_pacs_objectives_equal_the_existing_fused_losses():
         hidden, weight = data["hidden"].clone().requires_grad_(), data["weight"].clone().requires_grad_()
         extra = dict(ref_logp=data["ref"]) if name == "grpo" else {}
         loss = existing(hidden, weight, data["targets"], data["mask"], data["old"], data["rewards"], group_size=G,
-                        temperature=TEMPERATURE, backend="torch", **options, **extra)
+                        temperature=TEMPERATURE, bias=data["bias"], backend="torch", **options, **extra)
         loss.backward()
         torch.testing.assert_close(got[0], loss, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got[2], hidden.grad, rtol=1e-4, atol=1e-6)
