@@ -5,6 +5,7 @@ from .grpo import GRPOStats, fused_linear_grpo_loss, grpo_loss
 from .known_grad import linear_logprobs_known_grad
 from .logprobs import linear_logprobs
 from .loss import PACSStats, pacs_loss
+from .objectives import CISPO, DAPO, GRPO, GSPO, PACS, DrGRPO, Objective, fused_linear_objective_loss
 
 __all__ = [
     "linear_logprobs",
@@ -16,5 +17,13 @@ __all__ = [
     "grpo_loss",
     "fused_linear_grpo_loss",
     "GRPOStats",
+    "fused_linear_objective_loss",
+    "Objective",
+    "GRPO",
+    "DAPO",
+    "DrGRPO",
+    "GSPO",
+    "CISPO",
+    "PACS",
 ]
 __version__ = "0.1.0"
