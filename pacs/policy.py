@@ -147,8 +147,19 @@ class Policy(nn.Module):
     """
 
     def __init__(self, causal_lm: nn.Module):
+        from .integrations.model_forward import check_supported_head, logit_scale_of, logit_softcap_of
+
         super().__init__()
         self.causal_lm = causal_lm
+        check_supported_head(causal_lm.config)
+        self.logit_scale = logit_scale_of(causal_lm.config)
+        self.logit_softcap = logit_softcap_of(causal_lm.config)
+
+    def head_options(self, temperature: float) -> dict:
+        """Keyword arguments that make the pacs_kernels functions compute this model's logits at sampling
+        temperature ``temperature`` from (hidden, lm_head_weight): its logit soft-cap (Gemma 2's
+        ``final_logit_softcapping``) and its logit scale, folded into the temperature."""
+        return dict(temperature=temperature / self.logit_scale, logit_softcap=self.logit_softcap)
 
     @property
     def backbone(self) -> nn.Module:
