@@ -655,6 +655,9 @@ def train(cfg: Config) -> TrainResult:
                 prompts, cut = encode_prompts(run.tokenizer, problems, template=cfg.task.prompt_template,
                                               use_chat_template=cfg.task.use_chat_template,
                                               max_prompt_len=r.max_prompt_len)
+                if cut and not r.truncate_prompts:  # (a generated task's prompt beyond the ones measured)
+                    raise ValueError(f"rollout.max_prompt_len={r.max_prompt_len}: a prompt of rollout step {step} is "
+                                     "longer; raise it or set rollout.truncate_prompts=true")
                 if cut and not warned_cut:
                     warned_cut = True
                     say(f"[warning] prompts longer than rollout.max_prompt_len={r.max_prompt_len} tokens are cut to "
