@@ -11,21 +11,35 @@ held-out problems and its first :data:`GENERATED_SAMPLE` training problems, whic
 from __future__ import annotations
 
 from .config import Config
-from .evaluate import encode_prompt
-from .tasks import Task
+from .tasks import Problem, Task
 
 GENERATED_SAMPLE = 1000
+CHUNK = 1024  # prompts per tokenizer call
+
+
+def prompt_lengths(cfg: Config, problems: list[Problem], tokenizer, chunk: int = CHUNK) -> list[int]:
+    """Token counts of the problems' prompts, encoded as :func:`pacs.evaluate.encode_prompt` encodes them (the
+    same tokenizer calls, batched: about 0.5 ms per 300-token prompt on a CPU core, not 5)."""
+    counts = []
+    for start in range(0, len(problems), chunk):
+        texts = [cfg.task.prompt_template.format(prompt=p.prompt) for p in problems[start:start + chunk]]
+        if cfg.task.use_chat_template:
+            ids = tokenizer.apply_chat_template([[{"role": "user", "content": text}] for text in texts],
+                                                add_generation_prompt=True, tokenize=True, return_dict=True)
+        else:
+            ids = tokenizer(texts)
+        counts += [len(row) for row in ids["input_ids"]]
+    return counts
 
 
 def longest_prompt(cfg: Config, task: Task, tokenizer) -> tuple[str, int]:
     """(where, token count) of the longest prompt of ``task``'s problems, encoded as the run encodes them."""
-    where, longest = "no prompt", 0
-    for label, problem in task.labeled_problems(GENERATED_SAMPLE):
-        n = len(encode_prompt(tokenizer, problem, template=cfg.task.prompt_template,
-                              use_chat_template=cfg.task.use_chat_template))
-        if n > longest:
-            where, longest = label, n
-    return where, longest
+    labeled = task.labeled_problems(GENERATED_SAMPLE)
+    counts = prompt_lengths(cfg, [problem for _, problem in labeled], tokenizer)
+    if not counts:
+        return "no prompt", 0
+    i = max(range(len(counts)), key=counts.__getitem__)  # the first of the longest
+    return labeled[i][0], counts[i]
 
 
 def fit_prompt_length(cfg: Config, task: Task, tokenizer, log=print) -> None:

@@ -71,6 +71,26 @@ def test_unset_limit_becomes_the_longest_prompt_with_the_chat_template(tmp_path)
                          "(task.data_path row 1)"]
 
 
+@pytest.mark.parametrize("model", ["qwen2.5-0.5b-instruct", "llama-3.2-1b-instruct"])
+def test_measured_lengths_are_those_of_the_prompts_the_run_encodes(tmp_path, model):
+    """The batched count equals encode_prompt's, with and without the chat template, whatever tokenizer class
+    transformers picks for the model (Qwen2Tokenizer for a qwen2 config, the generic one for llama)."""
+    from transformers import AutoTokenizer
+
+    from pacs.evaluate import encode_prompt
+    from pacs.prompt_lengths import prompt_lengths
+    from pacs.tasks import Problem
+
+    tokenizer = AutoTokenizer.from_pretrained(build_small_model(model, str(tmp_path / "m")))
+    problems = [Problem(f"What is {i} + {i}?" + " Think. Then answer in \\boxed{}." * i, str(2 * i)) for i in range(7)]
+    for chat in (False, True):
+        cfg = load_config(None, ["task.name=math", "task.data_path=x", f"task.use_chat_template={str(chat).lower()}",
+                                 "task.prompt_template=Q: {prompt}"])
+        want = [len(encode_prompt(tokenizer, p, template="Q: {prompt}", use_chat_template=chat)) for p in problems]
+        assert prompt_lengths(cfg, problems, tokenizer, chunk=3) == want
+        assert len(set(want)) == 7
+
+
 def test_a_limit_some_prompt_exceeds_is_refused_unless_truncation_is_asked_for(tmp_path):
     data = write_rows(tmp_path / "rows.jsonl", ["short", "x" * 30, "y" * 12])
     held = write_rows(tmp_path / "held.jsonl", ["z" * 45])
