@@ -225,24 +225,37 @@ def check_two_steps(out):
     for row in trained:
         assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]), row
     assert os.path.isfile(os.path.join(out, "final_model", "config.json"))
+    return trained
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("packing", [True, False])
 @pytest.mark.parametrize("name", MODELS)
-def test_pacs_train_two_bf16_steps(zoo, tmp_path, capsys, name, packing):
+def test_pacs_train_two_bf16_steps(zoo, tmp_path, capsys, monkeypatch, name, packing):
+    """Two steps with mixed rewards (the random model earns no math reward: here a response is right when its
+    token ids add up to an odd number), lr 1e-3 so that bf16 weights move: the exported model differs."""
+    import pacs.trainer
     from pacs.cli import main
+    from pacs.tasks import MathTask
 
+    monkeypatch.setattr(pacs.trainer, "decode_response", lambda tokenizer, tokens: str(sum(tokens) % 2))
+    monkeypatch.setattr(MathTask, "reward", lambda self, text, problem: float(text == "1"))
     data = write_math_data(tmp_path / "math.jsonl")
     out = tmp_path / "run"
-    code = main(train_args(zoo(name), data, out, f"train.packing={str(packing).lower()}"))
+    code = main(train_args(zoo(name), data, out, f"train.packing={str(packing).lower()}", "optim.lr=1e-3"))
     err = capsys.readouterr().err
     if packing and name == "gemma-2-2b-it":  # soft-capped, sliding-window attention: packing cannot be exact
         assert code == 2 and "train.packing=true cannot be exact for this model" in err, err[-2000:]
         assert not (out / "metrics.jsonl").exists()
         return
     assert code == 0, err[-3000:]
-    check_two_steps(out)
+    rows = check_two_steps(out)
+    assert any(row["grad_norm"] > 0 and 0 < row["reward_mean"] < 1 for row in rows)
+    from safetensors.torch import load_file
+
+    before = load_file(os.path.join(zoo(name), "model.safetensors"))
+    after = load_file(os.path.join(out, "final_model", "model.safetensors"))
+    assert any(not torch.equal(before[k], after[k].to(before[k].dtype)) for k in before)
 
 
 @pytest.mark.slow
