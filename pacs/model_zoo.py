@@ -5,11 +5,12 @@ keeps what makes the architecture what it is -- model class, vocabulary size, ro
 norms and their epsilon, activation, tied or untied embeddings, logit and attention soft-caps, query
 pre-attention scalar, the ratio of query to key/value heads, an explicit ``head_dim`` that differs from
 hidden / heads where the real one does, experts -- and shrinks depth and width (2 layers, hidden 64,
-head_dim 32, 2 key/value heads with the real model's number of query heads per key/value head,
-intermediate 128; a sliding window shrinks to 16 tokens so that it still cuts
-at test lengths). It random-initializes that model and saves it, with a byte-level tokenizer built in
-code (one token per byte, ids far below every vocabulary size, a chat template in the Qwen style), as a Hugging Face
-directory ``pacs train --model DIR`` and ``AutoModelForCausalLM.from_pretrained`` load.
+head_dim 32, 2 key/value heads with the real model's number of query heads per key/value head (a config
+without ``head_dim``, which means hidden / heads: 1 key/value head, hidden = heads x 32), intermediate 128;
+a sliding window shrinks to 16 tokens so that it still cuts at test lengths). It random-initializes that
+model and saves it, with a byte-level tokenizer built in code (one token per byte, ids far below every
+vocabulary size, a chat template in the Qwen style), as a Hugging Face directory ``pacs train --model DIR``,
+``AutoModelForCausalLM.from_pretrained`` and vLLM load.
 """
 
 from __future__ import annotations
@@ -70,9 +71,10 @@ def build_byte_tokenizer():
     return tokenizer
 
 
-def small_config(name: str, tokenizer=None):
+def small_config(name: str, tokenizer=None, **overrides):
     """The transformers config of model ``name`` at the reduced shape (:data:`SMALL`), special token ids
-    those of ``tokenizer`` (default :func:`build_byte_tokenizer`'s)."""
+    those of ``tokenizer`` (default :func:`build_byte_tokenizer`'s); ``overrides``: any config field on top
+    (e.g. ``initializer_range``)."""
     from transformers import AutoConfig
 
     data = published_config(name)
@@ -80,10 +82,15 @@ def small_config(name: str, tokenizer=None):
     heads, kv_heads = data["num_attention_heads"], data.get("num_key_value_heads") or data["num_attention_heads"]
     if heads % kv_heads:
         raise ValueError(f"{name}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})")
-    # 2 key/value heads, each shared by as many query heads as in the real model
+    # 2 key/value heads, each shared by as many query heads as in the real model. A config without head_dim
+    # (Qwen2.5) means hidden / heads, as vLLM reads it: there, 1 key/value head and hidden = heads x head_dim.
     small = dict(SMALL, num_attention_heads=SMALL_KV_HEADS * heads // kv_heads, num_key_value_heads=SMALL_KV_HEADS,
                  pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                  eos_token_id=tokenizer.eos_token_id, torch_dtype="float32")
+    if "head_dim" not in data:
+        small.update(num_attention_heads=heads // kv_heads, num_key_value_heads=1,
+                     hidden_size=heads // kv_heads * SMALL["head_dim"])
+        del small["head_dim"]
     if data.get("sliding_window") and data.get("use_sliding_window", True):
         small["sliding_window"] = SMALL_SLIDING_WINDOW
     if "query_pre_attn_scalar" in data:  # Gemma 2: 1/sqrt(this) scales the scores; the real one is head_dim
@@ -93,17 +100,18 @@ def small_config(name: str, tokenizer=None):
     model_type = data.pop("model_type")
     for key in ("architectures", "transformers_version", "torch_dtype", "use_cache", "cache_implementation"):
         data.pop(key, None)
-    data.update(small)
+    data.update(small, **overrides)
     return AutoConfig.for_model(model_type, **data)
 
 
-def build_small_model(name: str, out_dir: str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> str:
-    """Random-initialize model ``name`` at the reduced shape (seeded), save it in ``dtype`` with the byte-level
-    tokenizer to ``out_dir`` and return ``out_dir``."""
+def build_small_model(name: str, out_dir: str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                      **overrides) -> str:
+    """Random-initialize model ``name`` at the reduced shape (seeded; ``overrides`` as in :func:`small_config`),
+    save it in ``dtype`` with the byte-level tokenizer to ``out_dir`` and return ``out_dir``."""
     from transformers import AutoModelForCausalLM
 
     tokenizer = build_byte_tokenizer()
-    config = small_config(name, tokenizer)
+    config = small_config(name, tokenizer, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
