@@ -23,14 +23,15 @@ def test_every_shipped_config_is_covered():
 
 
 def sharpened(model_dir: str, out_dir: str, gain: float = 64.0) -> str:
-    """A copy of the model whose output embedding (tied: the input one too) is ``gain`` times larger: logits
-    of a trained model's size (standard deviation about 10, the largest over 40) instead of a random
-    initialization's (about 0.15), so that Gemma 2's cap at 30 bites and the log-probs are far from uniform."""
+    """A copy of the model whose output embedding (tied: the input one too) is ``gain`` x sqrt(64 / hidden size)
+    times larger: logits of a trained model's size (standard deviation about 10, the largest near 90) instead of
+    a random initialization's (about 0.15), whatever the width, so that Gemma 2's cap at 30 bites and the
+    log-probs are far from uniform."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(gain)
+        model.get_output_embeddings().weight.mul_(gain * (64 / model.config.hidden_size) ** 0.5)
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
     return out_dir
@@ -135,18 +136,18 @@ def relative_error(got, want):
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
-# Measured on this CPU (2026-12-03) with the sharpened heads below (logits up to about 90), the largest over
-# the five architectures, padded and packed: relative errors ||x - x64|| / ||x64|| of the loss and of the
-# gradients (LM head / embedding, final norm, a q_proj, an o_proj) of pacs train's fused loss against the
-# float64 reference run of the same weights:
-#   float32 model:  loss 4.0e-5, gradients 4.8e-5   -> tolerance 2e-4 both
-#   bfloat16 model: loss 0.16 (Qwen2.5; Llama 0.010, Gemma 2 0.027), gradients 0.25 (Qwen3-MoE, whose bf16
-#                   router picks other experts for some tokens; the dense models 0.05-0.16)
-#                                                   -> tolerance 0.3 (loss), 0.4 (gradients)
+# Measured on this CPU (2026-12-03) with the sharpened heads below (logits up to about 90), padded and packed:
+# relative errors ||x - x64|| / ||x64|| of the loss and of the gradients (LM head / embedding, final norm, a
+# q_proj, an o_proj) of pacs train's fused loss against the float64 reference run of the same weights, the
+# largest over the five architectures:
+#   float32 model:  loss 4.6e-5, gradients 9.9e-5 (Qwen2.5; the others 2e-5 - 4e-5)  -> tolerance 3e-4 both
+#   bfloat16 model: loss 0.135 (Qwen2.5; Llama 0.010, Gemma 2 0.027, Qwen3 0.067, Qwen3-MoE 0.125),
+#                   gradients 0.248 (Qwen3-MoE, whose bf16 router picks other experts for some tokens;
+#                   the dense models 0.04 - 0.15)                                     -> tolerance 0.3 (loss), 0.4
 # bfloat16 rounds every activation (8 bits of mantissa) and logits of size 90 carry errors of about 0.3:
 # the bf16 check only catches gross errors. It does catch them: Gemma 2 without its soft-cap moves the loss
 # by 144x its value (checked below); the float32 check is the exact one.
-TOLERANCE = {"float32": (2e-4, 2e-4), "bfloat16": (0.3, 0.4)}
+TOLERANCE = {"float32": (3e-4, 3e-4), "bfloat16": (0.3, 0.4)}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
