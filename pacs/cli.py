@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-from .config import Config, config_keys, load_config
+from .config import BUILTIN_TASK_SETTINGS, Config, apply_dict, config_keys, load_config
 from .console import quiet_third_party
 
 DEFAULTS = Config()
@@ -38,9 +38,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def _key_list() -> str:
+    builtin = dict(config_keys(apply_dict(Config(), BUILTIN_TASK_SETTINGS)))
     lines = ["Every setting (KEY=VALUE overrides, or the same keys in a --config YAML file; precedence:",
-             "defaults < --config < KEY=VALUE < named flags). Defaults, as in configs/default.yaml:", ""]
-    lines += [f"  {key} = {value}" for key, value in config_keys()]
+             "defaults < --config < KEY=VALUE < named flags). Defaults (a real model's; where the built-in",
+             "tasks embedded and wordmath differ, theirs in brackets, as in configs/default.yaml):", ""]
+    lines += [f"  {key} = {value}" + (f"  [{builtin[key]}]" if builtin[key] != value else "")
+              for key, value in config_keys()]
     return "\n".join(lines)
 
 
@@ -48,7 +51,10 @@ def build_config(args: argparse.Namespace) -> Config:
     from .eval_presets import preset_overrides
 
     changes = list(getattr(args, "change", None) or [])
-    cfg = load_config(args.config, preset_overrides(getattr(args, "preset", None)) + list(args.overrides) + changes)
+    data = getattr(args, "data", None)  # pacs eval --data: every row of this file is a problem to evaluate
+    from_data = ["task.name=math", f"task.data_path={data}", f"task.eval_path={data}"] if data is not None else []
+    cfg = load_config(args.config, preset_overrides(getattr(args, "preset", None)) + list(args.overrides) + from_data
+                      + changes)
     if args.model is not None:
         cfg.model.path = args.model
     if args.output_dir is not None:
@@ -141,8 +147,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         cfg.eval.ks = tuple(args.k)
     if args.num_problems is not None:
         cfg.eval.num_problems = args.num_problems
-    if args.data is not None:  # every row of this file is a problem to evaluate
-        cfg.task.name, cfg.task.data_path, cfg.task.eval_path = "math", args.data, args.data
     # one process, no training: a run's multi-process training settings (its config.yaml) do not apply
     cfg.train.sequence_parallel_size, cfg.train.fsdp_cpu_offload = 1, False
     check_config(cfg)

@@ -1,9 +1,9 @@
 """One dataclass tree for every setting of a run; YAML files and command-line overrides fill it.
 
-Precedence (later wins): the dataclass defaults (which reproduce the built-in "embedded" run),
-the YAML file given with ``--config``, ``key.path=value`` overrides, then the named flags
-(``--model``, ``--max-steps``, ...). :func:`validate` rejects configs that cannot work before any
-work starts.
+Precedence (later wins): the dataclass defaults (a real model's settings, the paper's; the built-in tasks
+"embedded" and "wordmath" add their toy settings, :data:`BUILTIN_TASK_SETTINGS`), the YAML file given with
+``--config``, ``key.path=value`` overrides, then the named flags (``--model``, ``--max-steps``, ...).
+:func:`validate` rejects configs that cannot work before any work starts.
 """
 
 from __future__ import annotations
@@ -69,9 +69,12 @@ class RolloutConfig:
     prompts_per_step: int = 32      # prompts per rollout step (all ranks together)
     temperature: float = 1.0
     top_p: float = 1.0
-    max_new_tokens: int = 6
-    max_prompt_len: int = 32
-    gpu_memory_utilization: float = 0.3
+    max_new_tokens: int = 4096      # the paper's response budget (the built-in tasks: 6)
+    max_prompt_len: int | None = None  # None: the longest prompt of the task's data, tokenized as the run will
+                                       # (pacs/prompt_lengths.py; the built-in tasks: 32); a prompt longer than a
+                                       # number set here is refused before any work, unless truncate_prompts
+    truncate_prompts: bool = False  # cut prompts longer than max_prompt_len to their last max_prompt_len tokens
+    gpu_memory_utilization: float = 0.5  # vLLM's share of the GPU (the built-in tasks: 0.3)
     kv_cache_gib: float = 1.0
     enforce_eager: bool = True
 
@@ -79,7 +82,7 @@ class RolloutConfig:
 @dataclass
 class OptimConfig:
     algo: str = "pacs"              # pacs | grpo
-    lr: float = 2e-4
+    lr: float = 1e-6                # the paper's (the built-in tasks: 2e-4)
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     lr_schedule: str = "cosine"     # constant | cosine | linear (decays to 0 at max_steps)
@@ -176,6 +179,14 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
+# The built-in tasks (embedded, wordmath: tiny models, prompts of a few tokens) start from these toy settings
+# instead of the dataclass defaults above, which are a real model's (the paper's); configs/default.yaml
+# lists the built-in run's every value. Applied by load_config under the YAML file and the overrides.
+BUILTIN_TASKS = ("embedded", "wordmath")
+BUILTIN_TASK_SETTINGS = {"optim": {"lr": 2e-4},
+                         "rollout": {"max_prompt_len": 32, "max_new_tokens": 6, "gpu_memory_utilization": 0.3}}
+
+
 def to_dict(cfg: Any) -> dict:
     """Plain nested dict (tuples become lists) for YAML/JSON."""
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
@@ -259,8 +270,26 @@ def apply_override(cfg: Config, assignment: str) -> Config:
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the YAML file at ``path``, then ``key=value`` overrides."""
-    cfg = Config()
+    """Defaults, then the YAML file at ``path``, then ``key=value`` overrides. The defaults are the
+    dataclasses' (a real model's) or, when the resulting ``task.name`` is a built-in task, those plus
+    :data:`BUILTIN_TASK_SETTINGS`."""
+    data = read_yaml(path)
+    cfg = _layered(Config(), data, overrides)
+    if cfg.task.name in BUILTIN_TASKS:
+        cfg = _layered(apply_dict(Config(), BUILTIN_TASK_SETTINGS), data, overrides)
+    return cfg
+
+
+def _layered(cfg: Config, data: dict, overrides: list[str] | None) -> Config:
+    apply_dict(cfg, data)
+    for assignment in overrides or []:
+        apply_override(cfg, assignment)
+    return cfg
+
+
+def read_yaml(path: str | None) -> dict:
+    """The mapping in the YAML file at ``path`` ({} for None)."""
+    data: dict = {}
     if path is not None:
         if not os.path.isfile(path):
             raise ValueError(f"--config: no such file {path!r}")
@@ -269,10 +298,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
                 data = yaml.safe_load(fh) or {}
             except yaml.YAMLError as exc:
                 raise ValueError(f"--config: {path!r} is not valid YAML ({exc})") from exc
-        apply_dict(cfg, data)
-    for assignment in overrides or []:
-        apply_override(cfg, assignment)
-    return cfg
+    return data
 
 
 def save_config(cfg: Config, path: str) -> None:
@@ -325,7 +351,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
             f"got {r.group_size}")
     _positive("rollout.prompts_per_step", r.prompts_per_step)
     _positive("rollout.max_new_tokens", r.max_new_tokens)
-    _positive("rollout.max_prompt_len", r.max_prompt_len)
+    if r.max_prompt_len is not None:
+        _positive("rollout.max_prompt_len", r.max_prompt_len)
     if not r.temperature > 0:
         raise ValueError(f"rollout.temperature must be > 0 for training rollouts, got {r.temperature}")
     if not 0 < r.top_p <= 1:
@@ -466,7 +493,7 @@ def validate_train(cfg: Config, world_size: int = 1) -> None:
             raise ValueError(f"train.{name} must be a positive number of tokens or None, got {value!r}")
     # a sequence's forward cannot be cut: a budget below the longest sequence the rollouts may give
     # would stop the run at the first one that long, perhaps hours in; say so before any work
-    longest = cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens
+    longest = (cfg.rollout.max_prompt_len or 1) + cfg.rollout.max_new_tokens  # (None: checked once measured)
     for name in ("max_tokens_per_micro_batch", "old_policy_max_tokens"):
         value = getattr(tr, name)
         if value is not None and value < longest:
@@ -502,8 +529,9 @@ def validate_train(cfg: Config, world_size: int = 1) -> None:
 
 
 def check_lengths(cfg: Config, max_positions: int | None) -> None:
-    """Prompt + response must fit the model's positions (checked once the model config is known)."""
-    need = cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens
+    """Prompt + response must fit the model's positions (checked once the model config is known, again once
+    an unset ``rollout.max_prompt_len`` is measured)."""
+    need = (cfg.rollout.max_prompt_len or 1) + cfg.rollout.max_new_tokens
     if max_positions is not None and need > max_positions:
         raise ValueError(
             f"rollout.max_prompt_len + rollout.max_new_tokens = {need} exceeds the model's "

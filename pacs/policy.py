@@ -156,11 +156,22 @@ class Policy(nn.Module):
     """
 
     def __init__(self, causal_lm: nn.Module, precision: Precision | None = None, autocast: bool = False):
+        from .integrations.model_forward import check_supported_head, logit_scale_of, logit_softcap_of
+
         super().__init__()
         self.causal_lm = causal_lm
         dtype = getattr(causal_lm, "dtype", torch.float32)
         self.precision = precision or Precision(compute=dtype, master=dtype)
         self.autocast_dtype = self.precision.compute if autocast and self.precision.mixed else None
+        check_supported_head(causal_lm.config)
+        self.logit_scale = logit_scale_of(causal_lm.config)
+        self.logit_softcap = logit_softcap_of(causal_lm.config)
+
+    def head_options(self, temperature: float) -> dict:
+        """Keyword arguments that make the pacs_kernels functions compute this model's logits at sampling
+        temperature ``temperature`` from (hidden, lm_head_weight): its logit soft-cap (Gemma 2's
+        ``final_logit_softcapping``) and its logit scale, folded into the temperature."""
+        return dict(temperature=temperature / self.logit_scale, logit_softcap=self.logit_softcap)
 
     @property
     def backbone(self) -> nn.Module:

@@ -3,8 +3,9 @@
 :func:`prepare_run` checks the config (no model needed), finds or builds the model directory,
 checks it holds weights and that prompt + response fit its positions, builds the task (checking
 that it has a held-out set) and loads the tokenizer. :func:`engine_options` gives the rollout
-engine's arguments. (Prompts are cut to ``rollout.max_prompt_len`` by one function for training and
-both evaluations: :func:`pacs.evaluate.encode_prompts`.)
+engine's arguments. Prompts are measured with the tokenizer before the model loads
+(pacs/prompt_lengths.py); where ``rollout.truncate_prompts`` allows it they are cut to ``rollout.max_prompt_len``
+by one function for training and both evaluations: :func:`pacs.evaluate.encode_prompts`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .config import Config, check_lengths, use_packing, validate
+from .config import Config, check_lengths, use_packing, validate, validate_train
 from .policy import DistInfo, check_model_path, max_positions, resolve_dtype
+from .prompt_lengths import fit_prompt_length
 from .rollout import check_vllm_available
 from .tasks import Task, make_task
 from .varlen_attention import check_requested_engine, requested_engine
@@ -107,6 +109,12 @@ def prepare_run(cfg: Config, dist_info: DistInfo | None = None, log=print) -> Ru
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    # the prompts measured with the run's tokenizer, before the model loads (pacs/prompt_lengths.py)
+    measured = cfg.rollout.max_prompt_len is None
+    fit_prompt_length(cfg, task, tokenizer, log=log if dist_info.is_main else (lambda *_: None))
+    if measured:
+        check_lengths(cfg, max_positions(check_model_path(model_dir, cfg.model.trust_remote_code)))
+        validate_train(cfg, dist_info.world_size)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return Run(cfg, model_dir, task, tokenizer, pad_id, [tokenizer.eos_token_id])
 

@@ -105,7 +105,7 @@ def part_surrogate(cfg: Config, policy, batch, lo: int, hi: int, gradients: Grou
     selected = part.mask
     surrogate, logp = linear_logprobs_known_grad(
         hidden[selected], weight, part.targets[selected], to_layout(part, lo, gradients.grad_logp)[selected],
-        to_layout(part, lo, gradients.lse)[selected], temperature=cfg.rollout.temperature, bias=bias,
+        to_layout(part, lo, gradients.lse)[selected], **policy.head_options(cfg.rollout.temperature), bias=bias,
         backend=backend_for(selected, cfg.optim.logprob_backend))
     if expected_logp is not None:
         drift = logprob_drift(logp, to_layout(part, lo, expected_logp)[selected])

@@ -235,7 +235,7 @@ def old_policy_logprobs(policy, batch: Batch, ranges: list[tuple[int, int]], tem
         hidden, weight, bias = forward_micro_batch(policy, part)
         selected = part.mask
         logp, entropy, lse = linear_logprobs(hidden[selected], weight, part.targets[selected], bias=bias,
-                                             temperature=temperature, return_entropy=True, return_lse=True,
+                                             **policy.head_options(temperature), return_entropy=True, return_lse=True,
                                              backend=backend_for(selected, backend))
         if i >= len(ranges):  # a filler: under sequence parallelism its tokens may sit on other ranks than in
             continue          # the chunk that wrote them, and the group's sum would count them twice
@@ -258,7 +258,7 @@ def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: t
     unchanged since the old-policy pass): the one-sweep first step."""
     hidden, weight, bias = forward_micro_batch(policy, part)
     o, group = cfg.optim, cfg.rollout.group_size
-    common = dict(group_size=group, temperature=cfg.rollout.temperature, bias=bias, return_stats=True,
+    common = dict(group_size=group, **policy.head_options(cfg.rollout.temperature), bias=bias, return_stats=True,
                   backend=o.logprob_backend, chunk_budget_mib=cfg.train.loss_chunk_mib)
     if isinstance(part, PackedMicroBatch):
         common["cu_seqlens"] = part.cu_seqlens
@@ -283,7 +283,7 @@ def sequence_parallel_loss(cfg: Config, policy, part: PackedMicroBatch, lo: int,
     hidden, weight, bias = forward_micro_batch(policy, part)
     chunk_mib = cfg.train.loss_chunk_mib  # the torch backend's logits chunk, where the user set one
     logp = linear_logprobs(hidden[part.mask], weight, part.targets[part.mask], bias=bias,
-                           temperature=cfg.rollout.temperature,
+                           **policy.head_options(cfg.rollout.temperature),
                            backend=backend_for(part.mask, cfg.optim.logprob_backend),
                            chunk_elements=None if chunk_mib is None else max(1, int(chunk_mib * 2**20) // 4))
     logp_rows = whole_micro_batch(part, logp, lo, old_logp_rows.shape[1])
@@ -722,6 +722,9 @@ def train(cfg: Config, change: tuple[str, ...] = ()) -> TrainResult:
                 prompts, cut = encode_prompts(run.tokenizer, problems, template=cfg.task.prompt_template,
                                               use_chat_template=cfg.task.use_chat_template,
                                               max_prompt_len=r.max_prompt_len)
+                if cut and not r.truncate_prompts:  # (a generated task's prompt beyond the ones measured)
+                    raise ValueError(f"rollout.max_prompt_len={r.max_prompt_len}: a prompt of rollout step {step} is "
+                                     "longer; raise it or set rollout.truncate_prompts=true")
                 if cut and not warned_cut and dist_info.is_main:
                     warned_cut = True  # (tqdm's write: on a line of its own above the progress bar, not after it)
                     progress.write(f"[warning] prompts longer than rollout.max_prompt_len={r.max_prompt_len} tokens "

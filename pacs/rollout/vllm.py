@@ -195,6 +195,8 @@ class VLLMRolloutEngine:
         self._weights_stale = False
         self._sampling_params_cls = vllm.SamplingParams
         self.vocab_size = int(self._llm.llm_engine.model_config.get_vocab_size())
+        # a tied LM head is the embedding: some of vLLM's models (Gemma 2) have no lm_head to load it into
+        self._tied_head = bool(getattr(self._llm.llm_engine.model_config.hf_text_config, "tie_word_embeddings", False))
 
     # ------------------------------------------------------------------------------------------
     def generate(
@@ -295,8 +297,11 @@ class VLLMRolloutEngine:
                         f"named_tensors must yield (str, torch.Tensor) pairs; got "
                         f"{type(tensor).__name__} for {name!r}"
                     )
+                name = _strip_wrapper_prefixes(name)
+                if self._tied_head and name == "lm_head.weight":
+                    continue  # the embedding, loaded under its own name
                 last[:] = [(name, tuple(tensor.shape))]
-                yield _strip_wrapper_prefixes(name), tensor.detach()
+                yield name, tensor.detach()
 
         try:
             # in-process engine core: the worker consumes the iterator, no copy via disk
@@ -316,6 +321,8 @@ class VLLMRolloutEngine:
                 f"shapes of the model the engine serves?"
             ) from error
         self._llm.collective_rpc(vllm_compat.refresh_tied_lm_head)
+        if not self.on_gpu:
+            self._llm.collective_rpc(vllm_compat.prepack_reloaded_cpu_experts)
         self._weights_stale = False
         # cached prompt KV blocks were computed with the old weights
         self._llm.reset_prefix_cache()

@@ -228,6 +228,29 @@ def refresh_tied_lm_head(worker: Any) -> None:
         quant_method.process_weights_after_loading(lm_head)
 
 
+def prepack_reloaded_cpu_experts(worker: Any) -> None:
+    """Put reloaded mixture-of-experts weights back into the CPU kernel's grouped-GEMM layout.
+
+    Runs on the vLLM worker after a full weight reload. On a weight update vLLM's unquantized MoE method
+    copies the new (checkpoint-layout) expert weights into the parameters but skips the CPU experts'
+    ``process_weights_after_loading`` (pad + prepack), which it runs on the first load only: the kernel then
+    reads raw weights as prepacked ones and the model's outputs are garbage (even after syncing the very
+    weights it had). Every MoE layer is reloaded by a sync, so every one is prepacked again here.
+
+    vLLM 0.32.0 (CPU). Guarded by tests/test_real_models.py::
+    test_vllm_serves_the_architecture_and_takes_new_weights[qwen3-30b-a3b].
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM without the CPU experts
+        return
+    for module in worker.model_runner.get_model().modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+
+
 def keep_process_group(llm: Any) -> None:
     """Check that ``llm`` runs vLLM's in-process engine core and stop its finalizer from tearing
     down torch.distributed for the whole process (the trainer's group included) when the engine

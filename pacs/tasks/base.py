@@ -28,6 +28,13 @@ class Task:
     def eval_problems(self, limit: int | None = None) -> list[Problem]:
         raise NotImplementedError
 
+    def labeled_problems(self, sample: int) -> list[tuple[str, Problem]]:
+        """The problems a run may see, each with where it is, for the prompt-length check
+        (pacs/prompt_lengths.py). A generated stream: its held-out problems and its first ``sample``
+        training problems (one format)."""
+        held = [(f"held-out problem {i}", p) for i, p in enumerate(self.eval_problems())]
+        return held + [(f"training problem {i}", self.train_problem(i)) for i in range(sample)]
+
     def target_text(self, problem: Problem) -> str:
         """The reply a supervised warm-up teaches for ``problem`` (the bare answer by default)."""
         return problem.answer

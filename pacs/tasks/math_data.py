@@ -80,12 +80,15 @@ class MathTask(Task):
 
     def __init__(self, data_path: str, *, eval_path: str | None = None, eval_size: int = 200, seed: int = 0):
         problems = load_problems(data_path)
+        labels = [f"task.data_path row {i}" for i in range(len(problems))]
         if eval_path:
             self._eval = load_problems(eval_path)
             self._train = problems
+            self._labels = labels + [f"task.eval_path row {i}" for i in range(len(self._eval))]
         else:  # hold out the last eval_size rows (at most half of the file)
             held = min(eval_size, len(problems) // 2)
             self._train, self._eval = problems[:len(problems) - held], problems[len(problems) - held:]
+            self._labels = labels
         self.seed = seed
         self.reward_fn = math_reward
         self._orders: dict[int, list[int]] = {}
@@ -97,6 +100,10 @@ class MathTask(Task):
             random.Random(f"math-{self.seed}-{epoch}").shuffle(order)
             self._orders = {epoch: order}
         return self._train[self._orders[epoch][offset]]
+
+    def labeled_problems(self, sample: int) -> list[tuple[str, Problem]]:
+        """Every row of the training file (and of the held-out file), numbered from 0 in its file."""
+        return list(zip(self._labels, self._train + self._eval))
 
     def eval_problems(self, limit: int | None = None) -> list[Problem]:
         return self._eval[:limit] if limit is not None else list(self._eval)
