@@ -78,3 +78,42 @@ def test_wheel_holds_the_two_packages_only(tmp_path):
     assert any(r.startswith("torch>=2.4") for r in requires)
     assert set(metadata.get_all("Provides-Extra")) == EXTRAS
     assert "pacs = pacs.cli:main" in entry_points
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_into_a_clean_venv_with_torch_only_and_runs_the_quick_start(tmp_path):
+    """A fresh venv (no site packages): torch 2.13.0's CPU build, then the wheel with its own dependencies
+    (numpy, pyyaml, triton), at the locked versions; the README's quick start runs from outside the checkout
+    against the installed package."""
+    src = tmp_path / "src"
+    shutil.copytree(os.path.join(repo_root(), "pacs"), src / "pacs", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(os.path.join(repo_root(), "pacs_kernels"), src / "pacs_kernels",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(repo_root(), name), src / name)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                            "-q", str(src), "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = str(venv / "bin" / "python")
+    lock = os.path.join(repo_root(), "requirements", "lock-cpu.txt")
+    for what in (["torch==2.13.0"], [str(wheel)]):  # torch first: its CPU build, never a CUDA one
+        done = subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", *what, "-c", lock],
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+    installed = subprocess.run([python, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True,
+                               check=True).stdout
+    assert "+cpu" in next(line for line in installed.splitlines() if line.startswith("torch=="))
+    assert not any(line.startswith(("transformers==", "trl==", "vllm")) for line in installed.splitlines())
+    with open(os.path.join(repo_root(), "README.md")) as f:
+        readme = f.read()
+    quick_start = readme.split("## Quick start", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "quick_start.py"
+    script.write_text("import pacs_kernels, sys\nassert sys.prefix in pacs_kernels.__file__, pacs_kernels.__file__\n"
+                      + quick_start)
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    ran = subprocess.run([python, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "torch.Size([8, 16, 64]) torch.Size([1000, 64])" in ran.stdout
