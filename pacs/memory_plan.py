@@ -199,6 +199,12 @@ class MemoryPlan:
         return sum(self.components.values()) + max(self.transient.values(), default=0.0)
 
     @property
+    def training_peak(self) -> float:
+        """The peak without vLLM's share and the assumed CUDA reserve: what torch's allocator holds at the
+        peak (comparable with the preflight's max_memory_allocated)."""
+        return self.peak - sum(v for k, v in self.components.items() if k.startswith(("vLLM", "CUDA context")))
+
+    @property
     def capacity(self) -> float:
         return self.inputs.gpu_gib * GiB
 
@@ -491,3 +497,14 @@ def preset_header(plan: MemoryPlan) -> list[str]:
     if plan.generation_peak:
         lines.append(f"#   generation (rollout.engine=hf, KV cache included): {plan.generation_peak / GiB:.2f} GiB")
     return lines
+
+
+def planned_training_gib(cfg, model_config, gpu_gib: float, gpus: int) -> float | None:
+    """The planned training peak (GiB, :attr:`MemoryPlan.training_peak`) of ``cfg`` for a loaded model's
+    Hugging Face config, or None when its config is not one the planner reads (the preflight prints it
+    beside the measured peak when it can)."""
+    try:
+        shape = shape_from_config(model_config.to_dict(), name=getattr(model_config, "model_type", "model"))
+        return plan_for_config(cfg, shape, gpu_gib, gpus).training_peak / GiB
+    except (ValueError, KeyError, TypeError):
+        return None

@@ -182,3 +182,25 @@ def test_planner_within_15_percent_of_measured_peaks():
     for probe in ("none", "ckpt", "bf16_autocast_master_fp32"):
         row = run_probe(probe, threads=2, timeout=300)
         assert abs(row["error_pct"]) <= 15, row
+
+
+def test_preflight_prediction_from_a_loaded_model_config():
+    import transformers
+
+    from pacs.memory_plan import planned_training_gib
+
+    cfg = load_config(os.path.join(REPO, "configs", "presets", "qwen2.5-1.5b_full_80gb.yaml"))
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in load_model_shape_raw("qwen2.5-1.5b").items()
+                                                  if k not in ("architectures", "torch_dtype")})
+    planned = planned_training_gib(cfg, config, 80, 1)
+    plan = plan_preset(os.path.join(REPO, "configs", "presets", "qwen2.5-1.5b_full_80gb.yaml"))
+    assert planned == pytest.approx(plan.training_peak / GiB)
+    assert planned < plan.peak / GiB - 24  # without vLLM's 30% of 80 GiB
+    assert planned_training_gib(cfg, transformers.PretrainedConfig(), 80, 1) is None
+
+
+def load_model_shape_raw(name):
+    import json
+
+    with open(os.path.join(REPO, "configs", "presets", "models", name, "config.json")) as fh:
+        return json.load(fh)
