@@ -158,7 +158,7 @@ def test_every_preset_loads_validates_and_fits_its_gpu(path):
 
 def test_cli_plans_a_preset(capsys):
     assert main(["plan", "--preset", PRESETS[0]]) == 0
-    assert "fits 8 x 80 GiB" in capsys.readouterr().out
+    assert "fits 8 x 79 GiB" in capsys.readouterr().out
 
 
 def test_presets_cover_the_issue_s_settings():
