@@ -267,8 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--lora-rank", type=int, help="plan LoRA adapters of this rank (default: full fine-tuning)")
     plan.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                       help="comma-separated projections LoRA adapts (default: all seven)")
-    plan.add_argument("--compute-dtype", default="bfloat16", help="model.dtype (default: bfloat16)")
-    plan.add_argument("--master-dtype", default="float32", help="optim.master_dtype (default: float32)")
+    plan.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float32"), help="model.dtype (default: bfloat16)")
+    plan.add_argument("--master-dtype", default="float32", choices=("float32", "bfloat16"), help="optim.master_dtype (default: float32)")
     plan.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                       help="rollout.gpu_memory_utilization, vLLM's share held during training; 0: "
                            "rollout.engine=hf (default: 0.3)")

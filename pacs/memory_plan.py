@@ -356,7 +356,7 @@ def lever_ladder(inp: PlanInputs) -> list[Levers]:
 
 
 def cheapest_fitting_plan(inp: PlanInputs) -> tuple[MemoryPlan, bool]:
-    """(the first plan of :func:`lever_ladder` that fits, True), or (the roomiest one, False)."""
+    """(the first plan of :func:`lever_ladder` that fits, True), or (the one with the lowest peak, False)."""
     plans = [plan_memory(inp, levers) for levers in lever_ladder(inp)]
     for plan in plans:
         if plan.fits:
@@ -365,22 +365,39 @@ def cheapest_fitting_plan(inp: PlanInputs) -> tuple[MemoryPlan, bool]:
 
 
 def what_would_fit(inp: PlanInputs) -> list[str]:
-    """Suggestions when no lever set fits: LoRA, more GPUs, a shorter response."""
-    out = []
-    if inp.lora_rank is None:
-        lora = replace(inp, lora_rank=16)
-        if cheapest_fitting_plan(lora)[1]:
-            out.append("LoRA (--lora-rank 16) fits")
-    for gpus in (2, 4, 8, 16):
-        if gpus > inp.gpus and cheapest_fitting_plan(replace(inp, gpus=gpus))[1]:
-            out.append(f"{gpus} GPUs (FSDP2 shards weights, gradients and AdamW state; torchrun --nproc-per-node "
-                       f"{gpus}) fit")
-            break
-    response = inp.response_len
-    while response > 256:
-        response //= 2
-        if cheapest_fitting_plan(replace(inp, response_len=response))[1]:
-            out.append(f"responses of {response} tokens (rollout.max_new_tokens={response}) fit")
+    """When no lever set fits: the first changes (up to three) that make one fit: LoRA, generating with Hugging
+    Face on the policy instead of a colocated vLLM (one prompt per GPU at a time: the policy's KV cache holds
+    the rows it generates), more GPUs, shorter responses."""
+    engines = [("", lambda c: c)]
+    if inp.gpu_memory_utilization > 0:
+        engines.append((" with rollout.engine=hf, one prompt per GPU and step (--gpu-memory-utilization 0 "
+                        "--prompts-per-step <GPUs>)",
+                        lambda c: replace(c, gpu_memory_utilization=0.0, prompts_per_step=c.gpus)))
+    candidates = []  # (kind, text, inputs), smallest change of each kind first
+    for engine, switch in engines:
+        if engine:
+            candidates.append(("hf", engine.removeprefix(" with "), switch(inp)))
+        if inp.lora_rank is None:
+            candidates.append(("lora" + engine, f"LoRA (--lora-rank 16){engine}", switch(replace(inp, lora_rank=16))))
+        for gpus in (2, 4, 8, 16):
+            if gpus > inp.gpus:
+                candidates.append(("gpus" + engine, f"{gpus} GPUs (torchrun --nproc-per-node {gpus}: FSDP2 shards "
+                                   f"weights, gradients and AdamW state){engine}", switch(replace(inp, gpus=gpus))))
+        response = inp.response_len
+        while response > 256:
+            response //= 2
+            candidates.append(("response" + engine, f"responses of {response} tokens "
+                               f"(rollout.max_new_tokens={response}){engine}",
+                               switch(replace(inp, response_len=response))))
+    out, found = [], set()
+    for kind, text, candidate in candidates:
+        if kind in found:
+            continue
+        plan, fits = cheapest_fitting_plan(candidate)
+        if fits:
+            found.add(kind)
+            out.append(text + (" and train.fsdp_cpu_offload=true" if plan.levers.fsdp_cpu_offload else ""))
+        if len(out) == 3:
             break
     return out or ["nothing the planner knows of: a larger GPU"]
 
@@ -454,7 +471,7 @@ def report(inp: PlanInputs) -> tuple[str, bool]:
     if fits:
         lines += ["Fits with these settings (paste into pacs train):", "", "    " + " ".join(config_lines(plan))]
     else:
-        lines += [f"Does not fit: the roomiest lever set needs {plan.peak / GiB:.1f} GiB of {inp.gpu_gib:g}. "
+        lines += [f"Does not fit: the least any lever set needs is {plan.peak / GiB:.1f} GiB of {inp.gpu_gib:g}. "
                   "What would: " + "; ".join(what_would_fit(inp)) + "."]
     return "\n".join(lines), fits
 

@@ -121,7 +121,8 @@ def test_full_fine_tuning_of_1_5b_does_not_fit_24_gib_and_lora_is_suggested():
     result = subprocess.run([sys.executable, "-m", "pacs", "plan", "--model", "qwen2.5-1.5b", "--gpu-gib", "24",
                              "--response-len", "16384"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 1, result.stderr  # the exit code through the real entry point
-    assert "Does not fit" in result.stdout and "LoRA (--lora-rank 16) fits" in result.stdout
+    suggestions = result.stdout.split("What would: ", 1)[1]
+    assert "Does not fit" in result.stdout and suggestions.startswith("LoRA (--lora-rank 16); 2 GPUs")
 
 
 def test_cli_prints_config_lines_that_load(capsys):
@@ -167,6 +168,16 @@ def test_presets_cover_the_issue_s_settings():
             "qwen2.5-7b_lora_24gb.yaml", "qwen2.5-7b_lora_80gb.yaml"} <= names
     paper = load_config(os.path.join(REPO, "configs", "presets", "paper_qwen2.5-7b_8x80gb.yaml"))
     assert (paper.rollout.group_size, paper.optim.lr, paper.rollout.max_new_tokens) == (8, 1e-6, 4096)
+
+
+def test_what_would_fit_a_7b_on_24_gib_without_room_for_vllm():
+    from pacs.memory_plan import what_would_fit
+
+    inp = inputs(model=load_model_shape("qwen2.5-7b"), gpu_gib=23.5, response_len=16384)
+    assert not cheapest_fitting_plan(inp)[1]
+    first = what_would_fit(inp)[0]
+    assert first.startswith("LoRA (--lora-rank 16) with rollout.engine=hf")  # vLLM's 30% cannot hold 14 GiB of weights
+    assert cheapest_fitting_plan(replace(inp, lora_rank=16, gpu_memory_utilization=0.0, prompts_per_step=1))[1]
 
 
 def test_more_gpus_fit_where_one_does_not():
