@@ -122,7 +122,8 @@ def predict(probe: str):
     levers, chunk, response, dtype = PROBES[probe]
     shape = shape_from_config(dict(MODEL, model_type="qwen2"), name="plan-accuracy")
     inputs = PlanInputs(model=shape, gpu_gib=1024, gpus=1, prompt_len=PROMPT, response_len=response,
-                        group_size=GROUP, prompts_per_step=1, compute_dtype="bfloat16" if dtype == "mixed" else "float32",
+                        group_size=GROUP, prompts_per_step=1,
+                        compute_dtype="bfloat16" if dtype == "mixed" else "float32",
                         master_dtype="float32", gpu_memory_utilization=0.0, device="cpu")
     chosen = Levers(gradient_checkpointing="ckpt" in levers, tiled_mlp="tiled" in levers,
                     offload_activations="offload" in levers, packing="packed" in levers, loss_chunk_mib=chunk)
@@ -174,7 +175,8 @@ def markdown(rows: list[dict], name: str, date: str) -> str:
     for r in rows:
         step_pred = float(r["predicted_mib"]) - float(r["state_mib"])
         step_err = 100 * (step_pred / float(r["step_increase_mib"]) - 1)
-        lines.append(f"| {r['probe']} | {r['levers']} | {r['dtype']} | {float(r['loss_chunk_mib']):g} | {r['tokens']} | "
+        lines.append(f"| {r['probe']} | {r['levers']} | {r['dtype']} | {float(r['loss_chunk_mib']):g} | "
+                     f"{r['tokens']} | "
                      f"{float(r['measured_mib']):.1f} | {float(r['predicted_mib']):.1f} | "
                      f"{float(r['error_pct']):+.1f}% | {float(r['step_increase_mib']):.1f} / {step_pred:.1f} "
                      f"({step_err:+.1f}%) |")

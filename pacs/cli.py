@@ -1,7 +1,7 @@
 """``pacs train | eval | plan | bench``: one entry point (also ``python -m pacs``).
 
-Exit codes: 0 done (``pacs plan``: a lever set fits); 1 ``pacs plan``: nothing fits; 2 a setting, path or file that cannot work (one line on stderr, before any
-work when it can be known then); 3 training stopped by repeated non-finite updates; 130 Ctrl-C;
+Exit codes: 0 done (``pacs plan``: a lever set fits); 1 ``pacs plan``: nothing fits; 2 a setting, path or
+file that cannot work (one line on stderr, before any work when it can be known then); 3 training stopped by repeated non-finite updates; 130 Ctrl-C;
 143 / 138 training stopped by SIGTERM / SIGUSR1 after checkpointing its step (pacs/stop_signals.py).
 """
 
@@ -267,8 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--lora-rank", type=int, help="plan LoRA adapters of this rank (default: full fine-tuning)")
     plan.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                       help="comma-separated projections LoRA adapts (default: all seven)")
-    plan.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float32"), help="model.dtype (default: bfloat16)")
-    plan.add_argument("--master-dtype", default="float32", choices=("float32", "bfloat16"), help="optim.master_dtype (default: float32)")
+    plan.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                      help="model.dtype (default: bfloat16)")
+    plan.add_argument("--master-dtype", default="float32", choices=("float32", "bfloat16"),
+                      help="optim.master_dtype (default: float32)")
     plan.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                       help="rollout.gpu_memory_utilization, vLLM's share held during training; 0: "
                            "rollout.engine=hf (default: 0.3)")

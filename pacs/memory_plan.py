@@ -16,7 +16,6 @@ which stays allocated while the policy trains.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field, replace
 
@@ -231,7 +230,7 @@ class MemoryPlan:
                 and (kv is None or kv >= self.inputs.row_tokens))
 
     def table(self) -> str:
-        rows = [f"| component | GiB per GPU |", "|---|---:|"]
+        rows = ["| component | GiB per GPU |", "|---|---:|"]
         rows += [f"| {name} | {value / GiB:.2f} |" for name, value in self.components.items()]
         largest = max(self.transient, key=self.transient.get) if self.transient else None
         rows += [f"| {name}{' (the larger, counted)' if name == largest else ' (not at once with the above)'} | "

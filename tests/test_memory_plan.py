@@ -11,8 +11,16 @@ import pytest
 
 from pacs.cli import main
 from pacs.config import load_config, validate
-from pacs.memory_plan import (Levers, PlanInputs, cheapest_fitting_plan, layer_saved_bytes_per_token,
-                              load_model_shape, plan_memory, plan_preset, shape_from_config)
+from pacs.memory_plan import (
+    Levers,
+    PlanInputs,
+    cheapest_fitting_plan,
+    layer_saved_bytes_per_token,
+    load_model_shape,
+    plan_memory,
+    plan_preset,
+    shape_from_config,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = sorted(p for p in glob.glob(os.path.join(REPO, "configs", "presets", "*.yaml"))
