@@ -131,6 +131,18 @@ class Levers:
     loss_chunk_mib: float | None = None  # None: the device's default
     fsdp_cpu_offload: bool = False
 
+    def describe(self) -> str:
+        """A short name of the lever set, e.g. 'checkpointing + tiled MLP + loss chunk 256 MiB'."""
+        names = [name for name, on in (("checkpointing", self.gradient_checkpointing), ("tiled MLP", self.tiled_mlp),
+                                       ("activation offload", self.offload_activations),
+                                       ("padded rows", not self.packing), ("FSDP CPU offload", self.fsdp_cpu_offload))
+                 if on]
+        if self.max_tokens_per_micro_batch is not None:
+            names.append(f"{self.max_tokens_per_micro_batch} tokens a micro-batch")
+        if self.loss_chunk_mib is not None:
+            names.append(f"loss chunk {self.loss_chunk_mib:g} MiB")
+        return " + ".join(names) or "none"
+
     def config_lines(self) -> list[str]:
         lines = [f"model.gradient_checkpointing={str(self.gradient_checkpointing).lower()}",
                  f"train.tiled_mlp={str(self.tiled_mlp).lower()}",
@@ -455,7 +467,13 @@ def report(inp: PlanInputs) -> tuple[str, bool]:
                f"{_trainable_params(inp) / 1e6:.1f}M trainable; " if inp.lora_rank else "full fine-tuning; ")
             + f"{inp.gpus} x {inp.gpu_gib:g} GiB; micro-batch {plan.micro_batch_tokens} tokens "
             f"(groups of {inp.group_size} x ({inp.prompt_len} + {inp.response_len}))")
-    lines = [head, "", plan.table(), ""]
+    lines = [head, "", plan.table(), "", "Every lever set, cheapest first (step time):", "",
+             "| levers | micro-batch tokens | activations saved | peak GiB | fits |", "|---|---:|---:|---:|---|"]
+    for tried in (plan_memory(inp, levers) for levers in lever_ladder(inp)):
+        saved = tried.components["activations (saved for the backward)"] / GiB
+        lines.append(f"| {tried.levers.describe()} | {tried.micro_batch_tokens} | {saved:.2f} | "
+                     f"{tried.peak / GiB:.2f} | {'yes' if tried.fits else 'no'} |")
+    lines.append("")
     if plan.generation_peak:
         lines += [f"Generation without vLLM (rollout.engine=hf; {inp.prompts_per_step // inp.gpus * inp.group_size} "
                   f"rows per GPU at once): {plan.generation_peak / GiB:.2f} GiB with the KV cache.", ""]
