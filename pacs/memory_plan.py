@@ -3,7 +3,8 @@
 Only the model's ``config.json`` is read (a local Hugging Face model directory, the file itself, or the
 name of one shipped under ``configs/presets/models/``). :func:`plan_memory` gives one lever set's
 :class:`MemoryPlan`; :func:`cheapest_fitting_plan` tries the lever sets from cheapest to dearest and
-returns the first that fits, or, when none does, the roomiest one with what would make it fit.
+returns the first that fits, or, when none does, the one with the lowest peak; :func:`what_would_fit`
+says what would make one fit.
 
 The formula (docs/plan.md derives it): parameters, gradients and AdamW state from the parameter count
 (FSDP2 shards them over the GPUs), the activations a decoder layer saves for the backward per token from
@@ -25,7 +26,8 @@ PRESET_MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath
                                  "models")
 
 # bytes a decoder layer saves for the backward, per token, per element of: the hidden size, the query
-# projection (heads x head_dim), the key and value projections (kv heads x head_dim, each), the MLP's
+# projection (heads x head_dim), the key and value projections together (per element of kv heads x
+# head_dim), the MLP's
 # intermediate size; plus per attention head (the softmax's float32 log-sum-exp) and a constant (the two
 # RMSNorms' float32 inverse RMS). Counted with saved_tensors_hooks on transformers' Qwen2 decoder layer
 # (docs/plan.md), for the three ways the trainer computes:
@@ -48,7 +50,8 @@ LOSS_CHUNK_COPIES = {"float32": 1.0, "16-bit": 1.2}
 LOSS_HIDDEN_COPIES = 10
 # CUDA's context, cuBLAS/NCCL workspaces and the caching allocator's slack: assumed (not measured here)
 CUDA_RESERVE_GIB = 1.0
-DEFAULT_LOSS_CHUNK_MIB = {"cuda": 2048.0, "cpu": 256.0}  # pacs_kernels.single_pass.DEFAULT_CHUNK_BUDGET_MIB
+# pacs_kernels.single_pass.DEFAULT_CHUNK_BUDGET_MIB (a test keeps them equal; this module imports no torch)
+DEFAULT_LOSS_CHUNK_MIB = {"cuda": 2048.0, "cpu": 256.0}
 
 
 @dataclass(frozen=True)

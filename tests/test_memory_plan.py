@@ -56,6 +56,13 @@ def inputs(**kw):
     return PlanInputs(**base)
 
 
+def test_default_loss_chunk_is_the_kernels_default():
+    from pacs.memory_plan import DEFAULT_LOSS_CHUNK_MIB
+    from pacs_kernels.single_pass import DEFAULT_CHUNK_BUDGET_MIB
+
+    assert DEFAULT_LOSS_CHUNK_MIB == DEFAULT_CHUNK_BUDGET_MIB
+
+
 def test_weights_gradients_and_adamw_bytes_of_a_known_config():
     p = 1_543_714_304
     plan = plan_memory(inputs())
