@@ -165,6 +165,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.preset is not None:
         plan = plan_preset(args.preset)
         print(plan.table())
+        if plan.generation_peak:
+            print(f"\ngeneration (rollout.engine=hf, KV cache included): {plan.generation_peak / 2**30:.2f} GiB")
         fits = plan.fits
         print(f"\n{args.preset}: {'fits' if fits else 'does not fit'} {plan.inputs.gpus} x {plan.inputs.gpu_gib:g} GiB")
         return 0 if fits else 1
