@@ -2,7 +2,8 @@
 
 Exit codes: 0 done (``pacs plan``: a lever set fits); 1 ``pacs plan``: nothing fits; 2 a setting, path or
 file that cannot work (one line on stderr, before any work when it can be known then); 3 training stopped
-by repeated non-finite updates; 130 Ctrl-C; 143 / 138 training stopped by SIGTERM / SIGUSR1 after checkpointing its step (pacs/stop_signals.py).
+by repeated non-finite updates; 130 Ctrl-C; 143 / 138 training stopped by SIGTERM / SIGUSR1 after
+checkpointing its step (pacs/stop_signals.py).
 """
 
 from __future__ import annotations
