@@ -1,8 +1,8 @@
-"""``pacs train | eval | bench``: one entry point (also ``python -m pacs``).
+"""``pacs train | eval | plan | bench``: one entry point (also ``python -m pacs``).
 
-Exit codes: 0 done; 2 a setting, path or file that cannot work (one line on stderr, before any
-work when it can be known then; also another process using the run directory, a full disk mid-run);
-3 training stopped by repeated non-finite updates; 130 Ctrl-C;
+Exit codes: 0 done (``pacs plan``: a lever set fits); 1 ``pacs plan``: nothing fits; 2 a setting, path or
+file that cannot work (one line on stderr, before any work when it can be known then; also another process
+using the run directory, a full disk mid-run); 3 training stopped by repeated non-finite updates; 130 Ctrl-C;
 143 / 138 training stopped by SIGTERM / SIGUSR1 after checkpointing its step (pacs/stop_signals.py).
 """
 
@@ -186,6 +186,30 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .memory_plan import PlanInputs, load_model_shape, plan_preset, report
+
+    if args.preset is not None:
+        plan = plan_preset(args.preset)
+        print(plan.table())
+        if plan.generation_peak:
+            print(f"\ngeneration (rollout.engine=hf, KV cache included): {plan.generation_peak / 2**30:.2f} GiB")
+        fits = plan.fits
+        print(f"\n{args.preset}: {'fits' if fits else 'does not fit'} {plan.inputs.gpus} x {plan.inputs.gpu_gib:g} GiB")
+        return 0 if fits else 1
+    if args.model is None or args.gpu_gib is None:
+        raise ValueError("pacs plan needs --model and --gpu-gib (or --preset PRESET.yaml)")
+    inputs = PlanInputs(model=load_model_shape(args.model), gpu_gib=args.gpu_gib, gpus=args.gpus,
+                        prompt_len=args.prompt_len, response_len=args.response_len, group_size=args.group_size,
+                        prompts_per_step=args.prompts_per_step, micro_batch_groups=args.micro_batch_groups,
+                        lora_rank=args.lora_rank, lora_targets=tuple(args.lora_targets.split(",")),
+                        compute_dtype=args.compute_dtype, master_dtype=args.master_dtype,
+                        gpu_memory_utilization=args.gpu_memory_utilization)
+    text, fits = report(inputs)
+    print(text)
+    return 0 if fits else 1
+
+
 def benchmarks_dir() -> str:
     """Where ``pacs bench`` looks for the benchmark harness: ``benchmarks/`` next to the ``pacs`` package,
     i.e. in a source checkout (the harness is not part of the installed distribution)."""
@@ -261,6 +285,30 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--top-p", type=float)
     ev.add_argument("--k", type=int, action="append", help="pass@k to report (repeatable)")
     ev.add_argument("--num-problems", type=int)
+    plan = sub.add_parser("plan", help="peak GPU memory of a pacs train run by component, and the cheapest "
+                          "settings that fit (reads config.json only; docs/plan.md)")
+    plan.add_argument("--preset", help="plan a configs/presets/*.yaml as set (its .plan.yaml gives the model "
+                      "and GPUs)")
+    plan.add_argument("--model", help="HF model directory, its config.json, or a name under "
+                      "configs/presets/models/ (e.g. qwen2.5-7b)")
+    plan.add_argument("--gpu-gib", type=float, help="memory of one GPU, GiB")
+    plan.add_argument("--gpus", type=int, default=1, help="GPUs (FSDP2 ranks) (default: 1)")
+    plan.add_argument("--prompt-len", type=int, default=1024, help="rollout.max_prompt_len (default: 1024)")
+    plan.add_argument("--response-len", type=int, default=8192, help="rollout.max_new_tokens (default: 8192)")
+    plan.add_argument("--group-size", type=int, default=8, help="rollout.group_size (default: 8)")
+    plan.add_argument("--prompts-per-step", type=int, default=32, help="rollout.prompts_per_step (default: 32)")
+    plan.add_argument("--micro-batch-groups", type=int, default=1, help="optim.micro_batch_groups (default: 1)")
+    plan.add_argument("--lora-rank", type=int, help="plan LoRA adapters of this rank (default: full fine-tuning)")
+    plan.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                      help="comma-separated projections LoRA adapts (default: all seven)")
+    plan.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                      help="model.dtype (default: bfloat16)")
+    plan.add_argument("--master-dtype", default="float32", choices=("float32", "bfloat16"),
+                      help="optim.master_dtype (default: float32)")
+    plan.add_argument("--gpu-memory-utilization", type=float, default=0.3,
+                      help="rollout.gpu_memory_utilization, vLLM's share held during training; 0: "
+                           "rollout.engine=hf (default: 0.3)")
+    plan.add_argument("--verbose", action="store_true", help=argparse.SUPPRESS)
     sub.add_parser("bench", help="kernel benchmarks (arguments go to benchmarks/run.py; pacs bench --help)")
     return parser
 
@@ -275,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return cmd_train(args)
+        if args.command == "plan":
+            return cmd_plan(args)
         return cmd_eval(args)
     except (ValueError, TypeError) as exc:
         if getattr(exc, "pacs_during_training", False):  # not a setting: a failure inside a training step

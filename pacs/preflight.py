@@ -226,7 +226,11 @@ def _run_worst_cases(cfg, policy, optimizer, pad_token_id: int, dist_info, *, pa
     peak = torch.cuda.max_memory_allocated(device) / GiB
     torch.cuda.reset_peak_memory_stats(device)  # the step metrics report training, not this
     result.update(peak_gib=peak, adamw_state_gib=reserved_gib, available_gib=available / GiB, total_gib=total / GiB)
+    from .memory_plan import planned_training_gib
+
+    planned = planned_training_gib(cfg, policy.causal_lm.config, total / GiB, dist_info.world_size)
     say(f"[preflight] the largest steps these settings allow fit ({cases}): peak {peak:.1f} GiB"
+        + (f" (pacs plan predicted {planned:.1f} GiB)" if planned is not None else "")
         + (f" with the {reserved_gib:.1f} GiB of AdamW state the first update allocates" if reserved_gib else "")
         + f", of {available / GiB:.1f} GiB this process can use ({total / GiB:.1f} GiB on the device; "
         f"{seconds:.1f}s)")

@@ -1,0 +1,226 @@
+"""How close is ``pacs plan`` (pacs/memory_plan.py) to the peak of a real training step? CPU, small scale.
+
+    python benchmarks/plan_accuracy.py                 # every probe, writes results/plan_accuracy_cpu.{csv,md}
+    python benchmarks/plan_accuracy.py --probes none ckpt
+
+Each probe is one lever set on a small Qwen2-shaped model (random init, no download), run in a fresh
+subprocess (glibc returning freed blocks to the kernel, as in benchmarks/measure.py). The step is what
+the trainer does for a micro-batch that is not the first of its mini-batch: a short micro-batch first
+(its gradients are then allocated, as gradient accumulation holds them), then the measured micro-batch
+(one group of 4 rows, packed unless the probe says otherwise: forward, the fused PACS loss within
+``train.loss_chunk_mib``, backward; benchmarks/long_context_train.py's ``train_step``), then the AdamW
+step. A warm-up step before creates the AdamW state and pages the code in.
+
+Measured footprint = bytes of parameters and AdamW state (counted from the tensors) + the peak increase
+of the resident set over the step: VmHWM after the step minus VmRSS right before it, with VmHWM reset
+there (/proc/self/clear_refs; benchmarks/measure.py's helpers). The process's baseline (the Python
+interpreter, torch, the model's code) is thereby left out of both sides: the planner predicts training
+memory, not an interpreter's. Predicted = the planner's peak for the same model, tokens and levers,
+device "cpu" (host memory is device memory: offloaded activations stay counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from benchmarks.measure import REPO_ROOT, WORKER_ENV, peak_rss_mib, reset_peak_rss
+
+MODEL = dict(vocab_size=32768, hidden_size=256, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+GROUP = 4
+PROMPT = 64
+# name: (levers of benchmarks/long_context_train.py's train_step, loss_chunk_mib, response length, dtype)
+PROBES = {
+    "none": (("packed", "fused"), 256.0, 1024, "float32"),
+    "ckpt": (("packed", "fused", "ckpt"), 256.0, 1024, "float32"),
+    "tiled_mlp": (("packed", "fused", "tiled"), 256.0, 1024, "float32"),
+    "ckpt_tiled_mlp": (("packed", "fused", "ckpt", "tiled"), 256.0, 2048, "float32"),
+    "offload": (("packed", "fused", "offload"), 256.0, 1024, "float32"),
+    "ckpt_offload": (("packed", "fused", "ckpt", "offload"), 256.0, 2048, "float32"),
+    "padded": (("fused",), 256.0, 1024, "float32"),
+    "loss_chunk_16": (("packed", "fused"), 16.0, 1024, "float32"),
+    "loss_chunk_64_ckpt": (("packed", "fused", "ckpt"), 64.0, 2048, "float32"),
+    "long_4096_ckpt_tiled": (("packed", "fused", "ckpt", "tiled"), 256.0, 4096, "float32"),
+    "bf16_autocast_master_fp32": (("packed", "fused"), 256.0, 512, "mixed"),
+    "bf16_autocast_ckpt": (("packed", "fused", "ckpt"), 256.0, 512, "mixed"),
+    "ckpt_loss_chunk_16": (("packed", "fused", "ckpt"), 16.0, 2048, "float32"),
+}
+
+
+def equal_rows_batch(response: int, seed: int):
+    """One group of GROUP full-length rows (the planner's worst case)."""
+    from pacs.trainer import build_batch
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = MODEL["vocab_size"]
+    prompt = torch.randint(3, vocab, (PROMPT,), generator=gen).tolist()
+    responses = [torch.randint(3, vocab, (response,), generator=gen).tolist() for _ in range(GROUP)]
+    return build_batch([prompt] * GROUP, responses, [float(i % 2) for i in range(GROUP)], pad_token_id=0)
+
+
+def probe_tokens(levers, response: int) -> int:
+    """Tokens the step computes on: packed rows, or padded rows x the longest (the same here: equal rows)."""
+    return GROUP * (PROMPT + response)
+
+
+def build_policy(levers, dtype: str):
+    import transformers
+
+    from pacs.mixed_precision import Precision
+    from pacs.packing import enable_packed_attention
+    from pacs.policy import Policy
+    from pacs.tiled_mlp import tile_mlp
+
+    config = transformers.Qwen2Config(**MODEL, max_position_embeddings=1 << 16, use_sliding_window=False)
+    torch.manual_seed(0)
+    causal_lm = transformers.Qwen2ForCausalLM(config)
+    if "ckpt" in levers:
+        causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if "packed" in levers:
+        enable_packed_attention(causal_lm, torch.device("cpu"))
+    else:
+        causal_lm.set_attn_implementation("sdpa")
+    if "tiled" in levers:
+        tile_mlp(causal_lm)
+    mixed = dtype == "mixed"
+    policy = Policy(causal_lm, Precision(torch.bfloat16, torch.float32) if mixed else None, autocast=mixed).train()
+    return policy, torch.optim.AdamW(policy.parameters(), lr=1e-6)
+
+
+def worker(request: dict) -> None:
+    from benchmarks.long_context_train import state_mib, train_step
+
+    torch.set_num_threads(request.get("threads") or 2)
+    levers, chunk, response, dtype = PROBES[request["probe"]]
+    levers = tuple(levers)
+    policy, optimizer = build_policy(levers, dtype)
+    cpu = torch.device("cpu")
+    train_step(policy, optimizer, equal_rows_batch(8, 1), levers, cpu, chunk)  # AdamW state, code paged in
+    short, batch = equal_rows_batch(4, 2), equal_rows_batch(response, 3)
+    base = reset_peak_rss()
+    train_step(policy, None, short, levers, cpu, chunk)  # gradients allocated, as accumulation holds them
+    train_step(policy, optimizer, batch, levers, cpu, chunk)
+    increase = peak_rss_mib() - base
+    print(json.dumps({"state_mib": state_mib(policy, optimizer), "increase_mib": increase}), flush=True)
+
+
+def predict(probe: str):
+    from pacs.memory_plan import Levers, PlanInputs, plan_memory, shape_from_config
+
+    levers, chunk, response, dtype = PROBES[probe]
+    shape = shape_from_config(dict(MODEL, model_type="qwen2"), name="plan-accuracy")
+    inputs = PlanInputs(model=shape, gpu_gib=1024, gpus=1, prompt_len=PROMPT, response_len=response,
+                        group_size=GROUP, prompts_per_step=1,
+                        compute_dtype="bfloat16" if dtype == "mixed" else "float32",
+                        master_dtype="float32", gpu_memory_utilization=0.0, device="cpu")
+    chosen = Levers(gradient_checkpointing="ckpt" in levers, tiled_mlp="tiled" in levers,
+                    offload_activations="offload" in levers, packing="packed" in levers, loss_chunk_mib=chunk)
+    return plan_memory(inputs, chosen, tokens=probe_tokens(levers, response))
+
+
+def run_probe(probe: str, threads: int | None, timeout: float) -> dict:
+    env = dict(os.environ)
+    env.update(WORKER_ENV)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.plan_accuracy", "--worker",
+                           json.dumps({"probe": probe, "threads": threads})], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"probe {probe}: worker exit {proc.returncode}: {tail[:300]}")
+    measured = json.loads(lines[-1])
+    plan = predict(probe)
+    predicted_mib = (plan.peak + sum(plan.host.values())) / 2**20
+    footprint = measured["state_mib"] + measured["increase_mib"]
+    levers, chunk, response, dtype = PROBES[probe]
+    return {"probe": probe, "levers": "+".join(levers), "dtype": dtype, "loss_chunk_mib": chunk,
+            "tokens": probe_tokens(levers, response), "measured_mib": round(footprint, 1),
+            "state_mib": round(measured["state_mib"], 1), "step_increase_mib": round(measured["increase_mib"], 1),
+            "predicted_mib": round(predicted_mib, 1), "error_pct": round(100 * (predicted_mib / footprint - 1), 1)}
+
+
+COLUMNS = ["date", "device_name", "probe", "levers", "dtype", "loss_chunk_mib", "tokens", "state_mib",
+           "step_increase_mib", "measured_mib", "predicted_mib", "error_pct"]
+
+
+def markdown(rows: list[dict], name: str, date: str) -> str:
+    m = MODEL
+    lines = ["## `pacs plan` against measured peaks (CPU)", "",
+             f"Device: {name}; date: {date}. Model: Qwen2-shaped, hidden {m['hidden_size']}, MLP "
+             f"{m['intermediate_size']}, {m['num_hidden_layers']} layers, {m['num_attention_heads']}/"
+             f"{m['num_key_value_heads']} heads of {m['head_dim']}, vocab {m['vocab_size']}, tied; random init. One "
+             f"micro-batch = one group of {GROUP} rows of {PROMPT} prompt + the response tokens, after a short "
+             "micro-batch (gradients held, as under accumulation), then the AdamW step.", "",
+             "Measured = parameters + AdamW state (bytes of the tensors) + the peak resident-set increase over the "
+             "step (VmHWM reset right before it; the interpreter's and torch's baseline resident set is left out "
+             "of both sides). Predicted: `pacs.memory_plan.plan_memory` for the same shapes, tokens and levers "
+             "(device cpu: offloaded activations counted, host memory being the device's). Method: "
+             "the script's docstring.", "",
+             "| probe | levers | dtype | loss chunk MiB | tokens | measured MiB | predicted MiB | error | "
+             "step part: measured / predicted MiB (error) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        step_pred = float(r["predicted_mib"]) - float(r["state_mib"])
+        step_err = 100 * (step_pred / float(r["step_increase_mib"]) - 1)
+        lines.append(f"| {r['probe']} | {r['levers']} | {r['dtype']} | {float(r['loss_chunk_mib']):g} | "
+                     f"{r['tokens']} | "
+                     f"{float(r['measured_mib']):.1f} | {float(r['predicted_mib']):.1f} | "
+                     f"{float(r['error_pct']):+.1f}% | {float(r['step_increase_mib']):.1f} / {step_pred:.1f} "
+                     f"({step_err:+.1f}%) |")
+    worst = max((abs(float(r["error_pct"])) for r in rows), default=0.0)
+    lines += ["", f"Largest error of the total: {worst:.1f}% (target: within 15% for every lever). The step part "
+              "is the total without the parameters and AdamW state (which the planner counts exactly): gradients, "
+              "activations, the loss's working memory; its error is the stricter figure."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--probes", nargs="+", choices=sorted(PROBES), default=list(PROBES))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per probe")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--report-only", action="store_true", help="rewrite the Markdown from the CSV in --out")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        worker(json.loads(args.worker))
+        return 0
+    if args.report_only:
+        with open(args.out / "plan_accuracy_cpu.csv") as fh:
+            rows = list(csv.DictReader(fh))
+        (args.out / "plan_accuracy_cpu.md").write_text(markdown(rows, rows[0]["device_name"], rows[0]["date"]))
+        return 0
+    from benchmarks.run import device_name
+
+    name, date = device_name("cpu"), dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    rows = []
+    for probe in args.probes:
+        row = {"date": date, "device_name": name, **run_probe(probe, args.threads, args.timeout)}
+        rows.append(row)
+        print(f"[plan-accuracy] {probe:28s} measured {row['measured_mib']:8.1f} MiB, predicted "
+              f"{row['predicted_mib']:8.1f} MiB ({row['error_pct']:+.1f}%)", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "plan_accuracy_cpu.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    (args.out / "plan_accuracy_cpu.md").write_text(markdown(rows, name, date))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,547 @@
+"""``pacs plan``: the peak memory per GPU of a ``pacs train`` run, by component, before any download.
+
+Only the model's ``config.json`` is read (a local Hugging Face model directory, the file itself, or the
+name of one shipped under ``configs/presets/models/``). :func:`plan_memory` gives one lever set's
+:class:`MemoryPlan`; :func:`cheapest_fitting_plan` tries the lever sets from cheapest to dearest and
+returns the first that fits, or, when none does, the one with the lowest peak; :func:`what_would_fit`
+says what would make one fit.
+
+The formula (docs/plan.md derives it): parameters, gradients and AdamW state from the parameter count
+(FSDP2 shards them over the GPUs), the activations a decoder layer saves for the backward per token from
+the architecture (coefficients counted on Hugging Face's Qwen2 decoder layer, bytes per token per
+element of the hidden size, the query/key-value projections and the MLP), the fused loss's chunk
+(``train.loss_chunk_mib``), and the vLLM engine's share of the GPU (``rollout.gpu_memory_utilization``),
+which stays allocated while the policy trains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+
+GiB = 2**30
+MiB = 2**20
+PRESET_MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "presets",
+                                 "models")
+
+# bytes a decoder layer saves for the backward, per token, per element of: the hidden size, the query
+# projection (heads x head_dim), the key and value projections together (per element of kv heads x
+# head_dim), the MLP's
+# intermediate size; plus per attention head (the softmax's float32 log-sum-exp) and a constant (the two
+# RMSNorms' float32 inverse RMS). Counted with saved_tensors_hooks on transformers' Qwen2 decoder layer
+# (docs/plan.md), for the three ways the trainer computes:
+SAVED_BYTES = {
+    # float32 parameters, float32 compute (the CPU's default)
+    "float32": dict(hidden=24, query=12, key_value=8, mlp=16, head=4, token=8),
+    # float32 master parameters under bf16 autocast (one process): the residual stream stays float32
+    "autocast": dict(hidden=26, query=6, key_value=4, mlp=8, head=4, token=8),
+    # 16-bit parameters in the forward (FSDP2's MixedPrecisionPolicy all-gathers bf16 copies)
+    "16-bit": dict(hidden=16, query=6, key_value=4, mlp=8, head=4, token=8),
+}
+# working memory on top of the saved tensors, calibrated against measured peaks (benchmarks/plan_accuracy.py).
+# Only the larger of the two is held at once (the loss runs before the backward):
+#   * a layer's backward: the gradients of its inputs and transients, in units of the layer's saved bytes
+#     (with checkpointing, on top of the recomputed layer itself);
+#   * the fused loss: its logits chunk (x LOSS_CHUNK_COPIES: a 16-bit GEMM's output before its float32
+#     copy), the LM head's float32 gradient buffer, and LOSS_HIDDEN_COPIES copies of the (T, hidden) states
+BACKWARD_LAYERS = 0.5
+LOSS_CHUNK_COPIES = {"float32": 1.0, "16-bit": 1.2}
+LOSS_HIDDEN_COPIES = 10
+# CUDA's context, cuBLAS/NCCL workspaces and the caching allocator's slack: assumed (not measured here)
+CUDA_RESERVE_GIB = 1.0
+# pacs_kernels.single_pass.DEFAULT_CHUNK_BUDGET_MIB (a test keeps them equal; this module imports no torch)
+DEFAULT_LOSS_CHUNK_MIB = {"cuda": 2048.0, "cpu": 256.0}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner reads from a config.json."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool = False
+
+    @property
+    def layer_params(self) -> int:
+        d, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0) + (d if self.o_bias else 0)
+        return attention + 3 * d * self.intermediate + 2 * d
+
+    @property
+    def params(self) -> int:
+        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return embeddings + self.layers * self.layer_params + self.hidden
+
+    def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
+        """Adapter parameters: rank x (in + out) per targeted projection and layer."""
+        d, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        shapes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, i),
+                  "up_proj": (d, i), "down_proj": (i, d)}
+        unknown = [t for t in targets if t not in shapes]
+        if unknown:
+            raise ValueError(f"--lora-targets: unknown module(s) {', '.join(unknown)}; expected some of "
+                             f"{', '.join(shapes)}")
+        return self.layers * sum(rank * sum(shapes[t]) for t in targets)
+
+
+def load_model_shape(model: str) -> ModelShape:
+    """``model``: a directory holding config.json, a config.json path, or a name under configs/presets/models/."""
+    candidates = [model, os.path.join(model, "config.json"), os.path.join(PRESET_MODELS_DIR, model, "config.json")]
+    path = next((p for p in candidates if os.path.isfile(p)), None)
+    if path is None:
+        shipped = sorted(os.listdir(PRESET_MODELS_DIR)) if os.path.isdir(PRESET_MODELS_DIR) else []
+        raise ValueError(f"--model: no config.json at {model!r} (a model directory, a config.json, or one of "
+                         f"{', '.join(shipped) or 'none shipped'})")
+    with open(path) as fh:
+        cfg = json.load(fh)
+    return shape_from_config(cfg, name=os.path.basename(os.path.dirname(os.path.abspath(path))))
+
+
+def shape_from_config(cfg: dict, name: str = "model") -> ModelShape:
+    cfg = cfg.get("text_config", cfg)
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                           "vocab_size") if k not in cfg]
+    if missing:
+        raise ValueError(f"--model: config.json lacks {', '.join(missing)} (a decoder-only causal LM config expected)")
+    heads = cfg["num_attention_heads"]
+    model_type = cfg.get("model_type", "")
+    attention_bias = bool(cfg.get("attention_bias", False))
+    return ModelShape(name=name, hidden=cfg["hidden_size"], intermediate=cfg["intermediate_size"],
+                      layers=cfg["num_hidden_layers"], heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
+                      head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, vocab=cfg["vocab_size"],
+                      tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+                      qkv_bias=model_type == "qwen2" or attention_bias, o_bias=attention_bias)
+
+
+@dataclass(frozen=True)
+class Levers:
+    """One set of the trainer's memory settings (their ``pacs train`` keys: :meth:`config_lines`)."""
+
+    gradient_checkpointing: bool = False
+    tiled_mlp: bool = False
+    offload_activations: bool = False
+    packing: bool = True
+    max_tokens_per_micro_batch: int | None = None  # None: one micro-batch = micro_batch_groups whole groups
+    loss_chunk_mib: float | None = None  # None: the device's default
+    fsdp_cpu_offload: bool = False
+
+    def describe(self) -> str:
+        """A short name of the lever set, e.g. 'checkpointing + tiled MLP + loss chunk 256 MiB'."""
+        names = [name for name, on in (("checkpointing", self.gradient_checkpointing), ("tiled MLP", self.tiled_mlp),
+                                       ("activation offload", self.offload_activations),
+                                       ("padded rows", not self.packing), ("FSDP CPU offload", self.fsdp_cpu_offload))
+                 if on]
+        if self.max_tokens_per_micro_batch is not None:
+            names.append(f"{self.max_tokens_per_micro_batch} tokens a micro-batch")
+        if self.loss_chunk_mib is not None:
+            names.append(f"loss chunk {self.loss_chunk_mib:g} MiB")
+        return " + ".join(names) or "none"
+
+    def config_lines(self) -> list[str]:
+        lines = [f"model.gradient_checkpointing={str(self.gradient_checkpointing).lower()}",
+                 f"train.tiled_mlp={str(self.tiled_mlp).lower()}",
+                 f"train.offload_activations={str(self.offload_activations).lower()}"]
+        if not self.packing:
+            lines.append("train.packing=false")
+        if self.max_tokens_per_micro_batch is not None:
+            lines.append(f"train.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}")
+        if self.loss_chunk_mib is not None:
+            lines.append(f"train.loss_chunk_mib={self.loss_chunk_mib:g}")
+        if self.fsdp_cpu_offload:
+            lines.append("train.fsdp_cpu_offload=true")
+        return lines
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    model: ModelShape
+    gpu_gib: float
+    gpus: int = 1
+    prompt_len: int = 1024
+    response_len: int = 8192
+    group_size: int = 8
+    prompts_per_step: int = 32
+    micro_batch_groups: int = 1
+    lora_rank: int | None = None
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    compute_dtype: str = "bfloat16"  # bfloat16 | float32
+    master_dtype: str = "float32"
+    gpu_memory_utilization: float = 0.3  # vLLM's share, held during training; 0: no colocated engine
+    device: str = "cuda"  # cuda | cpu (the CPU: host memory is device memory; offload moves nothing)
+
+    def check(self) -> None:
+        for name in ("gpu_gib", "gpus", "prompt_len", "response_len", "prompts_per_step", "micro_batch_groups"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value!r}")
+        if self.group_size < 2:
+            raise ValueError(f"--group-size must be >= 2, got {self.group_size}")
+        if self.lora_rank is not None and self.lora_rank < 1:
+            raise ValueError(f"--lora-rank must be a positive integer, got {self.lora_rank}")
+        if not 0 <= self.gpu_memory_utilization < 1:
+            raise ValueError(f"--gpu-memory-utilization must be in [0, 1), got {self.gpu_memory_utilization}")
+        for name in ("compute_dtype", "master_dtype"):
+            if getattr(self, name) not in ("bfloat16", "float32"):
+                raise ValueError(f"--{name.replace('_', '-')} must be bfloat16 or float32, got {getattr(self, name)!r}")
+
+    @property
+    def row_tokens(self) -> int:
+        return self.prompt_len + self.response_len
+
+
+@dataclass
+class MemoryPlan:
+    inputs: PlanInputs
+    levers: Levers
+    components: dict[str, float]  # bytes per GPU at the peak
+    host: dict[str, float] = field(default_factory=dict)  # bytes moved to host memory (offloads)
+    micro_batch_tokens: int = 0
+    phase: str = ""  # when the peak happens
+    transient: dict[str, float] = field(default_factory=dict)  # working memory; only the largest at once
+
+    @property
+    def peak(self) -> float:
+        return sum(self.components.values()) + max(self.transient.values(), default=0.0)
+
+    @property
+    def training_peak(self) -> float:
+        """The peak without vLLM's share and the assumed CUDA reserve: what torch's allocator holds at the
+        peak (comparable with the preflight's max_memory_allocated)."""
+        return self.peak - sum(v for k, v in self.components.items() if k.startswith(("vLLM", "CUDA context")))
+
+    @property
+    def capacity(self) -> float:
+        return self.inputs.gpu_gib * GiB
+
+    @property
+    def generation_peak(self) -> float:
+        """Without a colocated vLLM (rollout.engine=hf): the policy generates its rank's rows at once, its
+        KV cache beside the weights and AdamW state (gradients are freed by then); 0 with vLLM."""
+        inp = self.inputs
+        if inp.device != "cuda" or inp.gpu_memory_utilization > 0:
+            return 0.0
+        m = inp.model
+        compute = 2 if inp.compute_dtype == "bfloat16" else 4
+        rows = max(1, inp.prompts_per_step // inp.gpus) * inp.group_size
+        kv = rows * inp.row_tokens * m.layers * 2 * m.kv_heads * m.head_dim * compute
+        held = sum(v for k, v in self.components.items() if k.startswith(("weights", "AdamW", "CUDA")))
+        return held + kv
+
+    @property
+    def fits(self) -> bool:
+        """The peak (and the HF engine's generation) within the GPU, and a colocated vLLM's KV cache holding
+        at least one full-length row."""
+        kv = kv_cache_tokens(self.inputs)
+        return (max(self.peak, self.generation_peak) <= self.capacity
+                and (kv is None or kv >= self.inputs.row_tokens))
+
+    def table(self) -> str:
+        rows = ["| component | GiB per GPU |", "|---|---:|"]
+        rows += [f"| {name} | {value / GiB:.2f} |" for name, value in self.components.items()]
+        largest = max(self.transient, key=self.transient.get) if self.transient else None
+        rows += [f"| {name}{' (the larger, counted)' if name == largest else ' (not at once with the above)'} | "
+                 f"{value / GiB:.2f} |" for name, value in self.transient.items()]
+        rows.append(f"| **peak** ({self.phase}) | **{self.peak / GiB:.2f}** of {self.inputs.gpu_gib:g} |")
+        rows += [f"| (host memory: {name}) | {value / GiB:.2f} |" for name, value in self.host.items()]
+        return "\n".join(rows)
+
+
+def _trainable_params(inp: PlanInputs) -> int:
+    m = inp.model
+    return m.params if inp.lora_rank is None else m.lora_params(inp.lora_rank, inp.lora_targets)
+
+
+def _saved_kind(inp: PlanInputs) -> str:
+    if inp.compute_dtype == "float32":
+        return "float32"
+    return "autocast" if inp.gpus == 1 and inp.master_dtype == "float32" and inp.lora_rank is None else "16-bit"
+
+
+def layer_saved_bytes_per_token(model: ModelShape, kind: str) -> float:
+    """Bytes one decoder layer saves for the backward per token (no checkpointing): SAVED_BYTES' formula."""
+    c = SAVED_BYTES[kind]
+    return (c["hidden"] * model.hidden + c["query"] * model.heads * model.head_dim
+            + c["key_value"] * model.kv_heads * model.head_dim + c["mlp"] * model.intermediate
+            + c["head"] * model.heads + c["token"])
+
+
+def micro_batch_tokens(inp: PlanInputs, levers: Levers) -> int:
+    """Tokens of the largest micro-batch: whole groups of full-length rows, or the token budget's whole rows."""
+    group = inp.group_size * inp.row_tokens * inp.micro_batch_groups
+    if levers.max_tokens_per_micro_batch is None:
+        return group
+    return min(group, max(1, levers.max_tokens_per_micro_batch // inp.row_tokens) * inp.row_tokens)
+
+
+def plan_memory(inp: PlanInputs, levers: Levers = Levers(), tokens: int | None = None) -> MemoryPlan:
+    """The peak bytes per GPU of one ``pacs train`` update with ``levers``, by component. ``tokens``: the
+    micro-batch's tokens (default: the worst case, :func:`micro_batch_tokens`); padded rows count rows x
+    the longest row."""
+    inp.check()
+    m = inp.model
+    shards = inp.gpus
+    compute = 2 if inp.compute_dtype == "bfloat16" else 4
+    master = 4 if inp.master_dtype == "float32" else 2
+    trainable = _trainable_params(inp)
+    lora = inp.lora_rank is not None
+    on_cpu_states = levers.fsdp_cpu_offload and inp.gpus > 1
+    comp: dict[str, float] = {}
+    host: dict[str, float] = {}
+    # parameters: the master copy (LoRA: the frozen base in the compute dtype, the adapters in float32)
+    weights = (m.params * compute + trainable * master) if lora else m.params * master
+    label = ("weights (frozen base in the compute dtype, float32 adapters)" if lora
+             else f"weights (master, {inp.master_dtype})")
+    states = {label[:-1] + (", sharded)" if shards > 1 else ")"): weights / shards,
+              "gradients": trainable * master / shards, "AdamW state (2 x float32)": 2 * trainable * 4 / shards}
+    for name, value in states.items():
+        (host if on_cpu_states else comp)[name] = value
+    kind = _saved_kind(inp)
+    # the 16-bit copies the forward computes with: under autocast (one process, float32 master) every layer's
+    # copy is cached through the forward and saved for the backward; FSDP2 gathers about two layers at a time
+    if compute < master and not lora:
+        layers_held = m.layers if kind == "autocast" else 2
+        comp["weights (compute copy)"] = layers_held * m.layer_params * compute
+    if on_cpu_states:
+        comp["weights (compute copy)"] = 2 * m.layer_params * compute
+    tokens = micro_batch_tokens(inp, levers) if tokens is None else tokens
+    layer = layer_saved_bytes_per_token(m, kind)
+    stream = compute if kind == "16-bit" else 4  # the residual stream: float32 under autocast
+    tile = m.hidden  # train.mlp_tile_tokens' default
+    mlp_saved = SAVED_BYTES[kind]["mlp"] * m.intermediate
+    per_layer = layer - mlp_saved if levers.tiled_mlp else layer  # tiled: the MLP keeps only its input
+    one_layer = per_layer * tokens + (mlp_saved * min(tile, tokens) if levers.tiled_mlp else 0)
+    if levers.gradient_checkpointing:  # each layer keeps its input; its backward rebuilds the rest
+        saved = m.layers * stream * m.hidden * tokens
+        backward = one_layer * (1 + BACKWARD_LAYERS)
+    else:
+        saved = m.layers * one_layer
+        backward = one_layer * BACKWARD_LAYERS
+    if levers.offload_activations and inp.device == "cuda":
+        host["activations (offloaded)"] = saved
+        saved = 0 if levers.gradient_checkpointing else one_layer  # one layer in flight
+    comp["activations (saved for the backward)"] = saved
+    chunk_mib = levers.loss_chunk_mib or DEFAULT_LOSS_CHUNK_MIB[inp.device]
+    logit_bytes = 2 if (inp.device == "cuda" and compute == 2) else 4
+    chunk = min(chunk_mib * MiB, tokens * m.vocab * logit_bytes)
+    head_gradient = 0 if lora else m.vocab * m.hidden * 4  # LoRA: the LM head is frozen
+    loss = (chunk * LOSS_CHUNK_COPIES["16-bit" if compute == 2 else "float32"] + head_gradient
+            + LOSS_HIDDEN_COPIES * tokens * m.hidden * stream)
+    transient = {"fused loss (logits chunk, head gradient, hidden states)": loss,
+                 "one layer's backward" + (" (recomputed)" if levers.gradient_checkpointing else ""): backward}
+    if inp.device == "cuda":
+        comp["CUDA context, workspaces (assumed)"] = CUDA_RESERVE_GIB * GiB
+    if inp.device == "cuda" and inp.gpu_memory_utilization > 0:
+        comp["vLLM engine"] = inp.gpu_memory_utilization * inp.gpu_gib * GiB
+    largest = max(transient, key=transient.get)
+    phase = "the loss" if largest.startswith("fused loss") else "a layer's backward"
+    return MemoryPlan(inp, levers, comp, host, tokens, phase, transient)
+
+
+def lever_ladder(inp: PlanInputs) -> list[Levers]:
+    """Lever sets from cheapest (in step time) to dearest."""
+    small_chunk = 256.0 if inp.device == "cuda" else 64.0
+    rows_budget = inp.row_tokens  # one full-length row per micro-batch: a group runs in parts
+    ladder = [Levers(), Levers(loss_chunk_mib=small_chunk),
+              Levers(gradient_checkpointing=True, loss_chunk_mib=small_chunk),
+              Levers(gradient_checkpointing=True, tiled_mlp=True, loss_chunk_mib=small_chunk)]
+    if inp.device == "cuda":
+        ladder.append(Levers(gradient_checkpointing=True, tiled_mlp=True, offload_activations=True,
+                             loss_chunk_mib=small_chunk))
+    last = ladder[-1]
+    group = inp.group_size * inp.row_tokens
+    budget = group // 2 // inp.row_tokens * inp.row_tokens
+    while budget >= rows_budget:
+        ladder.append(replace(last, max_tokens_per_micro_batch=budget))
+        if budget == rows_budget:
+            break
+        budget = max(rows_budget, budget // 2 // inp.row_tokens * inp.row_tokens)
+    if inp.gpus > 1 and inp.device == "cuda":
+        ladder.append(replace(ladder[-1], fsdp_cpu_offload=True))
+    return ladder
+
+
+def cheapest_fitting_plan(inp: PlanInputs) -> tuple[MemoryPlan, bool]:
+    """(the first plan of :func:`lever_ladder` that fits, True), or (the one with the lowest peak, False)."""
+    plans = [plan_memory(inp, levers) for levers in lever_ladder(inp)]
+    for plan in plans:
+        if plan.fits:
+            return plan, True
+    return min(plans, key=lambda p: p.peak), False
+
+
+def what_would_fit(inp: PlanInputs) -> list[str]:
+    """When no lever set fits: the first changes (up to three) that make one fit: LoRA, generating with Hugging
+    Face on the policy instead of a colocated vLLM (one prompt per GPU at a time: the policy's KV cache holds
+    the rows it generates), more GPUs, shorter responses."""
+    engines = [("", lambda c: c)]
+    if inp.gpu_memory_utilization > 0:
+        engines.append((" with rollout.engine=hf, one prompt per GPU and step (--gpu-memory-utilization 0 "
+                        "--prompts-per-step <GPUs>)",
+                        lambda c: replace(c, gpu_memory_utilization=0.0, prompts_per_step=c.gpus)))
+    candidates = []  # (kind, text, inputs), smallest change of each kind first
+    for engine, switch in engines:
+        if engine:
+            candidates.append(("hf", engine.removeprefix(" with "), switch(inp)))
+        if inp.lora_rank is None:
+            candidates.append(("lora" + engine, f"LoRA (--lora-rank 16){engine}", switch(replace(inp, lora_rank=16))))
+        for gpus in (2, 4, 8, 16):
+            if gpus > inp.gpus:
+                candidates.append(("gpus" + engine, f"{gpus} GPUs (torchrun --nproc-per-node {gpus}: FSDP2 shards "
+                                   f"weights, gradients and AdamW state){engine}", switch(replace(inp, gpus=gpus))))
+        response = inp.response_len
+        while response > 256:
+            response //= 2
+            candidates.append(("response" + engine, f"responses of {response} tokens "
+                               f"(rollout.max_new_tokens={response}){engine}",
+                               switch(replace(inp, response_len=response))))
+    out, found = [], set()
+    for kind, text, candidate in candidates:
+        if kind in found:
+            continue
+        plan, fits = cheapest_fitting_plan(candidate)
+        if fits:
+            found.add(kind)
+            out.append(text + (" and train.fsdp_cpu_offload=true" if plan.levers.fsdp_cpu_offload else ""))
+        if len(out) == 3:
+            break
+    return out or ["nothing the planner knows of: a larger GPU"]
+
+
+def kv_cache_tokens(inp: PlanInputs) -> int | None:
+    """Tokens vLLM's KV cache holds in its share of the GPU after its own copy of the weights (compute
+    dtype); None without a colocated engine."""
+    if inp.device != "cuda" or inp.gpu_memory_utilization <= 0:
+        return None
+    m = inp.model
+    compute = 2 if inp.compute_dtype == "bfloat16" else 4
+    per_token = m.layers * 2 * m.kv_heads * m.head_dim * compute
+    free = inp.gpu_memory_utilization * inp.gpu_gib * GiB - m.params * compute
+    return max(0, int(free // per_token))
+
+
+def plan_for_config(cfg, model: ModelShape, gpu_gib: float, gpus: int = 1, lora_rank: int | None = None,
+                    lora_targets: tuple[str, ...] | None = None, device: str = "cuda") -> MemoryPlan:
+    """The plan of a ``pacs train`` config (pacs.config.Config) exactly as set: its lengths, group size,
+    micro-batches, precision, vLLM share and memory levers (what the trainer's preflight could print)."""
+    from .config import micro_batch_groups
+
+    r, tr = cfg.rollout, cfg.train
+    compute = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    engine_share = 0.0 if r.engine == "hf" else r.gpu_memory_utilization
+    inp = PlanInputs(model=model, gpu_gib=gpu_gib, gpus=gpus, prompt_len=r.max_prompt_len,
+                     response_len=r.max_new_tokens, group_size=r.group_size, prompts_per_step=r.prompts_per_step,
+                     micro_batch_groups=micro_batch_groups(cfg), lora_rank=lora_rank,
+                     **({"lora_targets": tuple(lora_targets)} if lora_targets else {}), compute_dtype=compute,
+                     master_dtype=cfg.optim.master_dtype, gpu_memory_utilization=engine_share, device=device)
+    levers = Levers(gradient_checkpointing=cfg.model.gradient_checkpointing, tiled_mlp=tr.tiled_mlp,
+                    offload_activations=tr.offload_activations, packing=tr.packing is not False,
+                    max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch, loss_chunk_mib=tr.loss_chunk_mib,
+                    fsdp_cpu_offload=tr.fsdp_cpu_offload)
+    return plan_memory(inp, levers)
+
+
+def config_lines(plan: MemoryPlan) -> list[str]:
+    inp = plan.inputs
+    lines = [f"rollout.group_size={inp.group_size}", f"rollout.prompts_per_step={inp.prompts_per_step}",
+             f"rollout.max_prompt_len={inp.prompt_len}", f"rollout.max_new_tokens={inp.response_len}",
+             f"optim.micro_batch_groups={inp.micro_batch_groups}", f"model.dtype={inp.compute_dtype}",
+             f"optim.master_dtype={inp.master_dtype}"]
+    if inp.device == "cuda":
+        lines.append(f"rollout.gpu_memory_utilization={inp.gpu_memory_utilization:g}")
+    return lines + plan.levers.config_lines()
+
+
+def report(inp: PlanInputs) -> tuple[str, bool]:
+    """The text ``pacs plan`` prints and whether a lever set fits."""
+    plan, fits = cheapest_fitting_plan(inp)
+    m = inp.model
+    head = (f"{m.name}: {m.params / 1e9:.2f}B parameters ({m.layers} layers, hidden {m.hidden}, MLP {m.intermediate}, "
+            f"{m.heads}/{m.kv_heads} heads of {m.head_dim}, vocab {m.vocab}); "
+            + (f"LoRA rank {inp.lora_rank} on {','.join(inp.lora_targets)}: "
+               f"{_trainable_params(inp) / 1e6:.1f}M trainable; " if inp.lora_rank else "full fine-tuning; ")
+            + f"{inp.gpus} x {inp.gpu_gib:g} GiB; micro-batch {plan.micro_batch_tokens} tokens "
+            f"(groups of {inp.group_size} x ({inp.prompt_len} + {inp.response_len}))")
+    lines = [head, "", plan.table(), "", "Every lever set, cheapest first (step time):", "",
+             "| levers | micro-batch tokens | activations saved | peak GiB | fits |", "|---|---:|---:|---:|---|"]
+    for tried in (plan_memory(inp, levers) for levers in lever_ladder(inp)):
+        saved = tried.components["activations (saved for the backward)"] / GiB
+        lines.append(f"| {tried.levers.describe()} | {tried.micro_batch_tokens} | {saved:.2f} | "
+                     f"{tried.peak / GiB:.2f} | {'yes' if tried.fits else 'no'} |")
+    lines.append("")
+    if plan.generation_peak:
+        lines += [f"Generation without vLLM (rollout.engine=hf; {inp.prompts_per_step // inp.gpus * inp.group_size} "
+                  f"rows per GPU at once): {plan.generation_peak / GiB:.2f} GiB with the KV cache.", ""]
+    kv = kv_cache_tokens(inp)
+    if kv is not None:
+        rows = kv // inp.row_tokens
+        lines.append(f"vLLM ({inp.gpu_memory_utilization:g} of the GPU): its copy of the weights leaves KV cache for "
+                     f"about {kv} tokens = {rows} full-length rows at once"
+                     + (" -- too little: raise --gpu-memory-utilization or use rollout.engine=hf "
+                        "(--gpu-memory-utilization 0)" if rows < 1 else "") + ".")
+        lines.append("")
+    if fits:
+        lines += ["Fits with these settings (paste into pacs train):", "", "    " + " ".join(config_lines(plan))]
+    else:
+        lines += [f"Does not fit: the least any lever set needs is {plan.peak / GiB:.1f} GiB of {inp.gpu_gib:g}. "
+                  "What would: " + "; ".join(what_would_fit(inp)) + "."]
+    return "\n".join(lines), fits
+
+
+def plan_preset(path: str) -> MemoryPlan:
+    """Plan a preset: ``path`` is a ``pacs train`` YAML; its sibling ``<name>.plan.yaml`` holds what the YAML
+    cannot say: ``model`` (a config.json, model directory or shipped name), ``gpu_gib``, ``gpus`` and, for
+    LoRA (not a ``pacs train`` setting yet), ``lora_rank`` and ``lora_targets``."""
+    import yaml
+
+    from .config import load_config, validate
+
+    stem = path[:-len(".yaml")] if path.endswith(".yaml") else path
+    sidecar = stem + ".plan.yaml"
+    if not os.path.isfile(sidecar):
+        raise ValueError(f"--preset: no {sidecar} beside {path} (the planner's inputs: model, gpu_gib, gpus)")
+    with open(sidecar) as fh:
+        spec = yaml.safe_load(fh) or {}
+    known = {"model", "gpu_gib", "gpus", "lora_rank", "lora_targets"}
+    unknown = sorted(set(spec) - known)
+    if unknown or "model" not in spec or "gpu_gib" not in spec:
+        raise ValueError(f"{sidecar}: expected keys model, gpu_gib (and optionally gpus, lora_rank, lora_targets); "
+                         f"got {', '.join(sorted(spec)) or 'none'}")
+    cfg = load_config(path)
+    gpus = int(spec.get("gpus", 1))
+    validate(cfg, world_size=gpus)
+    return plan_for_config(cfg, load_model_shape(spec["model"]), float(spec["gpu_gib"]), gpus,
+                           spec.get("lora_rank"), spec.get("lora_targets"))
+
+
+def preset_header(plan: MemoryPlan) -> list[str]:
+    """The comment lines a preset carries (configs/presets/*.yaml): the planned peak and its components."""
+    inp = plan.inputs
+    lines = [f"# planned peak per GPU: {plan.peak / GiB:.2f} GiB of {inp.gpu_gib:g} GiB (at {plan.phase}), "
+             f"micro-batches of up to {plan.micro_batch_tokens} tokens"]
+    lines += [f"#   {name}: {value / GiB:.2f} GiB" for name, value in plan.components.items()]
+    largest = max(plan.transient, key=plan.transient.get)
+    lines += [f"#   {name}: {value / GiB:.2f} GiB{' (counted: the larger)' if name == largest else ' (not at once)'}"
+              for name, value in plan.transient.items()]
+    if plan.generation_peak:
+        lines.append(f"#   generation (rollout.engine=hf, KV cache included): {plan.generation_peak / GiB:.2f} GiB")
+    return lines
+
+
+def planned_training_gib(cfg, model_config, gpu_gib: float, gpus: int) -> float | None:
+    """The planned training peak (GiB, :attr:`MemoryPlan.training_peak`) of ``cfg`` for a loaded model's
+    Hugging Face config, or None when its config is not one the planner reads (the preflight prints it
+    beside the measured peak when it can)."""
+    try:
+        shape = shape_from_config(model_config.to_dict(), name=getattr(model_config, "model_type", "model"))
+        return plan_for_config(cfg, shape, gpu_gib, gpus).training_peak / GiB
+    except (ValueError, KeyError, TypeError):
+        return None

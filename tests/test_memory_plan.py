@@ -1,0 +1,232 @@
+"""pacs plan (pacs/memory_plan.py): the arithmetic on known cases, its monotonicity, the presets, the CLI."""
+
+import glob
+import os
+import re
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from pacs.cli import main
+from pacs.config import load_config, validate
+from pacs.memory_plan import (
+    Levers,
+    PlanInputs,
+    cheapest_fitting_plan,
+    layer_saved_bytes_per_token,
+    load_model_shape,
+    plan_memory,
+    plan_preset,
+    shape_from_config,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRESETS = sorted(p for p in glob.glob(os.path.join(REPO, "configs", "presets", "*.yaml"))
+                 if not p.endswith(".plan.yaml"))
+GiB = 2**30
+
+
+def test_parameter_counts_of_the_shipped_configs_are_the_published_ones():
+    assert load_model_shape("qwen2.5-1.5b").params == 1_543_714_304
+    assert load_model_shape("qwen2.5-7b").params == 7_615_616_512
+    # peft's count for rank 16 on all seven projections of Qwen2.5-7B
+    assert load_model_shape("qwen2.5-7b").lora_params(16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj")) == 40_370_176
+
+
+@pytest.mark.parametrize("extra", [dict(model_type="qwen2", tie_word_embeddings=True),
+                                   dict(model_type="llama", tie_word_embeddings=False, attention_bias=False)])
+def test_parameter_count_equals_transformers_model(extra):
+    import torch
+    import transformers
+
+    raw = dict(hidden_size=96, intermediate_size=200, num_hidden_layers=3, num_attention_heads=6,
+               num_key_value_heads=2, head_dim=16, vocab_size=300, **extra)
+    config = transformers.AutoConfig.for_model(**raw)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert shape_from_config(raw).params == sum(p.numel() for p in model.parameters())
+
+
+def inputs(**kw):
+    base = dict(model=load_model_shape("qwen2.5-1.5b"), gpu_gib=80, response_len=4096, gpu_memory_utilization=0.3)
+    base.update(kw)
+    return PlanInputs(**base)
+
+
+def test_default_loss_chunk_is_the_kernels_default():
+    from pacs.memory_plan import DEFAULT_LOSS_CHUNK_MIB
+    from pacs_kernels.single_pass import DEFAULT_CHUNK_BUDGET_MIB
+
+    assert DEFAULT_LOSS_CHUNK_MIB == DEFAULT_CHUNK_BUDGET_MIB
+
+
+def test_weights_gradients_and_adamw_bytes_of_a_known_config():
+    p = 1_543_714_304
+    plan = plan_memory(inputs())
+    assert plan.components["weights (master, float32)"] == 4 * p
+    assert plan.components["gradients"] == 4 * p
+    assert plan.components["AdamW state (2 x float32)"] == 8 * p
+    assert plan.components["vLLM engine"] == 0.3 * 80 * GiB
+    sharded = plan_memory(inputs(gpus=8))
+    assert sharded.components["weights (master, float32, sharded)"] == 4 * p / 8
+
+
+def test_checkpointing_never_increases_the_activations():
+    for name in ("qwen2.5-1.5b", "qwen2.5-7b"):
+        for response in (512, 4096, 32768):
+            for tiled in (False, True):
+                inp = inputs(model=load_model_shape(name), response_len=response)
+                plain = plan_memory(inp, Levers(tiled_mlp=tiled))
+                ckpt = plan_memory(inp, Levers(tiled_mlp=tiled, gradient_checkpointing=True))
+                key = "activations (saved for the backward)"
+                assert ckpt.components[key] < plain.components[key]
+                assert ckpt.peak <= plain.peak
+
+
+def test_more_gpus_never_increase_the_sharded_states():
+    keys = ("gradients", "AdamW state (2 x float32)")
+    previous = None
+    for gpus in (1, 2, 4, 8, 16):
+        plan = plan_memory(inputs(gpus=gpus))
+        states = [plan.components[k] for k in keys] + [v for k, v in plan.components.items() if "master" in k]
+        if previous is not None:
+            assert all(now <= before for now, before in zip(states, previous))
+        previous = states
+
+
+def test_lora_reduces_optimizer_state_to_the_adapters():
+    shape = load_model_shape("qwen2.5-7b")
+    plan = plan_memory(inputs(model=shape, lora_rank=16))
+    adapters = shape.lora_params(16, PlanInputs.lora_targets)
+    assert plan.components["AdamW state (2 x float32)"] == 8 * adapters
+    assert plan.components["gradients"] == 4 * adapters
+    full = plan_memory(inputs(model=shape))
+    assert plan.components["AdamW state (2 x float32)"] < full.components["AdamW state (2 x float32)"] / 100
+
+
+def test_levers_shrink_what_they_claim_to():
+    inp = inputs(response_len=16384)
+    none = plan_memory(inp)
+    tiled = plan_memory(inp, Levers(tiled_mlp=True))
+    offload = plan_memory(inp, Levers(gradient_checkpointing=True, offload_activations=True))
+    budget = plan_memory(inp, Levers(max_tokens_per_micro_batch=inp.row_tokens))
+    chunk = plan_memory(inp, Levers(loss_chunk_mib=64))
+    key = "activations (saved for the backward)"
+    assert tiled.components[key] < none.components[key]
+    assert offload.components[key] == 0 and offload.host["activations (offloaded)"] > 0
+    assert budget.micro_batch_tokens == inp.row_tokens < none.micro_batch_tokens and budget.peak < none.peak
+    assert chunk.transient["fused loss (logits chunk, head gradient, hidden states)"] < \
+        none.transient["fused loss (logits chunk, head gradient, hidden states)"]
+
+
+def test_saved_bytes_formula_on_a_known_layer():
+    # float32, hidden 256, 4/2 heads of 64, MLP 768: counted with saved_tensors_hooks on transformers' Qwen2 layer
+    shape = shape_from_config(dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=64, vocab_size=1024, model_type="qwen2"))
+    assert layer_saved_bytes_per_token(shape, "float32") == 22552
+    assert layer_saved_bytes_per_token(shape, "autocast") == 14872
+
+
+def test_full_fine_tuning_of_1_5b_does_not_fit_24_gib_and_lora_is_suggested():
+    plan, fits = cheapest_fitting_plan(inputs(gpu_gib=24, response_len=16384))
+    assert not fits
+    result = subprocess.run([sys.executable, "-m", "pacs", "plan", "--model", "qwen2.5-1.5b", "--gpu-gib", "24",
+                             "--response-len", "16384"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 1, result.stderr  # the exit code through the real entry point
+    suggestions = result.stdout.split("What would: ", 1)[1]
+    assert "Does not fit" in result.stdout and suggestions.startswith("LoRA (--lora-rank 16); 2 GPUs")
+
+
+def test_cli_prints_config_lines_that_load(capsys):
+    assert main(["plan", "--model", "qwen2.5-1.5b", "--gpu-gib", "80", "--response-len", "16384"]) == 0
+    lines = capsys.readouterr().out.split("paste into pacs train):", 1)[1].split()
+    cfg = load_config(None, lines)
+    validate(cfg)
+    assert cfg.rollout.max_new_tokens == 16384
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "qwen2.5-1.5b", "--gpu-gib", "0"], "--gpu-gib must be > 0"),
+    (["--model", "no-such-model", "--gpu-gib", "24"], "--model: no config.json"),
+    (["--model", "qwen2.5-7b", "--gpu-gib", "24", "--lora-rank", "8", "--lora-targets", "qkv"], "--lora-targets"),
+    (["--gpu-gib", "24"], "needs --model and --gpu-gib"),
+])
+def test_cli_errors_are_one_line_naming_the_argument(argv, message, capsys):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=os.path.basename)
+def test_every_preset_loads_validates_and_fits_its_gpu(path):
+    spec_gpus = plan_preset(path).inputs.gpus
+    validate(load_config(path), world_size=spec_gpus)
+    plan = plan_preset(path)
+    assert plan.fits, f"{path}: planned {plan.peak / GiB:.2f} GiB of {plan.inputs.gpu_gib} GiB"
+    stated = re.search(r"# planned peak per GPU: ([\d.]+) GiB of ([\d.]+) GiB", open(path).read())
+    assert stated, f"{path}: no '# planned peak per GPU' header line"
+    assert float(stated.group(1)) == pytest.approx(plan.peak / GiB, abs=0.006)
+    assert float(stated.group(2)) == plan.inputs.gpu_gib
+
+
+def test_cli_plans_a_preset(capsys):
+    assert main(["plan", "--preset", PRESETS[0]]) == 0
+    assert "fits 8 x 79 GiB" in capsys.readouterr().out
+
+
+def test_presets_cover_the_issue_s_settings():
+    names = {os.path.basename(p) for p in PRESETS}
+    assert {"paper_qwen2.5-7b_8x80gb.yaml", "qwen2.5-1.5b_full_80gb.yaml", "qwen2.5-1.5b_lora_24gb.yaml",
+            "qwen2.5-7b_lora_24gb.yaml", "qwen2.5-7b_lora_80gb.yaml"} <= names
+    paper = load_config(os.path.join(REPO, "configs", "presets", "paper_qwen2.5-7b_8x80gb.yaml"))
+    assert (paper.rollout.group_size, paper.optim.lr, paper.rollout.max_new_tokens) == (8, 1e-6, 4096)
+
+
+def test_what_would_fit_a_7b_on_24_gib_without_room_for_vllm():
+    from pacs.memory_plan import what_would_fit
+
+    inp = inputs(model=load_model_shape("qwen2.5-7b"), gpu_gib=23.5, response_len=16384)
+    assert not cheapest_fitting_plan(inp)[1]
+    first = what_would_fit(inp)[0]
+    assert first.startswith("LoRA (--lora-rank 16) with rollout.engine=hf")  # vLLM's 30% cannot hold 14 GiB of weights
+    assert cheapest_fitting_plan(replace(inp, lora_rank=16, gpu_memory_utilization=0.0, prompts_per_step=1))[1]
+
+
+def test_more_gpus_fit_where_one_does_not():
+    one = replace(inputs(gpu_gib=24, response_len=16384))
+    assert not cheapest_fitting_plan(one)[1]
+    assert cheapest_fitting_plan(replace(one, gpus=2))[1]
+
+
+@pytest.mark.slow
+def test_planner_within_15_percent_of_measured_peaks():
+    from benchmarks.plan_accuracy import run_probe
+
+    for probe in ("none", "ckpt", "bf16_autocast_master_fp32"):
+        row = run_probe(probe, threads=2, timeout=300)
+        assert abs(row["error_pct"]) <= 15, row
+
+
+def test_preflight_prediction_from_a_loaded_model_config():
+    import transformers
+
+    from pacs.memory_plan import planned_training_gib
+
+    cfg = load_config(os.path.join(REPO, "configs", "presets", "qwen2.5-1.5b_full_80gb.yaml"))
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in load_model_shape_raw("qwen2.5-1.5b").items()
+                                                  if k not in ("architectures", "torch_dtype")})
+    planned = planned_training_gib(cfg, config, 80, 1)
+    plan = plan_preset(os.path.join(REPO, "configs", "presets", "qwen2.5-1.5b_full_80gb.yaml"))
+    assert planned == pytest.approx(plan.training_peak / GiB)
+    assert planned < plan.peak / GiB - 24  # without vLLM's 30% of 80 GiB
+    assert planned_training_gib(cfg, transformers.PretrainedConfig(), 80, 1) is None
+
+
+def load_model_shape_raw(name):
+    import json
+
+    with open(os.path.join(REPO, "configs", "presets", "models", name, "config.json")) as fh:
+        return json.load(fh)
