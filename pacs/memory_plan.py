@@ -435,6 +435,10 @@ def plan_for_config(cfg, model: ModelShape, gpu_gib: float, gpus: int = 1, lora_
     from .config import micro_batch_groups
 
     r, tr = cfg.rollout, cfg.train
+    if lora_rank is None and cfg.model.lora.rank > 0:  # model.lora.*: all-linear = every projection
+        lora_rank = cfg.model.lora.rank
+        names = tuple(name.strip() for name in cfg.model.lora.target_modules.split(",") if name.strip())
+        lora_targets = lora_targets or (None if names == ("all-linear",) else names)
     compute = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     engine_share = 0.0 if r.engine == "hf" else r.gpu_memory_utilization
     inp = PlanInputs(model=model, gpu_gib=gpu_gib, gpus=gpus, prompt_len=r.max_prompt_len,
@@ -457,6 +461,10 @@ def config_lines(plan: MemoryPlan) -> list[str]:
              f"optim.master_dtype={inp.master_dtype}"]
     if inp.device == "cuda":
         lines.append(f"rollout.gpu_memory_utilization={inp.gpu_memory_utilization:g}")
+    if inp.lora_rank:
+        every = set(inp.lora_targets) == set(PlanInputs.__dataclass_fields__["lora_targets"].default)
+        lines += [f"model.lora.rank={inp.lora_rank}",
+                  f"model.lora.target_modules={'all-linear' if every else ','.join(inp.lora_targets)}"]
     return lines + plan.levers.config_lines()
 
 
@@ -498,8 +506,8 @@ def report(inp: PlanInputs) -> tuple[str, bool]:
 
 def plan_preset(path: str) -> MemoryPlan:
     """Plan a preset: ``path`` is a ``pacs train`` YAML; its sibling ``<name>.plan.yaml`` holds what the YAML
-    cannot say: ``model`` (a config.json, model directory or shipped name), ``gpu_gib``, ``gpus`` and, for
-    LoRA (not a ``pacs train`` setting yet), ``lora_rank`` and ``lora_targets``."""
+    cannot say: ``model`` (a config.json, model directory or shipped name), ``gpu_gib``, ``gpus`` (and
+    ``lora_rank`` / ``lora_targets`` to plan LoRA the YAML does not set; the YAML's ``model.lora`` is read)."""
     import yaml
 
     from .config import load_config, validate

@@ -15,6 +15,7 @@ from pacs.memory_plan import (
     Levers,
     PlanInputs,
     cheapest_fitting_plan,
+    config_lines,
     layer_saved_bytes_per_token,
     load_model_shape,
     plan_memory,
@@ -183,6 +184,13 @@ def test_presets_cover_the_issue_s_settings():
             "qwen2.5-7b_lora_24gb.yaml", "qwen2.5-7b_lora_80gb.yaml"} <= names
     paper = load_config(os.path.join(REPO, "configs", "presets", "paper_qwen2.5-7b_8x80gb.yaml"))
     assert (paper.rollout.group_size, paper.optim.lr, paper.rollout.max_new_tokens) == (8, 1e-6, 4096)
+    for path in PRESETS:  # the LoRA presets train LoRA in pacs train (model.lora), and are planned as such
+        rank = load_config(path).model.lora.rank
+        if "_lora_" in os.path.basename(path):
+            assert rank > 0 and plan_preset(path).inputs.lora_rank == rank, path
+            assert f"model.lora.rank={rank}" in config_lines(plan_preset(path))
+        else:
+            assert rank == 0 and plan_preset(path).inputs.lora_rank is None, path
 
 
 def test_what_would_fit_a_7b_on_24_gib_without_room_for_vllm():
