@@ -12,9 +12,10 @@
 #   3. dispatch.json (what backend/path "auto" should pick, by measurement) and the cost model's
 #      predictions next to the measured times (roofline_measured.csv)
 #   4. the long-context sweep (largest N within 40 GiB, naive vs Triton)
-# PACS_GPU_PART=long runs instead, in a second call (hard limits add up to 6m00s), "how long can I train
+# PACS_GPU_PART=long runs instead, in a second call (hard limits add up to 6m45s), "how long can I train
 # here", the most needed first (the session's 15 device minutes may cut the end of this call):
-#   5. the trainer itself (pacs train on the built-in task: preflight, tiled MLP, split groups), resumed
+#   5. the trainer itself (pacs train on the built-in task: preflight, tiled MLP, split groups), resumed;
+#      5b. pacs plan's predicted peak against one measured training step at Qwen2.5-1.5B's shape
 #   6. the packed row's attention, forward + backward, at Qwen2.5-1.5B's and 7B's heads on N = 16384: one
 #      flash varlen call (its first run on a GPU, checked against float32) vs SDPA per sequence vs padded rows
 #   7. the tiled MLP's cost in step time (with and without checkpointing, L = 4096)
@@ -84,6 +85,7 @@ if [ "${PACS_GPU_DRY_RUN:-0}" = "1" ]; then
     long_train_args=(--dry-run)
     tiled_cost_args=(--dry-run)
     packed_attention_args=(--dry-run)
+    plan_accuracy_args=(--dry-run)
     smoke_steps=(2 3)
 else
     check_args=(--device cuda)
@@ -93,6 +95,7 @@ else
     long_train_args=(--device cuda --budget-gib 24 --time-budget 100)  # 7 searches of ~14 s; 80 GiB: by hand
     tiled_cost_args=(--device cuda --repeats 5)
     packed_attention_args=(--device cuda --repeats 5)
+    plan_accuracy_args=()
     smoke_steps=(4 6)
 fi
 part="${PACS_GPU_PART:-race}"
@@ -173,6 +176,12 @@ moved = [row["update_nonzero_frac"] for row in rows if row["update_nonzero_frac"
 print(f"update_nonzero_frac per step (bf16 compute, float32 master weights): {moved}")
 sys.exit(0 if moved and min(moved) > 0.99 else 1)
 PY
+    # the memory planner (pacs plan) against one real-architecture step on this GPU: its CSV goes into log.txt
+    stamp "5b/8 pacs plan vs a measured step at Qwen2.5-1.5B's shape, bf16 over float32 masters (limit 45s)"
+    rm -rf /tmp/pacs-plan-accuracy
+    timeout 45 "$py" benchmarks/plan_accuracy.py --device cuda ${plan_accuracy_args[@]+"${plan_accuracy_args[@]}"} \
+        --out /tmp/pacs-plan-accuracy || { echo "!!! pacs plan's prediction missed by more than 15% (or failed): $?"; status=1; }
+    cat /tmp/pacs-plan-accuracy/plan_accuracy_gpu.csv 2>/dev/null
     # its CSV is written after every case; an error over tolerance (or an engine's failure) exits 1
     stamp "6/8 the packed row's attention: flash varlen vs SDPA per sequence vs padded (budget 15s, limit 25s)"
     timeout 25 "$py" benchmarks/packed_attention.py "${packed_attention_args[@]}" --time-budget 15 --out "$out" \

@@ -59,12 +59,30 @@ PROBES = {
 }
 
 
-def equal_rows_batch(response: int, seed: int):
+# --device cuda (benchmarks/gpu.sh): one real architecture's step on the GPU, the planner's default GPU path
+# (bfloat16 autocast over float32 master weights, packed rows, checkpointing, the 2 GiB CUDA loss chunk); the
+# model's published config (configs/presets/models/), random weights. --dry-run: a 2-layer cut on the CPU.
+REAL_MODEL = "qwen2.5-1.5b"
+CUDA_PROBE = ("real_model_ckpt_bf16", ("packed", "fused", "ckpt"), 2048.0, 4096, "mixed")
+
+
+def real_model_config(dry_run: bool) -> dict:
+    from pacs.memory_plan import PRESET_MODELS_DIR
+
+    with open(os.path.join(PRESET_MODELS_DIR, REAL_MODEL, "config.json")) as fh:
+        config = json.load(fh)
+    if dry_run:
+        config.update(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=512)
+    return config
+
+
+def equal_rows_batch(response: int, seed: int, vocab: int | None = None):
     """One group of GROUP full-length rows (the planner's worst case)."""
     from pacs.trainer import build_batch
 
     gen = torch.Generator().manual_seed(seed)
-    vocab = MODEL["vocab_size"]
+    vocab = vocab or MODEL["vocab_size"]
     prompt = torch.randint(3, vocab, (PROMPT,), generator=gen).tolist()
     responses = [torch.randint(3, vocab, (response,), generator=gen).tolist() for _ in range(GROUP)]
     return build_batch([prompt] * GROUP, responses, [float(i % 2) for i in range(GROUP)], pad_token_id=0)
@@ -75,7 +93,7 @@ def probe_tokens(levers, response: int) -> int:
     return GROUP * (PROMPT + response)
 
 
-def build_policy(levers, dtype: str):
+def build_policy(levers, dtype: str, model: dict | None = None, device: torch.device = torch.device("cpu")):
     import transformers
 
     from pacs.mixed_precision import Precision
@@ -83,13 +101,15 @@ def build_policy(levers, dtype: str):
     from pacs.policy import Policy
     from pacs.tiled_mlp import tile_mlp
 
-    config = transformers.Qwen2Config(**MODEL, max_position_embeddings=1 << 16, use_sliding_window=False)
+    settings = {key: value for key, value in (model or MODEL).items() if key in transformers.Qwen2Config().to_dict()}
+    settings.update(max_position_embeddings=1 << 16, use_sliding_window=False)
     torch.manual_seed(0)
-    causal_lm = transformers.Qwen2ForCausalLM(config)
+    with device:
+        causal_lm = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**settings)).float()
     if "ckpt" in levers:
         causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if "packed" in levers:
-        enable_packed_attention(causal_lm, torch.device("cpu"))
+        enable_packed_attention(causal_lm, device)
     else:
         causal_lm.set_attn_implementation("sdpa")
     if "tiled" in levers:
@@ -114,6 +134,62 @@ def worker(request: dict) -> None:
     train_step(policy, optimizer, batch, levers, cpu, chunk)
     increase = peak_rss_mib() - base
     print(json.dumps({"state_mib": state_mib(policy, optimizer), "increase_mib": increase}), flush=True)
+
+
+def cuda_worker(request: dict) -> None:
+    """The real architecture's step (CUDA_PROBE) on ``request["device"]``: CUDA's allocator peak over the step
+    (torch.cuda.max_memory_allocated, reset right before it) on a GPU, the resident set's on the CPU."""
+    from benchmarks.long_context_train import state_mib, train_step
+
+    device = torch.device(request["device"])
+    _, levers, chunk, response, dtype = CUDA_PROBE
+    config = real_model_config(request["dry_run"])
+    response = 64 if request["dry_run"] else response
+    policy, optimizer = build_policy(levers, dtype, config, device)
+    vocab = config["vocab_size"]
+    train_step(policy, optimizer, equal_rows_batch(8, 1, vocab).to(device), levers, device, chunk)  # AdamW state
+    short, batch = equal_rows_batch(4, 2, vocab).to(device), equal_rows_batch(response, 3, vocab).to(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated() / 2**20
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        base = reset_peak_rss()
+    train_step(policy, None, short, levers, device, chunk)
+    train_step(policy, optimizer, batch, levers, device, chunk)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else peak_rss_mib()
+    print(json.dumps({"state_mib": state_mib(policy, optimizer), "increase_mib": peak - base,
+                      "response": response, "config": config}), flush=True)
+
+
+def cuda_row(request: dict) -> dict:
+    """Measured (a fresh process) and predicted peak of the real architecture's step; the planner's assumed
+    CUDA context (not in the allocator's count) is left out of the prediction."""
+    from pacs.memory_plan import CUDA_RESERVE_GIB, GiB, Levers, PlanInputs, plan_memory, shape_from_config
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.plan_accuracy", "--cuda-worker", json.dumps(request)],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=request["timeout"])
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the real model's step: worker exit {proc.returncode}: {tail[:300]}")
+    measured = json.loads(lines[-1])
+    name, levers, chunk, _, dtype = CUDA_PROBE
+    shape = shape_from_config(dict(measured["config"], model_type="qwen2"), name=REAL_MODEL)
+    inputs = PlanInputs(model=shape, gpu_gib=1024, gpus=1, prompt_len=PROMPT, response_len=measured["response"],
+                        group_size=GROUP, prompts_per_step=1, compute_dtype="bfloat16", master_dtype="float32",
+                        gpu_memory_utilization=0.0, device=request["device"])
+    chosen = Levers(gradient_checkpointing=True, packing=True, loss_chunk_mib=chunk)
+    plan = plan_memory(inputs, chosen, tokens=GROUP * (PROMPT + measured["response"]))
+    context = CUDA_RESERVE_GIB * GiB if request["device"] == "cuda" else 0
+    predicted = (plan.peak - context + sum(plan.host.values())) / 2**20
+    footprint = measured["state_mib"] + measured["increase_mib"]
+    return {"probe": f"{REAL_MODEL}_{name}", "levers": "+".join(levers), "dtype": dtype, "loss_chunk_mib": chunk,
+            "tokens": GROUP * (PROMPT + measured["response"]), "measured_mib": round(footprint, 1),
+            "state_mib": round(measured["state_mib"], 1), "step_increase_mib": round(measured["increase_mib"], 1),
+            "predicted_mib": round(predicted, 1), "error_pct": round(100 * (predicted / footprint - 1), 1)}
 
 
 def predict(probe: str):
@@ -194,11 +270,35 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per probe")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--report-only", action="store_true", help="rewrite the Markdown from the CSV in --out")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: one step of a real architecture (Qwen2.5-1.5B's shape) on the GPU, predicted vs "
+                             "measured, written as plan_accuracy_gpu.{csv,md} (benchmarks/gpu.sh)")
+    parser.add_argument("--dry-run", action="store_true", help="with --device: a 2-layer cut on the CPU (plumbing)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--cuda-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
         worker(json.loads(args.worker))
         return 0
+    if args.cuda_worker is not None:
+        cuda_worker(json.loads(args.cuda_worker))
+        return 0
+    if args.device == "cuda":
+        from benchmarks.run import device_name
+
+        device = "cpu" if args.dry_run else "cuda"
+        date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        row = {"date": date, "device_name": device_name(device),
+               **cuda_row({"device": device, "dry_run": args.dry_run, "timeout": args.timeout})}
+        print(f"[plan-accuracy] {row['probe']}: measured {row['measured_mib']:.1f} MiB, predicted "
+              f"{row['predicted_mib']:.1f} MiB ({row['error_pct']:+.1f}%; the allocator's peak, without the "
+              "CUDA context)", flush=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / "plan_accuracy_gpu.csv", "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+            writer.writeheader()
+            writer.writerow(row)
+        return 0 if args.dry_run or abs(row["error_pct"]) <= 15 else 1  # (a dry run checks the plumbing)
     if args.report_only:
         with open(args.out / "plan_accuracy_cpu.csv") as fh:
             rows = list(csv.DictReader(fh))
