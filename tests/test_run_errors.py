@@ -245,7 +245,7 @@ def test_the_prompt_cut_warning_gets_a_line_of_its_own(tmp_path, tiny_model, mon
     monkeypatch.setattr(sys, "stdout", screen)
     monkeypatch.setattr(sys, "stderr", screen)
     code = main(["train", "--model", tiny_model, "--output-dir", str(tmp_path / "run"), "--max-steps", "1",
-                 *TINY_RUN, "rollout.max_prompt_len=2"])
+                 *TINY_RUN, "rollout.max_prompt_len=2", "rollout.truncate_prompts=true"])  # cut, not refused
     text = screen.getvalue()
     assert code == 0, text
     at = text.index("[warning] prompts longer than rollout.max_prompt_len=2 tokens")
