@@ -19,21 +19,22 @@ from dataclasses import dataclass
 import torch
 
 from ..grpo import group_normalized_advantages
-from .batch import check_nonnegative, check_unit_interval
-from .regularizers import RegularizedObjective, add_regularizers, as_floats, masked, token_mean
+from .regularizers import (
+    ClippedRatioObjective,
+    add_regularizers,
+    as_floats,
+    masked,
+    reference_regularizer_terms,
+    token_mean,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
-class CISPO(RegularizedObjective):
+class CISPO(ClippedRatioObjective):
     """eps_low in [0, 1], eps_high >= 0: the IS weight is clipped to [1 - eps_low, 1 + eps_high]."""
 
     eps_low: float = 1.0
     eps_high: float = 0.28
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_unit_interval("eps_low", self.eps_low)
-        check_nonnegative("eps_high", self.eps_high)
 
     def __call__(self, logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None):
         batch = self.checked(logp, old_logp, rewards, mask, group_size, ref_logp, entropy)
@@ -62,11 +63,7 @@ def reference_cispo_loss(objective: CISPO, logp, old_logp, rewards, mask, *, gro
         lp = logp[i][tokens]
         is_weight = torch.exp(lp - old[i][tokens]).clamp(1 - objective.eps_low, 1 + objective.eps_high).detach()
         term = -is_weight * adv * lp
-        if ref_logp is not None:
-            delta = ref_logp[i][tokens].double() - lp
-            term = term + objective.kl_coef * (torch.exp(delta) - delta - 1)
-        if entropy is not None:
-            term = term - objective.entropy_coef * entropy[i][tokens].double()
+        term = term + reference_regularizer_terms(objective, lp, ref_logp, entropy, i, tokens)
         total = total + term.sum()
         n_tokens += int(tokens.sum())
     return total / n_tokens

@@ -18,21 +18,15 @@ from dataclasses import dataclass
 import torch
 
 from ..grpo import grpo_loss
-from .batch import check_nonnegative, check_unit_interval
-from .regularizers import RegularizedObjective, add_regularizers, as_floats, token_mean
+from .regularizers import ClippedRatioObjective, add_regularizers, as_floats, reference_regularizer_terms, token_mean
 
 
 @dataclass(frozen=True, kw_only=True)
-class DAPO(RegularizedObjective):
+class DAPO(ClippedRatioObjective):
     """eps_low in [0, 1], eps_high >= 0: the ratio is clipped to [1 - eps_low, 1 + eps_high]."""
 
     eps_low: float = 0.2
     eps_high: float = 0.28
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_unit_interval("eps_low", self.eps_low)
-        check_nonnegative("eps_high", self.eps_high)
 
     def __call__(self, logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None):
         batch = self.checked(logp, old_logp, rewards, mask, group_size, ref_logp, entropy)
@@ -59,11 +53,7 @@ def reference_dapo_loss(objective: DAPO, logp, old_logp, rewards, mask, *, group
         ratio = torch.exp(lp - old[i][tokens])
         surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - objective.eps_low, 1 + objective.eps_high) * adv)
         term = -surrogate
-        if ref_logp is not None:
-            delta = ref_logp[i][tokens].double() - lp
-            term = term + objective.kl_coef * (torch.exp(delta) - delta - 1)
-        if entropy is not None:
-            term = term - objective.entropy_coef * entropy[i][tokens].double()
+        term = term + reference_regularizer_terms(objective, lp, ref_logp, entropy, i, tokens)
         total = total + term.sum()
         n_tokens += int(tokens.sum())
     return total / n_tokens

@@ -19,8 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from ..grpo import grpo_token_terms
-from .batch import check_nonnegative, check_unit_interval
-from .regularizers import RegularizedObjective, add_regularizers, as_floats, constant_length_mean
+from .regularizers import (
+    ClippedRatioObjective,
+    add_regularizers,
+    as_floats,
+    constant_length_mean,
+    reference_regularizer_terms,
+)
 
 
 def group_centred_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -30,7 +35,7 @@ def group_centred_advantages(rewards: torch.Tensor, group_size: int) -> torch.Te
 
 
 @dataclass(frozen=True, kw_only=True)
-class DrGRPO(RegularizedObjective):
+class DrGRPO(ClippedRatioObjective):
     """max_completion_length: L, the constant the token sum is divided by (with B), e.g. the rollout's
     max_new_tokens; eps_low in [0, 1], eps_high >= 0 (default: both 0.2, PPO's clip)."""
 
@@ -44,8 +49,6 @@ class DrGRPO(RegularizedObjective):
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
             raise ValueError(f"max_completion_length must be an int >= 1 (the rollout's maximum response length), "
                              f"got {length!r}")
-        check_unit_interval("eps_low", self.eps_low)
-        check_nonnegative("eps_high", self.eps_high)
 
     def __call__(self, logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None):
         batch = self.checked(logp, old_logp, rewards, mask, group_size, ref_logp, entropy)
@@ -83,10 +86,6 @@ def reference_dr_grpo_loss(objective: DrGRPO, logp, old_logp, rewards, mask, *, 
         lp = logp[i][tokens]
         ratio = torch.exp(lp - old[i][tokens])
         term = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - objective.eps_low, 1 + objective.eps_high) * adv)
-        if ref_logp is not None:
-            delta = ref_logp[i][tokens].double() - lp
-            term = term + objective.kl_coef * (torch.exp(delta) - delta - 1)
-        if entropy is not None:
-            term = term - objective.entropy_coef * entropy[i][tokens].double()
+        term = term + reference_regularizer_terms(objective, lp, ref_logp, entropy, i, tokens)
         total = total + term.sum()
     return total / (logp.shape[0] * objective.max_completion_length)

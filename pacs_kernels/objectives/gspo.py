@@ -17,28 +17,23 @@ from dataclasses import dataclass
 import torch
 
 from ..grpo import group_normalized_advantages
-from .batch import check_nonnegative, check_unit_interval
 from .regularizers import (
-    RegularizedObjective,
+    ClippedRatioObjective,
     add_regularizers,
     as_floats,
     check_nonempty,
     masked,
+    reference_regularizer_terms,
     sequence_mean,
 )
 
 
 @dataclass(frozen=True, kw_only=True)
-class GSPO(RegularizedObjective):
+class GSPO(ClippedRatioObjective):
     """eps_low in [0, 1], eps_high >= 0: the sequence ratio is clipped to [1 - eps_low, 1 + eps_high]."""
 
     eps_low: float = 3e-4
     eps_high: float = 4e-4
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_unit_interval("eps_low", self.eps_low)
-        check_nonnegative("eps_high", self.eps_high)
 
     def __call__(self, logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None):
         batch = self.checked(logp, old_logp, rewards, mask, group_size, ref_logp, entropy)
@@ -70,10 +65,6 @@ def reference_gspo_loss(objective: GSPO, logp, old_logp, rewards, mask, *, group
         lp = logp[i][tokens]
         s = torch.exp((lp - old[i][tokens]).mean())
         term = -torch.minimum(s * adv, torch.clamp(s, 1 - objective.eps_low, 1 + objective.eps_high) * adv)
-        if ref_logp is not None:
-            delta = ref_logp[i][tokens].double() - lp
-            term = term + objective.kl_coef * (torch.exp(delta) - delta - 1).mean()
-        if entropy is not None:
-            term = term - objective.entropy_coef * entropy[i][tokens].double().mean()
+        term = term + reference_regularizer_terms(objective, lp, ref_logp, entropy, i, tokens).mean()
         terms.append(term)
     return torch.stack(terms).mean()

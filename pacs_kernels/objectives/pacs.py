@@ -18,7 +18,7 @@ from ..checks import check_choice
 from ..loss import pacs_loss
 from ..loss_inputs import ADVANTAGES, LOSS_BACKENDS, SCORES, WEIGHTINGS, check_beta
 from ..reference import reference_pacs_loss
-from .regularizers import RegularizedObjective, add_regularizers, as_floats, token_mean
+from .regularizers import RegularizedObjective, add_regularizers, as_floats, reference_regularizer_terms, token_mean
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,10 +61,6 @@ def reference_pacs_objective(objective: PACS, logp, old_logp, rewards, mask, *, 
     extra, n_tokens = 0.0, 0
     for i in range(logp.shape[0]):
         tokens = mask[i] != 0
-        if ref_logp is not None:
-            delta = ref_logp[i][tokens].double() - logp[i][tokens]
-            extra = extra + objective.kl_coef * (torch.exp(delta) - delta - 1).sum()
-        if entropy is not None:
-            extra = extra - objective.entropy_coef * entropy[i][tokens].double().sum()
+        extra = extra + reference_regularizer_terms(objective, logp[i][tokens], ref_logp, entropy, i, tokens).sum()
         n_tokens += int(tokens.sum())
     return loss + extra / n_tokens

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import GroupBatch, check_group_batch, check_nonnegative
+from .batch import GroupBatch, check_group_batch, check_nonnegative, check_unit_interval
 
 
 def masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -97,3 +97,30 @@ class RegularizedObjective:
     def checked(self, logp, old_logp, rewards, mask, group_size, ref_logp, entropy) -> GroupBatch:
         return check_group_batch(logp, old_logp, rewards, mask, group_size=group_size, ref_logp=ref_logp,
                                  entropy=entropy, kl_coef=self.kl_coef, entropy_coef=self.entropy_coef)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClippedRatioObjective(RegularizedObjective):
+    """The regularizers plus a clip range: eps_low in [0, 1], eps_high >= 0 clip a ratio to
+    [1 - eps_low, 1 + eps_high] (each objective sets its own defaults)."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_unit_interval("eps_low", self.eps_low)
+        check_nonnegative("eps_high", self.eps_high)
+
+
+def reference_regularizer_terms(objective: RegularizedObjective, lp: torch.Tensor, ref_logp, entropy, row: int,
+                                tokens: torch.Tensor) -> torch.Tensor:
+    """Float64, for the references: response ``row``'s per-token regularizer terms on its masked ``tokens``
+    (``lp``: their log-probs), kl_coef * k3(ref - lp) - entropy_coef * entropy; 0 where the input is absent."""
+    terms = torch.zeros_like(lp)
+    if ref_logp is not None:
+        delta = ref_logp[row][tokens].double() - lp
+        terms = terms + objective.kl_coef * (torch.exp(delta) - delta - 1)
+    if entropy is not None:
+        terms = terms - objective.entropy_coef * entropy[row][tokens].double()
+    return terms
