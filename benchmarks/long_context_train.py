@@ -135,8 +135,10 @@ def make_batch(longest: int, prompt_len: int, vocab: int, seed: int, device):
     return build_batch([prompt] * GROUP, responses, rewards, pad_token_id=0).to(device)
 
 
-def build(model: str, levers: tuple[str, ...], device: torch.device, dtype: torch.dtype):
-    """(policy, optimizer) with the variant's switches applied the way the trainer applies them."""
+def build(model: str | dict, levers: tuple[str, ...], device: torch.device, dtype: torch.dtype, precision=None):
+    """(policy, optimizer) with the variant's switches applied the way the trainer applies them. ``model``: a
+    name in MODELS or a Qwen2 config's fields; ``precision`` (pacs.mixed_precision.Precision): float32 master
+    weights under 16-bit autocast, as pacs train on one process."""
     import transformers
 
     from pacs.memory import apply_liger_patches, fsdp_kwargs
@@ -144,7 +146,9 @@ def build(model: str, levers: tuple[str, ...], device: torch.device, dtype: torc
     from pacs.policy import Policy, decoder_layers
     from pacs.tiled_mlp import tile_mlp
 
-    config = transformers.Qwen2Config(**MODELS[model], max_position_embeddings=1 << 20, use_sliding_window=False)
+    fields = MODELS[model] if isinstance(model, str) else {
+        key: value for key, value in model.items() if key in transformers.Qwen2Config().to_dict()}
+    config = transformers.Qwen2Config(**{**fields, "max_position_embeddings": 1 << 20, "use_sliding_window": False})
     torch.manual_seed(0)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in its dtype, on its device: no float32 copy on the way
@@ -163,7 +167,7 @@ def build(model: str, levers: tuple[str, ...], device: torch.device, dtype: torc
         apply_liger_patches(causal_lm, device)
     if "tiled" in levers:
         tile_mlp(causal_lm)  # the trainer's default tile: the hidden size
-    policy = Policy(causal_lm).train()
+    policy = Policy(causal_lm, precision, autocast=precision is not None).train()
     if "fsdp_cpu" in levers:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh

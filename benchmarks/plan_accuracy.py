@@ -94,29 +94,13 @@ def probe_tokens(levers, response: int) -> int:
 
 
 def build_policy(levers, dtype: str, model: dict | None = None, device: torch.device = torch.device("cpu")):
-    import transformers
-
+    """benchmarks/long_context_train.py's model and levers; ``dtype`` "mixed": bfloat16 autocast over float32
+    master weights."""
+    from benchmarks.long_context_train import build
     from pacs.mixed_precision import Precision
-    from pacs.packing import enable_packed_attention
-    from pacs.policy import Policy
-    from pacs.tiled_mlp import tile_mlp
 
-    settings = {key: value for key, value in (model or MODEL).items() if key in transformers.Qwen2Config().to_dict()}
-    settings.update(max_position_embeddings=1 << 16, use_sliding_window=False)
-    torch.manual_seed(0)
-    with device:
-        causal_lm = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**settings)).float()
-    if "ckpt" in levers:
-        causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if "packed" in levers:
-        enable_packed_attention(causal_lm, device)
-    else:
-        causal_lm.set_attn_implementation("sdpa")
-    if "tiled" in levers:
-        tile_mlp(causal_lm)
-    mixed = dtype == "mixed"
-    policy = Policy(causal_lm, Precision(torch.bfloat16, torch.float32) if mixed else None, autocast=mixed).train()
-    return policy, torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    precision = Precision(torch.bfloat16, torch.float32) if dtype == "mixed" else None
+    return build(model or MODEL, tuple(levers), device, torch.float32, precision=precision)
 
 
 def worker(request: dict) -> None:

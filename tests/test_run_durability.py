@@ -12,27 +12,16 @@ import os
 
 import fault_worker
 import pytest
+import test_run_errors
 
 import pacs.checkpoint as ck
 import pacs.disk_space as disk_space
 from pacs.cli import main
-from pacs.config import Config
 from pacs.disk_space import NoSpaceLeft
 from pacs.metrics import read_metrics
-from pacs.tasks.embedded import build_model, build_tokenizer
 
-TINY_RUN = ["task.digits=1", "rollout.engine=hf", "rollout.prompts_per_step=2", "rollout.group_size=2",
-            "rollout.max_new_tokens=3", "optim.mini_batches_per_step=1", "optim.micro_batch_groups=1",
-            "eval.num_problems=4", "eval.every=0", "checkpoint_every=1", "plot=false", "torch_threads=1"]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    """A randomly initialised copy of the embedded model's architecture (no warm-up: fast)."""
-    path = tmp_path_factory.mktemp("tiny_model")
-    build_model(Config().task, len(build_tokenizer()), seed=3).save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
-    return str(path)
+TINY_RUN = test_run_errors.TINY_RUN
+tiny_model = test_run_errors.tiny_model  # the same module-scoped fixture: a random copy of the embedded model
 
 
 def test_each_metrics_row_is_fsynced_before_the_checkpoint_that_follows(tmp_path, monkeypatch):
