@@ -30,7 +30,13 @@ from .checks import (
 )
 from .fused import FUSED_BACKENDS, PATHS, check_chunk_budget, row_kernels_for
 from .logprobs import check_softcap, linear_logprobs
-from .loss_inputs import GRPO_STD_EPS, check_group_size, check_nonempty_responses, check_token_tensors
+from .loss_inputs import (
+    GRPO_STD_EPS,
+    check_group_size,
+    check_nonempty_responses,
+    check_response_rewards,
+    check_token_tensors,
+)
 from .single_pass import plan_token_chunks, single_pass, tile_memory
 from .token_selection import check_response_tokens, match_head_dtype, pick, selected_index
 
@@ -245,12 +251,7 @@ def fused_linear_grpo_loss(
     n = tokens.n_responses
     low, high, kl_coef = check_grpo_options(group_size, n, clip_eps, clip_eps_high, kl_coef, ref_logp,
                                             tokens.mask.reshape(tokens.token_shape))
-    if not isinstance(rewards, torch.Tensor):
-        raise TypeError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
-    check_tensor("rewards", rewards, ndim=1)
-    if rewards.shape[0] != n or rewards.device != tokens.hidden.device:
-        raise ValueError(f"rewards must have shape (B,) = ({n},) on {tokens.hidden.device}, "
-                         f"got {tuple(rewards.shape)} on {rewards.device}")
+    check_response_rewards(rewards, n, tokens.hidden.device)
     counts = tokens.counts
     if aggregation == "seq_mean":
         check_nonempty_responses(counts, "aggregation='seq_mean' (it averages over each response)")

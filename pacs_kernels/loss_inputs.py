@@ -91,6 +91,16 @@ def check_beta(beta, name: str = "beta") -> float:
     return float(beta)
 
 
+def check_response_rewards(rewards, n_responses: int, device: torch.device) -> None:
+    """A real-valued reward per response (the GRPO family's): a (B,) tensor on the hidden states' device."""
+    if not isinstance(rewards, torch.Tensor):
+        raise TypeError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
+    check_tensor("rewards", rewards, ndim=1)
+    if rewards.shape[0] != n_responses or rewards.device != device:
+        raise ValueError(f"rewards must have shape (B,) = ({n_responses},) on {device}, "
+                         f"got {tuple(rewards.shape)} on {rewards.device}")
+
+
 def check_rewards(rewards, n_responses: int, weighting: str) -> torch.Tensor:
     """rewards (B,) bool/int/float -> float tensor; labels in {0, 1} unless weighting='none'."""
     check_tensor("rewards", rewards, dtypes=MASK_DTYPES, ndim=1)

@@ -17,7 +17,7 @@ import torch
 
 from ..checks import BACKENDS, FLOAT_DTYPES, check_choice, check_linear_inputs, check_temperature, check_tensor
 from ..logprobs import linear_logprobs
-from ..loss_inputs import check_group_size
+from ..loss_inputs import check_group_size, check_response_rewards
 from ..token_selection import check_response_tokens, match_head_dtype, pick, selected_index
 
 
@@ -81,12 +81,7 @@ def fused_linear_objective_loss(
     check_linear_inputs(tokens.hidden, weight, tokens.targets, bias)
     temperature = check_temperature(temperature)
     n = tokens.n_responses
-    if not isinstance(rewards, torch.Tensor):
-        raise TypeError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
-    check_tensor("rewards", rewards, ndim=1)
-    if rewards.shape[0] != n or rewards.device != tokens.hidden.device:
-        raise ValueError(f"rewards must have shape (B,) = ({n},) on {tokens.hidden.device}, "
-                         f"got {tuple(rewards.shape)} on {rewards.device}")
+    check_response_rewards(rewards, n, tokens.hidden.device)
     check_group_size(group_size, n, "grpo")
     if ref_logp is not None:
         check_tensor("ref_logp", ref_logp, dtypes=FLOAT_DTYPES)
