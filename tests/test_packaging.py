@@ -32,7 +32,8 @@ def test_pyproject_metadata():
     assert pacs.__version__ == pacs_kernels.__version__
     assert set(project["optional-dependencies"]) == EXTRAS
     extras = project["optional-dependencies"]
-    assert set(extras["dev"]) == set(extras["test"] + extras["train"] + extras["bench"] + extras["trl"] + extras["docs"])
+    union = extras["test"] + extras["train"] + extras["bench"] + extras["trl"] + extras["docs"]
+    assert set(extras["dev"]) == set(union)
     assert "triton>=3.0; platform_system == 'Linux'" in project["dependencies"]
     assert "pyyaml>=6" in project["dependencies"]  # the pacs command reads YAML configs
     assert project["scripts"] == {"pacs": "pacs.cli:main"}
