@@ -43,15 +43,30 @@ def test_api_reference_documents_every_public_name(site):
         assert all(f'.{name}"' in text for name in names), (page, names)
 
 
-def test_config_reference_is_generated():
+def config_reference_generator():
     path = os.path.join(repo_root(), "scripts", "gen_config_reference.py")
     spec = importlib.util.spec_from_file_location("gen_config_reference", path)
     generator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generator)
+    return generator
+
+
+def test_config_reference_is_generated():
+    generator = config_reference_generator()
     with open(os.path.join(repo_root(), "docs", "config.md")) as f:
         committed = f.read()
     assert committed == generator.config_reference(), (
         f"docs/config.md differs from pacs/config.py's settings: run `{generator.REGENERATE}` and commit it")
+
+
+def test_config_reference_has_a_row_per_key_with_its_default():
+    from pacs.config import config_keys
+
+    page = config_reference_generator().config_reference()
+    rows = dict(re.findall(r"^\| `([\w.]+)` \| `[^`]+` \| `([^`]*)`", page, re.M))
+    assert list(rows) == [key for key, _ in config_keys()]
+    assert rows["optim.lr"] == "1e-06" and rows["rollout.max_prompt_len"] == "null"
+    assert rows["optim.betas"] == "[0.9, 0.999]" and rows["train.packing"] == "null"
 
 
 @pytest.mark.parametrize("page", sorted(glob.glob(os.path.join(repo_root(), "docs", "**", "*.md"), recursive=True)),
