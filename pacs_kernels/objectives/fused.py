@@ -66,8 +66,11 @@ def fused_linear_objective_loss(
         weight: (V, d) LM head; targets: like hidden[..., 0], token ids (any value where mask is 0).
         mask: like targets, 1 on response tokens. rewards: (B,), each group's ``group_size`` contiguous.
         objective: a callable satisfying the Objective protocol (GRPO(), DAPO(), ... or your own).
-        old_logp / ref_logp: laid out like targets, or None (on-policy / no KL reference).
-        temperature, bias, backend: as in :func:`pacs_kernels.linear_logprobs`.
+        old_logp: laid out like targets, or None (on-policy).
+        ref_logp: laid out like targets, or None (no KL reference).
+        temperature: as in :func:`pacs_kernels.linear_logprobs`.
+        bias: as in :func:`pacs_kernels.linear_logprobs`.
+        backend: as in :func:`pacs_kernels.linear_logprobs`.
 
     Returns:
         ``(loss, stats)`` as the objective returns them; the loss is differentiable in hidden, weight, bias.
