@@ -37,7 +37,7 @@ from . import dispatch
 from .checks import check_choice, check_linear_inputs, check_targets_in_range, check_temperature
 from .known_grad import linear_logprobs_known_grad
 from .logprobs import check_softcap, linear_logprobs, resolve_backend
-from .loss import _pacs_on_layout, _pacs_torch, check_group_inputs, compute_stats
+from .loss import pacs_loss_on_layout, pacs_group_loss, check_group_inputs, compute_stats
 from .loss_inputs import (
     ResponseLayout,
     check_beta,
@@ -287,7 +287,7 @@ def _single_pass_loss(tokens, weight, chunks, rewards, valid, *, temperature, bi
         r0, r1 = chunk.r0, chunk.r1
         old = logp.detach() if old_selected is None else old_selected[chunk.tok0:chunk.tok1].detach()
         full = torch.ones_like(logp, dtype=torch.bool)
-        return _pacs_torch(logp, old, full, counts[r0:r1], rewards[r0:r1], ResponseLayout.from_counts(counts[r0:r1]),
+        return pacs_group_loss(logp, old, full, counts[r0:r1], rewards[r0:r1], ResponseLayout.from_counts(counts[r0:r1]),
                            valid=None if valid is None else valid[r0:r1], n_total=n_total, **options)
 
     loss, extras, _, entropy = single_pass(
@@ -314,7 +314,7 @@ def _two_pass_loss(tokens, weight, rewards, valid, layout, *, temperature, bias,
     logp, entropy = out if want_entropy else (out, None)
     old = logp.detach() if tokens.old_logp is None else pick(tokens.old_logp, index)
     full_mask = torch.ones_like(logp, dtype=torch.bool)
-    return _pacs_on_layout(logp, old, full_mask, rewards, layout, return_stats=return_stats, group_ids=None,
+    return pacs_loss_on_layout(logp, old, full_mask, rewards, layout, return_stats=return_stats, group_ids=None,
                            backend="torch" if backend == "naive" else backend, counts=tokens.counts,
                            mask_is_full=True, valid=valid, entropy=None if entropy is None else entropy.detach(),
                            **options)
@@ -342,7 +342,7 @@ def _first_step_after_rollout(tokens, weight, old_lse, rewards, valid, layout, *
     at_old = old_selected.float().clone().requires_grad_()
     full_mask = torch.ones_like(at_old, dtype=torch.bool)
     with torch.enable_grad():
-        loss, per_response = _pacs_torch(at_old, old_selected, full_mask, tokens.counts, rewards, layout,
+        loss, per_response = pacs_group_loss(at_old, old_selected, full_mask, tokens.counts, rewards, layout,
                                          valid=valid, **options)
         (grad_logp,) = torch.autograd.grad(loss, at_old)
     surrogate, logp = linear_logprobs_known_grad(
