@@ -276,7 +276,7 @@ def print_tile_memory(device) -> None:
     import torch
 
     try:
-        from pacs_kernels.fused import row_kernels_for
+        from pacs_kernels.engine import row_kernels_for
         from pacs_kernels.single_pass import default_chunk_budget_mib, tile_memory
     except ImportError:  # an older pacs_kernels
         return

@@ -297,7 +297,7 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
         if case.impl in SINGLE_PASS_BUDGET_GROUPS:
             # single_pass: the budget of one group (the longest possible): one group per chunk, 3 matmuls;
             # single_pass_lowmem: a third of that, two thirds of each group's logits rebuilt
-            from pacs_kernels.fused import row_kernels_for
+            from pacs_kernels.engine import row_kernels_for
             from pacs_kernels.single_pass import budget_mib_for_tokens
 
             group_tokens = LOSS_GROUP_SIZE * (case.n // LOSS_RESPONSES)

@@ -8,7 +8,7 @@ import torch
 
 from benchmarks import dispatch_table
 from pacs_kernels import dispatch
-from pacs_kernels.fused import measured_rebuild_faster, measured_two_pass_faster
+from pacs_kernels.engine import measured_rebuild_faster, measured_two_pass_faster
 from pacs_kernels.logprobs import resolve_backend
 
 
@@ -154,7 +154,7 @@ def test_groups_larger_than_the_budget_go_two_pass_only_onto_triton_log_prob_ker
     """path="auto" with a group bigger than the chunk budget: two passes where they would run the Triton
     log-prob kernels (CUDA, 16-bit weights), the rebuilding single pass elsewhere (CPU, torch, and float32
     on CUDA, whose two passes would be cuBLAS + eager work)."""
-    from pacs_kernels.fused import two_pass_runs_triton
+    from pacs_kernels.engine import two_pass_runs_triton
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert two_pass_runs_triton("auto", cuda, torch.bfloat16)
