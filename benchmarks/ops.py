@@ -96,11 +96,11 @@ def loss_available() -> bool:
 
 def first_step_available() -> bool:
     """True when fused_linear_pacs_loss takes old_lse (the one-sweep first step after a rollout)."""
-    import inspect
+    if not loss_available():
+        return False
+    from pacs_kernels.fused import PACS_INPUTS
 
-    import pacs_kernels
-
-    return loss_available() and "old_lse" in inspect.signature(pacs_kernels.fused_linear_pacs_loss).parameters
+    return "old_lse" in PACS_INPUTS
 
 
 def impl_unavailable_reason(op: str, impl: str, device: str) -> str | None:
@@ -305,15 +305,17 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
             row_kernels = row_kernels_for("auto", torch.empty(0, device=device, dtype=case.torch_dtype))
             budget = budget_mib_for_tokens(math.ceil(group_tokens * SINGLE_PASS_BUDGET_GROUPS[case.impl]), case.v,
                                            device, case.torch_dtype, row_kernels=row_kernels)
-            options.update(backend="auto", path="single_pass", chunk_budget_mib=budget)
+            loss_options = pacs_kernels.LossOptions(backend="auto", path="single_pass", chunk_budget_mib=budget)
         else:
-            options.update(backend=case.impl, path="two_pass")
+            loss_options = pacs_kernels.LossOptions(backend=case.impl, path="two_pass")
+        group_size = options.pop("group_size")
+        objective = pacs_kernels.PACS(**options)
 
         def run(inputs):
             extra = {"old_lse": inputs["old_lse"]} if one_sweep else {}
             loss = pacs_kernels.fused_linear_pacs_loss(
                 inputs["hidden"], inputs["weight"], inputs["targets"], inputs["mask"], inputs["old_logp"],
-                inputs["rewards"], **options, **extra)
+                inputs["rewards"], group_size=group_size, objective=objective, options=loss_options, **extra)
             loss.backward()
             return loss.detach()
         return run

@@ -214,7 +214,7 @@ def batch_logprobs(batch: LossBatch, options: LossOptions, *, with_entropy: bool
 # --- PACS: the group loss of loss.py on chunks of whole groups, two passes, or the one sweep ---------------
 
 def run_pacs(batch: LossBatch, pacs_settings: dict, options: LossOptions, *, valid=None, group_ids=None,
-             old_lse=None, return_stats: bool = False):
+             old_lse=None, return_stats: bool = False, with_entropy: bool = False):
     """The PACS loss of ``batch`` (``pacs_settings``: group_size excluded, beta, score, advantage, weighting,
     score_function_term, all checked by the caller); ``(loss, PACSStats)`` with return_stats, the path in
     its ``path`` field."""
@@ -235,9 +235,11 @@ def run_pacs(batch: LossBatch, pacs_settings: dict, options: LossOptions, *, val
         choice = choose_path(batch, options)
         chosen, rebuilt = choice.name, choice.rebuilt
         if choice.name == "single_pass":
-            result = pacs_single_pass(batch, choice, rewards, valid, options, settings, return_stats=return_stats)
+            result = pacs_single_pass(batch, choice, rewards, valid, options, settings, return_stats=return_stats,
+                                      with_entropy=with_entropy)
         else:
-            result = pacs_two_pass(batch, rewards, valid, options, settings, return_stats=return_stats)
+            result = pacs_two_pass(batch, rewards, valid, options, settings, return_stats=return_stats,
+                                   with_entropy=with_entropy)
     logger.debug("fused PACS loss: %s path, B=%d, %d response tokens%s", chosen, batch.n_responses,
                  batch.n_selected, f", {rebuilt:.0%} of the logits built twice (groups bigger than the budget)"
                  if rebuilt else "")
@@ -247,7 +249,7 @@ def run_pacs(batch: LossBatch, pacs_settings: dict, options: LossOptions, *, val
     return result
 
 
-def pacs_single_pass(batch, choice, rewards, valid, options, settings, *, return_stats):
+def pacs_single_pass(batch, choice, rewards, valid, options, settings, *, return_stats, with_entropy):
     """PACS over chunks of whole groups, one logits GEMM per chunk (single_pass.py)."""
     counts, n_total = batch.counts, batch.n_responses
 
@@ -259,7 +261,7 @@ def pacs_single_pass(batch, choice, rewards, valid, options, settings, *, return
                                ResponseLayout.from_counts(counts[r0:r1]),
                                valid=None if valid is None else valid[r0:r1], n_total=n_total, **settings)
 
-    want_entropy = options.with_entropy and return_stats
+    want_entropy = with_entropy and return_stats
     loss, extras, _, entropy = batch_single_pass(batch, options, choice, chunk_loss, with_entropy=want_entropy)
     loss = loss.float() if loss.dtype != torch.float64 else loss
     if not return_stats:
@@ -269,9 +271,9 @@ def pacs_single_pass(batch, choice, rewards, valid, options, settings, *, return
                                valid=valid, entropy=entropy)
 
 
-def pacs_two_pass(batch, rewards, valid, options, settings, *, return_stats):
+def pacs_two_pass(batch, rewards, valid, options, settings, *, return_stats, with_entropy):
     """linear_logprobs on the selected tokens, then the group loss on their packed layout."""
-    want_entropy = options.with_entropy and return_stats
+    want_entropy = with_entropy and return_stats
     out = batch_logprobs(batch, options, with_entropy=want_entropy)
     logp, entropy = out if want_entropy else (out, None)
     old = logp.detach() if batch.old_logp is None else batch.old_logp

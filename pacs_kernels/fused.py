@@ -27,7 +27,7 @@ from .loss_inputs import check_group_size
 from .objectives import GRPO, PACS
 from .options import LossOptions
 
-PACS_INPUTS = ("cu_seqlens", "bias", "group_ids", "valid", "old_lse", "return_stats")
+PACS_INPUTS = ("cu_seqlens", "bias", "group_ids", "valid", "old_lse", "return_stats", "with_entropy")
 GRPO_INPUTS = ("cu_seqlens", "bias", "ref_logp", "return_stats")
 
 
@@ -53,7 +53,8 @@ def fused_linear_pacs_loss(hidden, weight, targets, mask, old_logp, rewards, *, 
             from the old-policy pass (``linear_logprobs(..., return_lse=True)``), ONLY while the weights
             are still those that produced old_logp: then one sweep gives the loss and its gradients (a
             stale one gives a RuntimeWarning and the usual path); ``return_stats``: also return a
-            :class:`PACSStats` (its ``path`` says which ran). A keyword that moved (``beta=``,
+            :class:`PACSStats` (its ``path`` says which ran); ``with_entropy``: with return_stats, also
+            the policy's mean token entropy. A keyword that moved (``beta=``,
             ``path=``, ...) still works, with a DeprecationWarning naming its new home.
 
     Returns:
@@ -68,7 +69,8 @@ def fused_linear_pacs_loss(hidden, weight, targets, mask, old_logp, rewards, *, 
                                    cu_seqlens=given.get("cu_seqlens"), bias=given.get("bias"))
     return engine.run_pacs(batch, objective.group_settings(), options, valid=given.get("valid"),
                            group_ids=given.get("group_ids"), old_lse=given.get("old_lse"),
-                           return_stats=_flag("return_stats", given.get("return_stats", False)))
+                           return_stats=_flag("return_stats", given.get("return_stats", False)),
+                           with_entropy=_flag("with_entropy", given.get("with_entropy", False)))
 
 
 def fused_linear_grpo_loss(hidden, weight, targets, mask, old_logp, rewards, *, group_size: int,
@@ -166,7 +168,7 @@ class PACSLoss(nn.Module):
     def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
                 old_logp: torch.Tensor | None, rewards: torch.Tensor, **inputs):
         """Arguments as in :func:`fused_linear_pacs_loss` (``old_logp=None``: on-policy; ``inputs``: cu_seqlens,
-        bias, group_ids, valid, old_lse, return_stats; ``with_entropy`` too, deprecated for the options')."""
+        bias, group_ids, valid, old_lse, return_stats, with_entropy)."""
         return fused_linear_pacs_loss(hidden, lm_head_weight, targets, mask, old_logp, rewards,
                                       group_size=self.group_size, objective=self.objective, options=self.options,
                                       **inputs)

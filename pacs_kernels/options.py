@@ -43,7 +43,6 @@ class LossOptions:
             defaults; checked there).
         temperature: the sampling temperature (logits divided by it), > 0.
         logit_softcap: optional c > 0, Gemma-style ``c * tanh(z / c)`` before the temperature.
-        with_entropy: with ``return_stats``, also report the policy's mean token entropy.
         dispatch_table: path of a GPU dispatch table (``benchmarks/dispatch_table.py``) to decide
             ``"auto"`` on CUDA instead of the packaged one; None: the packaged table.
         grad_gemms: force the Triton backward's two gradient GEMMs to "torch" (cuBLAS) or "triton";
@@ -58,7 +57,6 @@ class LossOptions:
     vocab_splits: int | None = None
     temperature: float = 1.0
     logit_softcap: float | None = None
-    with_entropy: bool = False
     dispatch_table: str | None = None
     grad_gemms: str | None = None
 
@@ -68,8 +66,6 @@ class LossOptions:
         object.__setattr__(self, "chunk_budget_mib", check_chunk_budget(self.chunk_budget_mib))
         object.__setattr__(self, "temperature", check_temperature(self.temperature))
         object.__setattr__(self, "logit_softcap", check_softcap(self.logit_softcap))
-        if not isinstance(self.with_entropy, bool):
-            raise TypeError(f"with_entropy must be a bool, got {self.with_entropy!r}")
         if self.dispatch_table is not None and not isinstance(self.dispatch_table, str):
             raise TypeError(f"dispatch_table must be None or a file path (str), got {self.dispatch_table!r}")
         if self.grad_gemms is not None:
