@@ -81,11 +81,11 @@ class LossBatch:
         """Check the per-token inputs (padded (B, T, d) or packed (N, d) with ``cu_seqlens``) and select."""
         hidden = match_head_dtype(hidden, weight)
         tokens = check_response_tokens(hidden, targets, mask, old_logp, cu_seqlens)
-        check_linear_inputs(tokens.hidden, weight, tokens.targets, bias)
         index = selected_index(tokens.mask)
-        return cls(pick(tokens.hidden, index), weight, bias, pick(tokens.targets, index),
-                   pick(tokens.old_logp, index), tokens.counts, tokens.selected_layout(), rewards, group_size,
-                   index, tokens.token_shape)
+        selected_hidden, selected_targets, selected_old = tokens.selected(index)
+        check_linear_inputs(selected_hidden, weight, selected_targets, bias)
+        return cls(selected_hidden, weight, bias, selected_targets, selected_old, tokens.counts,
+                   tokens.selected_layout(), rewards, group_size, index, tokens.token_shape)
 
     @property
     def n_responses(self) -> int:
