@@ -406,7 +406,7 @@ def _token_like(batch: LossBatch) -> torch.Tensor:
 
 def run_objective(batch: LossBatch, objective, options: LossOptions, *, ref_logp=None):
     """``objective`` on the batch's per-token log-probs as (B, width) rows -> ``(loss, stats)`` as it returns
-    them, the path in ``stats["path"]``. Single pass (chunks of whole groups) unless the objective uses the
+    them (the path is logged at debug level). Single pass (chunks of whole groups) unless the objective uses the
     entropy (the single pass's entropy carries no gradient) or two passes are asked for or chosen."""
     uses_entropy = bool(getattr(objective, "uses_entropy", False))
     if uses_entropy and options.path == "single_pass":
@@ -429,11 +429,12 @@ def run_objective(batch: LossBatch, objective, options: LossOptions, *, ref_logp
     if choice.name == "single_pass":
         result = objective_single_pass(batch, options, choice, rows, call)
         if result is not None:
-            return result[0], {**result[1], "path": "single_pass"}
+            logger.debug("fused objective loss: single_pass path, %d chunks", len(choice.chunks))
+            return result
+    logger.debug("fused objective loss: two_pass path")
     out = batch_logprobs(batch, options, with_entropy=uses_entropy)
     logp, entropy = out if uses_entropy else (out, None)
-    loss, stats = call(rows(logp), rows(entropy))
-    return loss, {**stats, "path": "two_pass"}
+    return call(rows(logp), rows(entropy))
 
 
 def objective_single_pass(batch: LossBatch, options: LossOptions, choice: PathChoice, rows: ResponseRows, call):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from seeds import stable_seed
 
-from pacs_kernels import LossOptions
+from pacs_kernels import LossOptions, engine
 from pacs_kernels.objectives import CISPO, DAPO, GRPO, GSPO, PACS, DrGRPO, fused_linear_objective_loss
 from pacs_kernels.objectives.cispo import reference_cispo_loss
 from pacs_kernels.objectives.dapo import reference_dapo_loss
@@ -105,6 +105,21 @@ def one_group_budget(data):
     return budget_mib_for_tokens(int(group_tokens.float().mean()), V, torch.device("cpu"), torch.float32)
 
 
+@pytest.fixture
+def paths_run(monkeypatch):
+    """The paths the engine chose (engine.choose_path), in call order."""
+    chosen = []
+    original = engine.choose_path
+
+    def spy(*args, **kwargs):
+        choice = original(*args, **kwargs)
+        chosen.append(choice.name)
+        return choice
+
+    monkeypatch.setattr(engine, "choose_path", spy)
+    return chosen
+
+
 def fused(case, data, on_policy, backend, packed=False, path="auto", dtype=torch.float32, chunk_budget_mib=None):
     hidden = data["hidden"].to(dtype).clone().requires_grad_()
     weight = data["weight"].to(dtype).clone().requires_grad_()
@@ -163,25 +178,25 @@ def test_fused_triton_interpreter_matches_reference(name):
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("path", ["single_pass", "two_pass"])
 @pytest.mark.parametrize("name", list(BY_NAME))
-def test_float64_every_objective_layout_and_path(name, path, packed):
+def test_float64_every_objective_layout_and_path(name, path, packed, paths_run):
     """Float64 end to end against the objective's float64 reference: each objective on each layout and each
     of the engine's paths (the single pass with a budget of about one group: several chunks, some rebuilt)."""
     case = without_entropy(BY_NAME[name]) if path == "single_pass" else BY_NAME[name]
     data = make_inputs(stable_seed("float64", name, path, packed), case[3])
     got = fused(case, data, False, "torch", packed=packed, path=path, dtype=torch.float64,
                 chunk_budget_mib=one_group_budget(data))
-    assert got[1]["path"] == path
+    assert paths_run == [path]
     # the two passes' linear_logprobs returns float32 log-probs (for every input dtype): float32 rounding there
     assert_matches(got, expected_loss_and_grads(case, data, False), float64=path == "single_pass")
 
 
 @pytest.mark.parametrize("name", ["grpo", "gspo", "pacs", "custom"])
-def test_single_pass_on_policy_float32(name):
+def test_single_pass_on_policy_float32(name, paths_run):
     """On-policy (old_logp None) on the single pass, float32, several chunks."""
     case = without_entropy(BY_NAME[name])
     data = make_inputs(stable_seed("single_on_policy", name), case[3])
     got = fused(case, data, True, "torch", path="single_pass", chunk_budget_mib=one_group_budget(data))
-    assert got[1]["path"] == "single_pass"
+    assert paths_run == ["single_pass"]
     assert_matches(got, expected_loss_and_grads(case, data, True))
 
 
@@ -196,9 +211,11 @@ def test_single_pass_refuses_an_objective_that_couples_groups():
     case = ("coupled", batch_normalized_objective, None, False)
     with pytest.raises(ValueError, match="couples groups"):
         fused(case, data, False, "torch", path="single_pass", chunk_budget_mib=one_group_budget(data))
-    with pytest.warns(RuntimeWarning, match="couples groups"):
+    with pytest.warns(RuntimeWarning, match="couples groups.*two passes instead"):
         got = fused(case, data, False, "torch", path="auto", chunk_budget_mib=one_group_budget(data))
-    assert got[1]["path"] == "two_pass"
+    want = fused(case, data, False, "torch", path="two_pass")
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[3], want[3])
 
 
 def test_entropy_objective_on_single_pass_is_refused():

@@ -37,8 +37,7 @@ def fused_linear_objective_loss(hidden, weight, targets, mask, rewards, objectiv
             ``options``.
 
     Returns:
-        ``(loss, stats)`` as the objective returns them, ``stats["path"]`` the path that ran; the loss is
-        differentiable in hidden, weight, bias.
+        ``(loss, stats)`` as the objective returns them; the loss is differentiable in hidden, weight, bias.
     """
     if not callable(objective):
         raise TypeError("objective must be a callable satisfying the Objective protocol, "
