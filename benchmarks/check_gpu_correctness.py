@@ -102,14 +102,13 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         ref = reference(hidden, weight, targets, tau, grad_logp, grad_entropy, args.chunk)
         errors = {}
-        # the backward's two gradient GEMMs on its staged dz chunks: both engines (PACS_GRAD_GEMMS),
+        # the backward's two gradient GEMMs on its staged dz chunks: both engines (grad_gemms=),
         # whichever the dispatch picks later
-        forced = os.environ.get(dispatch.GRAD_GEMMS_ENV)
         for gemms in dispatch.GRAD_GEMMS:
-            os.environ[dispatch.GRAD_GEMMS_ENV] = gemms
             h = hidden.clone().requires_grad_(True)
             w = weight.clone().requires_grad_(True)
-            logp, entropy = linear_logprobs(h, w, targets, temperature=tau, return_entropy=True, backend="triton")
+            logp, entropy = linear_logprobs(h, w, targets, temperature=tau, return_entropy=True, backend="triton",
+                                            grad_gemms=gemms)
             torch.autograd.backward([logp, entropy], [grad_logp, grad_entropy])
             errors.update({  # (the forward is the same for both: its errors once)
                 "logp": (max(_abs_err(logp, ref["logp"]), errors.get("logp", (0.0,))[0]), atol),
@@ -118,10 +117,6 @@ def main(argv=None) -> int:
                 f"dW[{gemms}]": (_rel_err(w.grad, ref["dW"]), rtol),
             })
             del h, w, logp, entropy
-        if forced is None:  # as the caller had it
-            os.environ.pop(dispatch.GRAD_GEMMS_ENV)
-        else:
-            os.environ[dispatch.GRAD_GEMMS_ENV] = forced
         with torch.no_grad():
             logp_nograd = linear_logprobs(hidden, weight, targets, temperature=tau, backend="triton")
         errors["logp_nograd"] = (_abs_err(logp_nograd, ref["logp"]), atol)

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -229,13 +230,24 @@ def make_inputs(case: Case, generator_seed: int) -> dict:
 
 # ----------------------------------------------------------------------------- log-prob functions
 
+# gpu.sh points this at the grad-GEMM race's table, so that the race after it runs the Triton backward
+# with the engine measured faster; the library itself reads no environment variable
+DISPATCH_TABLE_ENV = "PACS_BENCH_DISPATCH_TABLE"
+
+
+def bench_dispatch_table() -> str | None:
+    """The dispatch table this benchmark run passes to pacs_kernels (``PACS_BENCH_DISPATCH_TABLE``), or None."""
+    return os.environ.get(DISPATCH_TABLE_ENV) or None
+
+
 
 def logprob_function(impl: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """f(hidden (..., d), weight (V, d), targets (...)) -> float32 logp (...), differentiable."""
     if impl in OUR_IMPLS:
         from pacs_kernels import linear_logprobs
 
-        return lambda h, w, y: linear_logprobs(h, w, y, backend=impl)
+        table = bench_dispatch_table()
+        return lambda h, w, y: linear_logprobs(h, w, y, backend=impl, dispatch_table=table)
     if impl in ("cce", "cce_exact"):
         from cut_cross_entropy import linear_cross_entropy
 
@@ -305,9 +317,11 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
             row_kernels = row_kernels_for("auto", torch.empty(0, device=device, dtype=case.torch_dtype))
             budget = budget_mib_for_tokens(math.ceil(group_tokens * SINGLE_PASS_BUDGET_GROUPS[case.impl]), case.v,
                                            device, case.torch_dtype, row_kernels=row_kernels)
-            loss_options = pacs_kernels.LossOptions(backend="auto", path="single_pass", chunk_budget_mib=budget)
+            loss_options = pacs_kernels.LossOptions(backend="auto", path="single_pass", chunk_budget_mib=budget,
+                                                    dispatch_table=bench_dispatch_table())
         else:
-            loss_options = pacs_kernels.LossOptions(backend=case.impl, path="two_pass")
+            loss_options = pacs_kernels.LossOptions(backend=case.impl, path="two_pass",
+                                                    dispatch_table=bench_dispatch_table())
         group_size = options.pop("group_size")
         objective = pacs_kernels.PACS(**options)
 

@@ -143,7 +143,9 @@ def choose_path(batch: LossBatch, options: LossOptions, *, whole_groups: bool = 
     softcap = options.logit_softcap is not None
     triton_two_pass = two_pass_runs_triton(options.backend, weight.device, weight.dtype, softcap=softcap)
     shape = (weight.device, batch.n_selected, *weight.shape[::-1])
-    if path == "auto" and whole_groups and triton_two_pass and measured_two_pass_faster(*shape, dtype=weight.dtype):
+    table = options.dispatch_table
+    if path == "auto" and whole_groups and triton_two_pass \
+            and measured_two_pass_faster(*shape, dtype=weight.dtype, table=table):
         return PathChoice("two_pass")
     row_kernels = row_kernels_for(options.backend, weight)
     memory = tile_memory(options.chunk_budget_mib, weight.shape[0], weight.device, weight.dtype, softcap=softcap,
@@ -154,25 +156,27 @@ def choose_path(batch: LossBatch, options: LossOptions, *, whole_groups: bool = 
     chunks = plan_group_chunks(counts, batch.group_size, memory.tokens)
     if chunks is not None:
         return PathChoice("single_pass", chunks, row_kernels, memory)
-    if path == "single_pass" or not triton_two_pass or measured_rebuild_faster(*shape, dtype=weight.dtype):
+    if path == "single_pass" or not triton_two_pass or measured_rebuild_faster(*shape, dtype=weight.dtype,
+                                                                               table=table):
         chunks = plan_group_chunks(counts, batch.group_size, memory.tokens, oversized_alone=True)
         return PathChoice("single_pass", chunks, row_kernels, memory, recomputed_fraction(chunks, memory.tokens))
     return PathChoice("two_pass")
 
 
 def measured_two_pass_faster(device: torch.device, n_tokens: int, d: int, vocab: int,
-                             dtype: torch.dtype | None = None) -> bool:
-    """On CUDA: did the committed GPU run (dispatch.py) measure two passes faster at this shape (and dtype)?"""
+                             dtype: torch.dtype | None = None, table: str | None = None) -> bool:
+    """On CUDA: did the committed GPU run (dispatch.py; ``table``: another run's table) measure two passes
+    faster at this shape (and dtype)?"""
     name = None if dtype is None else dispatch.dtype_name(dtype)
-    return device.type == "cuda" and dispatch.prefer_two_pass(n_tokens, d, vocab, name)
+    return device.type == "cuda" and dispatch.prefer_two_pass(n_tokens, d, vocab, name, table)
 
 
 def measured_rebuild_faster(device: torch.device, n_tokens: int, d: int, vocab: int,
-                            dtype: torch.dtype | None = None) -> bool:
-    """On CUDA: did the committed GPU run measure the rebuilding single pass (groups larger than the
-    budget) faster than the Triton two passes at this shape (and dtype)?"""
+                            dtype: torch.dtype | None = None, table: str | None = None) -> bool:
+    """On CUDA: did the committed GPU run (or ``table``) measure the rebuilding single pass (groups larger
+    than the budget) faster than the Triton two passes at this shape (and dtype)?"""
     name = None if dtype is None else dispatch.dtype_name(dtype)
-    return device.type == "cuda" and dispatch.prefer_rebuild(n_tokens, d, vocab, name)
+    return device.type == "cuda" and dispatch.prefer_rebuild(n_tokens, d, vocab, name, table)
 
 
 def two_pass_runs_triton(backend: str, device: torch.device, dtype: torch.dtype, *, softcap: bool = False) -> bool:
@@ -205,7 +209,8 @@ def batch_single_pass(batch: LossBatch, options: LossOptions, choice: PathChoice
 def batch_logprobs(batch: LossBatch, options: LossOptions, *, with_entropy: bool = False):
     """The two passes' first: ``linear_logprobs`` on the selected tokens (-> logp, or (logp, entropy))."""
     knobs = dict(filter_eps=options.filter_eps, chunk_elements=options.chunk_elements,
-                 vocab_splits=options.vocab_splits, logit_softcap=options.logit_softcap)
+                 vocab_splits=options.vocab_splits, logit_softcap=options.logit_softcap,
+                 grad_gemms=options.grad_gemms, dispatch_table=options.dispatch_table)
     return linear_logprobs(batch.hidden, batch.weight, batch.targets, temperature=options.temperature,
                            bias=batch.bias, backend=options.backend, return_entropy=with_entropy,
                            **{k: v for k, v in knobs.items() if v is not None})
