@@ -21,11 +21,11 @@ denormals, and on Intel CPUs every GEMM touching them ran 10-20x slower: 30 s in
 Implementations ("impls"):
 
     naive          pacs_kernels reference: materializes the N x V logits in float32
-                   (for the loss op: fused_linear_pacs_loss(backend="naive"))
+                   (for the loss op: LossOptions(backend="naive"))
     torch          pacs_kernels chunked PyTorch backend (any device); loss ops: path="two_pass"
     triton         pacs_kernels Triton kernels (CUDA only; the CPU interpreter is never timed);
                    loss ops: path="two_pass"
-    single_pass    loss ops only: fused_linear_pacs_loss(path="single_pass") with a chunk budget of
+    single_pass    loss ops only: LossOptions(path="single_pass") with a chunk budget of
                    one (longest possible) group: one logits GEMM per group, 3 matmuls in all
                    (GEMMs in the input dtype on CUDA)
     single_pass_lowmem  the same with a budget of a third of one group: no group fits, each is cut
