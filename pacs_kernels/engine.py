@@ -463,7 +463,9 @@ def objective_single_pass(batch: LossBatch, options: LossOptions, choice: PathCh
     loss = loss + at_filler.to(loss.dtype)
     with torch.no_grad():
         whole, stats = call(rows(logp_all.to(cdt)))
-    tolerance = (1e-10 if cdt == torch.float64 else 1e-5) * (1.0 + abs(float(whole)))
+    # rounding: each chunk's share is a difference of two objective values of the filler's size
+    scale = (1.0 + abs(float(whole)) + abs(float(at_filler))) * len(choice.chunks)
+    tolerance = (1e-10 if cdt == torch.float64 else 1e-5) * scale
     if abs(float(loss.detach()) - float(whole)) > tolerance:
         message = (f"the objective's loss over chunks of whole groups ({float(loss.detach()):.6g}) differs from its "
                    f"loss on the whole batch ({float(whole):.6g}): it couples groups through their log-probs, "
