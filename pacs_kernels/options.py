@@ -39,8 +39,9 @@ class LossOptions:
         backend: "auto" | "triton" | "torch" | "naive" (materializes the logits: tests, benchmarks).
         path: "auto" | "single_pass" | "two_pass" (the engine's paths: pacs_kernels/engine.py).
         chunk_budget_mib: working memory of the single pass's logits in MiB; None: the device's default.
-        filter_eps, chunk_elements, vocab_splits: the two-pass path's ``linear_logprobs`` knobs (None: its
-            defaults; checked there).
+        filter_eps: the two-pass path's ``linear_logprobs`` option (None: its default; checked there).
+        chunk_elements: the two-pass path's ``linear_logprobs`` option (None: its default).
+        vocab_splits: the two-pass path's ``linear_logprobs`` option (None: its default).
         temperature: the sampling temperature (logits divided by it), > 0.
         logit_softcap: optional c > 0, Gemma-style ``c * tanh(z / c)`` before the temperature.
         dispatch_table: path of a GPU dispatch table (``benchmarks/dispatch_table.py``) to decide
