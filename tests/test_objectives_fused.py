@@ -200,6 +200,16 @@ def test_single_pass_on_policy_float32(name, paths_run):
     assert_matches(got, expected_loss_and_grads(case, data, True))
 
 
+@pytest.mark.parametrize("name", ["gspo", "pacs"])
+def test_single_pass_triton_row_kernels(name, paths_run):
+    """The single pass with the Triton row kernels (interpreter), several chunks."""
+    case = without_entropy(BY_NAME[name])
+    data = make_inputs(stable_seed("single_triton", name), case[3])
+    got = fused(case, data, False, "triton", path="single_pass", chunk_budget_mib=one_group_budget(data))
+    assert paths_run == ["single_pass"]
+    assert_matches(got, expected_loss_and_grads(case, data, False))
+
+
 def batch_normalized_objective(logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None):
     """Couples groups through their log-probs (the batch-wide variance of the responses' mean log-probs)."""
     mean_logp = torch.where(mask, logp, 0.0).sum(-1) / mask.sum(-1)
