@@ -21,7 +21,6 @@ spills (``pacs_kernels/triton/kernel_report.py``).
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import sys
 import time
@@ -103,14 +102,13 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         ref = reference(hidden, weight, targets, tau, grad_logp, grad_entropy, args.chunk)
         errors = {}
-        # the backward's two gradient GEMMs on its staged dz chunks: both engines (PACS_GRAD_GEMMS),
+        # the backward's two gradient GEMMs on its staged dz chunks: both engines (grad_gemms=),
         # whichever the dispatch picks later
-        forced = os.environ.get(dispatch.GRAD_GEMMS_ENV)
         for gemms in dispatch.GRAD_GEMMS:
-            os.environ[dispatch.GRAD_GEMMS_ENV] = gemms
             h = hidden.clone().requires_grad_(True)
             w = weight.clone().requires_grad_(True)
-            logp, entropy = linear_logprobs(h, w, targets, temperature=tau, return_entropy=True, backend="triton")
+            logp, entropy = linear_logprobs(h, w, targets, temperature=tau, return_entropy=True, backend="triton",
+                                            grad_gemms=gemms)
             torch.autograd.backward([logp, entropy], [grad_logp, grad_entropy])
             errors.update({  # (the forward is the same for both: its errors once)
                 "logp": (max(_abs_err(logp, ref["logp"]), errors.get("logp", (0.0,))[0]), atol),
@@ -119,10 +117,6 @@ def main(argv=None) -> int:
                 f"dW[{gemms}]": (_rel_err(w.grad, ref["dW"]), rtol),
             })
             del h, w, logp, entropy
-        if forced is None:  # as the caller had it
-            os.environ.pop(dispatch.GRAD_GEMMS_ENV)
-        else:
-            os.environ[dispatch.GRAD_GEMMS_ENV] = forced
         with torch.no_grad():
             logp_nograd = linear_logprobs(hidden, weight, targets, temperature=tau, backend="triton")
         errors["logp_nograd"] = (_abs_err(logp_nograd, ref["logp"]), atol)
@@ -257,15 +251,17 @@ def check_loss(pacs_kernels, hidden, weight, targets, tau, gen, chunk, atol, rto
                                          ("single_pass_rebuild", "single_pass", "triton", third)):
         hh = h.clone().requires_grad_(True)
         ww = weight.clone().requires_grad_(True)
-        loss = pacs_kernels.fused_linear_pacs_loss(hh, ww, y, mask, old_logp, rewards, backend=backend, path=path,
-                                                   chunk_budget_mib=budget, **options)
+        loss = pacs_kernels.fused_linear_pacs_loss(
+            hh, ww, y, mask, old_logp, rewards, group_size=options["group_size"], objective=pacs_objective(options),
+            options=pacs_kernels.LossOptions(backend=backend, path=path, chunk_budget_mib=budget,
+                                             temperature=options["temperature"]))
         loss.backward()
         errors[label] = (abs(loss.item() - ref_loss.item()) / scale, atol * 10)
         errors[f"{label}_dh"] = (_rel_err(hh.grad.reshape(used, d), grads["dh"]), rtol)
         errors[f"{label}_dW"] = (_rel_err(ww.grad, grads["dW"]), rtol)
         del hh, ww, loss
     del grads
-    if "old_lse" in inspect.signature(pacs_kernels.fused_linear_pacs_loss).parameters:
+    if "old_lse" in getattr(getattr(pacs_kernels, "fused", None), "PACS_INPUTS", ()):
         errors.update(check_first_step(pacs_kernels, h, weight, y, mask, rewards, options, ref, chunk, atol, rtol))
     return errors
 
@@ -276,7 +272,7 @@ def print_tile_memory(device) -> None:
     import torch
 
     try:
-        from pacs_kernels.fused import row_kernels_for
+        from pacs_kernels.engine import row_kernels_for
         from pacs_kernels.single_pass import default_chunk_budget_mib, tile_memory
     except ImportError:  # an older pacs_kernels
         return
@@ -309,8 +305,9 @@ def check_first_step(pacs_kernels, h, weight, y, mask, rewards, options, ref, ch
                       ref_logp.grad.reshape(used), torch.zeros(used, device=h.device), chunk)
     hh = h.clone().requires_grad_(True)
     ww = weight.clone().requires_grad_(True)
-    loss = pacs_kernels.fused_linear_pacs_loss(hh, ww, y, mask, old_logp, rewards, backend="triton",
-                                               old_lse=old_lse, **options)
+    loss = pacs_kernels.fused_linear_pacs_loss(
+        hh, ww, y, mask, old_logp, rewards, group_size=options["group_size"], objective=pacs_objective(options),
+        options=pacs_kernels.LossOptions(backend="triton", temperature=options["temperature"]), old_lse=old_lse)
     loss.backward()
     scale = max(1.0, abs(ref_loss.item()))
     return {
@@ -318,6 +315,13 @@ def check_first_step(pacs_kernels, h, weight, y, mask, rewards, options, ref, ch
         "first_step_dh": (_rel_err(hh.grad.reshape(used, d), grads["dh"]), rtol),
         "first_step_dW": (_rel_err(ww.grad, grads["dW"]), rtol),
     }
+
+
+def pacs_objective(options: dict):
+    """PACS(...) from this script's loss options (group_size and temperature left out)."""
+    import pacs_kernels
+
+    return pacs_kernels.PACS(**{k: v for k, v in options.items() if k not in ("group_size", "temperature")})
 
 
 def _abs_err(ours, ref) -> float:

@@ -122,7 +122,7 @@ timeout 25 "$py" benchmarks/run.py "${gemm_args[@]}" --out "$out" --name gpu_gra
     || { echo "!!! grad-GEMM race exited with $?"; status=1; }
 # the race below runs the Triton backward with the engine measured faster just now
 if timeout 10 "$py" benchmarks/dispatch_table.py "$out/gpu_grad_gemms.csv" --out "$out/grad_gemms"; then
-    export PACS_DISPATCH_TABLE="$out/grad_gemms/dispatch.json"
+    export PACS_BENCH_DISPATCH_TABLE="$out/grad_gemms/dispatch.json"  # read by benchmarks/ops.py
 else
     echo "!!! the grad-GEMM table exited with $?: the race runs the default engine (cuBLAS)"; status=1
 fi

@@ -21,11 +21,11 @@ denormals, and on Intel CPUs every GEMM touching them ran 10-20x slower: 30 s in
 Implementations ("impls"):
 
     naive          pacs_kernels reference: materializes the N x V logits in float32
-                   (for the loss op: fused_linear_pacs_loss(backend="naive"))
+                   (for the loss op: LossOptions(backend="naive"))
     torch          pacs_kernels chunked PyTorch backend (any device); loss ops: path="two_pass"
     triton         pacs_kernels Triton kernels (CUDA only; the CPU interpreter is never timed);
                    loss ops: path="two_pass"
-    single_pass    loss ops only: fused_linear_pacs_loss(path="single_pass") with a chunk budget of
+    single_pass    loss ops only: LossOptions(path="single_pass") with a chunk budget of
                    one (longest possible) group: one logits GEMM per group, 3 matmuls in all
                    (GEMMs in the input dtype on CUDA)
     single_pass_lowmem  the same with a budget of a third of one group: no group fits, each is cut
@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -96,11 +97,11 @@ def loss_available() -> bool:
 
 def first_step_available() -> bool:
     """True when fused_linear_pacs_loss takes old_lse (the one-sweep first step after a rollout)."""
-    import inspect
+    if not loss_available():
+        return False
+    from pacs_kernels.fused import PACS_INPUTS
 
-    import pacs_kernels
-
-    return loss_available() and "old_lse" in inspect.signature(pacs_kernels.fused_linear_pacs_loss).parameters
+    return "old_lse" in PACS_INPUTS
 
 
 def impl_unavailable_reason(op: str, impl: str, device: str) -> str | None:
@@ -229,13 +230,24 @@ def make_inputs(case: Case, generator_seed: int) -> dict:
 
 # ----------------------------------------------------------------------------- log-prob functions
 
+# gpu.sh points this at the grad-GEMM race's table, so that the race after it runs the Triton backward
+# with the engine measured faster; the library itself reads no environment variable
+DISPATCH_TABLE_ENV = "PACS_BENCH_DISPATCH_TABLE"
+
+
+def bench_dispatch_table() -> str | None:
+    """The dispatch table this benchmark run passes to pacs_kernels (``PACS_BENCH_DISPATCH_TABLE``), or None."""
+    return os.environ.get(DISPATCH_TABLE_ENV) or None
+
+
 
 def logprob_function(impl: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """f(hidden (..., d), weight (V, d), targets (...)) -> float32 logp (...), differentiable."""
     if impl in OUR_IMPLS:
         from pacs_kernels import linear_logprobs
 
-        return lambda h, w, y: linear_logprobs(h, w, y, backend=impl)
+        table = bench_dispatch_table()
+        return lambda h, w, y: linear_logprobs(h, w, y, backend=impl, dispatch_table=table)
     if impl in ("cce", "cce_exact"):
         from cut_cross_entropy import linear_cross_entropy
 
@@ -297,7 +309,7 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
         if case.impl in SINGLE_PASS_BUDGET_GROUPS:
             # single_pass: the budget of one group (the longest possible): one group per chunk, 3 matmuls;
             # single_pass_lowmem: a third of that, two thirds of each group's logits rebuilt
-            from pacs_kernels.fused import row_kernels_for
+            from pacs_kernels.engine import row_kernels_for
             from pacs_kernels.single_pass import budget_mib_for_tokens
 
             group_tokens = LOSS_GROUP_SIZE * (case.n // LOSS_RESPONSES)
@@ -305,15 +317,19 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
             row_kernels = row_kernels_for("auto", torch.empty(0, device=device, dtype=case.torch_dtype))
             budget = budget_mib_for_tokens(math.ceil(group_tokens * SINGLE_PASS_BUDGET_GROUPS[case.impl]), case.v,
                                            device, case.torch_dtype, row_kernels=row_kernels)
-            options.update(backend="auto", path="single_pass", chunk_budget_mib=budget)
+            loss_options = pacs_kernels.LossOptions(backend="auto", path="single_pass", chunk_budget_mib=budget,
+                                                    dispatch_table=bench_dispatch_table())
         else:
-            options.update(backend=case.impl, path="two_pass")
+            loss_options = pacs_kernels.LossOptions(backend=case.impl, path="two_pass",
+                                                    dispatch_table=bench_dispatch_table())
+        group_size = options.pop("group_size")
+        objective = pacs_kernels.PACS(**options)
 
         def run(inputs):
             extra = {"old_lse": inputs["old_lse"]} if one_sweep else {}
             loss = pacs_kernels.fused_linear_pacs_loss(
                 inputs["hidden"], inputs["weight"], inputs["targets"], inputs["mask"], inputs["old_logp"],
-                inputs["rewards"], **options, **extra)
+                inputs["rewards"], group_size=group_size, objective=objective, options=loss_options, **extra)
             loss.backward()
             return loss.detach()
         return run

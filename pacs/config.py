@@ -456,11 +456,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
 
 def grpo_supports_packing() -> bool:
     """Whether ``fused_linear_grpo_loss`` takes the packed layout (a ``cu_seqlens`` argument)."""
-    import inspect
+    from pacs_kernels.fused import GRPO_INPUTS
 
-    from pacs_kernels import fused_linear_grpo_loss
-
-    return "cu_seqlens" in inspect.signature(fused_linear_grpo_loss).parameters
+    return "cu_seqlens" in GRPO_INPUTS
 
 
 def use_packing(cfg: Config, model_config=None, attention: str = "pacs_packed_sdpa") -> bool:

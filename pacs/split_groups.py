@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pacs_kernels import grpo_loss, linear_logprobs_known_grad, pacs_loss
-from pacs_kernels.fused import logprob_drift, stale_lse_tolerance
+from pacs_kernels.engine import logprob_drift, stale_lse_tolerance
 
 from .config import Config
 from .packing import forward_micro_batch, is_part_of_a_group, slice_micro_batch, to_layout

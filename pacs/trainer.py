@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pacs_kernels import fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs
+from pacs_kernels import GRPO, PACS, LossOptions, fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs
 
 from .checkpoint import KEEP as CHECKPOINTS_KEPT
 from .checkpoint import (
@@ -258,19 +258,21 @@ def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: t
     unchanged since the old-policy pass): the one-sweep first step."""
     hidden, weight, bias = forward_micro_batch(policy, part)
     o, group = cfg.optim, cfg.rollout.group_size
-    common = dict(group_size=group, **policy.head_options(cfg.rollout.temperature), bias=bias, return_stats=True,
-                  backend=o.logprob_backend, chunk_budget_mib=cfg.train.loss_chunk_mib)
+    options = LossOptions(**policy.head_options(cfg.rollout.temperature), backend=o.logprob_backend,
+                          chunk_budget_mib=cfg.train.loss_chunk_mib)
+    common = dict(group_size=group, options=options, bias=bias, return_stats=True)
     if isinstance(part, PackedMicroBatch):
         common["cu_seqlens"] = part.cu_seqlens
     if o.algo == "pacs":
         loss, stats = fused_linear_pacs_loss(
-            hidden, weight, part.targets, part.mask, old_logp, part.rewards, beta=o.beta, score=o.score,
-            advantage=o.advantage, weighting=o.weighting, score_function_term=o.score_function_term,
+            hidden, weight, part.targets, part.mask, old_logp, part.rewards,
+            objective=PACS(beta=o.beta, score=o.score, advantage=o.advantage, weighting=o.weighting,
+                           score_function_term=o.score_function_term),
             old_lse=old_lse, valid=loss_valid(part.rewards, group, o.drop_single_label_groups), **common)
     else:
         loss, stats = fused_linear_grpo_loss(
-            hidden, weight, part.targets, part.mask, old_logp, part.rewards, clip_eps=o.clip_eps,
-            aggregation=o.aggregation, **common)
+            hidden, weight, part.targets, part.mask, old_logp, part.rewards,
+            objective=GRPO(clip_eps=o.clip_eps, aggregation=o.aggregation), **common)
     return loss, stats.as_dict()
 
 

@@ -1,11 +1,12 @@
 """pacs_kernels: fused linear log-probs and the PACS loss, without materializing N x V logits."""
 
-from .fused import PACSLoss, fused_linear_pacs_loss
-from .grpo import GRPOStats, fused_linear_grpo_loss, grpo_loss
+from .fused import PACSLoss, fused_linear_grpo_loss, fused_linear_pacs_loss
+from .grpo import GRPOStats, grpo_loss
 from .known_grad import linear_logprobs_known_grad
 from .logprobs import linear_logprobs
 from .loss import PACSStats, pacs_loss
 from .objectives import CISPO, DAPO, GRPO, GSPO, PACS, DrGRPO, Objective, fused_linear_objective_loss
+from .options import LossOptions
 
 __all__ = [
     "linear_logprobs",
@@ -18,6 +19,7 @@ __all__ = [
     "fused_linear_grpo_loss",
     "GRPOStats",
     "fused_linear_objective_loss",
+    "LossOptions",
     "Objective",
     "GRPO",
     "DAPO",

@@ -1,8 +1,9 @@
 """What ``"auto"`` picks on CUDA, by measurement: the table a GPU benchmark run writes.
 
 ``benchmarks/gpu.sh`` races our implementations at real shapes and ``benchmarks/dispatch_table.py``
-turns the CSV into ``dispatch.json``; committed as ``pacs_kernels/gpu_dispatch.json`` (or pointed
-to by the ``PACS_DISPATCH_TABLE`` environment variable) it decides, on CUDA:
+turns the CSV into ``dispatch.json``; committed as ``pacs_kernels/gpu_dispatch.json`` (or passed as
+``LossOptions(dispatch_table=path)`` / ``linear_logprobs(dispatch_table=path)``; no environment variable
+is read) it decides, on CUDA:
 
 * the fused losses' ``path="auto"``: two passes where the run measured them faster than the single
   pass at the nearest measured size (the single pass is still only taken when the groups fit
@@ -26,11 +27,8 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 from pathlib import Path
 
-TABLE_ENV = "PACS_DISPATCH_TABLE"
-GRAD_GEMMS_ENV = "PACS_GRAD_GEMMS"  # forces the Triton backward's GEMM engine (benchmarks, checks)
 GRAD_GEMMS = ("torch", "triton")
 PACKAGED_TABLE = Path(__file__).resolve().parent / "gpu_dispatch.json"
 
@@ -41,21 +39,21 @@ def _load(path: str) -> tuple:
         data = json.loads(Path(path).read_text())
         return tuple(data.get("entries", ()))
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{TABLE_ENV} / the dispatch table {path} could not be read: {exc}") from exc
+        raise ValueError(f"the dispatch table {path} could not be read: {exc}") from exc
 
 
-def table_entries() -> tuple:
-    """The entries of the table in force (``PACS_DISPATCH_TABLE``, else the packaged one), or ()."""
-    path = os.environ.get(TABLE_ENV)
-    if path:
-        return _load(path)
+def table_entries(table: str | None = None) -> tuple:
+    """The entries of the table ``table`` (a path; None: the packaged one), or ()."""
+    if table:
+        return _load(str(table))
     return _load(str(PACKAGED_TABLE)) if PACKAGED_TABLE.is_file() else ()
 
 
-def fastest(op: str, n_tokens: int, d: int, vocab: int, among: tuple[str, ...], dtype: str | None = None) -> str | None:
+def fastest(op: str, n_tokens: int, d: int, vocab: int, among: tuple[str, ...], dtype: str | None = None,
+            table: str | None = None) -> str | None:
     """The fastest implementation among ``among`` measured for ``op`` at (d, V), the dtype (a name such as
-    "bfloat16"; None: any) and the nearest N, or None."""
-    candidates = [e for e in table_entries() if e.get("op") == op and e.get("d") == d and e.get("V") == vocab
+    "bfloat16"; None: any) and the nearest N in ``table`` (None: the packaged one), or None."""
+    candidates = [e for e in table_entries(table) if e.get("op") == op and e.get("d") == d and e.get("V") == vocab
                   and (dtype is None or e.get("dtype") == dtype) and any(k in e.get("ms", {}) for k in among)]
     if not candidates or n_tokens <= 0:
         return None
@@ -64,44 +62,41 @@ def fastest(op: str, n_tokens: int, d: int, vocab: int, among: tuple[str, ...], 
     return min(times, key=times.get)
 
 
-def prefer_two_pass(n_tokens: int, d: int, vocab: int, dtype: str | None = None) -> bool:
+def prefer_two_pass(n_tokens: int, d: int, vocab: int, dtype: str | None = None, table: str | None = None) -> bool:
     """True where the table measured the Triton two-pass PACS loss (what the two passes run where this is
     asked) faster than the single pass."""
-    return fastest("pacs_loss_fwd_bwd", n_tokens, d, vocab, ("single_pass", "triton"), dtype) == "triton"
+    return fastest("pacs_loss_fwd_bwd", n_tokens, d, vocab, ("single_pass", "triton"), dtype, table) == "triton"
 
 
-def prefer_rebuild(n_tokens: int, d: int, vocab: int, dtype: str | None = None) -> bool:
+def prefer_rebuild(n_tokens: int, d: int, vocab: int, dtype: str | None = None, table: str | None = None) -> bool:
     """True where the table measured the single pass rebuilding part of each group (groups larger than
     the budget) faster than the Triton two passes."""
     among = ("single_pass_lowmem", "triton")
-    return fastest("pacs_loss_fwd_bwd", n_tokens, d, vocab, among, dtype) == "single_pass_lowmem"
+    return fastest("pacs_loss_fwd_bwd", n_tokens, d, vocab, among, dtype, table) == "single_pass_lowmem"
 
 
-def logprob_backend(n_tokens: int, d: int, vocab: int, dtype: str | None = None) -> str | None:
+def logprob_backend(n_tokens: int, d: int, vocab: int, dtype: str | None = None,
+                    table: str | None = None) -> str | None:
     """"torch" or "triton" as measured for the log-probs at this shape, or None (no entry)."""
-    return fastest("logprobs_fwd_bwd", n_tokens, d, vocab, ("triton", "torch"), dtype)
+    return fastest("logprobs_fwd_bwd", n_tokens, d, vocab, ("triton", "torch"), dtype, table)
 
 
 def grad_gemms(n_tokens: int, d: int, vocab: int, dtype: str | None, device_type: str,
-               torch_accumulates_in_float32: bool = True) -> str:
+               torch_accumulates_in_float32: bool = True, table: str | None = None) -> str:
     """The GEMMs that form dh and dW from the Triton backward's staged dz chunk: "torch" (torch.mm,
     cuBLAS on CUDA) or "triton" (grad_matmuls.py).
 
-    ``PACS_GRAD_GEMMS`` forces one. Otherwise, on CUDA: the faster as measured at this shape (the
-    table's ``grad_gemms`` op), else "torch": a plain GEMM is what the vendor library is tuned for,
+    The caller forces one by passing it (``LossOptions(grad_gemms=...)``). Otherwise, on CUDA: the faster
+    as measured at this shape (the table's ``grad_gemms`` op), else "torch": a plain GEMM is what the
+    vendor library is tuned for,
     and nothing has measured our kernels against it yet. Off CUDA (the Triton interpreter):
     "triton", the kernels the tests check. Also "triton" where torch.mm could not add a chunk's dW
     into the float32 buffer without rounding it to 16 bits first (``torch_accumulates_in_float32``
     False: a PyTorch without float32-output GEMMs, and several chunks).
     """
-    forced = os.environ.get(GRAD_GEMMS_ENV, "").strip()
-    if forced:
-        if forced not in GRAD_GEMMS:
-            raise ValueError(f"{GRAD_GEMMS_ENV} must be unset or one of {GRAD_GEMMS}, got {forced!r}")
-        return forced
     if device_type != "cuda" or not torch_accumulates_in_float32:
         return "triton"
-    return fastest("grad_gemms", n_tokens, d, vocab, GRAD_GEMMS, dtype) or "torch"
+    return fastest("grad_gemms", n_tokens, d, vocab, GRAD_GEMMS, dtype, table) or "torch"
 
 
 def dtype_name(dtype) -> str:

@@ -10,7 +10,7 @@ For B = n_groups * G responses with 0/1 (or any real) rewards R and response mas
     seq_mean:   loss = mean_i ( sum_t m l / sum_t m )       (every response weighs the same)
 
 The surrogate is elementwise, so plain autograd gives the gradient (one scalar per token, which
-``linear_logprobs`` turns into the LM-head gradient in ``fused_linear_grpo_loss``).
+``linear_logprobs`` turns into the LM-head gradient in ``fused_linear_grpo_loss``, engine.py).
 """
 
 from __future__ import annotations
@@ -23,22 +23,14 @@ import torch
 from .checks import (
     FLOAT_DTYPES,
     check_choice,
-    check_linear_inputs,
-    check_targets_in_range,
-    check_temperature,
     check_tensor,
 )
-from .fused import FUSED_BACKENDS, PATHS, check_chunk_budget, row_kernels_for
-from .logprobs import check_softcap, linear_logprobs
 from .loss_inputs import (
     GRPO_STD_EPS,
     check_group_size,
     check_nonempty_responses,
-    check_response_rewards,
     check_token_tensors,
 )
-from .single_pass import plan_token_chunks, single_pass, tile_memory
-from .token_selection import check_response_tokens, match_head_dtype, pick, selected_index
 
 AGGREGATIONS = ("token_mean", "seq_mean")
 
@@ -203,108 +195,3 @@ def grpo_token_terms(logp, old_logp, adv, ref_logp, mask, *, low, high, kl_coef)
         ratio = inside(ratio)
         kl = None if kl is None else inside(kl)
     return GRPOTokenTerms(inside(per_token), active, ratio.detach(), None if kl is None else kl.detach())
-
-
-def fused_linear_grpo_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    mask: torch.Tensor,
-    old_logp: torch.Tensor | None,
-    rewards: torch.Tensor,
-    *,
-    group_size: int,
-    temperature: float = 1.0,
-    bias: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
-    aggregation: str = "token_mean",
-    ref_logp: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    return_stats: bool = False,
-    backend: str = "auto",
-    path: str = "auto",
-    chunk_budget_mib: float | None = None,
-    logit_softcap: float | None = None,
-):
-    """``grpo_loss`` straight from hidden states and the LM head, padded (B, T, d) or packed (N, d) with
-    ``cu_seqlens`` (layouts as in :func:`fused_linear_pacs_loss`); ``old_logp=None`` means on-policy.
-
-    The GRPO term of a token depends only on its own log-prob once the advantages and the normaliser
-    (both known from the rewards and the mask) are fixed, so the single pass (the default) cuts the
-    response tokens into chunks of at most ``chunk_budget_mib`` MiB of logits (None: the device's
-    default, as in :func:`fused_linear_pacs_loss`), whatever the response lengths: one logits GEMM
-    per chunk, 3 matmuls in all. ``path="two_pass"`` runs ``linear_logprobs`` with ``backend`` and
-    autograd instead (4 matmuls). ``ref_logp`` (for the KL term) is laid out like
-    old_logp. ``logit_softcap``: as in :func:`fused_linear_pacs_loss`.
-    """
-    check_choice("aggregation", aggregation, AGGREGATIONS)
-    check_choice("backend", backend, FUSED_BACKENDS)
-    check_choice("path", path, PATHS)
-    chunk_budget_mib = check_chunk_budget(chunk_budget_mib)
-    hidden = match_head_dtype(hidden, weight)
-    tokens = check_response_tokens(hidden, targets, mask, old_logp, cu_seqlens)
-    check_linear_inputs(tokens.hidden, weight, tokens.targets, bias)
-    temperature = check_temperature(temperature)
-    logit_softcap = check_softcap(logit_softcap)
-    n = tokens.n_responses
-    low, high, kl_coef = check_grpo_options(group_size, n, clip_eps, clip_eps_high, kl_coef, ref_logp,
-                                            tokens.mask.reshape(tokens.token_shape))
-    check_response_rewards(rewards, n, tokens.hidden.device)
-    counts = tokens.counts
-    if aggregation == "seq_mean":
-        check_nonempty_responses(counts, "aggregation='seq_mean' (it averages over each response)")
-    elif int(counts.sum()) == 0:
-        raise ValueError("mask must select at least one token with aggregation='token_mean'")
-    cdt = torch.float64 if weight.dtype == torch.float64 else torch.float32
-    values = rewards.detach().to(cdt)
-    if not bool(torch.isfinite(values).all()):
-        raise ValueError("rewards must be finite (no NaN or inf)")
-
-    # per selected token: its response's advantage and its share of the normaliser
-    index = selected_index(tokens.mask)
-    layout = tokens.selected_layout()
-    segment = layout.segment_ids()
-    adv = group_normalized_advantages(values, group_size)
-    token_adv = adv[segment]
-    if aggregation == "token_mean":
-        token_coef = torch.full_like(token_adv, 1.0 / int(counts.sum()))
-    else:
-        token_coef = (1.0 / (counts.to(cdt) * n))[segment]
-    old_sel = pick(tokens.old_logp, index)
-    ref_sel = None if ref_logp is None else pick(ref_logp.reshape(-1), index)
-    hidden_sel, targets_sel = pick(tokens.hidden, index), pick(tokens.targets, index)
-
-    def share(logp, t0, t1):
-        old = logp.detach() if old_sel is None else old_sel[t0:t1].detach().to(cdt)
-        ref = None if ref_sel is None else ref_sel[t0:t1].detach().to(cdt)
-        terms = grpo_token_terms(logp.to(cdt), old, token_adv[t0:t1], ref, None, low=low, high=high,
-                                 kl_coef=kl_coef)
-        return (terms.per_token * token_coef[t0:t1]).sum(), terms
-
-    if path != "two_pass" and backend != "naive":
-        check_targets_in_range(targets_sel, weight.shape[0])
-        row_kernels = row_kernels_for(backend, weight)
-        memory = tile_memory(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype,
-                             softcap=logit_softcap is not None, row_kernels=row_kernels)
-        chunks = plan_token_chunks(counts.tolist(), memory.tokens)
-        loss, extras, _, _ = single_pass(hidden_sel, weight, targets_sel, bias=bias, temperature=temperature,
-                                         chunks=chunks, chunk_loss=lambda lp, c: share(lp, c.tok0, c.tok1),
-                                         row_kernels=row_kernels, softcap=logit_softcap,
-                                         strip_rows=memory.strip_rows, tile_dtype=memory.tile_dtype)
-        all_terms = extras
-    else:
-        if path == "single_pass":
-            raise ValueError("path='single_pass' has no naive backend; use backend='auto', 'torch' or 'triton'")
-        logp = linear_logprobs(hidden_sel, weight, targets_sel, temperature=temperature, bias=bias, backend=backend,
-                               logit_softcap=logit_softcap)
-        loss, terms = share(logp, 0, logp.shape[0])
-        all_terms = [terms]
-    loss = loss.float() if loss.dtype != torch.float64 else loss
-    if not return_stats:
-        return loss
-    clipped, ratio_sum, kl_sum = torch.tensor([t.stat_sums() for t in all_terms], dtype=torch.float64).sum(0).tolist()
-    n_tokens = max(int(counts.sum()), 1)
-    return loss, GRPOStats(loss=float(loss.detach()), clip_frac=clipped / n_tokens, ratio_mean=ratio_sum / n_tokens,
-                           advantage_abs_mean=float(adv.abs().mean()), kl_mean=kl_sum / n_tokens)

@@ -30,7 +30,7 @@ def _triton_module():
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, *, choices=BACKENDS,
                     inputs: str = "hidden and weight", shape: tuple[int, int, int] | None = None,
-                    softcap: bool = False, matmul_kernels: bool = False) -> str:
+                    softcap: bool = False, matmul_kernels: bool = False, dispatch_table: str | None = None) -> str:
     """'auto' -> 'triton' on CUDA (not float64) when triton imports, else 'torch'. Also 'torch' on CUDA
     where the committed GPU run measured it faster at ``shape`` = (N, d, V) (dispatch.py), where the
     logits are soft-capped (the Triton log-prob kernels have no soft-cap), and, for the log-prob
@@ -49,7 +49,8 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, *, c
         if device.type == "cuda" and dtype != torch.float64:
             if matmul_kernels and dtype == torch.float32:
                 return "torch"
-            if shape is not None and dispatch.logprob_backend(*shape, dispatch.dtype_name(dtype)) == "torch":
+            if shape is not None and dispatch.logprob_backend(*shape, dispatch.dtype_name(dtype),
+                                                                     dispatch_table) == "torch":
                 return "torch"
             try:
                 _triton_module()
@@ -83,6 +84,8 @@ class LogprobOptions:
     chunk_elements: int | None = None  # torch: logits per chunk
     vocab_splits: int | None = None  # triton forward: vocabulary slices per token block
     softcap: float | None = None  # the math, not a knob: Gemma-style logit soft-cap (torch backend)
+    grad_gemms: str | None = None  # triton backward: "torch" | "triton" GEMMs for dh, dW (None: the table's)
+    dispatch_table: str | None = None  # a GPU dispatch table's path (None: the packaged one)
 
 
 def check_softcap(logit_softcap) -> float | None:
@@ -118,7 +121,8 @@ class Kernels:
         if self.backend == "triton":
             return self.impl.logprob_backward(hidden, weight, targets, bias, temperature, lse, entropy, grad_logp,
                                               grad_entropy, needs=needs, filter_eps=options.filter_eps,
-                                              vocab_splits=options.vocab_splits, logp_out=logp_out)
+                                              vocab_splits=options.vocab_splits, logp_out=logp_out,
+                                              gemms=options.grad_gemms, dispatch_table=options.dispatch_table)
         extra = {"chunk_elements": options.chunk_elements} if options.chunk_elements else {}
         return self.impl.backward(hidden, weight, targets, bias, temperature, lse, entropy, grad_logp, grad_entropy,
                                   needs=needs, logp_out=logp_out, softcap=options.softcap, **extra)
@@ -156,6 +160,8 @@ def linear_logprobs(
     vocab_splits: int | None = None,
     return_lse: bool = False,
     logit_softcap: float | None = None,
+    grad_gemms: str | None = None,
+    dispatch_table: str | None = None,
 ):
     """Log-prob of ``targets`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
@@ -176,6 +182,10 @@ def linear_logprobs(
         logit_softcap: optional c > 0: the logits are soft-capped as ``c * tanh(z / c)`` before the
             temperature (Gemma 2/3's ``final_logit_softcapping``); torch and naive backends ("auto"
             picks torch then).
+        grad_gemms: triton backward: "torch" (cuBLAS) or "triton" GEMMs for dh and dW (None: as the
+            dispatch table measured; cuBLAS where it has no entry).
+        dispatch_table: path of a GPU dispatch table (benchmarks/dispatch_table.py) deciding "auto" on CUDA
+            (None: the packaged one, pacs_kernels/gpu_dispatch.json).
 
     Returns:
         logp (...) float32, or (logp, entropy) with ``return_entropy=True``, with lse appended
@@ -197,10 +207,12 @@ def linear_logprobs(
         raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
     if vocab_splits is not None and not (isinstance(vocab_splits, int) and vocab_splits > 0):
         raise ValueError(f"vocab_splits must be a positive int, got {vocab_splits!r}")
+    if grad_gemms is not None:
+        check_choice("grad_gemms", grad_gemms, dispatch.GRAD_GEMMS)
     vocab, width = weight.shape
     logit_softcap = check_softcap(logit_softcap)
     backend = resolve_backend(backend, hidden.device, hidden.dtype, shape=(hidden.numel() // width, width, vocab),
-                              softcap=logit_softcap is not None, matmul_kernels=True)
+                              softcap=logit_softcap is not None, matmul_kernels=True, dispatch_table=dispatch_table)
     check_targets_in_range(targets, vocab)
 
     lead_shape = hidden.shape[:-1]
@@ -223,7 +235,7 @@ def linear_logprobs(
         targets_1d = targets_1d.contiguous()
         bias = bias.contiguous() if bias is not None else None
     options = LogprobOptions(filter_eps=filter_eps, chunk_elements=chunk_elements, vocab_splits=vocab_splits,
-                             softcap=logit_softcap)
+                             softcap=logit_softcap, grad_gemms=grad_gemms, dispatch_table=dispatch_table)
     kernels = Kernels(backend)
 
     needs_grad = torch.is_grad_enabled() and (

@@ -161,8 +161,8 @@ def response_sums(values: torch.Tensor, mask: torch.Tensor, layout: ResponseLayo
     return sums.index_add(0, layout.segment_ids(), masked)
 
 
-def _pacs_torch(logp, old_logp, mask, counts, rewards, layout, *, group_size, beta, score, advantage,
-                weighting, score_function_term, valid=None, n_total=None):
+def pacs_group_loss(logp, old_logp, mask, counts, rewards, layout, *, group_size, beta, score, advantage,
+                    weighting, score_function_term, valid=None, n_total=None):
     """The loss on one layout; ``n_total``: the B to divide by when this is a share of a larger batch."""
     cdt = torch.float64 if logp.dtype == torch.float64 else torch.float32
     sum_logp = response_sums(logp.to(cdt), mask, layout)
@@ -282,9 +282,9 @@ def check_group_inputs(rewards, valid, layout, device, *, group_size, beta, adva
     return rewards, valid, beta
 
 
-def _pacs_on_layout(logp, old_logp, mask, rewards, layout, *, group_size, beta, score, advantage, weighting,
-                    score_function_term, return_stats, group_ids, backend, counts=None, mask_is_full=False,
-                    valid=None, entropy=None):
+def pacs_loss_on_layout(logp, old_logp, mask, rewards, layout, *, group_size, beta, score, advantage, weighting,
+                        score_function_term, return_stats, group_ids, backend, counts=None, mask_is_full=False,
+                        valid=None, entropy=None):
     """Checked options, checked layout; shared by pacs_loss and fused_linear_pacs_loss's two-pass path."""
     rewards, valid, beta = check_group_inputs(
         rewards, valid, layout, logp.device, group_size=group_size, beta=beta, advantage=advantage,
@@ -299,7 +299,7 @@ def _pacs_on_layout(logp, old_logp, mask, rewards, layout, *, group_size, beta, 
         loss, per_response = _pacs_triton(logp, old_logp, mask, rewards, layout, mask_is_full=mask_is_full,
                                           **options)
     else:
-        loss, per_response = _pacs_torch(logp, old_logp, mask, counts, rewards, layout, valid=valid, **options)
+        loss, per_response = pacs_group_loss(logp, old_logp, mask, counts, rewards, layout, valid=valid, **options)
     if return_stats:
         return loss, compute_stats(loss, per_response, rewards, group_size, advantage=advantage, valid=valid,
                                    entropy=entropy)
@@ -358,7 +358,7 @@ def pacs_loss(
     """
     check_options(score, advantage, weighting)
     logp, old_logp, mask, layout = check_token_tensors(logp, old_logp, mask, cu_seqlens)
-    return _pacs_on_layout(
+    return pacs_loss_on_layout(
         logp, old_logp, mask, rewards, layout, group_size=group_size, beta=beta, score=score,
         advantage=advantage, weighting=weighting, score_function_term=score_function_term,
         return_stats=return_stats, group_ids=group_ids, backend=backend, valid=valid)

@@ -35,6 +35,13 @@ class ResponseTokens:
     n_responses: int
     token_shape: tuple
 
+    def selected(self, index: torch.Tensor | None) -> tuple:
+        """(hidden, targets, old_logp) of the tokens at ``index`` (:func:`selected_index`; None: all of them)."""
+        if index is None:
+            return self.hidden, self.targets, self.old_logp
+        old_logp = None if self.old_logp is None else self.old_logp.index_select(0, index)
+        return self.hidden.index_select(0, index), self.targets.index_select(0, index), old_logp
+
     def selected_layout(self) -> ResponseLayout:
         """The packed layout of the selected (mask == 1) tokens: offsets = running sum of counts."""
         return ResponseLayout.from_counts(self.counts)

@@ -2,13 +2,14 @@
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from benchmarks import dispatch_table
 from pacs_kernels import dispatch
-from pacs_kernels.fused import measured_rebuild_faster, measured_two_pass_faster
+from pacs_kernels.engine import measured_rebuild_faster, measured_two_pass_faster
 from pacs_kernels.logprobs import resolve_backend
 
 
@@ -40,7 +41,7 @@ def table(tmp_path, monkeypatch):
             writer.writeheader()
             writer.writerows(written)
     assert dispatch_table.main([*map(str, paths), "--out", str(tmp_path)]) == 0
-    monkeypatch.setenv(dispatch.TABLE_ENV, str(tmp_path / "dispatch.json"))
+    monkeypatch.setattr(dispatch, "PACKAGED_TABLE", tmp_path / "dispatch.json")  # as if committed
     dispatch._load.cache_clear()
     yield json.loads((tmp_path / "dispatch.json").read_text()), tmp_path
     dispatch._load.cache_clear()
@@ -96,20 +97,19 @@ def test_two_passes_are_preferred_only_where_the_triton_ones_beat_the_single_pas
              "ms": {"torch": 1.0, "single_pass": 2.0, "triton": 3.0}}
     path = tmp_path / "table.json"
     path.write_text(json.dumps({"entries": [entry]}))
-    monkeypatch.setenv(dispatch.TABLE_ENV, str(path))
     dispatch._load.cache_clear()
     try:
-        assert not dispatch.prefer_two_pass(1000, 64, 512)
+        assert not dispatch.prefer_two_pass(1000, 64, 512, table=str(path))
         entry["ms"]["triton"] = 1.5
         path.write_text(json.dumps({"entries": [entry]}))
         dispatch._load.cache_clear()
-        assert dispatch.prefer_two_pass(1000, 64, 512)
+        assert dispatch.prefer_two_pass(1000, 64, 512, table=str(path))
+        assert not dispatch.prefer_two_pass(1000, 64, 512)  # the packaged table has no such entry
     finally:
         dispatch._load.cache_clear()
 
 
 def test_no_table_means_defaults(monkeypatch, tmp_path):
-    monkeypatch.delenv(dispatch.TABLE_ENV, raising=False)
     monkeypatch.setattr(dispatch, "PACKAGED_TABLE", tmp_path / "absent.json")
     assert dispatch.table_entries() == ()
     assert not dispatch.prefer_two_pass(8192, 3584, 152064)
@@ -118,24 +118,39 @@ def test_no_table_means_defaults(monkeypatch, tmp_path):
     assert dispatch.grad_gemms(8192, 3584, 152064, "bfloat16", "cuda") == "torch"
 
 
-def test_grad_gemms_can_be_forced_and_a_bad_value_is_named(monkeypatch):
-    monkeypatch.setenv(dispatch.GRAD_GEMMS_ENV, "triton")
-    assert dispatch.grad_gemms(8192, 3584, 152064, "bfloat16", "cuda") == "triton"
-    monkeypatch.setenv(dispatch.GRAD_GEMMS_ENV, "torch")
-    assert dispatch.grad_gemms(8192, 3584, 152064, "bfloat16", "cpu") == "torch"
-    monkeypatch.setenv(dispatch.GRAD_GEMMS_ENV, "cublas")
-    with pytest.raises(ValueError, match="PACS_GRAD_GEMMS must be unset or one of .*got 'cublas'"):
-        dispatch.grad_gemms(8192, 3584, 152064, "bfloat16", "cuda")
+def test_grad_gemms_is_an_option_and_a_bad_value_is_named():
+    from pacs_kernels import LossOptions, linear_logprobs
+
+    assert LossOptions(grad_gemms="triton").grad_gemms == "triton"
+    with pytest.raises(ValueError, match="grad_gemms must be one of .*got 'cublas'"):
+        LossOptions(grad_gemms="cublas")
+    with pytest.raises(ValueError, match="grad_gemms must be one of .*got 'cublas'"):
+        linear_logprobs(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(3, dtype=torch.long), grad_gemms="cublas")
 
 
-def test_unreadable_table_is_a_clear_error(monkeypatch, tmp_path):
+def test_unreadable_table_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    monkeypatch.setenv(dispatch.TABLE_ENV, str(bad))
     dispatch._load.cache_clear()
-    with pytest.raises(ValueError, match="PACS_DISPATCH_TABLE / the dispatch table .* could not be read"):
-        dispatch.table_entries()
+    with pytest.raises(ValueError, match="the dispatch table .* could not be read"):
+        dispatch.table_entries(str(bad))
     dispatch._load.cache_clear()
+
+
+def test_the_library_reads_no_environment_variable_for_dispatch(monkeypatch, tmp_path):
+    """The benchmarks' PACS_BENCH_DISPATCH_TABLE (and the old names) decide nothing in pacs_kernels: only the
+    options do; no module of the package reads os.environ except for Triton's own TRITON_INTERPRET."""
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for name in ("PACS_DISPATCH_TABLE", "PACS_BENCH_DISPATCH_TABLE", "PACS_GRAD_GEMMS"):
+        monkeypatch.setenv(name, str(bad))
+    assert dispatch.grad_gemms(8192, 3584, 152064, "bfloat16", "cpu") == "triton"
+    dispatch.table_entries()  # the packaged table, not the bad file
+    package = Path(dispatch.__file__).resolve().parent
+    for path in package.rglob("*.py"):
+        for line in path.read_text().splitlines():
+            if "os.environ" in line or "getenv" in line:
+                assert "TRITON_INTERPRET" in line, f"{path.name}: {line.strip()}"
 
 
 def test_auto_sends_float32_log_prob_matmuls_to_cublas_on_cuda():
@@ -154,7 +169,7 @@ def test_groups_larger_than_the_budget_go_two_pass_only_onto_triton_log_prob_ker
     """path="auto" with a group bigger than the chunk budget: two passes where they would run the Triton
     log-prob kernels (CUDA, 16-bit weights), the rebuilding single pass elsewhere (CPU, torch, and float32
     on CUDA, whose two passes would be cuBLAS + eager work)."""
-    from pacs_kernels.fused import two_pass_runs_triton
+    from pacs_kernels.engine import two_pass_runs_triton
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert two_pass_runs_triton("auto", cuda, torch.bfloat16)

@@ -1,11 +1,15 @@
 """fused_linear_objective_loss against naive logits + each objective's float64 reference: the loss and
-its gradients with respect to hidden, weight and bias, padded and packed, torch and triton (interpreter, tiny
-odd shapes: V and d no multiple of a tile), and a user's own objective (a plain function)."""
+its gradients with respect to hidden, weight and bias, padded and packed, on the engine's single pass and
+two passes, float32 and float64, torch and triton (interpreter, tiny odd shapes: V and d no multiple of a
+tile), and a user's own objective (a plain function)."""
+
+import dataclasses
 
 import pytest
 import torch
 from seeds import stable_seed
 
+from pacs_kernels import LossOptions, engine
 from pacs_kernels.objectives import CISPO, DAPO, GRPO, GSPO, PACS, DrGRPO, fused_linear_objective_loss
 from pacs_kernels.objectives.cispo import reference_cispo_loss
 from pacs_kernels.objectives.dapo import reference_dapo_loss
@@ -14,6 +18,7 @@ from pacs_kernels.objectives.grpo import reference_grpo_objective
 from pacs_kernels.objectives.gspo import reference_gspo_loss
 from pacs_kernels.objectives.pacs import reference_pacs_objective
 from pacs_kernels.reference import naive_linear_logprobs
+from pacs_kernels.single_pass import budget_mib_for_tokens
 
 B, T, D, V, G = 8, 6, 13, 37, 4
 TEMPERATURE = 0.8
@@ -85,10 +90,42 @@ def expected_loss_and_grads(case, data, on_policy):
     return loss, hidden.grad, weight.grad, bias.grad
 
 
-def fused(case, data, on_policy, backend, packed=False):
-    hidden, weight = data["hidden"].clone().requires_grad_(), data["weight"].clone().requires_grad_()
-    bias = data["bias"].clone().requires_grad_()
-    inputs = dict(hidden=hidden, targets=data["targets"], mask=data["mask"], old=data["old"], ref=data["ref"])
+def without_entropy(case):
+    """The case with entropy_coef = 0 (an entropy bonus needs the two passes: the single pass's entropy has no
+    gradient)."""
+    name, objective, reference, binary = case
+    if dataclasses.is_dataclass(objective):
+        objective = dataclasses.replace(objective, entropy_coef=0.0)
+    return name, objective, reference, binary
+
+
+def one_group_budget(data):
+    """A chunk budget of about one group's tokens: several chunks, and a group larger than it rebuilt in part."""
+    group_tokens = data["mask"].sum(-1).reshape(-1, G).sum(-1)
+    return budget_mib_for_tokens(int(group_tokens.float().mean()), V, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture
+def paths_run(monkeypatch):
+    """The paths the engine chose (engine.choose_path), in call order."""
+    chosen = []
+    original = engine.choose_path
+
+    def spy(*args, **kwargs):
+        choice = original(*args, **kwargs)
+        chosen.append(choice.name)
+        return choice
+
+    monkeypatch.setattr(engine, "choose_path", spy)
+    return chosen
+
+
+def fused(case, data, on_policy, backend, packed=False, path="auto", dtype=torch.float32, chunk_budget_mib=None):
+    hidden = data["hidden"].to(dtype).clone().requires_grad_()
+    weight = data["weight"].to(dtype).clone().requires_grad_()
+    bias = data["bias"].to(dtype).clone().requires_grad_()
+    inputs = dict(hidden=hidden, targets=data["targets"], mask=data["mask"], old=data["old"].to(dtype),
+                  ref=data["ref"].to(dtype))
     cu_seqlens = None
     if packed:  # each response's first `length` tokens, back to back: no padding at all
         keep = torch.arange(T)[None, :] < data["lengths"][:, None]
@@ -96,19 +133,20 @@ def fused(case, data, on_policy, backend, packed=False):
         cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), data["lengths"].cumsum(0)])
     loss, stats = fused_linear_objective_loss(
         inputs["hidden"], weight, inputs["targets"], inputs["mask"], data["rewards"], case[1], group_size=G,
-        old_logp=None if on_policy else inputs["old"], ref_logp=inputs["ref"], temperature=TEMPERATURE, bias=bias,
-        cu_seqlens=cu_seqlens, backend=backend)
+        options=LossOptions(temperature=TEMPERATURE, backend=backend, path=path, chunk_budget_mib=chunk_budget_mib),
+        old_logp=None if on_policy else inputs["old"], ref_logp=inputs["ref"], bias=bias, cu_seqlens=cu_seqlens)
     loss.backward()
     return loss, stats, hidden.grad, weight.grad, bias.grad
 
 
-def assert_matches(got, expected):
+def assert_matches(got, expected, float64=False):
     loss, _, d_hidden, d_weight, d_bias = got
     want_loss, want_hidden, want_weight, want_bias = expected
-    torch.testing.assert_close(loss.double(), want_loss, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(d_hidden.double(), want_hidden, rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(d_weight.double(), want_weight, rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(d_bias.double(), want_bias, rtol=1e-4, atol=1e-6)
+    rtol, atol = (1e-9, 1e-11) if float64 else (1e-4, 1e-6)
+    torch.testing.assert_close(loss.double(), want_loss, rtol=rtol / 10, atol=atol)
+    torch.testing.assert_close(d_hidden.double(), want_hidden, rtol=rtol, atol=atol)
+    torch.testing.assert_close(d_weight.double(), want_weight, rtol=rtol, atol=atol)
+    torch.testing.assert_close(d_bias.double(), want_bias, rtol=rtol, atol=atol)
     assert want_weight.abs().sum() > 0
 
 
@@ -135,6 +173,77 @@ def test_fused_triton_interpreter_matches_reference(name):
     case = BY_NAME[name]
     data = make_inputs(stable_seed("triton", name), case[3])
     assert_matches(fused(case, data, False, "triton"), expected_loss_and_grads(case, data, False))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("path", ["single_pass", "two_pass"])
+@pytest.mark.parametrize("name", list(BY_NAME))
+def test_float64_every_objective_layout_and_path(name, path, packed, paths_run):
+    """Float64 end to end against the objective's float64 reference: each objective on each layout and each
+    of the engine's paths (the single pass with a budget of about one group: several chunks, some rebuilt)."""
+    case = without_entropy(BY_NAME[name]) if path == "single_pass" else BY_NAME[name]
+    data = make_inputs(stable_seed("float64", name, path, packed), case[3])
+    got = fused(case, data, False, "torch", packed=packed, path=path, dtype=torch.float64,
+                chunk_budget_mib=one_group_budget(data))
+    assert paths_run == [path]
+    # the two passes' linear_logprobs returns float32 log-probs (for every input dtype): float32 rounding there
+    assert_matches(got, expected_loss_and_grads(case, data, False), float64=path == "single_pass")
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "pacs", "custom"])
+def test_single_pass_on_policy_float32(name, paths_run):
+    """On-policy (old_logp None) on the single pass, float32, several chunks."""
+    case = without_entropy(BY_NAME[name])
+    data = make_inputs(stable_seed("single_on_policy", name), case[3])
+    got = fused(case, data, True, "torch", path="single_pass", chunk_budget_mib=one_group_budget(data))
+    assert paths_run == ["single_pass"]
+    assert_matches(got, expected_loss_and_grads(case, data, True))
+
+
+@pytest.mark.parametrize("name", ["gspo", "pacs"])
+def test_single_pass_triton_row_kernels(name, paths_run):
+    """The single pass with the Triton row kernels (interpreter), several chunks."""
+    case = without_entropy(BY_NAME[name])
+    data = make_inputs(stable_seed("single_triton", name), case[3])
+    got = fused(case, data, False, "triton", path="single_pass", chunk_budget_mib=one_group_budget(data))
+    assert paths_run == ["single_pass"]
+    assert_matches(got, expected_loss_and_grads(case, data, False))
+
+
+def batch_normalized_objective(logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None):
+    """Couples groups through their log-probs (the batch-wide variance of the responses' mean log-probs)."""
+    mean_logp = torch.where(mask, logp, 0.0).sum(-1) / mask.sum(-1)
+    return (mean_logp - mean_logp.mean()).pow(2).mean(), {}
+
+
+def test_single_pass_refuses_an_objective_that_couples_groups():
+    data = make_inputs(8, False)
+    case = ("coupled", batch_normalized_objective, None, False)
+    with pytest.raises(ValueError, match="couples groups"):
+        fused(case, data, False, "torch", path="single_pass", chunk_budget_mib=one_group_budget(data))
+    with pytest.warns(RuntimeWarning, match="couples groups.*two passes instead"):
+        got = fused(case, data, False, "torch", path="auto", chunk_budget_mib=one_group_budget(data))
+    want = fused(case, data, False, "torch", path="two_pass")
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[3], want[3])
+
+
+def test_entropy_objective_on_single_pass_is_refused():
+    data = make_inputs(9, False)
+    with pytest.raises(ValueError, match="entropy"):
+        fused(BY_NAME["dapo"], data, False, "torch", path="single_pass")
+
+
+def test_moved_keywords_warn_and_unknown_ones_fail():
+    data = make_inputs(10, False)
+    args = (data["hidden"], data["weight"], data["targets"], data["mask"], data["rewards"], DAPO())
+    with pytest.warns(DeprecationWarning, match=r"options=LossOptions\(temperature=0.8, backend='torch'\)"):
+        old_style, _ = fused_linear_objective_loss(*args, group_size=G, temperature=TEMPERATURE, backend="torch")
+    new_style, _ = fused_linear_objective_loss(*args, group_size=G,
+                                               options=LossOptions(temperature=TEMPERATURE, backend="torch"))
+    torch.testing.assert_close(old_style, new_style)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'"):
+        fused_linear_objective_loss(*args, group_size=G, temprature=TEMPERATURE)
 
 
 def test_fused_stats_are_the_objectives():
@@ -166,13 +275,15 @@ def test_fused_bad_inputs(changes, error, match):
                 rewards=data["rewards"], objective=DAPO(), group_size=G, old_logp=None, ref_logp=None,
                 temperature=1.0, backend="torch")
     args.update(changes)
+    options = dict(temperature=args.pop("temperature"), backend=args.pop("backend"))
     with pytest.raises(error, match=match):
+        args["options"] = LossOptions(**options)
         fused_linear_objective_loss(args.pop("hidden"), args.pop("weight"), args.pop("targets"), args.pop("mask"),
                                     args.pop("rewards"), args.pop("objective"), **args)
 
 
 def test_grpo_and_pacs_objectives_equal_the_existing_fused_losses():
-    """The plug-in path (two passes, rows) gives what fused_linear_grpo_loss / fused_linear_pacs_loss give."""
+    """The plug-in path (rows) gives what fused_linear_grpo_loss / fused_linear_pacs_loss give."""
     from pacs_kernels import fused_linear_grpo_loss, fused_linear_pacs_loss
 
     for name, existing, options in [
@@ -185,7 +296,8 @@ def test_grpo_and_pacs_objectives_equal_the_existing_fused_losses():
         hidden, weight = data["hidden"].clone().requires_grad_(), data["weight"].clone().requires_grad_()
         extra = dict(ref_logp=data["ref"]) if name == "grpo" else {}
         loss = existing(hidden, weight, data["targets"], data["mask"], data["old"], data["rewards"], group_size=G,
-                        temperature=TEMPERATURE, bias=data["bias"], backend="torch", **options, **extra)
+                        objective=objective, options=LossOptions(temperature=TEMPERATURE, backend="torch"),
+                        bias=data["bias"], **extra)
         loss.backward()
         torch.testing.assert_close(got[0], loss, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got[2], hidden.grad, rtol=1e-4, atol=1e-6)

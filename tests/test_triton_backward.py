@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pacs_kernels import dispatch
 from pacs_kernels.reference import naive_linear_logprobs
 from pacs_kernels.triton import launch_config, logprob_backward
 
@@ -167,14 +168,14 @@ def test_filtering_always_runs_the_triton_gemms_and_a_bad_engine_is_named():
 
 
 def test_the_engine_comes_from_dispatch_when_not_given(monkeypatch):
-    """gemms=None asks dispatch.grad_gemms (PACS_GRAD_GEMMS forces it): the torch.mm results, not the kernels'."""
+    """gemms=None asks dispatch.grad_gemms (here faked to pick each engine): that engine's results."""
     hidden, weight, bias, targets, g_l, g_h = _problem(70, 40, 150, torch.bfloat16, True, seed=9)
     _, r_lse, r_ent, _ = _reference(hidden, weight, bias, targets, g_l, g_h, 1.0)
     args = (hidden, weight, targets, bias, 1.0, r_lse.float(), r_ent.float(), g_l, g_h)
     by_engine = {gemms: logprob_backward(*args, chunk_tokens=32, gemms=gemms) for gemms in ("triton", "torch")}
     assert not torch.equal(by_engine["triton"][1], by_engine["torch"][1])  # bf16 roundings differ: distinguishable
     for gemms in ("triton", "torch"):
-        monkeypatch.setenv("PACS_GRAD_GEMMS", gemms)
+        monkeypatch.setattr(dispatch, "grad_gemms", lambda *args, chosen=gemms, **kwargs: chosen)
         for got, expected in zip(logprob_backward(*args, chunk_tokens=32), by_engine[gemms]):
             assert torch.equal(got, expected)
 

@@ -50,7 +50,7 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from pacs_kernels import PACSLoss
+from pacs_kernels import PACS, LossOptions, PACSLoss
 from pacs_kernels.loss_inputs import check_beta
 
 from ..memory import activation_offload
@@ -291,9 +291,10 @@ class PACSTrainer(GRPOTrainer):
             raise ValueError("PACSTrainer cannot honour the MoE router auxiliary loss: expected "
                              "router_aux_loss_coef=0.0 (or a model without output_router_logits)")
         self.pacs_loss = PACSLoss(
-            group_size=args.num_generations, beta=args.pacs_beta, score=args.pacs_score,
-            advantage=args.pacs_advantage, weighting=args.pacs_weighting, temperature=args.temperature,
-            score_function_term=args.pacs_score_function_term, backend=args.pacs_backend)
+            group_size=args.num_generations,
+            objective=PACS(beta=args.pacs_beta, score=args.pacs_score, advantage=args.pacs_advantage,
+                           weighting=args.pacs_weighting, score_function_term=args.pacs_score_function_term),
+            options=LossOptions(temperature=args.temperature, backend=args.pacs_backend))
         target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         # transformers' continuous batching (generation) refuses any attention but its own few: padded rows then
         padding_free = False if args.use_transformers_continuous_batching else args.pacs_padding_free

@@ -5,7 +5,7 @@
     loss   = (1/B) sum_i w[i] (softplus(psi) - R psi) + kl_coef * token_mean(k3) - entropy_coef * token_mean(H)
 
 Rewards must be 0/1 labels (``pacs_loss`` refuses anything else unless weighting="none", which takes
-[0, 1]). No validity mask or score-function term here: use ``pacs_loss`` directly for those.
+[0, 1]). No validity mask here: ``fused_linear_pacs_loss`` (``valid=``) or ``pacs_loss`` take one.
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from .regularizers import RegularizedObjective, add_regularizers, as_floats, ref
 
 @dataclass(frozen=True, kw_only=True)
 class PACS(RegularizedObjective):
-    """beta, score, advantage, weighting, backend: as in :func:`pacs_kernels.pacs_loss`."""
+    """beta, score, advantage, weighting, score_function_term, backend: as in :func:`pacs_kernels.pacs_loss`."""
 
     beta: float = 1.0
     score: str = "log_ratio"
     advantage: str = "rloo"
     weighting: str = "balanced"
+    score_function_term: bool = False
     backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -38,12 +39,20 @@ class PACS(RegularizedObjective):
         check_choice("advantage", self.advantage, ADVANTAGES)
         check_choice("weighting", self.weighting, WEIGHTINGS)
         check_choice("backend", self.backend, LOSS_BACKENDS)
+        if not isinstance(self.score_function_term, bool):
+            raise TypeError(f"score_function_term must be a bool, got {self.score_function_term!r}")
+
+    def group_settings(self) -> dict:
+        """The group loss's settings as loss.py takes them (the engine's PACS route)."""
+        return dict(beta=self.beta, score=self.score, advantage=self.advantage, weighting=self.weighting,
+                    score_function_term=self.score_function_term)
 
     def __call__(self, logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None):
         batch = self.checked(logp, old_logp, rewards, mask, group_size, ref_logp, entropy)
         loss, stats = pacs_loss(batch.logp, batch.old_logp, rewards, batch.mask, group_size=group_size,
                                 beta=self.beta, score=self.score, advantage=self.advantage, weighting=self.weighting,
-                                backend=self.backend, return_stats=True)
+                                score_function_term=self.score_function_term, backend=self.backend,
+                                return_stats=True)
         loss, extra = add_regularizers(loss.to(batch.logp.dtype), batch, token_mean, kl_coef=self.kl_coef,
                                        entropy_coef=self.entropy_coef)
         stats = stats.as_dict()

@@ -3,9 +3,11 @@
 An objective is only the group loss. It never sees hidden states or the LM head: it gets the
 per-token log-probs of whole groups of responses (each group's ``group_size`` responses contiguous)
 and returns a scalar loss and a small dict of plain-float statistics. Anything that satisfies this
-protocol, a class or a plain function, runs on the fused path of
-:func:`pacs_kernels.objectives.fused_linear_objective_loss` unchanged, because the log-prob
-computation's own backward turns dloss/dlogp into the LM-head and hidden-state gradients.
+protocol, a class or a plain function, runs on the fused paths of
+:func:`pacs_kernels.objectives.fused_linear_objective_loss` unchanged (the loss engine, engine.py):
+the single pass (chunks of whole groups, each chunk's logits built once, dloss/dlogp by autograd on
+the chunk's log-probs) needs only that groups interact through constants (rewards, mask), never through
+each other's log-probs, which the engine checks; two passes need nothing more.
 
 Call::
 

@@ -26,7 +26,8 @@ CUDA: bf16 tensor cores, float32 accumulation, dW added in place into the float3
 ``addmm(out_dtype=float32)``; ``grad_products``). Which one runs is the GEMM engine
 (``dispatch.grad_gemms``): on CUDA what the committed GPU run measured faster at the shape, cuBLAS
 until a run has measured it (a vendor GEMM is the safe guess for a plain GEMM); in the CPU
-interpreter the Triton kernels (they are what the tests check); ``PACS_GRAD_GEMMS`` forces one.
+interpreter the Triton kernels (they are what the tests check); ``gemms=`` forces one
+(``LossOptions(grad_gemms=...)``, ``linear_logprobs(grad_gemms=...)``).
 Gradient filtering always uses the Triton kernels (only they skip the flagged tiles).
 
 Cost: 3 matmuls of 2 N V d FLOPs each (recompute, dh, dW): 6 N V d, the same as a backward
@@ -173,6 +174,7 @@ def logprob_backward(
     logp_out: torch.Tensor | None = None,
     chunk_tokens: int | None = None,
     gemms: str | None = None,
+    dispatch_table: str | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients (dhidden, dweight, dbias) of sum(g_l * logp + g_H * entropy).
 
@@ -190,7 +192,8 @@ def logprob_backward(
             logits tiles (the known-gradient one-sweep path).
         chunk_tokens: tokens per staged dz chunk (default: the chunk fits DZ_CHUNK_BYTES).
         gemms: "triton" | "torch": which GEMMs form dh and dW from the staged chunk (default:
-            ``dispatch.grad_gemms``); with ``filter_eps`` always "triton".
+            ``dispatch.grad_gemms`` with ``dispatch_table``, None: the packaged table); with
+            ``filter_eps`` always "triton".
 
     Returns:
         (dhidden (N, d), dweight (V, d), dbias (V,)) in the input dtypes, float32 accumulation,
@@ -224,7 +227,7 @@ def logprob_backward(
     if gemms is None:
         rounds = multi and gemm_in_input_dtype(dev, hidden.dtype) and not has_out_dtype(dev, hidden.dtype)
         gemms = dispatch.grad_gemms(n_tokens, width, vocab, dispatch.dtype_name(hidden.dtype), dev.type,
-                                    torch_accumulates_in_float32=not rounds)
+                                    torch_accumulates_in_float32=not rounds, table=dispatch_table)
     elif gemms not in dispatch.GRAD_GEMMS:
         raise ValueError(f"gemms must be None or one of {dispatch.GRAD_GEMMS}, got {gemms!r}")
     d_weight = torch.empty((vocab, width), dtype=torch.float32 if multi else weight.dtype,
