@@ -33,7 +33,6 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from . import dispatch
 from .checks import check_choice, check_linear_inputs, check_targets_in_range, check_temperature
 from .known_grad import linear_logprobs_known_grad
 from .logprobs import check_softcap, linear_logprobs, resolve_backend
@@ -45,6 +44,7 @@ from .loss_inputs import (
     check_nonempty_responses,
     check_options,
 )
+from .path_choice import PathQuery, choose_path, measured_rebuild_faster, measured_two_pass_faster  # noqa: F401
 from .single_pass import (
     plan_group_chunks,
     recomputed_fraction,
@@ -119,9 +119,10 @@ def fused_linear_pacs_loss(
         backend: "auto" | "triton" | "torch" | "naive": the kernels of the two-pass path and of
             ``old_lse``'s one sweep, and the single pass's elementwise work (Triton row kernels or
             eager PyTorch around cuBLAS GEMMs); "naive" materializes the logits (tests, benchmarks).
-        path: "auto" (single pass when every group fits ``chunk_budget_mib``, or when the two passes
-            would not run the Triton log-prob kernels; two passes for bigger groups where they
-            would (CUDA, 16-bit weights, no soft-cap) unless the committed GPU run measured the rebuilding
+        path: "auto" (the path of least time by a cost model calibrated on this device, path_choice.py:
+            the single pass when the groups fit, on the CPU with an unset budget raised to hold them;
+            two passes for groups bigger than the budget where they run the Triton log-prob kernels
+            (CUDA, 16-bit weights, no soft-cap) unless the committed GPU run measured the rebuilding
             single pass faster, and on CUDA where that run measured two passes faster: dispatch.py)
             | "single_pass" (a group bigger than the budget keeps part of its logits and rebuilds
             the rest) | "two_pass".
@@ -129,7 +130,8 @@ def fused_linear_pacs_loss(
             a GPU with the Triton row kernels 2 bytes per logit plus a float32 GEMM strip of 1/4 of
             the budget, about 5,300 tokens per 2 GiB at V = 152k; eager rows hold float32 logits, plus
             a bf16 dz copy on CUDA); None (default): 256 MiB on the CPU, 2 GiB on CUDA (a GPU chunk
-            needs enough tokens to keep its GEMMs compute-bound). A smaller budget trades speed for
+            needs enough tokens to keep its GEMMs compute-bound); with path="auto" on the CPU, raised
+            up to 1/8 of the memory where holding whole groups is faster. A smaller budget trades speed for
             memory only when a group no longer fits.
         filter_eps, chunk_elements, vocab_splits: the two-pass path's ``linear_logprobs`` options.
         old_lse: optional, like old_logp: the log-sum-exp from the old-policy pass
@@ -180,25 +182,19 @@ def fused_linear_pacs_loss(
     if old_lse is None or result is None:  # the usual paths (also for an old_lse from other weights)
         chunks = None
         triton_two_pass = two_pass_runs_triton(backend, weight.device, weight.dtype, softcap=logit_softcap is not None)
-        # two passes where the committed GPU run measured them faster, if they can run the Triton kernels here
-        measured_slower = (path == "auto" and triton_two_pass
-                           and measured_two_pass_faster(weight.device, n_selected, *weight.shape[::-1],
-                                                        dtype=weight.dtype))
-        if path != "two_pass" and backend != "naive" and not measured_slower:
-            row_kernels = row_kernels_for(backend, weight)
-            memory = tile_memory(chunk_budget_mib, weight.shape[0], weight.device, weight.dtype,
+        row_kernels = row_kernels_for(backend, weight)
+        # auto: the path (and an unset budget) of least modelled time on this device (path_choice.py)
+        choice = None if path != "auto" or backend == "naive" else choose_path(PathQuery(
+            weight.device, weight.dtype, weight.shape[1], weight.shape[0], tuple(tokens.counts.tolist()), group_size,
+            chunk_budget_mib, logit_softcap is not None, triton_two_pass, row_kernels))
+        if path == "single_pass" and backend != "naive" or choice is not None and choice.path == "single_pass":
+            budget_mib = chunk_budget_mib if choice is None else choice.budget_mib
+            memory = tile_memory(budget_mib, weight.shape[0], weight.device, weight.dtype,
                                  softcap=logit_softcap is not None, row_kernels=row_kernels)
             budget_tokens = memory.tokens
-            chunks = plan_group_chunks(tokens.counts.tolist(), group_size, budget_tokens)
-            # A group bigger than the budget: the single pass keeps what fits and rebuilds the rest
-            # (3 to 4 matmuls), never slower than two eager passes; where the two passes would run
-            # the Triton log-prob kernels, those are preferred for such groups, unless the committed
-            # GPU run measured the rebuilding single pass faster there.
-            if chunks is None and (path == "single_pass" or not triton_two_pass
-                                   or measured_rebuild_faster(weight.device, n_selected, *weight.shape[::-1],
-                                                              dtype=weight.dtype)):
-                chunks = plan_group_chunks(tokens.counts.tolist(), group_size, budget_tokens, oversized_alone=True)
-                rebuilt = recomputed_fraction(chunks, budget_tokens)
+            # a group bigger than the budget keeps what fits and rebuilds the rest (3 to 4 matmuls)
+            chunks = plan_group_chunks(tokens.counts.tolist(), group_size, budget_tokens, oversized_alone=True)
+            rebuilt = recomputed_fraction(chunks, budget_tokens)
         elif path == "single_pass":
             raise ValueError("path='single_pass' has no naive backend; use backend='auto', 'torch' or 'triton'")
         if chunks is not None:
@@ -240,21 +236,6 @@ def stale_lse_tolerance(dtype: torch.dtype) -> float:
     so there the check catches only large moves: an optimizer step's few hundredths go unseen (pass
     old_lse only on the first step after the rollout)."""
     return 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
-
-
-def measured_two_pass_faster(device: torch.device, n_tokens: int, d: int, vocab: int,
-                             dtype: torch.dtype | None = None) -> bool:
-    """On CUDA: did the committed GPU run (dispatch.py) measure two passes faster at this shape (and dtype)?"""
-    name = None if dtype is None else dispatch.dtype_name(dtype)
-    return device.type == "cuda" and dispatch.prefer_two_pass(n_tokens, d, vocab, name)
-
-
-def measured_rebuild_faster(device: torch.device, n_tokens: int, d: int, vocab: int,
-                            dtype: torch.dtype | None = None) -> bool:
-    """On CUDA: did the committed GPU run measure the rebuilding single pass (groups larger than the
-    budget) faster than the Triton two passes at this shape (and dtype)?"""
-    name = None if dtype is None else dispatch.dtype_name(dtype)
-    return device.type == "cuda" and dispatch.prefer_rebuild(n_tokens, d, vocab, name)
 
 
 def two_pass_runs_triton(backend: str, device: torch.device, dtype: torch.dtype, *, softcap: bool = False) -> bool:
