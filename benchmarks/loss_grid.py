@@ -254,6 +254,9 @@ def parse_args(argv):
     parser.add_argument("--columns", nargs="+", choices=list(COLUMNS), default=list(COLUMNS))
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--estimate", action="store_true", help="print how long the run would take, run nothing")
+    parser.add_argument("--gflops", type=float, default=None,
+                        help="with --estimate: the GEMM rate to assume (default: path_choice's calibration, measured "
+                             "on small GEMMs, so low; 2 quiet Xeon cores reach about 150 on the grid's shapes)")
     parser.add_argument("--note", default="", help="a line for the Markdown (e.g. how quiet the machine was)")
     return parser.parse_args(argv)
 
@@ -264,10 +267,11 @@ def main(argv=None) -> int:
     if args.estimate:
         from pacs_kernels.path_choice import device_costs
 
-        rate = 1.0 / device_costs(torch.device(device), getattr(torch, GRIDS[args.grid]["dtype"])).gemm_s_per_flop
+        rate = args.gflops * 1e9 if args.gflops else 1.0 / device_costs(
+            torch.device(device), getattr(torch, GRIDS[args.grid]["dtype"])).gemm_s_per_flop
         seconds = estimate_seconds(args.grid, device, args.columns, rate)
         print(f"grid {args.grid} on {device_name(device)}: about {seconds / 60:.0f} min "
-              f"(GEMMs at {rate / 1e9:.0f} GFLOP/s, measured now)")
+              f"(GEMMs at {rate / 1e9:.0f} GFLOP/s{'' if args.gflops else ', calibrated'})")
         return 0
     started = time.perf_counter()
     rows = run_grid(args.grid, device, args.columns, args.out, args.note)
