@@ -45,7 +45,7 @@ from .single_pass import default_chunk_budget_mib, plan_group_chunks, recomputed
 # Triton rows two reads. A rebuilt tile adds (eager) subtract lse and exp, (Triton) nothing: still two reads
 SINGLE_PASS_PASSES = {"torch": 5.0, "triton": 2.0}
 REBUILD_PASSES = {"torch": 2.0, "triton": 0.0}
-TWO_PASS_PASSES = 7.0  # torch_chunked: logsumexp (2); backward: subtract, exp, scale, negate, temperature
+TWO_PASS_PASSES = 7.0  # torch_chunked: logsumexp (max, subtract, exp, sum); backward: subtract, exp, scale
 TRITON_TWO_PASS_PASSES = 2.0  # the Triton log-prob kernels read the logits in registers
 RAISED_BUDGET_SHARE = 1 / 8  # the CPU single pass may hold up to this share of the machine's memory
 CACHE_FILE = "path_costs.json"
