@@ -212,11 +212,13 @@ CALIBRATION_REPEATS = 3
 
 _lock = threading.Lock()
 _memory: dict[str, DeviceCosts] = {}
+NO_DISK_CACHE_ENV = "PACS_KERNELS_NO_DISK_CACHE"  # "1": calibrations stay in memory (tests, read-only homes)
 _disk_cache: dict = {"enabled": True, "dir": None}
 
 
 def set_disk_cache(enabled: bool, directory: str | os.PathLike | None = None) -> None:
-    """Switch the on-disk calibration cache on or off (on by default), and optionally move it (default:
+    """Switch the on-disk calibration cache on or off (on by default, unless the environment variable
+    ``PACS_KERNELS_NO_DISK_CACHE=1``, which child processes inherit), and optionally move it (default:
     ``$XDG_CACHE_HOME/pacs_kernels`` or ``~/.cache/pacs_kernels``)."""
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {enabled!r}")
@@ -290,8 +292,12 @@ def calibrate(device: torch.device, dtype: torch.dtype) -> DeviceCosts:
     return DeviceCosts(gemm / flops, elementwise / CALIBRATION_PASS_ELEMENTS)
 
 
+def _disk_enabled() -> bool:
+    return _disk_cache["enabled"] and os.environ.get(NO_DISK_CACHE_ENV, "") != "1"
+
+
 def _read_disk(key: str) -> DeviceCosts | None:
-    if not _disk_cache["enabled"]:
+    if not _disk_enabled():
         return None
     try:
         entry = json.loads(cache_path().read_text()).get(key)
@@ -301,7 +307,7 @@ def _read_disk(key: str) -> DeviceCosts | None:
 
 
 def _write_disk(key: str, costs: DeviceCosts) -> None:
-    if not _disk_cache["enabled"]:
+    if not _disk_enabled():
         return
     path = cache_path()
     try:

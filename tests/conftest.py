@@ -6,11 +6,6 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# path="auto"'s device calibration stays in memory, in worker processes too (no cache under the home directory)
+os.environ.setdefault("PACS_KERNELS_NO_DISK_CACHE", "1")
 
-
-def pytest_configure(config):
-    """path="auto"'s device calibration (pacs_kernels/path_choice.py) stays in memory: tests write no cache
-    under the home directory."""
-    from pacs_kernels import path_choice
-
-    path_choice.set_disk_cache(False)

@@ -79,6 +79,7 @@ def test_calibration_measures_and_is_cached_in_memory_and_on_disk(tmp_path, monk
         return real(device, dtype)
 
     monkeypatch.setattr(path_choice, "calibrate", counted)
+    monkeypatch.delenv(path_choice.NO_DISK_CACHE_ENV, raising=False)
     path_choice.forget_calibrations()
     path_choice.set_disk_cache(True, tmp_path)
     try:
@@ -99,10 +100,17 @@ def test_calibration_measures_and_is_cached_in_memory_and_on_disk(tmp_path, monk
         path_choice.forget_calibrations()
 
 
-def test_without_the_disk_cache_nothing_is_written(tmp_path):
+def test_without_the_disk_cache_nothing_is_written(tmp_path, monkeypatch):
     path_choice.set_disk_cache(False, tmp_path)
     path_choice.forget_calibrations()
     path_choice.device_costs(CPU, torch.float32)
     assert not (tmp_path / path_choice.CACHE_FILE).exists()
+    path_choice.set_disk_cache(True, tmp_path)  # on, but switched off by the environment (as in these tests)
+    monkeypatch.setenv(path_choice.NO_DISK_CACHE_ENV, "1")
+    path_choice.forget_calibrations()
+    path_choice.device_costs(CPU, torch.float32)
+    assert not (tmp_path / path_choice.CACHE_FILE).exists()
+    path_choice.set_disk_cache(False)
+    path_choice.forget_calibrations()
     with pytest.raises(TypeError, match="enabled must be a bool"):
         path_choice.set_disk_cache("no")
