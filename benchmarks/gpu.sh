@@ -22,7 +22,10 @@
 #   8. the longest response whose full training step (Qwen2.5-1.5B-shaped model, random weights)
 #      fits 24 GiB, padded naive vs packed fused, the memory levers (tiled MLP included); 80 GiB
 #      would share the same 100 s (every search cut short): run it by hand when there is time
-# (PACS_GPU_PART=all runs both, for the CPU dry run.)
+# PACS_GPU_PART=grid runs instead, in a call of its own (limit 150s): the PACS loss grid (benchmarks/loss_grid.py)
+# at GPU shapes, naive, every path, auto and the peers; PACS_GRID picks the grid (gpu-quick | gpu, default
+# gpu-quick: 3 points; the full gpu grid, 27 points, needs a call of up to 10 minutes).
+# (PACS_GPU_PART=all runs all three, for the CPU dry run.)
 # Usage: bash benchmarks/gpu.sh OUT_DIR        (run from anywhere; writes CSV, PNG, Markdown, log)
 # Peers: wheels in .whl/ (see benchmarks/README.md) are installed into /tmp/site when present.
 # Environment knobs: PACS_BENCH_SET (gpu | gpu-quick | gpu-full, default gpu), PYTHON (default python3),
@@ -86,6 +89,7 @@ if [ "${PACS_GPU_DRY_RUN:-0}" = "1" ]; then
     tiled_cost_args=(--dry-run)
     packed_attention_args=(--dry-run)
     plan_accuracy_args=(--dry-run)
+    grid_args=(--grid dry --columns naive single_pass two_pass auto)
     smoke_steps=(2 3)
 else
     check_args=(--device cuda)
@@ -96,12 +100,19 @@ else
     tiled_cost_args=(--device cuda --repeats 5)
     packed_attention_args=(--device cuda --repeats 5)
     plan_accuracy_args=()
+    grid_args=(--grid "${PACS_GRID:-gpu-quick}" --device cuda)
     smoke_steps=(4 6)
 fi
 part="${PACS_GPU_PART:-race}"
-case "$part" in race|long|all) ;; *) echo "PACS_GPU_PART must be race, long or all, got '$part'" >&2; exit 2;; esac
+case "$part" in race|long|grid|all) ;; *) echo "PACS_GPU_PART must be race, long, grid or all, got '$part'" >&2; exit 2;; esac
 
-if [ "$part" != "long" ]; then
+if [ "$part" = "grid" ] || [ "$part" = "all" ]; then
+    stamp "grid: the PACS loss at GPU shapes, naive / paths / auto / peers (limit 150s)"
+    timeout 150 "$py" benchmarks/loss_grid.py "${grid_args[@]}" --out "$out" \
+        || { echo "!!! loss grid exited with $?"; status=1; }
+fi
+
+if [ "$part" = "race" ] || [ "$part" = "all" ]; then
 
 # the limit leaves room for compiling every kernel variant the cases need (about 40, a second or two
 # each on the host CPU): the race below then finds them in Triton's on-disk cache
@@ -155,7 +166,7 @@ timeout 35 "$py" benchmarks/long_context.py "${long_args[@]}" --time-budget 15 -
 
 fi
 
-if [ "$part" != "race" ]; then
+if [ "$part" = "long" ] || [ "$part" = "all" ]; then
     # the trainer itself on this device, first: the built-in task, HF generation (no vLLM here), the
     # preflight, the tiled MLP, checkpointing and a token budget that splits groups; then a resume
     rm -rf /tmp/pacs-train-smoke  # a rerun on a warm machine starts afresh (a used output dir is refused)

@@ -31,8 +31,13 @@ Implementations ("impls"):
     single_pass_lowmem  the same with a budget of a third of one group: no group fits, each is cut
                    into 3 tiles, the last one's logits kept and the others rebuilt (3.67 matmuls),
                    memory near the two passes'
+    auto           loss ops only: fused_linear_pacs_loss with its defaults (backend="auto", path="auto",
+                   no chunk budget: the path and budget pacs_kernels/path_choice.py picks); on the first
+                   step it is given old_lse, as a trainer would
     cce            Apple Cut Cross-Entropy, linear_cross_entropy(reduction="none") = -logp, with
-                   its default gradient filter (filter_eps="high": skips tiny softmax entries)
+                   its default gradient filter (filter_eps="high": skips tiny softmax entries); on the
+                   CPU its impl="torch_compile" (torch.compile of logits + cross_entropy: no filter, the
+                   N x V logits materialized; its Triton kernels need CUDA)
     cce_exact      the same with filter_eps=None (exact gradient, like ours)
     liger_flce     Liger-Kernel fused linear cross-entropy, reduction="none" = -logp per token
                    (its Triton path; in 0.8.x the backward recomputes chunks and folds the
@@ -61,7 +66,7 @@ import torch
 
 OPS = ("logprobs_fwd_bwd", "logprobs_nograd", "pacs_loss_fwd_bwd", "pacs_loss_first_step", "grad_gemms")
 LOSS_OPS = ("pacs_loss_fwd_bwd", "pacs_loss_first_step")
-OUR_IMPLS = ("naive", "torch", "triton", "single_pass", "single_pass_lowmem")
+OUR_IMPLS = ("naive", "torch", "triton", "single_pass", "single_pass_lowmem", "auto")
 SINGLE_PASS_BUDGET_GROUPS = {"single_pass": 1.0, "single_pass_lowmem": 1 / 3}  # chunk budget, in groups
 PEER_IMPLS = ("cce", "cce_exact", "liger_flce", "liger_chunked")
 IMPLS = OUR_IMPLS + PEER_IMPLS
@@ -119,10 +124,10 @@ def impl_unavailable_reason(op: str, impl: str, device: str) -> str | None:
             return "triton is not installed (the op stages dz chunks as the Triton backward does)"
     if op in LOSS_OPS and not loss_available():
         return "pacs_kernels has no fused_linear_pacs_loss yet"
-    if impl in SINGLE_PASS_BUDGET_GROUPS and op not in LOSS_OPS:
+    if impl in (*SINGLE_PASS_BUDGET_GROUPS, "auto") and op not in LOSS_OPS:
         return f"{impl} is a path of the fused losses (the log-prob ops have no group to keep whole)"
     if op == "pacs_loss_first_step":
-        if impl not in ("torch", "triton", *SINGLE_PASS_BUDGET_GROUPS):
+        if impl not in ("torch", "triton", "auto", *SINGLE_PASS_BUDGET_GROUPS):
             return "the one-sweep first step is pacs_kernels' own path (others: see pacs_loss_fwd_bwd)"
         if not first_step_available():
             return "pacs_kernels' fused_linear_pacs_loss has no old_lse (one-sweep first step) yet"
@@ -134,8 +139,8 @@ def impl_unavailable_reason(op: str, impl: str, device: str) -> str | None:
     if impl in ("cce", "cce_exact"):
         if not _importable("cut_cross_entropy"):
             return "cut-cross-entropy is not installed"
-        if device != "cuda":
-            return "Cut Cross-Entropy's cce kernels need CUDA"
+        if device != "cuda" and impl == "cce_exact":
+            return "on the CPU Cut Cross-Entropy runs its torch_compile impl, which has no filter: see cce"
     if impl == "liger_flce":
         if not _importable("liger_kernel"):
             return "liger-kernel is not installed"
@@ -243,6 +248,8 @@ def bench_dispatch_table() -> str | None:
 
 def logprob_function(impl: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """f(hidden (..., d), weight (V, d), targets (...)) -> float32 logp (...), differentiable."""
+    if impl == "auto":
+        raise ValueError("impl 'auto' is a path of the fused losses, not a log-prob function")
     if impl in OUR_IMPLS:
         from pacs_kernels import linear_logprobs
 
@@ -254,6 +261,8 @@ def logprob_function(impl: str) -> Callable[[torch.Tensor, torch.Tensor, torch.T
         filter_eps = "high" if impl == "cce" else None
 
         def cce_logp(h, w, y):
+            if h.device.type != "cuda":  # its Triton kernels need CUDA; its own CPU implementation
+                return -linear_cross_entropy(h, w, y, reduction="none", impl="torch_compile").float()
             nll = linear_cross_entropy(h, w, y, reduction="none", filter_eps=filter_eps)
             return -nll.float()
 
@@ -305,8 +314,10 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
     options = dict(group_size=LOSS_GROUP_SIZE, beta=LOSS_BETA, score="log_ratio", advantage="rloo",
                    weighting="balanced")
     if case.impl in OUR_IMPLS:
-        one_sweep = case.op == "pacs_loss_first_step" and case.impl in ("torch", "triton")
-        if case.impl in SINGLE_PASS_BUDGET_GROUPS:
+        one_sweep = case.op == "pacs_loss_first_step" and case.impl in ("torch", "triton", "auto")
+        if case.impl == "auto":
+            options.update(backend="auto", path="auto")
+        elif case.impl in SINGLE_PASS_BUDGET_GROUPS:
             # single_pass: the budget of one group (the longest possible): one group per chunk, 3 matmuls;
             # single_pass_lowmem: a third of that, two thirds of each group's logits rebuilt
             from pacs_kernels.engine import row_kernels_for

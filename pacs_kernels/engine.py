@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import dispatch
+from . import path_choice
 from .checks import FLOAT_DTYPES, check_linear_inputs, check_targets_in_range, check_tensor
 from .grpo import GRPOStats, check_grpo_options, group_normalized_advantages, grpo_token_terms
 from .known_grad import linear_logprobs_known_grad
@@ -127,13 +127,13 @@ def choose_path(batch: LossBatch, options: LossOptions, *, whole_groups: bool = 
                 single_pass_possible: bool = True) -> PathChoice:
     """The path for this batch: the one place that decides ``path="auto"``.
 
-    single pass when every chunk of whole groups (``whole_groups``; else tokens) fits the chunk budget, and,
-    wherever the two passes would not run the Triton log-prob kernels (CPU, backend="torch", float32 on
-    CUDA, a soft-cap), also for groups bigger than the budget (their logits kept in part, the rest
-    rebuilt); two passes where the committed GPU run measured them faster (dispatch.py), for groups
-    bigger than the budget where they run the Triton kernels (unless the run measured the rebuilding
-    single pass faster), for backend="naive", and for objectives the single pass cannot run
-    (``single_pass_possible`` False).
+    ``path="auto"`` over chunks of whole groups asks the device-calibrated cost model (path_choice.py): the
+    single pass or the two passes, whichever is modelled faster, and, on the CPU with no chunk budget given,
+    a budget raised to hold the largest group whole; on CUDA the committed GPU run's table (dispatch.py)
+    overrides the model where it measured the shape. Chunks of tokens (``whole_groups`` False: GRPO) take the
+    single pass at the budget. Two passes always for ``path="two_pass"``, backend="naive" and objectives the
+    single pass cannot run (``single_pass_possible`` False). ``path="single_pass"``: a group bigger than the
+    budget keeps part of its logits and rebuilds the rest.
     """
     path, weight = options.path, batch.weight
     if path == "single_pass" and options.backend == "naive":
@@ -141,42 +141,24 @@ def choose_path(batch: LossBatch, options: LossOptions, *, whole_groups: bool = 
     if path == "two_pass" or options.backend == "naive" or not single_pass_possible:
         return PathChoice("two_pass")
     softcap = options.logit_softcap is not None
-    triton_two_pass = two_pass_runs_triton(options.backend, weight.device, weight.dtype, softcap=softcap)
-    shape = (weight.device, batch.n_selected, *weight.shape[::-1])
-    table = options.dispatch_table
-    if path == "auto" and whole_groups and triton_two_pass \
-            and measured_two_pass_faster(*shape, dtype=weight.dtype, table=table):
-        return PathChoice("two_pass")
     row_kernels = row_kernels_for(options.backend, weight)
-    memory = tile_memory(options.chunk_budget_mib, weight.shape[0], weight.device, weight.dtype, softcap=softcap,
-                         row_kernels=row_kernels)
     counts = batch.counts.tolist()
+    budget_mib = options.chunk_budget_mib
+    if path == "auto" and whole_groups:
+        triton_two_pass = two_pass_runs_triton(options.backend, weight.device, weight.dtype, softcap=softcap)
+        modelled = path_choice.choose_path(path_choice.PathQuery(
+            weight.device, weight.dtype, weight.shape[1], weight.shape[0], tuple(counts), batch.group_size,
+            budget_mib, softcap, triton_two_pass, row_kernels, options.dispatch_table))
+        logger.debug("path='auto': %s (modelled seconds %s)", modelled.path, modelled.modelled_s)
+        if modelled.path == "two_pass":
+            return PathChoice("two_pass")
+        budget_mib = modelled.budget_mib
+    memory = tile_memory(budget_mib, weight.shape[0], weight.device, weight.dtype, softcap=softcap,
+                         row_kernels=row_kernels)
     if not whole_groups:
         return PathChoice("single_pass", plan_token_chunks(counts, memory.tokens), row_kernels, memory)
-    chunks = plan_group_chunks(counts, batch.group_size, memory.tokens)
-    if chunks is not None:
-        return PathChoice("single_pass", chunks, row_kernels, memory)
-    if path == "single_pass" or not triton_two_pass or measured_rebuild_faster(*shape, dtype=weight.dtype,
-                                                                               table=table):
-        chunks = plan_group_chunks(counts, batch.group_size, memory.tokens, oversized_alone=True)
-        return PathChoice("single_pass", chunks, row_kernels, memory, recomputed_fraction(chunks, memory.tokens))
-    return PathChoice("two_pass")
-
-
-def measured_two_pass_faster(device: torch.device, n_tokens: int, d: int, vocab: int,
-                             dtype: torch.dtype | None = None, table: str | None = None) -> bool:
-    """On CUDA: did the committed GPU run (dispatch.py; ``table``: another run's table) measure two passes
-    faster at this shape (and dtype)?"""
-    name = None if dtype is None else dispatch.dtype_name(dtype)
-    return device.type == "cuda" and dispatch.prefer_two_pass(n_tokens, d, vocab, name, table)
-
-
-def measured_rebuild_faster(device: torch.device, n_tokens: int, d: int, vocab: int,
-                            dtype: torch.dtype | None = None, table: str | None = None) -> bool:
-    """On CUDA: did the committed GPU run (or ``table``) measure the rebuilding single pass (groups larger
-    than the budget) faster than the Triton two passes at this shape (and dtype)?"""
-    name = None if dtype is None else dispatch.dtype_name(dtype)
-    return device.type == "cuda" and dispatch.prefer_rebuild(n_tokens, d, vocab, name, table)
+    chunks = plan_group_chunks(counts, batch.group_size, memory.tokens, oversized_alone=True)
+    return PathChoice("single_pass", chunks, row_kernels, memory, recomputed_fraction(chunks, memory.tokens))
 
 
 def two_pass_runs_triton(backend: str, device: torch.device, dtype: torch.dtype, *, softcap: bool = False) -> bool:

@@ -37,8 +37,12 @@ class LossOptions:
 
     Attributes:
         backend: "auto" | "triton" | "torch" | "naive" (materializes the logits: tests, benchmarks).
-        path: "auto" | "single_pass" | "two_pass" (the engine's paths: pacs_kernels/engine.py).
-        chunk_budget_mib: working memory of the single pass's logits in MiB; None: the device's default.
+        path: "auto" | "single_pass" | "two_pass" (the engine's paths: pacs_kernels/engine.py). "auto": the
+            path of least time by a cost model calibrated on this device (pacs_kernels/path_choice.py; on
+            CUDA the committed GPU run's table where it measured the shape).
+        chunk_budget_mib: working memory of the single pass's logits in MiB; None: the device's default
+            (256 MiB on the CPU, 2 GiB on CUDA), which ``path="auto"`` on the CPU may raise, up to 1/8 of
+            the memory, to hold the largest group whole (its logits are then built once, not twice).
         filter_eps: the two-pass path's ``linear_logprobs`` option (None: its default; checked there).
         chunk_elements: the two-pass path's ``linear_logprobs`` option (None: its default).
         vocab_splits: the two-pass path's ``linear_logprobs`` option (None: its default).

@@ -182,16 +182,18 @@ def backward(
             rows = inside.nonzero().squeeze(-1)
             if logp_out is not None:
                 logp_out[n0 + rows] = log_p[rows, y[rows] - v0].to(logp_out.dtype)
-            dz = log_p.exp()
+            # dz = (g_l onehot - p (g_l + g_H (log p + H))) / tau, the -1/tau folded into the per-row
+            # factor: exp and one scale over the chunk (in place without entropy)
             if g_h is not None:
+                dz = log_p.exp()
                 coef = log_p.add_(entropy[n0:n1].to(cdt).unsqueeze(-1)).mul_(g_h[n0:n1].unsqueeze(-1)).add_(gl)
+                dz.mul_(coef.mul_(-inv_tau))
+                del coef
             else:
-                coef = gl
+                dz = log_p.exp_()
+                dz.mul_(gl * -inv_tau)
             del log_p
-            dz.mul_(coef).neg_()
-            del coef
-            dz[rows, y[rows] - v0] += gl[rows, 0]
-            dz.mul_(inv_tau)
+            dz[rows, y[rows] - v0] += gl[rows, 0] * inv_tau
             if slope is not None:  # through c * tanh(z / c)
                 dz.mul_(slope)
                 del slope

@@ -466,3 +466,48 @@ def test_packed_attention_times_varlen_where_the_kernel_runs(monkeypatch, tmp_pa
         else:
             assert all(r["status"] == "unavailable" and "self-check failed: RuntimeError: FlashAttention" in r["note"]
                        for r in varlen)
+
+
+def test_loss_grid_dry_run_writes_csv_markdown_and_plot(tmp_path):
+    """benchmarks/loss_grid.py end to end at one tiny point (fresh worker processes, as on the CPU)."""
+    from benchmarks import loss_grid
+
+    assert loss_grid.main(["--grid", "dry", "--columns", "naive", "single_pass", "auto", "--out",
+                           str(tmp_path)]) == 0
+    with open(tmp_path / "loss_grid_dry.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [r["column"] for r in rows] == ["naive", "single_pass", "auto"]
+    assert all(r["status"] == "ok" and float(r["median_ms"]) > 0 and r["date"] and r["device_name"] for r in rows)
+    assert float(rows[0]["x_naive"]) == 1.0
+    table = (tmp_path / "loss_grid_dry.md").read_text()
+    assert "| V | d | N | naive | single_pass | auto | auto / fastest |" in table and "Device:" in table
+    assert (tmp_path / "loss_grid_dry.png").stat().st_size > 5000
+
+
+def test_loss_grid_table_skips_and_ratios(tmp_path):
+    """The grid's table from given rows (no timing): times relative to naive, auto over the fastest of our
+    paths, the skipped impls listed with their reason; the grids hold issue 29's points."""
+    from benchmarks import loss_grid
+
+    assert len(loss_grid.GRIDS["cpu"]["points"]) == 27
+    assert (151936, 896, 2048) in loss_grid.GRIDS["cpu-quick"]["points"]
+    big = Case("pacs_loss_fwd_bwd", "naive", 16384, 896, 151936, "float32", "cpu")
+    assert "GiB" in loss_grid.skip_reason("naive", big, memory=24 * 2 ** 30)
+    assert loss_grid.skip_reason("single_pass", Case("pacs_loss_fwd_bwd", "single_pass", 16384, 896, 151936,
+                                                     "float32", "cpu"), memory=24 * 2 ** 30) is None
+    base = dict(date="2026-01-01 00:00 UTC", device="cpu", device_name="test CPU", dtype="float32", op="x", impl="x")
+    rows = [dict(base, column=c, V=1024, d=64, N=256, median_ms=ms, status="ok")
+            for c, ms in (("naive", 100.0), ("single_pass", 50.0), ("two_pass", 80.0), ("auto", 52.0))]
+    rows += [dict(base, column="naive", V=4096, d=64, N=256, status="skipped", note="too big"),
+             dict(base, column="auto", V=4096, d=64, N=256, median_ms=10.0, status="ok")]
+    loss_grid.write(rows, "t", tmp_path)
+    table = (tmp_path / "loss_grid_t.md").read_text()
+    assert "| 1024 | 64 | 256 | 100 (1.00) | 50 (0.50) | 80 (0.80) | 52 (0.52) | 1.04 |" in table
+    assert "| 4096 | 64 | 256 | skipped |  |  | 10 |  |" in table
+    assert "- naive at V=4096 d=64 N=256: too big" in table
+    assert loss_grid.estimate_seconds("cpu-quick", "cpu", list(loss_grid.COLUMNS), 150e9) > 60
+
+
+def test_auto_is_a_loss_path_only():
+    assert impl_unavailable_reason("pacs_loss_fwd_bwd", "auto", "cpu") is None
+    assert "path of the fused losses" in impl_unavailable_reason("logprobs_fwd_bwd", "auto", "cpu")

@@ -9,7 +9,7 @@ import torch
 
 from benchmarks import dispatch_table
 from pacs_kernels import dispatch
-from pacs_kernels.engine import measured_rebuild_faster, measured_two_pass_faster
+from pacs_kernels.path_choice import measured_rebuild_faster, measured_two_pass_faster
 from pacs_kernels.logprobs import resolve_backend
 
 

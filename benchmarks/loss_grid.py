@@ -1,0 +1,286 @@
+"""The PACS loss grid: naive, each of our paths, ``auto`` and the peers at every (V, d, N) point, in one run.
+
+    python benchmarks/loss_grid.py --grid cpu-quick            # about 12 min on 2 quiet cores
+    python benchmarks/loss_grid.py --grid cpu --estimate       # how long the full CPU grid would take
+    python benchmarks/loss_grid.py --grid gpu --device cuda    # GPU shapes (benchmarks/gpu.sh)
+    python benchmarks/loss_grid.py --grid dry                  # tiny shapes: the plumbing (tests, gpu.sh dry run)
+
+Each point times the PACS loss forward + backward (ops.py's ``pacs_loss_fwd_bwd``: 16 responses of up to
+N/16 tokens, groups of 8, float32 on the CPU, bf16 on a GPU) for
+
+    naive          the N x V logits materialized (fused_linear_pacs_loss(backend="naive"))
+    single_pass    path="single_pass", a chunk budget of one group (3 matmuls)
+    two_pass       path="two_pass" (chunked torch on the CPU, the Triton kernels on CUDA)
+    one_sweep      the first step after a rollout (old_lse given: ops.py's ``pacs_loss_first_step``)
+    auto           fused_linear_pacs_loss's defaults: the path and budget path_choice.py picks
+    cce            Cut Cross-Entropy's log-probs + pacs_loss (its torch_compile impl on the CPU)
+    liger_chunked  Liger-Kernel's chunked log-prob step + pacs_loss
+
+and writes OUT/loss_grid_<grid>.csv, .md (times relative to naive, and ``auto`` against the fastest of
+single_pass / two_pass) and .png, with the device and the date. A point where naive's logits (and CCE's,
+which materializes them too on the CPU) would not fit in memory is skipped for those two, with the reason.
+Peers that are not importable are skipped with the reason (ops.impl_unavailable_reason).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from benchmarks import report
+from benchmarks.measure import measure_case
+from benchmarks.ops import Case, impl_unavailable_reason, selected_tokens
+from benchmarks.run import device_name
+
+# column -> (op, impl on the CPU, impl on CUDA)
+COLUMNS = {
+    "naive": ("pacs_loss_fwd_bwd", "naive", "naive"),
+    "single_pass": ("pacs_loss_fwd_bwd", "single_pass", "single_pass"),
+    "two_pass": ("pacs_loss_fwd_bwd", "torch", "triton"),
+    "one_sweep": ("pacs_loss_first_step", "torch", "triton"),
+    "auto": ("pacs_loss_fwd_bwd", "auto", "auto"),
+    "cce": ("pacs_loss_fwd_bwd", "cce", "cce"),
+    "liger_chunked": ("pacs_loss_fwd_bwd", "liger_chunked", "liger_chunked"),
+}
+OUR_PATHS = ("single_pass", "two_pass")  # what auto chooses among for this op (one_sweep needs old_lse)
+MATERIALIZING = ("naive", "cce")  # hold the N x V float32 logits (CCE on the CPU: its torch_compile impl)
+LOGIT_COPIES = 4  # logits, log-softmax, its gradient, a temporary: float32 each
+MEMORY_SHARE = 0.6  # of the machine's memory (CPU) or the GPU's, for the materializing impls
+
+FULL_V = (32768, 128256, 151936)
+FULL_D = (512, 896, 2048)
+FULL_N = (1024, 4096, 16384)
+GRIDS = {
+    # the full grid of issue 29 (CPU: the estimate says how long it takes)
+    "cpu": {"device": "cpu", "dtype": "float32", "points": [(v, d, n) for v in FULL_V for d in FULL_D for n in FULL_N]},
+    # a few points that run in about 12 min on 2 quiet cores, with the target point of issue 29
+    "cpu-quick": {"device": "cpu", "dtype": "float32",
+                  "points": [(32768, 512, 1024), (32768, 512, 4096), (151936, 896, 2048), (128256, 2048, 1024)]},
+    # GPU shapes: the same V, the widths of Qwen2.5-1.5B / 3B / 7B, N from 4k to 64k tokens
+    "gpu": {"device": "cuda", "dtype": "bfloat16",
+            "points": [(v, d, n) for v in FULL_V for d in (1536, 2048, 3584) for n in (4096, 16384, 65536)]},
+    "gpu-quick": {"device": "cuda", "dtype": "bfloat16",
+                  "points": [(151936, 896, 16384), (152064, 3584, 16384), (128256, 2048, 65536)]},
+    "dry": {"device": "cpu", "dtype": "float32", "points": [(512, 32, 64)]},
+}
+# a run's timed repeats: at most ``repeats``, none started past ``max_seconds`` of timed runs (measure.py)
+TIMING = {"cpu": dict(warmup=1, repeats=3, max_seconds=15.0), "cuda": dict(warmup=1, repeats=5, max_seconds=2.0)}
+# time of each column over the 3-matmul floor, roughly (for the estimate only; CPU, measured on 2 cores)
+ESTIMATE_FACTOR = {"naive": 2.0, "single_pass": 1.1, "two_pass": 1.5, "one_sweep": 1.4, "auto": 1.1,
+                   "cce": 1.6, "liger_chunked": 3.5}
+RUN_OVERHEAD_S = 4.0  # a fresh worker process, its imports and inputs
+
+
+def memory_bytes(device: str) -> int:
+    if device == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def skip_reason(column: str, case: Case, memory: int) -> str | None:
+    """Why (column, case) is not timed: the peer's or path's own reason, or the logits not fitting."""
+    reason = impl_unavailable_reason(case.op, case.impl, case.device)
+    if reason:
+        return reason
+    if column in MATERIALIZING and (column == "naive" or case.device != "cuda"):
+        need = LOGIT_COPIES * 4 * selected_tokens(case) * case.v
+        if need > MEMORY_SHARE * memory:
+            return (f"its N x V float32 logits need about {need / 2 ** 30:.0f} GiB, over {MEMORY_SHARE:.0%} of "
+                    f"the {memory / 2 ** 30:.0f} GiB here")
+    return None
+
+
+def cases(grid: str, device: str, columns) -> list[tuple[str, Case]]:
+    spec = GRIDS[grid]
+    dtype = spec["dtype"]
+    out = []
+    for v, d, n in spec["points"]:
+        for column in columns:
+            op, cpu_impl, cuda_impl = COLUMNS[column]
+            out.append((column, Case(op, cuda_impl if device == "cuda" else cpu_impl, n, d, v, dtype, device)))
+    return out
+
+
+def estimate_seconds(grid: str, device: str, columns, gemm_flops_per_s: float) -> float:
+    """How long the grid's CPU run takes, roughly: per timed impl, its runs (warmup + repeats within the cap)
+    at ESTIMATE_FACTOR x the 3-matmul floor at ``gemm_flops_per_s``, plus a worker's start."""
+    timing, memory, total = TIMING["cuda" if device == "cuda" else "cpu"], memory_bytes(device), 0.0
+    for column, case in cases(grid, device, columns):
+        if skip_reason(column, case, memory):
+            continue
+        one = ESTIMATE_FACTOR[column] * 6.0 * selected_tokens(case) * case.v * case.d / gemm_flops_per_s
+        timed = max(1, min(timing["repeats"], int(timing["max_seconds"] // max(one, 1e-9)) + 1))
+        total += RUN_OVERHEAD_S + one * (timing["warmup"] + timed)
+    return total
+
+
+def run_grid(grid: str, device: str, columns, out: Path, note: str = "") -> list[dict]:
+    timing = dict(TIMING["cuda" if device == "cuda" else "cpu"])
+    if grid == "dry":
+        timing.update(repeats=1, max_seconds=1.0)
+    memory = memory_bytes(device)
+    date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    name = device_name(device)
+    rows = []
+    for column, case in cases(grid, device, columns):
+        row = dict(date=date, device=device, device_name=name, column=column, impl=case.impl, op=case.op,
+                   N=case.n, d=case.d, V=case.v, dtype=case.dtype)
+        reason = skip_reason(column, case, memory)
+        if reason:
+            row.update(status="skipped", note=reason)
+        else:
+            row.update(measure_case(case, timeout_s=900.0, **timing))
+        rows.append(row)
+        print(f"[grid] V={case.v} d={case.d} N={case.n} {column}: {row.get('status')} "
+              f"{row.get('median_ms', '')} {row.get('note', '')}", flush=True)
+        write(rows, grid, out, note)  # after every case: a run cut short keeps what it measured
+    return rows
+
+
+CSV_COLUMNS = ["date", "device", "device_name", "column", "impl", "op", "N", "d", "V", "dtype", "median_ms",
+               "min_ms", "repeats", "peak_mem_mib", "x_naive", "threads", "cpu_util", "loadavg", "status", "note"]
+
+
+def _ms(row) -> float | None:
+    return float(row["median_ms"]) if row.get("status") == "ok" and row.get("median_ms") not in (None, "") else None
+
+
+def points(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
+    by_point: dict[tuple, dict[str, dict]] = {}
+    for row in rows:
+        by_point.setdefault((int(row["V"]), int(row["d"]), int(row["N"])), {})[row["column"]] = row
+    return by_point
+
+
+def auto_over_fastest(cells: dict[str, dict]) -> float | None:
+    """auto's time over the fastest of our paths (single_pass, two_pass) at one point."""
+    ours = [_ms(cells[c]) for c in OUR_PATHS if c in cells and _ms(cells[c]) is not None]
+    auto = _ms(cells["auto"]) if "auto" in cells else None
+    return None if auto is None or not ours else auto / min(ours)
+
+
+def write(rows: list[dict], grid: str, out: Path, note: str = "") -> Path:
+    by_point = points(rows)
+    for cells in by_point.values():
+        naive = _ms(cells["naive"]) if "naive" in cells else None
+        for row in cells.values():
+            ms = _ms(row)
+            row["x_naive"] = None if naive is None or ms is None else ms / naive
+    columns = [c for c in COLUMNS if any(r["column"] == c for r in rows)]
+    first = rows[0] if rows else {}
+    lines = [f"## PACS loss grid `{grid}`", "",
+             f"Device: {first.get('device_name', '?')} ({first.get('device', '?')}); date: {first.get('date', '?')}.",
+             "", "PACS loss forward + backward (16 responses of up to N/16 tokens, groups of 8, "
+             f"{first.get('dtype', '?')}); each cell: median ms, and in brackets the time relative to naive. "
+             "`auto / fastest`: auto over the faster of single_pass and two_pass (target: at most 1.05). "
+             "one_sweep is the first step after a rollout (given old_lse); cce and liger_chunked give log-probs, "
+             "followed by pacs_loss.", ""]
+    if note:
+        lines += [note, ""]
+    lines += ["| V | d | N | " + " | ".join(columns) + " | auto / fastest |",
+              "|---:|---:|---:|" + "---:|" * (len(columns) + 1)]
+    skipped = {}
+    for (v, d, n), cells in sorted(by_point.items()):
+        shown = []
+        for column in columns:
+            row = cells.get(column)
+            if row is None:
+                shown.append("")
+            elif _ms(row) is None:
+                label = row.get("status", "?")
+                skipped.setdefault((column, row.get("note", "")), []).append(f"V={v} d={d} N={n}")
+                shown.append(label)
+            else:
+                ratio = row.get("x_naive")
+                shown.append(f"{_ms(row):.0f}" + (f" ({ratio:.2f})" if ratio is not None else ""))
+        ratio = auto_over_fastest(cells)
+        lines.append(f"| {v} | {d} | {n} | " + " | ".join(shown) + f" | {'' if ratio is None else f'{ratio:.2f}'} |")
+    if skipped:
+        lines += ["", "Not timed:", ""]
+        lines += [f"- {column} at {', '.join(where)}: {why}" for (column, why), where in skipped.items()]
+    stem = report.write_csv_and_markdown(out / f"loss_grid_{grid}", [
+        {k: report._fmt(r.get(k)) for k in CSV_COLUMNS} for r in rows], CSV_COLUMNS, lines)
+    plot(by_point, columns, stem.with_suffix(".png"), title=f"PACS loss grid {grid}: {first.get('device_name', '')}, "
+         f"{first.get('date', '')}")
+    return stem
+
+
+def plot(by_point: dict, columns: list[str], path: Path, title: str) -> None:
+    """Bars per point: each column's time relative to naive (log scale; points without naive: omitted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [k for k, cells in sorted(by_point.items()) if "naive" in cells and _ms(cells["naive"]) is not None]
+    shown = [c for c in columns if c != "naive"]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(labels) * max(1, len(shown)) / 4), 4.2))
+    width = 0.8 / max(1, len(shown))
+    for i, column in enumerate(shown):
+        xs, ys = [], []
+        for j, key in enumerate(labels):
+            row = by_point[key].get(column)
+            if row is not None and row.get("x_naive") is not None:
+                xs.append(j + i * width)
+                ys.append(row["x_naive"])
+        ax.bar(xs, ys, width=width, label=column)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))])
+    ax.set_xticklabels([f"V={v}\nd={d}\nN={n}" for v, d, n in labels], fontsize=7)
+    ax.set_ylabel("time / naive")
+    ax.grid(True, axis="y", alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, ncol=3)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--grid", choices=sorted(GRIDS), default="cpu-quick")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: the grid's")
+    parser.add_argument("--columns", nargs="+", choices=list(COLUMNS), default=list(COLUMNS))
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--estimate", action="store_true", help="print how long the run would take, run nothing")
+    parser.add_argument("--gflops", type=float, default=None,
+                        help="with --estimate: the GEMM rate to assume (default: path_choice's calibration, measured "
+                             "on small GEMMs, so low; 2 quiet Xeon cores reach about 150 on the grid's shapes)")
+    parser.add_argument("--note", default="", help="a line for the Markdown (e.g. how quiet the machine was)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = args.device or GRIDS[args.grid]["device"]
+    if args.estimate:
+        from pacs_kernels.path_choice import device_costs
+
+        rate = args.gflops * 1e9 if args.gflops else 1.0 / device_costs(
+            torch.device(device), getattr(torch, GRIDS[args.grid]["dtype"])).gemm_s_per_flop
+        seconds = estimate_seconds(args.grid, device, args.columns, rate)
+        print(f"grid {args.grid} on {device_name(device)}: about {seconds / 60:.0f} min "
+              f"(GEMMs at {rate / 1e9:.0f} GFLOP/s{'' if args.gflops else ', calibrated'})")
+        return 0
+    started = time.perf_counter()
+    rows = run_grid(args.grid, device, args.columns, args.out, args.note)
+    ratios = [r for r in (auto_over_fastest(cells) for cells in points(rows).values()) if r is not None]
+    print(f"[grid] {len(rows)} cases in {time.perf_counter() - started:.0f}s; auto / fastest of ours: "
+          + (f"median {statistics.median(ratios):.2f}, worst {max(ratios):.2f}" if ratios else "n/a")
+          + f"; wrote {args.out / f'loss_grid_{args.grid}'}.csv/.md/.png")
+    return 0 if all(r["status"] in ("ok", "skipped") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
