@@ -9,8 +9,8 @@ import torch
 
 from benchmarks import dispatch_table
 from pacs_kernels import dispatch
-from pacs_kernels.path_choice import measured_rebuild_faster, measured_two_pass_faster
 from pacs_kernels.logprobs import resolve_backend
+from pacs_kernels.path_choice import measured_rebuild_faster, measured_two_pass_faster
 
 
 def _row(op, impl, n, ms, status="ok"):
