@@ -3,7 +3,7 @@
 Exit codes: 0 done (``pacs plan``: a lever set fits); 1 ``pacs plan``: nothing fits; 2 a setting, path or
 file that cannot work (one line on stderr, before any work when it can be known then; also another process
 using the run directory, a full disk mid-run); 3 training stopped by repeated non-finite updates; 130 Ctrl-C;
-143 / 138 training stopped by SIGTERM / SIGUSR1 after checkpointing its step (pacs/stop_signals.py).
+143 / 138 training stopped by SIGTERM / SIGUSR1 after checkpointing its step (pacs/train/stop_signals.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import os
 import signal
 import sys
 
-from .config import BUILTIN_TASK_SETTINGS, Config, apply_dict, config_keys, load_config
-from .console import quiet_third_party
+from pacs.config import BUILTIN_TASK_SETTINGS, Config, apply_dict, config_keys, load_config
+from pacs.train.console import quiet_third_party
 
 DEFAULTS = Config()
 
@@ -48,7 +48,7 @@ def _key_list() -> str:
 
 
 def build_config(args: argparse.Namespace) -> Config:
-    from .eval_presets import preset_overrides
+    from pacs.eval.presets import preset_overrides
 
     changes = list(getattr(args, "change", None) or [])
     data = getattr(args, "data", None)  # pacs eval --data: every row of this file is a problem to evaluate
@@ -89,9 +89,9 @@ def _is_main_rank() -> bool:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .disk_space import NoSpaceLeft
-    from .policy import close_distributed
-    from .trainer import TrainingInterrupted, TrainingPreempted, TrainingStopped, resume_hint, train
+    from pacs.model.policy import close_distributed
+    from pacs.train.disk_space import NoSpaceLeft
+    from pacs.train.trainer import TrainingInterrupted, TrainingPreempted, TrainingStopped, resume_hint, train
 
     cfg = build_config(args)
     change = changed_keys(args.change or [], resume=cfg.resume)
@@ -126,13 +126,13 @@ EVAL_CHUNK_SEQUENCES = 1024
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from .eval_journal import EvalJournal, model_files, problems_digest
-    from .eval_outputs import write_eval_outputs
-    from .evaluate import run_eval
-    from .rollout import make_rollout_engine
-    from .run_lock import lock_run_directory
-    from .run_setup import apply_torch_threads, check_config, engine_options, prepare_run
-    from .stop_signals import Terminated, sigterm_raises
+    from pacs.eval.evaluate import run_eval
+    from pacs.eval.journal import EvalJournal, model_files, problems_digest
+    from pacs.eval.outputs import write_eval_outputs
+    from pacs.rollout import make_rollout_engine
+    from pacs.train.run_lock import lock_run_directory
+    from pacs.train.run_setup import apply_torch_threads, check_config, engine_options, prepare_run
+    from pacs.train.stop_signals import Terminated, sigterm_raises
 
     cfg = build_config(args)
     if args.n_samples is not None:
@@ -187,7 +187,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .memory_plan import PlanInputs, load_model_shape, plan_preset, report
+    from pacs.train.memory_plan import PlanInputs, load_model_shape, plan_preset, report
 
     if args.preset is not None:
         plan = plan_preset(args.preset)
@@ -275,8 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(ev)
     ev.add_argument("--preset", help="evaluation protocol: math (the paper's sampling: 32 samples, T 0.6, top-p "
                     "0.95, pass@1..32), paper (+ chat template, instruction, 4096 tokens), paper256; see "
-                    "pacs/eval_presets.py")
-    ev.add_argument("--data", help="a .jsonl/.parquet file (or hf:NAME, see pacs/datasets.py) whose every row "
+                    "pacs/eval/presets.py")
+    ev.add_argument("--data", help="a .jsonl/.parquet file (or hf:NAME, see pacs/tasks/datasets.py) whose every row "
                     "is evaluated with the math reward")
     ev.add_argument("--eval-dir", help="where eval_problems.jsonl, eval_metrics.json and pass_at_k.png go "
                     "(default OUTPUT_DIR/eval)")

@@ -1,4 +1,4 @@
-"""The preflight (pacs/preflight.py): it runs the worst case the settings allow through the trainer's
+"""The preflight (pacs/train/preflight.py): it runs the worst case the settings allow through the trainer's
 own update, changes nothing about the run, sizes the worst micro-batch like the planner, and turns
 running out of memory into a stop that names the settings still off."""
 
@@ -9,7 +9,7 @@ import torch
 from trainer_helpers import comparable, tiny_config
 
 from pacs.config import Config, load_config
-from pacs.preflight import WorstCase, adamw_state_gib, levers_off, preflight_enabled, worst_cases
+from pacs.train.preflight import WorstCase, adamw_state_gib, levers_off, preflight_enabled, worst_cases
 
 
 def cfg_with(*overrides: str) -> Config:
@@ -26,7 +26,7 @@ def test_enabled_on_cuda_by_default_and_when_asked():
 def test_the_worst_micro_batches_are_the_longest_rows_and_the_budget_filled():
     """The planner packs whole groups up to the budget: full-length groups, and as many groups of
     slightly shorter rows as fill it (more tokens), at most what the pass's share holds."""
-    from pacs.packing import plan_micro_batches
+    from pacs.model.packing import plan_micro_batches
 
     cfg = cfg_with("rollout.group_size=8", "rollout.max_prompt_len=100", "rollout.max_new_tokens=900",
                    "optim.micro_batch_groups=3")  # 8 x 1,000 tokens a full group
@@ -61,8 +61,8 @@ def test_a_run_with_the_preflight_trains_exactly_as_one_without(tmp_path, monkey
     """Same metrics and weights; the preflight's update saw full-length rows only (every prompt
     max_prompt_len tokens, every response max_new_tokens), as many groups as one micro-batch holds in
     each of two mini-batches (the run has two), in parts when the token budget is below a group."""
-    import pacs.trainer as trainer
-    from pacs.metrics import read_metrics
+    import pacs.train.trainer as trainer
+    from pacs.train.metrics import read_metrics
 
     seen = []
     real_update = trainer.update_policy
@@ -93,7 +93,7 @@ def test_a_run_with_the_preflight_trains_exactly_as_one_without(tmp_path, monkey
 
 
 def test_running_out_of_memory_stops_with_the_settings_still_off(tmp_path, monkeypatch):
-    import pacs.trainer as trainer
+    import pacs.train.trainer as trainer
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.50 GiB.")
@@ -116,9 +116,9 @@ def test_every_random_stream_is_as_it_was_after_the_preflight(tmp_path, monkeypa
     Python's random streams, or a run with dropout would train differently with the preflight on."""
     import random
 
-    import pacs.trainer as trainer
-    from pacs.policy import DistInfo, load_policy
-    from pacs.preflight import run_preflight
+    import pacs.train.trainer as trainer
+    from pacs.model.policy import DistInfo, load_policy
+    from pacs.train.preflight import run_preflight
 
     real_update = trainer.update_policy
 
@@ -149,9 +149,9 @@ def test_every_random_stream_is_as_it_was_after_the_preflight(tmp_path, monkeypa
 def test_the_old_policy_pass_gets_its_own_largest_chunk(monkeypatch):
     """train.old_policy_max_tokens above the training budget: the no-grad pass runs a chunk of its own
     budget, larger than any update micro-batch."""
-    import pacs.trainer as trainer
-    from pacs.policy import DistInfo
-    from pacs.preflight import run_preflight
+    import pacs.train.trainer as trainer
+    from pacs.model.policy import DistInfo
+    from pacs.train.preflight import run_preflight
 
     calls = []
     monkeypatch.setattr(trainer, "old_policy_logprobs", lambda policy, batch, ranges, *a, **k: (
@@ -182,9 +182,9 @@ def test_a_reference_kept_across_steps_preflights_the_usual_first_mini_batch(mon
     """optim.ref_reset_every > 1: steps between resets take the usual path (not one sweep) on their first
     mini-batch, reset steps the one sweep; with a single mini-batch per step the preflight runs both (a
     second mini-batch always runs the usual path)."""
-    import pacs.trainer as trainer
-    from pacs.policy import DistInfo
-    from pacs.preflight import run_preflight
+    import pacs.train.trainer as trainer
+    from pacs.model.policy import DistInfo
+    from pacs.train.preflight import run_preflight
 
     seen = []
     monkeypatch.setattr(trainer, "old_policy_logprobs", lambda policy, batch, ranges, *a, **k: (

@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from .disk_space import NoSpaceLeft, is_disk_full, no_space_message, tensor_bytes
-from .policy import DistInfo
-from .resume_check import check_model_matches
+from pacs.model.policy import DistInfo
+from pacs.train.disk_space import NoSpaceLeft, is_disk_full, no_space_message, tensor_bytes
+from pacs.train.resume_check import check_model_matches
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -217,7 +217,7 @@ def write_checkpoint_files(root: str, step: int, write_files, dist_info: DistInf
     ``write_files(tmp_dir)`` writes this rank's files (with :func:`save_torch` / :func:`save_json`).
     Every rank calls this; rank 0 creates the temporary directory, writes the manifest, renames,
     points ``latest`` at the new checkpoint and rotates old ones. A full disk (ENOSPC, EDQUOT) on this
-    rank removes the unfinished ``step_X.tmp`` and raises :class:`~pacs.disk_space.NoSpaceLeft` naming
+    rank removes the unfinished ``step_X.tmp`` and raises :class:`~pacs.train.disk_space.NoSpaceLeft` naming
     the checkpoint, ``expected_bytes`` (what it needs) and the bytes free; older checkpoints are kept.
     """
     try:
@@ -283,7 +283,7 @@ REFERENCE_FILE = "reference.pt"  # PACS's reference weights, when kept across ro
 def save_checkpoint(output_dir: str, step: int, policy, optimizer, scheduler, state: dict,
                     dist_info: DistInfo, keep: int = KEEP, reference_state: dict | None = None) -> str:
     """Write checkpoint ``step`` of a training run (every rank must call this). ``reference_state``:
-    the reference snapshot's full tensors (pacs/reference_policy.py), when the run keeps one."""
+    the reference snapshot's full tensors (pacs/model/reference_policy.py), when the run keeps one."""
     # frozen parameters (a LoRA run's base model) are the model directory's: not written again
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     model_state, optim_state = get_state_dict(policy, optimizer, options=options)

@@ -84,8 +84,8 @@ def preflight_enabled(cfg, device: torch.device) -> bool:
 def worst_cases(cfg, budget: int | None, max_groups: int) -> list[WorstCase]:
     """The micro-batches with the longest rows and with the most tokens that ``budget`` (tokens;
     None: ``optim.micro_batch_groups`` groups) lets the planner build from at most ``max_groups``
-    groups (pacs/packing.py packs whole groups greedily, a group over the budget in parts)."""
-    from .config import micro_batch_groups
+    groups (pacs/model/packing.py packs whole groups greedily, a group over the budget in parts)."""
+    from pacs.config import micro_batch_groups
 
     r = cfg.rollout
     longest, group = r.max_prompt_len + r.max_new_tokens, r.group_size
@@ -104,7 +104,7 @@ def worst_case_batch(cfg, case: WorstCase, copies: int, vocab_size: int, pad_tok
     """``copies`` x ``case.groups`` groups of ``case.row_len``-token rows (random tokens from a private
     generator; the prompt as long as the settings allow, at least one response token), both labels in
     every group so that the loss has a gradient."""
-    from .trainer import build_batch
+    from pacs.train.trainer import build_batch
 
     r = cfg.rollout
     gen = torch.Generator().manual_seed(0)
@@ -136,7 +136,7 @@ def levers_off(cfg) -> list[str]:
 def run_preflight(cfg, policy, optimizer, pad_token_id: int, dist_info, *, packed: bool, say=print) -> dict:
     """Run the worst cases (module doc) with every random stream restored afterwards; returns what it
     measured. Raises ``TrainingStopped`` when they run out of memory."""
-    from .trainer import TrainingStopped
+    from pacs.train.trainer import TrainingStopped
 
     device = dist_info.device
     python_state = random.getstate()
@@ -170,7 +170,7 @@ def _describe(cfg) -> str:
 
 
 def _run_worst_cases(cfg, policy, optimizer, pad_token_id: int, dist_info, *, packed: bool, say) -> dict:
-    from .trainer import old_policy_logprobs, old_policy_ranges, update_policy
+    from pacs.train.trainer import old_policy_logprobs, old_policy_ranges, update_policy
 
     r, o, tr = cfg.rollout, cfg.optim, cfg.train
     device, world = dist_info.device, dist_info.dp_size  # ranks with their own data
@@ -226,7 +226,7 @@ def _run_worst_cases(cfg, policy, optimizer, pad_token_id: int, dist_info, *, pa
     peak = torch.cuda.max_memory_allocated(device) / GiB
     torch.cuda.reset_peak_memory_stats(device)  # the step metrics report training, not this
     result.update(peak_gib=peak, adamw_state_gib=reserved_gib, available_gib=available / GiB, total_gib=total / GiB)
-    from .memory_plan import planned_training_gib
+    from pacs.train.memory_plan import planned_training_gib
 
     planned = planned_training_gib(cfg, policy.causal_lm.config, total / GiB, dist_info.world_size)
     say(f"[preflight] the largest steps these settings allow fit ({cases}): peak {peak:.1f} GiB"

@@ -12,7 +12,7 @@ One rollout step:
   5. push the new weights into the rollout engine; log; evaluate and checkpoint every k steps.
 
 What happens before the first step (checks, output directory, model, task, tokenizer) is
-:func:`start_run`, shared in part with ``pacs eval`` through pacs/run_setup.py.
+:func:`start_run`, shared in part with ``pacs eval`` through pacs/train/run_setup.py.
 """
 
 from __future__ import annotations
@@ -28,10 +28,34 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pacs_kernels import fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs
-
-from .checkpoint import KEEP as CHECKPOINTS_KEPT
-from .checkpoint import (
+from pacs.config import Config, micro_batch_groups, save_config, use_packing
+from pacs.eval.evaluate import decode_response, encode_prompts, evaluate
+from pacs.model.memory import activation_offload
+from pacs.model.mixed_precision import rounding_warning, share_frozen_by_rounding
+from pacs.model.packing import (
+    PackedMicroBatch,
+    forward_micro_batch,
+    is_part_of_a_group,
+    micro_batch_ranges,
+    response_positions,
+    same_count_on_every_rank,
+    to_layout,
+)
+from pacs.model.policy import DistInfo, check_model_path, export_hf, full_named_tensors, load_policy, setup_distributed
+from pacs.model.reference_policy import ReferenceSnapshot, is_reset_step
+from pacs.model.sequence_parallel import (
+    SequenceParallel,
+    backend_for,
+    gather_rollouts,
+    prompt_share,
+    reduce_over_group,
+    slice_micro_batch,
+    whole_micro_batch,
+)
+from pacs.model.varlen_attention import new_decisions as new_attention_decisions
+from pacs.rollout import make_rollout_engine
+from pacs.train.checkpoint import KEEP as CHECKPOINTS_KEPT
+from pacs.train.checkpoint import (
     checkpoint_steps,
     find_checkpoint,
     latest_checkpoint,
@@ -39,41 +63,23 @@ from .checkpoint import (
     load_reference_state,
     save_checkpoint,
 )
-from .config import Config, micro_batch_groups, save_config, use_packing
-from .console import hide_progress_bars
-from .disk_space import NoSpaceLeft, check_checkpoint_space
-from .evaluate import decode_response, encode_prompts, evaluate
-from .memory import activation_offload
-from .metrics import MetricsLog, plot_metrics, read_metrics
-from .mixed_precision import rounding_warning, share_frozen_by_rounding
-from .packing import (
-    PackedMicroBatch,
-    forward_micro_batch,
-    is_part_of_a_group,
-    micro_batch_ranges,
-    response_positions,
-    same_count_on_every_rank,
-    slice_micro_batch,
-    to_layout,
+from pacs.train.console import hide_progress_bars
+from pacs.train.disk_space import NoSpaceLeft, check_checkpoint_space
+from pacs.train.metrics import MetricsLog, plot_metrics, read_metrics
+from pacs.train.preflight import preflight_enabled, run_preflight
+from pacs.train.resume_check import apply_optimizer_settings, plan_resume, record_resume, resume_command
+from pacs.train.run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
+from pacs.train.run_lock import lock_run_directory
+from pacs.train.run_setup import (
+    Run,
+    apply_torch_threads,
+    check_config,
+    engine_options,
+    packed_attention_for,
+    prepare_run,
 )
-from .policy import DistInfo, check_model_path, export_hf, full_named_tensors, load_policy, setup_distributed
-from .preflight import preflight_enabled, run_preflight
-from .reference_policy import ReferenceSnapshot, is_reset_step
-from .resume_check import apply_optimizer_settings, plan_resume, record_resume, resume_command
-from .rollout import make_rollout_engine
-from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
-from .run_lock import lock_run_directory
-from .run_setup import Run, apply_torch_threads, check_config, engine_options, packed_attention_for, prepare_run
-from .sequence_parallel import (
-    SequenceParallel,
-    backend_for,
-    gather_rollouts,
-    prompt_share,
-    reduce_over_group,
-    whole_micro_batch,
-)
-from .single_label_groups import group_losses_at_zero, loss_valid, plan_group_skips, single_label, skip_rules
-from .split_groups import (
+from pacs.train.single_label_groups import group_losses_at_zero, loss_valid, plan_group_skips, single_label, skip_rules
+from pacs.train.split_groups import (
     GroupGradients,
     group_gradients,
     group_loss_on_logprobs,
@@ -81,15 +87,15 @@ from .split_groups import (
     part_surrogate,
     split_group_rows,
 )
-from .stop_signals import StoppedBySignal, StopSignals
-from .varlen_attention import new_decisions as new_attention_decisions
-from .weight_updates import UpdateMonitor
+from pacs.train.stop_signals import StoppedBySignal, StopSignals
+from pacs.train.weight_updates import UpdateMonitor
+from pacs_kernels import fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs
 
 
 @dataclass
 class TrainResult:
     """What :func:`train` returns: the last metrics row and the trained policy (still sharded
-    under FSDP; :func:`pacs.policy.full_named_tensors` gathers it)."""
+    under FSDP; :func:`pacs.model.policy.full_named_tensors` gathers it)."""
 
     metrics: dict
     policy: torch.nn.Module
@@ -107,7 +113,7 @@ class TrainingInterrupted(RuntimeError):
 
 class TrainingPreempted(TrainingInterrupted, StoppedBySignal):
     """SIGTERM / SIGUSR1 (a scheduler's preemption or time-limit warning) or a first Ctrl-C: the step in
-    progress was finished and checkpointed (pacs/stop_signals.py); the message says how to resume.
+    progress was finished and checkpointed (pacs/train/stop_signals.py); the message says how to resume.
     (Constructed as StoppedBySignal(message, signal_name).)"""
 
 
@@ -277,7 +283,7 @@ def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: t
 def sequence_parallel_loss(cfg: Config, policy, part: PackedMicroBatch, lo: int, old_logp_rows: torch.Tensor,
                            mask_rows: torch.Tensor):
     """The configured loss of a micro-batch whose tokens a sequence-parallel group splits
-    (pacs/sequence_parallel.py): this rank's log-probs from the fused kernel, gathered over the group into
+    (pacs/model/sequence_parallel.py): this rank's log-probs from the fused kernel, gathered over the group into
     the micro-batch's (rows, L) layout, then the loss on them, the same on every rank of the group.
     old_logp_rows, mask_rows: the micro-batch's rows of the batch."""
     hidden, weight, bias = forward_micro_batch(policy, part)
@@ -296,7 +302,7 @@ def sequence_parallel_first_step(cfg: Config, policy, batch: Batch, lo: int, hi:
     still the rollout's, so its log-probs are ``old_logp`` (psi = 0 exactly). Its loss and the gradient g on
     every token come first (from those few numbers, the same on every rank of the group); then this rank's
     tokens run one vocabulary sweep with g fixed (3 LM-head matmuls), checked to reproduce ``old_logp``: the
-    phases of pacs/split_groups.py with the whole micro-batch as the "group". Returns (loss, stats, surrogate):
+    phases of pacs/train/split_groups.py with the whole micro-batch as the "group". Returns (loss, stats, surrogate):
     the surrogate's backward is this rank's share of the loss's gradient."""
     grad_logp = torch.zeros_like(old_logp)
     loss, stats = loss_gradient(cfg, batch, slice(lo, hi), old_logp, old_logp, grad_logp)
@@ -307,7 +313,7 @@ def sequence_parallel_first_step(cfg: Config, policy, batch: Batch, lo: int, hi:
 
 def evaluate_policy(cfg: Config, engine, run: Run, dist_info: DistInfo, step: int) -> dict:
     """Held-out accuracy (and pass@k) with the rollout engine; each rank scores its share with
-    :func:`pacs.evaluate.evaluate` (the evaluator of ``pacs eval``) and the shares are averaged."""
+    :func:`pacs.eval.evaluate.evaluate` (the evaluator of ``pacs eval``) and the shares are averaged."""
     e = cfg.eval
     every = run.task.eval_problems(e.num_problems)
     share = math.ceil(len(every) / dist_info.world_size)
@@ -347,10 +353,10 @@ class UpdateResult:
     grad_norms: list[float]
     stats: dict[str, float]
     last_loss: float
-    split_groups: int = 0  # groups larger than the token budget, run in parts (pacs/split_groups.py)
+    split_groups: int = 0  # groups larger than the token budget, run in parts (pacs/train/split_groups.py)
     skipped_groups: int | None = None  # groups whose gradient is exactly 0, not run (None: not planned)
     skipped_losses: list[float] = dataclasses.field(default_factory=list)  # their loss values, one per group
-    # per applied update: the share of (sampled) weights with a gradient that the step changed (pacs/weight_updates.py)
+    # per applied update: the share of (sampled) weights with a gradient that the step changed (weight_updates.py)
     update_nonzero_fracs: list[float] = dataclasses.field(default_factory=list)
 
     def mean_loss(self) -> float:
@@ -379,7 +385,7 @@ def split_group_gradients(cfg: Config, policy, batch: Batch, micro_batches: list
                           old_logp: torch.Tensor, old_lse: torch.Tensor, dist_info: DistInfo, *,
                           first_mini_batch: bool, packed: bool,
                           rollout_logp: torch.Tensor | None = None) -> GroupGradients:
-    """Phases 1-2 of pacs/split_groups.py for the groups this mini-batch runs in parts: their
+    """Phases 1-2 of pacs/train/split_groups.py for the groups this mini-batch runs in parts: their
     log-probs under the current weights (the rollout-time pass's on the first mini-batch after a
     rollout: ``rollout_logp``, or ``old_logp`` itself when the reference is that policy; else a no-grad
     pass over their parts, the same number of forwards on every rank), then each group's loss and
@@ -411,7 +417,7 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
     the rollout. ``rollout_logp``: that policy's log-probs where the reference is an older one
     (``optim.ref_reset_every`` > 1); None where the reference is the rollout-time policy.
     ``groups_run``: per mini-batch, how many of its groups to run (the rest, behind them, have a gradient of
-    exactly 0: pacs/single_label_groups.py); None: all of them."""
+    exactly 0: pacs/train/single_label_groups.py); None: all of them."""
     o, tr, group = cfg.optim, cfg.train, cfg.rollout.group_size
     groups_per_mini = cfg.rollout.prompts_per_step // dist_info.dp_size // o.mini_batches_per_step
     rows_per_mini = groups_per_mini * group
@@ -442,7 +448,7 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
         micro_batches = same_count_on_every_rank(micro_batches, group, dist_info.world_size, dist_info.device)
         micro_per_mini = len(micro_batches)
         # groups larger than the token budget run in parts, made exact by their gradients on the
-        # log-probs, known first (pacs/split_groups.py); only token budgets cut groups
+        # log-probs, known first (pacs/train/split_groups.py); only token budgets cut groups
         split = None
         if tr.max_tokens_per_micro_batch is not None:
             split = split_group_gradients(cfg, policy, batch, micro_batches, old_logp, old_lse, dist_info,
@@ -546,13 +552,13 @@ def start_run(cfg: Config, dist_info: DistInfo, say=print,
               change: tuple[str, ...] = ()) -> tuple[Run, object, object]:
     """Everything before the model loads: config checks, a usable output directory that holds
     no other run (unless ``resume`` / ``overwrite``) and no other process, a resume's settings
-    compared with the run's (``change``: the keys named with --change; pacs/resume_check.py), the
+    compared with the run's (``change``: the keys named with --change; pacs/train/resume_check.py), the
     checkpoint to resume from, the model directory, task and tokenizer. Returns the run, the
-    :class:`~pacs.checkpoint.CheckpointChoice` and the :class:`~pacs.resume_check.ResumePlan` (both None
+    :class:`~pacs.train.checkpoint.CheckpointChoice` and the :class:`~pacs.train.resume_check.ResumePlan` (both None
     when not resuming). Nothing is written on a resume: its record is appended once the checkpoint loaded."""
     check_config(cfg, dist_info.world_size)
     check_usable(cfg.output_dir)
-    # one process per run directory (pacs/run_lock.py), before anything there is read
+    # one process per run directory (pacs/train/run_lock.py), before anything there is read
     on_main_rank(lambda: lock_run_directory(cfg.output_dir), dist_info)
     check_free_for_run(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite)
     choice = plan = None
@@ -642,14 +648,14 @@ checkpoint_clock = time.monotonic  # what checkpoint_minutes is measured with (a
 
 def train(cfg: Config, change: tuple[str, ...] = ()) -> TrainResult:
     """Run (or resume) training as configured. ``change``: the settings a resume may change although they
-    change what the run is (``pacs train --resume --change KEY=VALUE``; pacs/resume_check.py)."""
+    change what the run is (``pacs train --resume --change KEY=VALUE``; pacs/train/resume_check.py)."""
     dist_info = setup_distributed(cfg.train.sequence_parallel_size, cfg.train.distributed_timeout_minutes)
     say = print if dist_info.is_main else (lambda *a, **k: None)
     run, resume, resume_plan = start_run(cfg, dist_info, say, change)
     o, r = cfg.optim, cfg.rollout
 
     # ---- policy and optimizer; the checkpoint's state when resuming
-    # padding-free micro-batches (pacs/packing.py) wherever the loss takes them and they are exact for the model
+    # padding-free micro-batches (pacs/model/packing.py) wherever the loss takes them and they are exact for the model
     packed = use_packing(cfg, check_model_path(run.model_dir, cfg.model.trust_remote_code),
                          packed_attention_for(cfg.train.sequence_parallel_size, dist_info.device))
     policy = load_policy(run.model_dir, dtype=cfg.model.dtype, gradient_checkpointing=cfg.model.gradient_checkpointing,
@@ -671,7 +677,7 @@ def train(cfg: Config, change: tuple[str, ...] = ()) -> TrainResult:
             apply_optimizer_settings(cfg, optimizer, scheduler)  # the checkpoint's lr / betas / decay replaced
         if resume_plan is not None and dist_info.is_main:  # the checkpoint fits the model: the resume is recorded
             record_resume(cfg.output_dir, resume_plan, resume.step, say)
-    # PACS's reference, when it is kept for optim.ref_reset_every > 1 rollout steps (pacs/reference_policy.py)
+    # PACS's reference, when it is kept for optim.ref_reset_every > 1 rollout steps (pacs/model/reference_policy.py)
     reference = ReferenceSnapshot(policy) if o.ref_reset_every > 1 else None
     if reference is not None and resume is not None:
         saved = load_reference_state(resume.path)
@@ -697,11 +703,11 @@ def train(cfg: Config, change: tuple[str, ...] = ()) -> TrainResult:
     row: dict = {}
     progress = None
     # SIGTERM / SIGUSR1 (a scheduler's preemption), Ctrl-C: finish the step, checkpoint it, stop
-    # (pacs/stop_signals.py)
+    # (pacs/train/stop_signals.py)
     with StopSignals(notice_prefix="[train]" if dist_info.is_main else None) as stop_signals:
         try:
             # the largest steps these settings allow, once, before any rollout: out of memory now, not
-            # hours in (pacs/preflight.py)
+            # hours in (pacs/train/preflight.py)
             if preflight_enabled(cfg, dist_info.device) and state["step"] < cfg.max_steps:
                 run_preflight(cfg, policy, optimizer, run.pad_id, dist_info, packed=packed, say=say)
             if resume is None:
@@ -767,7 +773,7 @@ def train(cfg: Config, change: tuple[str, ...] = ()) -> TrainResult:
                                                                  o.logprob_backend, packed, dist_info.sp)
 
                 # groups whose gradient is exactly 0 this step (single-label ones after a reset) are not run:
-                # moved behind the others within their mini-batch (pacs/single_label_groups.py)
+                # moved behind the others within their mini-batch (pacs/train/single_label_groups.py)
                 skip_first, skip_every = skip_rules(cfg, reference_is_current=rollout_logp is None)
                 groups_run = None
                 if skip_first or skip_every:

@@ -432,7 +432,7 @@ def plan_for_config(cfg, model: ModelShape, gpu_gib: float, gpus: int = 1, lora_
                     lora_targets: tuple[str, ...] | None = None, device: str = "cuda") -> MemoryPlan:
     """The plan of a ``pacs train`` config (pacs.config.Config) exactly as set: its lengths, group size,
     micro-batches, precision, vLLM share and memory levers (what the trainer's preflight could print)."""
-    from .config import micro_batch_groups
+    from pacs.config import micro_batch_groups
 
     r, tr = cfg.rollout, cfg.train
     if lora_rank is None and cfg.model.lora.rank > 0:  # model.lora.*: all-linear = every projection
@@ -510,7 +510,7 @@ def plan_preset(path: str) -> MemoryPlan:
     ``lora_rank`` / ``lora_targets`` to plan LoRA the YAML does not set; the YAML's ``model.lora`` is read)."""
     import yaml
 
-    from .config import load_config, validate
+    from pacs.config import load_config, validate
 
     stem = path[:-len(".yaml")] if path.endswith(".yaml") else path
     sidecar = stem + ".plan.yaml"

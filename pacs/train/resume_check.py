@@ -26,7 +26,7 @@ import os
 import shlex
 from dataclasses import dataclass
 
-from .config import Config, apply_dict, config_keys, load_config, to_dict
+from pacs.config import Config, apply_dict, config_keys, load_config, to_dict
 
 CONFIG_NAME = "config.yaml"
 HISTORY_NAME = "config_history.jsonl"
