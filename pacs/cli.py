@@ -9,6 +9,7 @@ using the run directory, a full disk mid-run); 3 training stopped by repeated no
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -216,24 +217,40 @@ def benchmarks_dir() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
-def load_benchmarks_run():
-    """benchmarks.run from the source checkout; a ``RuntimeError`` saying why when it cannot be loaded."""
-    where = benchmarks_dir()
-    if not os.path.isfile(os.path.join(where, "run.py")):
-        raise RuntimeError(f"pacs bench needs a source checkout (benchmarks/ not found next to the pacs package: "
-                           f"{where}); clone the repository and run it from there")
-    checkout = os.path.dirname(where)
-    if checkout not in sys.path:
-        sys.path.insert(0, checkout)
-    import benchmarks
+def _module_from_file(name: str, path: str, package_dir: str | None = None):
+    """Module ``name`` executed from the file ``path`` (a package when ``package_dir`` is given), registered in
+    ``sys.modules`` so that its own ``from benchmarks import ...`` lines find it."""
+    spec = importlib.util.spec_from_file_location(
+        name, path, submodule_search_locations=None if package_dir is None else [package_dir])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
-    found = os.path.dirname(os.path.abspath(benchmarks.__file__ or ""))
+
+def load_benchmarks_run():
+    """benchmarks/run.py from the source checkout, loaded by file path (the harness is no dependency of the
+    ``pacs`` package); a ``RuntimeError`` saying why when it cannot be loaded."""
+    where = benchmarks_dir()
+    missing = [name for name in ("__init__.py", "run.py") if not os.path.isfile(os.path.join(where, name))]
+    if missing:
+        raise RuntimeError(f"pacs bench needs a source checkout (benchmarks/ not found next to the pacs package: "
+                           f"{where}, missing {', '.join(missing)}); clone the repository and run it from there")
+    loaded = sys.modules.get("benchmarks")
+    if loaded is None:
+        loaded = _module_from_file("benchmarks", os.path.join(where, "__init__.py"), where)
+    found = os.path.dirname(os.path.abspath(getattr(loaded, "__file__", None) or ""))
     if os.path.realpath(found) != os.path.realpath(where):
         raise RuntimeError(f"pacs bench: the imported 'benchmarks' package is {found}, not this checkout's {where}; "
                            "uninstall the other one")
-    from benchmarks import run
-
-    return run
+    checkout = os.path.dirname(where)
+    if checkout not in sys.path:  # the harness imports pacs_kernels from the checkout too
+        sys.path.insert(0, checkout)
+    return sys.modules.get("benchmarks.run") or _module_from_file("benchmarks.run", os.path.join(where, "run.py"))
 
 
 def cmd_bench(argv: list[str]) -> int:

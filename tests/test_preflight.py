@@ -140,7 +140,8 @@ def test_every_random_stream_is_as_it_was_after_the_preflight(tmp_path, monkeypa
     torch.manual_seed(11)
     random.seed(11)
     before = [p.detach().clone() for p in policy.parameters()]
-    run_preflight(cfg, policy, optimizer, 0, DistInfo(), packed=True, say=lambda *a: None)
+    run_preflight(cfg, policy, optimizer, 0, DistInfo(), packed=True, say=lambda *a: None,
+                  steps=trainer.preflight_steps())
     assert torch.equal(torch.rand(2), expected[0]) and random.random() == expected[1]
     assert all(torch.equal(a, p) for a, p in zip(before, policy.parameters()))
     assert all(p.grad is None for p in policy.parameters()) and not optimizer.state
@@ -165,7 +166,7 @@ def test_the_old_policy_pass_gets_its_own_largest_chunk(monkeypatch):
                    "rollout.max_new_tokens=5", "optim.mini_batches_per_step=1", "train.max_tokens_per_micro_batch=20",
                    "train.old_policy_max_tokens=80")
     run_preflight(cfg, Policy(), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]), 0, DistInfo(),
-                  packed=True, say=lambda *a: None)
+                  packed=True, say=lambda *a: None, steps=trainer.preflight_steps())
     assert calls[0] == 80 and max(calls[1:]) == 20  # its own 4 groups of 2 x 10, then the update's
 
 

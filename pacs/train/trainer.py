@@ -54,6 +54,7 @@ from pacs.model.sequence_parallel import (
 )
 from pacs.model.varlen_attention import new_decisions as new_attention_decisions
 from pacs.rollout import make_rollout_engine
+from pacs.train.batch import Batch, build_batch
 from pacs.train.checkpoint import KEEP as CHECKPOINTS_KEPT
 from pacs.train.checkpoint import (
     checkpoint_steps,
@@ -66,7 +67,7 @@ from pacs.train.checkpoint import (
 from pacs.train.console import hide_progress_bars
 from pacs.train.disk_space import NoSpaceLeft, check_checkpoint_space
 from pacs.train.metrics import MetricsLog, plot_metrics, read_metrics
-from pacs.train.preflight import preflight_enabled, run_preflight
+from pacs.train.preflight import TrainerSteps, preflight_enabled, run_preflight
 from pacs.train.resume_check import apply_optimizer_settings, plan_resume, record_resume, resume_command
 from pacs.train.run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
 from pacs.train.run_lock import lock_run_directory
@@ -87,7 +88,8 @@ from pacs.train.split_groups import (
     part_surrogate,
     split_group_rows,
 )
-from pacs.train.stop_signals import StoppedBySignal, StopSignals
+from pacs.train.stop_signals import StopSignals
+from pacs.train.training_errors import TrainingInterrupted, TrainingPreempted, TrainingStopped
 from pacs.train.weight_updates import UpdateMonitor
 from pacs_kernels import fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs
 
@@ -102,68 +104,11 @@ class TrainResult:
     output_dir: str
 
 
-class TrainingStopped(RuntimeError):
-    """Raised when repeated NaN losses/gradients stop a run (the last good checkpoint is kept)."""
-
-
-class TrainingInterrupted(RuntimeError):
-    """A second Ctrl-C during training (the first one finishes the step: TrainingPreempted); the message
-    says where the last checkpoint is and how to resume."""
-
-
-class TrainingPreempted(TrainingInterrupted, StoppedBySignal):
-    """SIGTERM / SIGUSR1 (a scheduler's preemption or time-limit warning) or a first Ctrl-C: the step in
-    progress was finished and checkpointed (pacs/train/stop_signals.py); the message says how to resume.
-    (Constructed as StoppedBySignal(message, signal_name).)"""
-
-
-@dataclass
-class Batch:
-    """Padded (right) prompt+response rows of one rollout step, groups contiguous.
-
-    input_ids, attention_mask: (B, L) int64; targets: (B, L) the next token at each position;
-    mask: (B, L) bool, True where ``targets`` is a response token; rewards: (B,) float32.
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    targets: torch.Tensor
-    mask: torch.Tensor
-    rewards: torch.Tensor
-
-    def rows(self, start: int, stop: int) -> "Batch":
-        """Rows [start, stop), trimmed to their longest row."""
-        width = int(self.attention_mask[start:stop].sum(1).max())
-        return Batch(*(t[start:stop, :width] if t.dim() == 2 else t[start:stop] for t in (
-            self.input_ids, self.attention_mask, self.targets, self.mask, self.rewards)))
-
-    def select(self, rows: torch.Tensor) -> "Batch":
-        """The rows in the order ``rows`` (a permutation), full width."""
-        return Batch(*(t.index_select(0, rows) for t in (self.input_ids, self.attention_mask, self.targets,
-                                                         self.mask, self.rewards)))
-
-    def to(self, device) -> "Batch":
-        return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.targets, self.mask,
-                                              self.rewards)))
-
-
-def build_batch(prompts: list[list[int]], responses: list[list[int]], rewards: list[float],
-                pad_token_id: int) -> Batch:
-    """Rows ``prompt + response`` (``len(responses)`` rows; prompt i // n for response i when the
-    caller repeated prompts). The loss mask covers the positions that predict response tokens."""
-    rows = [p + r for p, r in zip(prompts, responses)]
-    width = max(len(r) for r in rows)
-    n = len(rows)
-    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros(n, width, dtype=torch.long)
-    mask = torch.zeros(n, width, dtype=torch.bool)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        input_ids[i, :len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
-        attention[i, :len(p) + len(r)] = 1
-        mask[i, len(p) - 1:len(p) + len(r) - 1] = True  # position t predicts token t + 1
-    targets = torch.roll(input_ids, -1, dims=1)
-    targets[:, -1] = pad_token_id
-    return Batch(input_ids, attention, targets, mask, torch.tensor(rewards, dtype=torch.float32))
+def preflight_steps() -> TrainerSteps:
+    """The trainer's own old-policy pass and update, as the preflight runs them (looked up now: a test's
+    stand-in for one of them is what the preflight gets)."""
+    return TrainerSteps(old_policy_logprobs=old_policy_logprobs, old_policy_ranges=old_policy_ranges,
+                        update_policy=update_policy)
 
 
 def lr_lambda(cfg: Config, total_updates: int):
@@ -709,7 +654,8 @@ def train(cfg: Config, change: tuple[str, ...] = ()) -> TrainResult:
             # the largest steps these settings allow, once, before any rollout: out of memory now, not
             # hours in (pacs/train/preflight.py)
             if preflight_enabled(cfg, dist_info.device) and state["step"] < cfg.max_steps:
-                run_preflight(cfg, policy, optimizer, run.pad_id, dist_info, packed=packed, say=say)
+                run_preflight(cfg, policy, optimizer, run.pad_id, dist_info, packed=packed, say=say,
+                              steps=preflight_steps())
             if resume is None:
                 row = {"step": 0, "rollout_engine": type(engine).__name__,
                        **evaluate_policy(cfg, engine, run, dist_info, 0)}
