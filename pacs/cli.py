@@ -17,6 +17,7 @@ import sys
 
 from pacs.config import BUILTIN_TASK_SETTINGS, Config, apply_dict, config_keys, load_config
 from pacs.train.console import quiet_third_party
+from pacs.train.run_dir import RunDir
 
 DEFAULTS = Config()
 
@@ -151,7 +152,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     # one process, no training: a run's multi-process training settings (its config.yaml) do not apply
     cfg.train.sequence_parallel_size, cfg.train.fsdp_cpu_offload = 1, False
     check_config(cfg)
-    out_dir = args.eval_dir or os.path.join(cfg.output_dir, "eval")
+    out_dir = args.eval_dir or RunDir(cfg.output_dir).eval
     lock_run_directory(out_dir, "--eval-dir")  # one evaluation per eval directory (its journal)
     apply_torch_threads(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     run = prepare_run(cfg, log=lambda *_: None)

@@ -200,5 +200,5 @@ def test_a_reference_kept_across_steps_preflights_the_usual_first_mini_batch(mon
                    "rollout.max_new_tokens=5", f"optim.mini_batches_per_step={minis}",
                    f"optim.ref_reset_every={every}")
     run_preflight(cfg, Policy(), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]), 0, DistInfo(),
-                  packed=True, say=lambda *a: None)
+                  packed=True, say=lambda *a: None, steps=trainer.preflight_steps())
     assert seen and len(seen) % len(firsts) == 0 and seen == firsts * (len(seen) // len(firsts))

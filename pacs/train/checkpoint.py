@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
 from dataclasses import dataclass
 
@@ -39,9 +38,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from pacs.model.policy import DistInfo
 from pacs.train.disk_space import NoSpaceLeft, is_disk_full, no_space_message, tensor_bytes
 from pacs.train.resume_check import check_model_matches
+from pacs.train.run_dir import CHECKPOINT_DIR, RunDir, checkpoint_name
 
 MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"step_(\d+)")
 _CHUNK = 1 << 22
 
 
@@ -134,7 +133,7 @@ def verify_checkpoint(path: str, checksums: bool = True) -> str | None:
         files, step = manifest["files"], int(manifest["step"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"manifest.json is unreadable ({type(exc).__name__}: {exc})"
-    match = _STEP_DIR.fullmatch(os.path.basename(os.path.normpath(path)))
+    match = CHECKPOINT_DIR.fullmatch(os.path.basename(os.path.normpath(path)))
     if match is None or int(match.group(1)) != step:
         return f"manifest.json names step {step}, not this directory's"
     for required in ("state.json", "model.pt"):
@@ -158,12 +157,12 @@ def verify_checkpoint(path: str, checksums: bool = True) -> str | None:
 
 def checkpoint_steps(output_dir: str) -> list[tuple[int, str]]:
     """(step, path) of every ``step_N`` directory under ``OUTPUT_DIR/checkpoints``, by step number."""
-    root = os.path.join(output_dir, "checkpoints")
+    root = RunDir(output_dir).checkpoints
     if not os.path.isdir(root):
         return []
     found = []
     for name in os.listdir(root):
-        match = _STEP_DIR.fullmatch(name)
+        match = CHECKPOINT_DIR.fullmatch(name)
         if match and os.path.isdir(os.path.join(root, name)):
             found.append((int(match.group(1)), os.path.join(root, name)))
     return sorted(found)
@@ -225,7 +224,7 @@ def write_checkpoint_files(root: str, step: int, write_files, dist_info: DistInf
     except Exception as exc:
         if not is_disk_full(exc):
             raise
-        final = os.path.join(root, f"step_{step:06d}")
+        final = os.path.join(root, checkpoint_name(step))
         shutil.rmtree(final + ".tmp", ignore_errors=True)
         if os.path.exists(os.path.join(root, "latest.tmp")):
             os.remove(os.path.join(root, "latest.tmp"))
@@ -234,7 +233,7 @@ def write_checkpoint_files(root: str, step: int, write_files, dist_info: DistInf
 
 
 def _write_checkpoint_files(root: str, step: int, write_files, dist_info: DistInfo, keep: int) -> str:
-    name = f"step_{step:06d}"
+    name = checkpoint_name(step)
     final, tmp = os.path.join(root, name), os.path.join(root, name + ".tmp")
     if dist_info.is_main:
         os.makedirs(root, exist_ok=True)
@@ -301,7 +300,7 @@ def save_checkpoint(output_dir: str, step: int, policy, optimizer, scheduler, st
             save_json({**state, "step": step, "world_size": dist_info.world_size}, os.path.join(tmp, "state.json"))
 
     expected = tensor_bytes([model_state, optim_state, reference_state or {}])
-    return write_checkpoint_files(os.path.join(output_dir, "checkpoints"), step, write_files, dist_info, keep,
+    return write_checkpoint_files(RunDir(output_dir).checkpoints, step, write_files, dist_info, keep,
                                   expected_bytes=expected)
 
 
