@@ -22,9 +22,10 @@ from dataclasses import dataclass, field, replace
 
 from pacs.config import load_config, micro_batch_groups, validate
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above pacs/train/
 GiB = 2**30
 MiB = 2**20
-PRESET_MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "presets",
+PRESET_MODELS_DIR = os.path.join(REPO_ROOT, "configs", "presets",
                                  "models")
 
 # bytes a decoder layer saves for the backward, per token, per element of: the hidden size, the query
