@@ -8,7 +8,7 @@ One step is what the trainer does for one micro-batch: one group of G = 4 respon
 shared prompt, response lengths L, 3L/4, L/2, L/4 (the longest at the cap, the others spread, as
 RL rollouts are); the backbone's forward and backward, the PACS loss (old log-probs given), and
 one AdamW step. The model is randomly initialised (no download). Variants (each a set of the
-trainer's switches; pacs/packing.py, pacs/memory.py):
+trainer's switches; pacs/model/packing.py, pacs/model/memory.py):
 
   padded_naive               padded rows; the usual loss: full logits (B, T, V), float32
                              log-softmax, gather, then pacs_loss (what a plain HF trainer does)
@@ -16,10 +16,10 @@ trainer's switches; pacs/packing.py, pacs/memory.py):
   packed_fused               packed row (train.packing), fused loss
   packed_fused_ckpt          + activation checkpointing (model.gradient_checkpointing)
   ..._tiled                  + the tiled MLP (train.tiled_mlp: each decoder MLP over tiles of d
-                             tokens, only its input kept for the backward: pacs/tiled_mlp.py)
+                             tokens, only its input kept for the backward: pacs/model/tiled_mlp.py)
   packed_fused_ckpt_offload  + checkpointed activations offloaded to host (train.offload_activations)
   packed_fused_ckpt_split    + the group run in parts, one response each (a token budget below the
-                             group: pacs/split_groups.py): a no-grad pass over the parts (as on a
+                             group: pacs/train/split_groups.py): a no-grad pass over the parts (as on a
                              later mini-batch; free on the first), then each part's forward and
                              backward with its tokens' gradients fixed: the peak is one response's
                              step, not the group's
@@ -126,7 +126,7 @@ def response_lengths(longest: int) -> list[int]:
 
 
 def make_batch(longest: int, prompt_len: int, vocab: int, seed: int, device):
-    from pacs.trainer import build_batch
+    from pacs.train.trainer import build_batch
 
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, vocab, (prompt_len,), generator=gen).tolist()
@@ -137,14 +137,15 @@ def make_batch(longest: int, prompt_len: int, vocab: int, seed: int, device):
 
 def build(model: str | dict, levers: tuple[str, ...], device: torch.device, dtype: torch.dtype, precision=None):
     """(policy, optimizer) with the variant's switches applied the way the trainer applies them. ``model``: a
-    name in MODELS or a Qwen2 config's fields; ``precision`` (pacs.mixed_precision.Precision): float32 master
+    name in MODELS or a Qwen2 config's fields; ``precision`` (pacs.model.mixed_precision.Precision): float32 master
     weights under 16-bit autocast, as pacs train on one process."""
     import transformers
 
-    from pacs.memory import apply_liger_patches, fsdp_kwargs
-    from pacs.packing import enable_packed_attention
-    from pacs.policy import Policy, decoder_layers
-    from pacs.tiled_mlp import tile_mlp
+    from pacs.model.layers import decoder_layers
+    from pacs.model.memory import apply_liger_patches, fsdp_kwargs
+    from pacs.model.packing import enable_packed_attention
+    from pacs.model.policy import Policy
+    from pacs.model.tiled_mlp import tile_mlp
 
     fields = MODELS[model] if isinstance(model, str) else {
         key: value for key, value in model.items() if key in transformers.Qwen2Config().to_dict()}
@@ -189,9 +190,10 @@ def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.
     within ``loss_chunk_mib``: train.loss_chunk_mib). Returns the loss. ``optimizer=None``: no
     step, the gradients stay in the parameters' ``.grad``."""
     from pacs.config import Config
-    from pacs.memory import activation_offload
-    from pacs.packing import forward_micro_batch, slice_micro_batch, to_layout
-    from pacs.trainer import policy_loss
+    from pacs.model.memory import activation_offload
+    from pacs.model.packing import forward_micro_batch, to_layout
+    from pacs.model.sequence_parallel import slice_micro_batch
+    from pacs.train.trainer import policy_loss
     from pacs_kernels import pacs_loss
 
     gen = torch.Generator().manual_seed(1)
@@ -201,8 +203,8 @@ def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.
     cfg.rollout.group_size = GROUP
     cfg.train.loss_chunk_mib = loss_chunk_mib
     if "split" in levers:  # one response per part; the group's per-token gradients first
-        from pacs.split_groups import group_gradients, part_surrogate
-        from pacs.trainer import old_policy_logprobs
+        from pacs.train.split_groups import group_gradients, part_surrogate
+        from pacs.train.trainer import old_policy_logprobs
 
         parts = [(row, row + 1) for row in range(GROUP)]
         logp, lse, _ = old_policy_logprobs(policy, batch, parts, cfg.rollout.temperature, cfg.optim.logprob_backend,
@@ -532,7 +534,7 @@ def report(summary, args, name: str, date: str) -> str:
              f"one group of {GROUP} responses (lengths L, 3L/4, L/2, L/4) after a {args.prompt_len}-token prompt: "
              "forward, PACS loss, backward, AdamW step. The fused loss's logits working memory "
              "(train.loss_chunk_mib) is 1/64 of the budget; the split variants run the group one response "
-             "at a time (pacs/split_groups.py).", "",
+             "at a time (pacs/train/split_groups.py).", "",
              "| budget | variant | longest response L that fits | smallest L tried that does not | vs padded_naive |",
              "|---:|---|---:|---:|---:|"]
     base = {b: lo for b, v, lo, _, _ in summary if v == "padded_naive"}

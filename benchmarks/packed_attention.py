@@ -1,5 +1,5 @@
 """The packed row's attention, forward + backward: one flash varlen call against the per-sequence loop
-and against padded rows, on the same inputs (pacs/varlen_attention.py).
+and against padded rows, on the same inputs (pacs/model/varlen_attention.py).
 
     python benchmarks/packed_attention.py                        # CUDA if present (bf16, real shapes), else CPU
     python benchmarks/packed_attention.py --device cuda --time-budget 15
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from benchmarks.measure import error_line
 from benchmarks.report import write_csv_and_markdown
-from pacs import varlen_attention as va
+from pacs.model import varlen_attention as va
 
 ENGINES = ("varlen", "loop", "padded")
 MODELS = {"cuda": {"qwen2.5-1.5b": (12, 2, 128), "qwen2.5-7b": (28, 4, 128)},  # query heads, kv heads, head_dim

@@ -1,4 +1,4 @@
-"""How close is ``pacs plan`` (pacs/memory_plan.py) to the peak of a real training step? CPU, small scale.
+"""How close is ``pacs plan`` (pacs/train/memory_plan.py) to the peak of a real training step? CPU, small scale.
 
     python benchmarks/plan_accuracy.py                 # every probe, writes results/plan_accuracy_cpu.{csv,md}
     python benchmarks/plan_accuracy.py --probes none ckpt
@@ -67,7 +67,7 @@ CUDA_PROBE = ("real_model_ckpt_bf16", ("packed", "fused", "ckpt"), 2048.0, 4096,
 
 
 def real_model_config(dry_run: bool) -> dict:
-    from pacs.memory_plan import PRESET_MODELS_DIR
+    from pacs.train.memory_plan import PRESET_MODELS_DIR
 
     with open(os.path.join(PRESET_MODELS_DIR, REAL_MODEL, "config.json")) as fh:
         config = json.load(fh)
@@ -79,7 +79,7 @@ def real_model_config(dry_run: bool) -> dict:
 
 def equal_rows_batch(response: int, seed: int, vocab: int | None = None):
     """One group of GROUP full-length rows (the planner's worst case)."""
-    from pacs.trainer import build_batch
+    from pacs.train.trainer import build_batch
 
     gen = torch.Generator().manual_seed(seed)
     vocab = vocab or MODEL["vocab_size"]
@@ -97,7 +97,7 @@ def build_policy(levers, dtype: str, model: dict | None = None, device: torch.de
     """benchmarks/long_context_train.py's model and levers; ``dtype`` "mixed": bfloat16 autocast over float32
     master weights."""
     from benchmarks.long_context_train import build
-    from pacs.mixed_precision import Precision
+    from pacs.model.mixed_precision import Precision
 
     precision = Precision(torch.bfloat16, torch.float32) if dtype == "mixed" else None
     return build(model or MODEL, tuple(levers), device, torch.float32, precision=precision)
@@ -149,7 +149,7 @@ def cuda_worker(request: dict) -> None:
 def cuda_row(request: dict) -> dict:
     """Measured (a fresh process) and predicted peak of the real architecture's step; the planner's assumed
     CUDA context (not in the allocator's count) is left out of the prediction."""
-    from pacs.memory_plan import CUDA_RESERVE_GIB, GiB, Levers, PlanInputs, plan_memory, shape_from_config
+    from pacs.train.memory_plan import CUDA_RESERVE_GIB, GiB, Levers, PlanInputs, plan_memory, shape_from_config
 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
@@ -177,7 +177,7 @@ def cuda_row(request: dict) -> dict:
 
 
 def predict(probe: str):
-    from pacs.memory_plan import Levers, PlanInputs, plan_memory, shape_from_config
+    from pacs.train.memory_plan import Levers, PlanInputs, plan_memory, shape_from_config
 
     levers, chunk, response, dtype = PROBES[probe]
     shape = shape_from_config(dict(MODEL, model_type="qwen2"), name="plan-accuracy")
@@ -226,7 +226,7 @@ def markdown(rows: list[dict], name: str, date: str) -> str:
              "micro-batch (gradients held, as under accumulation), then the AdamW step.", "",
              "Measured = parameters + AdamW state (bytes of the tensors) + the peak resident-set increase over the "
              "step (VmHWM reset right before it; the interpreter's and torch's baseline resident set is left out "
-             "of both sides). Predicted: `pacs.memory_plan.plan_memory` for the same shapes, tokens and levers "
+             "of both sides). Predicted: `pacs.train.memory_plan.plan_memory` for the same shapes, tokens and levers "
              "(device cpu: offloaded activations counted, host memory being the device's). Method: "
              "the script's docstring.", "",
              "| probe | levers | dtype | loss chunk MiB | tokens | measured MiB | predicted MiB | error | "

@@ -51,7 +51,7 @@ VARIANTS = {
     "pacs_unweighted": ["optim.algo=pacs", "optim.weighting=none"],
     # the reference kept for 4 rollout steps (the paper's periodic hard reset, period 4 instead of 1)
     "pacs_ref4": ["optim.algo=pacs", "optim.ref_reset_every=4"],
-    # the single-label groups left out of the loss (pacs/single_label_groups.py): with a reset every step,
+    # the single-label groups left out of the loss (pacs/train/single_label_groups.py): with a reset every step,
     # and with the reference kept for 4 (where those groups pull toward the reference)
     "pacs_drop": ["optim.algo=pacs", "optim.drop_single_label_groups=true"],
     "pacs_ref4_drop": ["optim.algo=pacs", "optim.ref_reset_every=4", "optim.drop_single_label_groups=true"],

@@ -1,5 +1,5 @@
 """What sequence parallelism saves: one training step's memory per rank, 1 process against a group of ranks
-that split the micro-batch's tokens (train.sequence_parallel_size, pacs/sequence_parallel.py).
+that split the micro-batch's tokens (train.sequence_parallel_size, pacs/model/sequence_parallel.py).
 
     python benchmarks/sequence_parallel_memory.py                 # CPU: 1 process, then 2 ranks (gloo)
     python benchmarks/sequence_parallel_memory.py --dry-run       # tiny lengths (plumbing)
@@ -51,8 +51,9 @@ def step(policy, batch, sp, loss_chunk_mib: float) -> tuple[float, float]:
 
     from benchmarks.long_context_train import GROUP
     from pacs.config import Config
-    from pacs.packing import slice_micro_batch, to_layout
-    from pacs.trainer import policy_loss, sequence_parallel_loss
+    from pacs.model.packing import to_layout
+    from pacs.model.sequence_parallel import slice_micro_batch
+    from pacs.train.trainer import policy_loss, sequence_parallel_loss
 
     cfg = Config()
     cfg.rollout.group_size = GROUP
@@ -86,7 +87,7 @@ def worker(args) -> None:
 
     from benchmarks.long_context_train import build, make_batch
     from benchmarks.measure import peak_rss_mib, reset_peak_rss
-    from pacs.sequence_parallel import enable_sequence_parallel_attention, new_sequence_parallel
+    from pacs.model.sequence_parallel import enable_sequence_parallel_attention, new_sequence_parallel
 
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))

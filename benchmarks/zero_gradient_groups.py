@@ -5,7 +5,7 @@
     python benchmarks/zero_gradient_groups.py --dry-run        # 2 steps each (plumbing)
 
 A group whose responses all got one reward adds nothing to the gradient on the first mini-batch after a
-reset (pacs/single_label_groups.py), so the trainer does not run it there. Each pair of runs (on, off)
+reset (pacs/train/single_label_groups.py), so the trainer does not run it there. Each pair of runs (on, off)
 starts from the same warmed-up model and samples the same first rollout; the table gives the update's
 time per rollout step (the old-policy pass, the forwards and backwards, the optimizer steps: the
 ``update_time`` the trainer logs, its mean over the steps), the share of groups skipped, the speed-up of

@@ -3,19 +3,21 @@
 Exit codes: 0 done (``pacs plan``: a lever set fits); 1 ``pacs plan``: nothing fits; 2 a setting, path or
 file that cannot work (one line on stderr, before any work when it can be known then; also another process
 using the run directory, a full disk mid-run); 3 training stopped by repeated non-finite updates; 130 Ctrl-C;
-143 / 138 training stopped by SIGTERM / SIGUSR1 after checkpointing its step (pacs/stop_signals.py).
+143 / 138 training stopped by SIGTERM / SIGUSR1 after checkpointing its step (pacs/train/stop_signals.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
 import sys
 
-from .config import BUILTIN_TASK_SETTINGS, Config, apply_dict, config_keys, load_config
-from .console import quiet_third_party
+from pacs.config import BUILTIN_TASK_SETTINGS, Config, apply_dict, config_keys, load_config
+from pacs.train.console import quiet_third_party
+from pacs.train.run_dir import RunDir
 
 DEFAULTS = Config()
 
@@ -48,7 +50,7 @@ def _key_list() -> str:
 
 
 def build_config(args: argparse.Namespace) -> Config:
-    from .eval_presets import preset_overrides
+    from pacs.eval.presets import preset_overrides
 
     changes = list(getattr(args, "change", None) or [])
     data = getattr(args, "data", None)  # pacs eval --data: every row of this file is a problem to evaluate
@@ -89,9 +91,9 @@ def _is_main_rank() -> bool:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .disk_space import NoSpaceLeft
-    from .policy import close_distributed
-    from .trainer import TrainingInterrupted, TrainingPreempted, TrainingStopped, resume_hint, train
+    from pacs.model.policy import close_distributed
+    from pacs.train.disk_space import NoSpaceLeft
+    from pacs.train.trainer import TrainingInterrupted, TrainingPreempted, TrainingStopped, resume_hint, train
 
     cfg = build_config(args)
     change = changed_keys(args.change or [], resume=cfg.resume)
@@ -126,13 +128,13 @@ EVAL_CHUNK_SEQUENCES = 1024
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from .eval_journal import EvalJournal, model_files, problems_digest
-    from .eval_outputs import write_eval_outputs
-    from .evaluate import run_eval
-    from .rollout import make_rollout_engine
-    from .run_lock import lock_run_directory
-    from .run_setup import apply_torch_threads, check_config, engine_options, prepare_run
-    from .stop_signals import Terminated, sigterm_raises
+    from pacs.eval.evaluate import run_eval
+    from pacs.eval.journal import EvalJournal, model_files, problems_digest
+    from pacs.eval.outputs import write_eval_outputs
+    from pacs.rollout import make_rollout_engine
+    from pacs.train.run_lock import lock_run_directory
+    from pacs.train.run_setup import apply_torch_threads, check_config, engine_options, prepare_run
+    from pacs.train.stop_signals import Terminated, sigterm_raises
 
     cfg = build_config(args)
     if args.n_samples is not None:
@@ -150,7 +152,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     # one process, no training: a run's multi-process training settings (its config.yaml) do not apply
     cfg.train.sequence_parallel_size, cfg.train.fsdp_cpu_offload = 1, False
     check_config(cfg)
-    out_dir = args.eval_dir or os.path.join(cfg.output_dir, "eval")
+    out_dir = args.eval_dir or RunDir(cfg.output_dir).eval
     lock_run_directory(out_dir, "--eval-dir")  # one evaluation per eval directory (its journal)
     apply_torch_threads(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     run = prepare_run(cfg, log=lambda *_: None)
@@ -187,7 +189,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .memory_plan import PlanInputs, load_model_shape, plan_preset, report
+    from pacs.train.memory_plan import PlanInputs, load_model_shape, plan_preset, report
 
     if args.preset is not None:
         plan = plan_preset(args.preset)
@@ -216,24 +218,40 @@ def benchmarks_dir() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
-def load_benchmarks_run():
-    """benchmarks.run from the source checkout; a ``RuntimeError`` saying why when it cannot be loaded."""
-    where = benchmarks_dir()
-    if not os.path.isfile(os.path.join(where, "run.py")):
-        raise RuntimeError(f"pacs bench needs a source checkout (benchmarks/ not found next to the pacs package: "
-                           f"{where}); clone the repository and run it from there")
-    checkout = os.path.dirname(where)
-    if checkout not in sys.path:
-        sys.path.insert(0, checkout)
-    import benchmarks
+def _module_from_file(name: str, path: str, package_dir: str | None = None):
+    """Module ``name`` executed from the file ``path`` (a package when ``package_dir`` is given), registered in
+    ``sys.modules`` so that its own ``from benchmarks import ...`` lines find it."""
+    spec = importlib.util.spec_from_file_location(
+        name, path, submodule_search_locations=None if package_dir is None else [package_dir])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
-    found = os.path.dirname(os.path.abspath(benchmarks.__file__ or ""))
+
+def load_benchmarks_run():
+    """benchmarks/run.py from the source checkout, loaded by file path (the harness is no dependency of the
+    ``pacs`` package); a ``RuntimeError`` saying why when it cannot be loaded."""
+    where = benchmarks_dir()
+    missing = [name for name in ("__init__.py", "run.py") if not os.path.isfile(os.path.join(where, name))]
+    if missing:
+        raise RuntimeError(f"pacs bench needs a source checkout (benchmarks/ not found next to the pacs package: "
+                           f"{where}, missing {', '.join(missing)}); clone the repository and run it from there")
+    loaded = sys.modules.get("benchmarks")
+    if loaded is None:
+        loaded = _module_from_file("benchmarks", os.path.join(where, "__init__.py"), where)
+    found = os.path.dirname(os.path.abspath(getattr(loaded, "__file__", None) or ""))
     if os.path.realpath(found) != os.path.realpath(where):
         raise RuntimeError(f"pacs bench: the imported 'benchmarks' package is {found}, not this checkout's {where}; "
                            "uninstall the other one")
-    from benchmarks import run
-
-    return run
+    checkout = os.path.dirname(where)
+    if checkout not in sys.path:  # the harness imports pacs_kernels from the checkout too
+        sys.path.insert(0, checkout)
+    return sys.modules.get("benchmarks.run") or _module_from_file("benchmarks.run", os.path.join(where, "run.py"))
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -275,8 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(ev)
     ev.add_argument("--preset", help="evaluation protocol: math (the paper's sampling: 32 samples, T 0.6, top-p "
                     "0.95, pass@1..32), paper (+ chat template, instruction, 4096 tokens), paper256; see "
-                    "pacs/eval_presets.py")
-    ev.add_argument("--data", help="a .jsonl/.parquet file (or hf:NAME, see pacs/datasets.py) whose every row "
+                    "pacs/eval/presets.py")
+    ev.add_argument("--data", help="a .jsonl/.parquet file (or hf:NAME, see pacs/tasks/datasets.py) whose every row "
                     "is evaluated with the math reward")
     ev.add_argument("--eval-dir", help="where eval_problems.jsonl, eval_metrics.json and pass_at_k.png go "
                     "(default OUTPUT_DIR/eval)")

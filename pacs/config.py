@@ -23,7 +23,7 @@ _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters instead of full fine-tuning (pacs/lora.py); rank 0: off."""
+    """LoRA adapters instead of full fine-tuning (pacs/model/lora.py); rank 0: off."""
 
     rank: int = 0
     alpha: float = 16.0             # the adapters' output is scaled by alpha / rank
@@ -71,7 +71,7 @@ class RolloutConfig:
     top_p: float = 1.0
     max_new_tokens: int = 4096      # the paper's response budget (the built-in tasks: 6)
     max_prompt_len: int | None = None  # None: the longest prompt of the task's data, tokenized as the run will
-                                       # (pacs/prompt_lengths.py; the built-in tasks: 32); a prompt longer than a
+                                       # (pacs/train/prompt_lengths.py; the built-in tasks: 32); a prompt longer than a
                                        # number set here is refused before any work, unless truncate_prompts
     truncate_prompts: bool = False  # cut prompts longer than max_prompt_len to their last max_prompt_len tokens
     gpu_memory_utilization: float = 0.5  # vLLM's share of the GPU (the built-in tasks: 0.3)
@@ -91,7 +91,7 @@ class OptimConfig:
     micro_batch_groups: int = 4     # groups per micro-batch (gradient accumulation)
     micro_batch_responses: int | None = None  # alternative to micro_batch_groups; must be a multiple of G
     max_grad_norm: float = 1.0
-    # the dtype of the weights AdamW steps (pacs/mixed_precision.py): float32 master weights under a 16-bit
+    # the dtype of the weights AdamW steps (pacs/model/mixed_precision.py): float32 master weights under a 16-bit
     # model.dtype; a 16-bit name equal to model.dtype steps those weights directly (warns: small updates round away)
     master_dtype: str = "float32"   # float32 | bfloat16 | float16
     # PACS
@@ -101,9 +101,9 @@ class OptimConfig:
     weighting: str = "balanced"
     score_function_term: bool = False
     # the reference of the log-ratio score: the policy at rollout steps 1, 1 + k, 1 + 2k, ... (k = this);
-    # 1 (the public code's): the policy that generated each rollout (pacs/reference_policy.py)
+    # 1 (the public code's): the policy that generated each rollout (pacs/model/reference_policy.py)
     ref_reset_every: int = 1
-    # PACS only: groups whose responses all got the same reward weigh 0 in the loss (pacs/single_label_groups.py;
+    # PACS only: groups whose responses all got the same reward weigh 0 in the loss (pacs/train/single_label_groups.py;
     # with a reset every rollout step they add no gradient on the first mini-batch anyway)
     drop_single_label_groups: bool = False
     # GRPO baseline
@@ -117,7 +117,7 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    """Long responses on limited memory (pacs/packing.py, pacs/memory.py)."""
+    """Long responses on limited memory (pacs/model/packing.py, pacs/model/memory.py)."""
 
     packing: bool | None = None     # padding-free packed micro-batches; None: on where the loss takes that
                                     # layout (PACS, and GRPO where fused_linear_grpo_loss takes cu_seqlens)
@@ -131,15 +131,15 @@ class TrainConfig:
     offload_activations: bool = False  # tensors saved for the backward go to host memory
     fsdp_cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads, optimizer state on the host
     liger_patches: bool = False     # CUDA: Liger-Kernel RMSNorm, SwiGLU, RoPE in the model (never its loss)
-    tiled_mlp: bool = False         # each decoder MLP over tiles of tokens, only its input kept (pacs/tiled_mlp.py)
+    tiled_mlp: bool = False         # each decoder MLP over tiles of tokens, only its input kept (model/tiled_mlp.py)
     mlp_tile_tokens: int | None = None  # tokens per MLP tile; None: the model's hidden size
     skip_zero_gradient_groups: bool = True  # PACS: no forward/backward for groups whose gradient is exactly 0
                                     # (single-label groups on the first mini-batch after a reset; every
-                                    # mini-batch with optim.drop_single_label_groups): pacs/single_label_groups.py
+                                    # mini-batch with optim.drop_single_label_groups): pacs/train/single_label_groups.py
     preflight: bool | None = None   # run the longest step the settings allow before the first rollout
-                                    # (pacs/preflight.py); None: on CUDA
+                                    # (pacs/train/preflight.py); None: on CUDA
     sequence_parallel_size: int = 1  # ranks that split each packed micro-batch's tokens (Ulysses attention,
-                                     # pacs/sequence_parallel.py): the longest response grows with it
+                                     # pacs/model/sequence_parallel.py): the longest response grows with it
     distributed_timeout_minutes: float | None = None  # how long a rank waits in a collective for the others
                                      # (torchrun); None: torch's default (NCCL 10 min); raise it when one rank's
                                      # generation may outlast another's by more
@@ -464,14 +464,14 @@ def grpo_supports_packing() -> bool:
 def use_packing(cfg: Config, model_config=None, attention: str = "pacs_packed_sdpa") -> bool:
     """train.packing resolved: None means packed wherever that is exact: the configured loss takes the
     layout and, given the model's (Hugging Face) config, packed rows run with the attention implementation
-    ``attention`` compute what padded rows do (:func:`pacs.packing.packing_obstacle`). ``train.packing=true``
+    ``attention`` compute what padded rows do (:func:`pacs.model.packing.packing_obstacle`). ``train.packing=true``
     for a model that cannot be packed exactly is a ValueError saying why."""
     requested = cfg.train.packing
     if requested is False or (requested is None and not (cfg.optim.algo == "pacs" or grpo_supports_packing())):
         return False
     if model_config is None:
         return True
-    from .packing import packing_obstacle
+    from pacs.model.packing import packing_obstacle
 
     why = packing_obstacle(model_config, attention)
     if why is not None and requested:

@@ -1,4 +1,4 @@
-"""A tiny training-like loop over pacs.checkpoint and pacs.metrics, for tests/test_fault_injection.py.
+"""A tiny training-like loop over pacs.train.checkpoint and pacs.train.metrics, for tests/test_fault_injection.py.
 
 Each step changes a 1 MiB float32 state with draws from a generator, writes the step's metrics row
 (the state's sum), then a checkpoint of the state and the generator (the trainer's order). A run
@@ -13,15 +13,15 @@ import signal
 
 import torch
 
-from pacs import checkpoint as ck
-from pacs.metrics import MetricsLog
+from pacs.train import checkpoint as ck
+from pacs.train.metrics import MetricsLog
 
 SHAPE = (256, 1024)
 KEEP = 2
 
 
 def die_on_call(name: str, call: int, when: str) -> None:
-    """SIGKILL this process on the ``call``-th call of ``name`` (a pacs.checkpoint function, or
+    """SIGKILL this process on the ``call``-th call of ``name`` (a pacs.train.checkpoint function, or
     ``os.rename`` / ``os.replace`` / ``rmtree``), ``before`` or ``after`` the call itself."""
     owner, attr = {"rename": (os, "rename"), "replace": (os, "replace"),
                    "rmtree": (ck.shutil, "rmtree")}.get(name, (ck, name))

@@ -21,11 +21,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trl_helpers as helpers  # noqa: E402
 from trainer_helpers import leave_distributed_run  # noqa: E402
 
-from pacs.integrations.model_forward import PACSBatch, add_pacs_forward  # noqa: E402
+from pacs.model.model_forward import PACSBatch, add_pacs_forward  # noqa: E402
 from pacs_kernels import PACSLoss  # noqa: E402
 
 G, P, C, V = 4, 5, 6, 17
-# Where the LM head's parameters live: in the root unit (pacs/policy.py's layout); a unit of its own,
+# Where the LM head's parameters live: in the root unit (pacs/model/policy.py's layout); a unit of its own,
 # resharded after its forward; with the final norm, kept unsharded (accelerate 1.15's FSDP2 layout,
 # the input embedding a unit of its own).
 LAYOUTS = ("head_in_root", "head_alone", "head_with_norm")

@@ -1,4 +1,4 @@
-"""20 PACS updates at lr 1e-6 of the trainer's own update (pacs.trainer.update_policy) on one fixed batch,
+"""20 PACS updates at lr 1e-6 of the trainer's own update (pacs.train.trainer.update_policy) on one fixed batch,
 with the policy loaded as ``pacs train`` loads it (1 process, or one FSDP2 rank under torchrun).
 
 usage: python mixed_precision_worker.py OUT.pt MODEL_DIR MODEL_DTYPE MASTER_DTYPE
@@ -17,9 +17,9 @@ import torch.distributed as dist
 from trainer_helpers import leave_distributed_run  # the script's folder is on sys.path
 
 from pacs.config import load_config
-from pacs.mixed_precision import rounding_warning, share_frozen_by_rounding
-from pacs.policy import full_named_tensors, load_policy, setup_distributed
-from pacs.trainer import build_batch, old_policy_logprobs, update_policy
+from pacs.model.mixed_precision import rounding_warning, share_frozen_by_rounding
+from pacs.model.policy import full_named_tensors, load_policy, setup_distributed
+from pacs.train.trainer import build_batch, old_policy_logprobs, update_policy
 
 STEPS, LR, GROUP, GROUPS = 20, 1e-6, 4, 4
 
@@ -48,7 +48,7 @@ def main() -> None:
     dist_info = setup_distributed()
     policy = load_policy(model_dir, dtype=model_dtype, master_dtype=master_dtype, dist_info=dist_info)
     said = io.StringIO()
-    if policy.precision.steps_16_bit_weights:  # what pacs train says (pacs/trainer.py)
+    if policy.precision.steps_16_bit_weights:  # what pacs train says (pacs/train/trainer.py)
         with contextlib.redirect_stdout(said):
             print(rounding_warning(share_frozen_by_rounding(policy.parameters(), LR), LR, policy.precision.master,
                                    f"optim.master_dtype={master_dtype}"))

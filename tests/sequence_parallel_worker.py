@@ -3,7 +3,7 @@
 A tiny Qwen2 built in code (for each head layout of ``HEADS``: key/value heads split over the ranks,
 too few to split, multi-head) and one packed micro-batch of two groups (sequences of odd lengths, so the
 row is padded). Each rank computes, on its half of the tokens with the Ulysses attention, the final hidden
-states, then the PACS loss on the gathered log-probs (``pacs.sequence_parallel.whole_micro_batch``), and
+states, then the PACS loss on the gathered log-probs (``pacs.model.sequence_parallel.whole_micro_batch``), and
 its backward; the ranks' gradients are summed. Rank 0 also runs the same micro-batch in one process
 (the packed forward and the loss on the whole row; log-probs from float64 logits in both). Writes OUT_DIR/rank{R}.pt:
 {layout: {"hidden": this rank's hidden states, "hidden_reference": the one-process run's (rank 0),
@@ -23,9 +23,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from trainer_helpers import leave_distributed_run  # noqa: E402
 
-from pacs.packing import enable_packed_attention, pack_rows, packed_forward  # noqa: E402
-from pacs.policy import Policy  # noqa: E402
-from pacs.sequence_parallel import (  # noqa: E402
+from pacs.model.packing import enable_packed_attention, pack_rows, packed_forward  # noqa: E402
+from pacs.model.policy import Policy  # noqa: E402
+from pacs.model.sequence_parallel import (  # noqa: E402
     enable_sequence_parallel_attention,
     new_sequence_parallel,
     shard_packed,
@@ -49,7 +49,7 @@ def build_model(heads: int, kv_heads: int):
 
 
 def make_batch():
-    from pacs.trainer import build_batch
+    from pacs.train.trainer import build_batch
 
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, V, (3,), generator=gen).tolist() for _ in range(2)]
@@ -101,7 +101,7 @@ def main() -> None:
         results[layout] = mine
     # the old-policy pass with a filler forward (a rank with fewer chunks than another runs as many): row 0
     # alone splits over the ranks otherwise than rows 0-1 do, and its results must not be added in again
-    from pacs.trainer import old_policy_logprobs
+    from pacs.train.trainer import old_policy_logprobs
 
     with torch.no_grad():
         plain = old_policy_logprobs(policy, batch, [(0, 2), (2, 4)], 1.0, "torch", packed=True, sp=sp)

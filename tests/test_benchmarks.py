@@ -181,7 +181,7 @@ def test_trl_dropin_single_label_groups_reach_the_loss_inputs():
     mixed as before (K = 0: the rewards of the committed CSV); they are the trainer's pacs_rewards, and the
     groups PACSTrainer's skipping would leave out are exactly those K."""
     from benchmarks import trl_dropin
-    from pacs.single_label_groups import groups_that_must_run
+    from pacs.train.single_label_groups import groups_that_must_run
 
     assert torch.equal(trl_dropin.make_rewards(8), torch.tensor([1.0, 0.0] * 4))
     args = trl_dropin.parse_args(["--responses", "16", "--single-label-groups", "2", "--vocab", "64",
@@ -383,7 +383,7 @@ def test_trl_dropin_checkpointing_cases_recompute_the_layers_and_tile_the_mlp(tm
     the loss and gradient equal pacs's."""
     pytest.importorskip("trl")
     from benchmarks import trl_dropin
-    from pacs.tiled_mlp import is_tiled
+    from pacs.model.tiled_mlp import is_tiled
 
     args = trl_dropin.parse_args(["--vocab", "256", "--hidden", "32", "--completion-len", "12", "--prompt-len", "4",
                                   "--varied-lengths", "--repeats", "1", "--threads", str(torch.get_num_threads())])
@@ -445,7 +445,7 @@ def test_packed_attention_times_varlen_where_the_kernel_runs(monkeypatch, tmp_pa
     from test_varlen_attention import FakeKernel
 
     from benchmarks import packed_attention
-    from pacs import varlen_attention as va
+    from pacs.model import varlen_attention as va
 
     monkeypatch.setattr(va, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(va, "KERNEL_DTYPES", (torch.float16, torch.bfloat16, torch.float32))

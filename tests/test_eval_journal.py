@@ -1,5 +1,5 @@
 """`pacs eval` is never lost: chunks of problems journaled as they finish, an interrupted evaluation
-resumed from its journal to the report of one never interrupted (pacs/eval_journal.py)."""
+resumed from its journal to the report of one never interrupted (pacs/eval/journal.py)."""
 
 import json
 import os
@@ -8,8 +8,8 @@ import random
 import pytest
 
 import pacs.cli as cli
-from pacs.eval_journal import JOURNAL_NAME, EvalJournal
-from pacs.evaluate import run_eval
+from pacs.eval.evaluate import run_eval
+from pacs.eval.journal import JOURNAL_NAME, EvalJournal
 from pacs.tasks.base import Problem
 
 

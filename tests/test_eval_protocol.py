@@ -12,12 +12,12 @@ import pytest
 
 from pacs.cli import build_config, main
 from pacs.config import validate
-from pacs.datasets import DATASETS, load_dataset_file, load_hf, spec
-from pacs.eval_outputs import pass_at_k_points, write_eval_outputs
-from pacs.eval_presets import PAPER_INSTRUCTION, PRESETS, preset_overrides
-from pacs.evaluate import encode_prompt, run_eval
+from pacs.eval.evaluate import encode_prompt, run_eval
+from pacs.eval.outputs import pass_at_k_points, write_eval_outputs
+from pacs.eval.presets import PAPER_INSTRUCTION, PRESETS, preset_overrides
 from pacs.tasks import MathTask, load_problems
 from pacs.tasks.base import Problem
+from pacs.tasks.datasets import DATASETS, load_dataset_file, load_hf, spec
 from pacs.tasks.word_problems import build_word_tokenizer
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -49,7 +49,7 @@ def _random_eval(seed: int, n: int = 6, problems: int = 5):
     replies = [[("\\boxed{" + p.answer + "}") if rng.random() < 0.4 else ("\\boxed{" + str(rng.randint(0, 9)) + "}")
                 for _ in range(n)] for p in probs]
     task = MathTask.__new__(MathTask)  # only its reward is used
-    from pacs.rewards import math_reward
+    from pacs.tasks.rewards import math_reward
 
     task.reward_fn = math_reward
     return tok, probs, replies, task

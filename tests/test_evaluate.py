@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pacs.evaluate import evaluate, mean_pass_at_k, pass_at_k
+from pacs.eval.evaluate import evaluate, mean_pass_at_k, pass_at_k
 from pacs.tasks.arithmetic import AdditionTask
 
 

@@ -1,4 +1,4 @@
-"""LoRA in ``pacs train`` (``model.lora.*``, pacs/lora.py): only the adapters train; the engines, checkpoints'
+"""LoRA in ``pacs train`` (``model.lora.*``, pacs/model/lora.py): only the adapters train; the engines, checkpoints'
 readers and the export see plain Hugging Face weights with the adapters merged; checkpoints hold the
 adapters alone; a resumed run equals the uninterrupted one; LoRA composes with packing, gradient
 checkpointing, the tiled MLP and FSDP2 on 2 ranks."""
@@ -15,10 +15,10 @@ from test_trainer_fsdp import close, run_worker
 from trainer_helpers import comparable, tiny_config
 
 from pacs.config import load_config, validate
-from pacs.metrics import read_metrics
-from pacs.packing import pack_rows
-from pacs.policy import full_named_tensors, load_policy
-from pacs.trainer import policy_loss, train
+from pacs.model.packing import pack_rows
+from pacs.model.policy import full_named_tensors, load_policy
+from pacs.train.metrics import read_metrics
+from pacs.train.trainer import policy_loss, train
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2"]
 

@@ -12,10 +12,10 @@ import torch
 from test_packing import config, random_batch, tiny_policy
 from trainer_helpers import comparable, repo_root, tiny_config
 
-from pacs.memory import activation_offload, apply_liger_patches, fsdp_kwargs
-from pacs.packing import pack_rows
-from pacs.tiled_mlp import is_tiled
-from pacs.trainer import policy_loss
+from pacs.model.memory import activation_offload, apply_liger_patches, fsdp_kwargs
+from pacs.model.packing import pack_rows
+from pacs.model.tiled_mlp import is_tiled
+from pacs.train.trainer import policy_loss
 
 
 def packed_grads(policy, batch, old_logp, offload: bool):
@@ -60,10 +60,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from test_packing import config, random_batch, tiny_policy
-from pacs.memory import fsdp_kwargs
-from pacs.packing import pack_rows
-from pacs.policy import decoder_layers
-from pacs.trainer import policy_loss
+from pacs.model.memory import fsdp_kwargs
+from pacs.model.packing import pack_rows
+from pacs.model.layers import decoder_layers
+from pacs.train.trainer import policy_loss
 
 reference = tiny_policy(21, dtype=torch.float32)
 sharded = copy.deepcopy(reference)
@@ -149,8 +149,8 @@ def test_trainer_packed_with_levers_matches_padded(tmp_path):
     groups (every metric equal); packed token-budget micro-batches with checkpointing, activation
     offload, the tiled MLP and the old-policy pass in small chunks (a different cut of the mini-batch: the
     cut-independent metrics and the weights equal), up to float rounding."""
-    from pacs.metrics import read_metrics
-    from pacs.trainer import train
+    from pacs.train.metrics import read_metrics
+    from pacs.train.trainer import train
 
     cache = tmp_path / "cache"
     common = ["max_steps=2", "rollout.engine=hf", "eval.every=0", "checkpoint_every=0", "optim.lr_schedule=constant",

@@ -1,4 +1,4 @@
-"""pacs plan (pacs/memory_plan.py): the arithmetic on known cases, its monotonicity, the presets, the CLI."""
+"""pacs plan (pacs/train/memory_plan.py): the arithmetic on known cases, its monotonicity, the presets, the CLI."""
 
 import glob
 import os
@@ -11,7 +11,7 @@ import pytest
 
 from pacs.cli import main
 from pacs.config import load_config, validate
-from pacs.memory_plan import (
+from pacs.train.memory_plan import (
     Levers,
     PlanInputs,
     cheapest_fitting_plan,
@@ -58,7 +58,7 @@ def inputs(**kw):
 
 
 def test_default_loss_chunk_is_the_kernels_default():
-    from pacs.memory_plan import DEFAULT_LOSS_CHUNK_MIB
+    from pacs.train.memory_plan import DEFAULT_LOSS_CHUNK_MIB
     from pacs_kernels.single_pass import DEFAULT_CHUNK_BUDGET_MIB
 
     assert DEFAULT_LOSS_CHUNK_MIB == DEFAULT_CHUNK_BUDGET_MIB
@@ -194,7 +194,7 @@ def test_presets_cover_the_issue_s_settings():
 
 
 def test_what_would_fit_a_7b_on_24_gib_without_room_for_vllm():
-    from pacs.memory_plan import what_would_fit
+    from pacs.train.memory_plan import what_would_fit
 
     inp = inputs(model=load_model_shape("qwen2.5-7b"), gpu_gib=23.5, response_len=16384)
     assert not cheapest_fitting_plan(inp)[1]
@@ -221,7 +221,7 @@ def test_planner_within_15_percent_of_measured_peaks():
 def test_preflight_prediction_from_a_loaded_model_config():
     import transformers
 
-    from pacs.memory_plan import planned_training_gib
+    from pacs.train.memory_plan import planned_training_gib
 
     cfg = load_config(os.path.join(REPO, "configs", "presets", "qwen2.5-1.5b_full_80gb.yaml"))
     config = transformers.AutoConfig.for_model(**{k: v for k, v in load_model_shape_raw("qwen2.5-1.5b").items()

@@ -1,6 +1,6 @@
-"""Mixed precision (pacs/mixed_precision.py): float32 master weights under 16-bit compute train at the PACS
+"""Mixed precision (pacs/model/mixed_precision.py): float32 master weights under 16-bit compute train at the PACS
 paper's learning rate, 16-bit weights stepped directly do not (and say so), and update_nonzero_frac
-(pacs/weight_updates.py) shows which is happening. On 1 process and on 2 FSDP2 ranks."""
+(pacs/train/weight_updates.py) shows which is happening. On 1 process and on 2 FSDP2 ranks."""
 
 import json
 import os
@@ -12,9 +12,9 @@ import transformers
 from trainer_helpers import repo_root, run_torchrun
 
 from pacs.config import load_config, validate
-from pacs.mixed_precision import Precision, half_ulp, resolve_precision, share_frozen_by_rounding
-from pacs.policy import export_hf, load_policy
-from pacs.weight_updates import UpdateMonitor
+from pacs.model.mixed_precision import Precision, half_ulp, resolve_precision, share_frozen_by_rounding
+from pacs.model.policy import export_hf, load_policy
+from pacs.train.weight_updates import UpdateMonitor
 
 
 def tiny_model_dir(path) -> str:
@@ -222,8 +222,8 @@ def test_pacs_trainer_warns_for_a_bfloat16_model_at_a_rate_that_rounds_away_and_
 def test_pacs_train_in_bfloat16_keeps_float32_weights_resumes_exactly_and_exports_bfloat16(tmp_path):
     from trainer_helpers import comparable, tiny_config
 
-    from pacs.metrics import read_metrics
-    from pacs.trainer import train
+    from pacs.train.metrics import read_metrics
+    from pacs.train.trainer import train
 
     cache = tmp_path / "cache"
     steps = ["rollout.engine=hf", "model.dtype=bfloat16", "checkpoint_every=2", "optim.lr_schedule=constant"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 import trl_helpers as helpers
 
-from pacs.integrations.model_forward import PACSBatch, add_pacs_forward
+from pacs.model.model_forward import PACSBatch, add_pacs_forward
 from pacs_kernels import PACSLoss, pacs_loss
 from pacs_kernels.reference import naive_linear_logprobs
 

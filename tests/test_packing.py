@@ -7,17 +7,17 @@ import torch
 import transformers
 
 from pacs.config import Config, load_config, use_packing, validate
-from pacs.packing import (
+from pacs.model.packed_attention import packed_attention_implementation
+from pacs.model.packing import (
     enable_packed_attention,
     micro_batch_ranges,
     pack_real_tokens,
     pack_rows,
-    packed_attention_implementation,
     plan_micro_batches,
     real_token_spans,
 )
-from pacs.policy import Policy
-from pacs.trainer import build_batch, old_policy_logprobs, policy_loss
+from pacs.model.policy import Policy
+from pacs.train.trainer import build_batch, old_policy_logprobs, policy_loss
 
 VOCAB, GROUP = 48, 3
 ARCH = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -228,7 +228,7 @@ def test_packed_attention_implementation_on_cpu():
 def test_split_to_count_keeps_whole_groups_and_the_budget():
     lengths = [9, 4, 7, 30, 2, 2, 5, 5, 5, 8, 8, 1]  # 4 groups of 3
     plan = plan_micro_batches(lengths, GROUP, 60)
-    from pacs.packing import split_to_count
+    from pacs.model.packing import split_to_count
 
     for count in range(len(plan), 5):  # up to one group per micro-batch (beyond: tests/test_split_groups.py)
         split = split_to_count(plan, count, GROUP)
@@ -243,7 +243,7 @@ def test_sliding_window_models_are_refused_when_packed_sequences_exceed_the_wind
     model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**arch)).double()
     enable_packed_attention(model, torch.device("cpu"))
     batch = random_batch(13)
-    from pacs.packing import packed_forward
+    from pacs.model.packing import packed_forward
 
     with pytest.raises(ValueError, match="sliding-window"):
         packed_forward(Policy(model), pack_rows(batch, 0, GROUP))

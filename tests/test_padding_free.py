@@ -1,5 +1,5 @@
 """Padding-free PACS forwards (add_pacs_forward(..., padding_free=...), PACSTrainer's pacs_padding_free) and
-where packed rows are exact at all (pacs.packing.packing_obstacle, also used by ``pacs train``'s packing):
+where packed rows are exact at all (pacs.model.packing.packing_obstacle, also used by ``pacs train``'s packing):
 the packed forward's loss and gradients equal the padded forward's in float64 with left-padded prompts and
 right-padded completions; models where packing cannot be exact are left padded by default and refused when
 it is asked for."""
@@ -10,8 +10,9 @@ import transformers
 import trl_helpers as helpers
 
 from pacs.config import load_config, use_packing
-from pacs.integrations.model_forward import PACSBatch, add_pacs_forward
-from pacs.packing import PACKED_ATTENTION, packing_obstacle
+from pacs.model.model_forward import PACSBatch, add_pacs_forward
+from pacs.model.packed_attention import PACKED_ATTENTION
+from pacs.model.packing import packing_obstacle
 from pacs_kernels import PACSLoss
 
 V, G = 23, 3
@@ -232,13 +233,13 @@ def test_a_refused_head_leaves_the_attention_as_it_was():
 
 
 def test_a_packed_row_with_an_attention_mask_or_images_is_refused():
-    from pacs.packing import _packed_sdpa_attention, packed_call
+    from pacs.model.packed_attention import packed_call, packed_sdpa_attention
 
     q = torch.randn(1, 2, 4, 8)
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, 1
     with packed_call([0, 2, 4]), pytest.raises(ValueError, match="built an attention mask for a packed row"):
-        _packed_sdpa_attention(module, q, q, q, torch.zeros(1, 1, 4, 4), cu_seq_lens_q=torch.tensor([0, 2, 4]))
+        packed_sdpa_attention(module, q, q, q, torch.zeros(1, 1, 4, 4), cu_seq_lens_q=torch.tensor([0, 2, 4]))
     input_ids, attention_mask, batch = left_right_padded(4)
     model = tiny_llama()
     add_pacs_forward(model, PACSLoss(group_size=G, backend="torch"), temperature=1.0, padding_free=True)
@@ -251,7 +252,7 @@ def test_a_packed_row_with_an_attention_mask_or_images_is_refused():
 def test_a_logprob_request_returns_the_completion_log_probs(padding_free):
     """pacs_batch=LogprobRequest(targets): the completion tokens' log-probs at the loss's temperature from the
     same forward (padded or packed), equal to the model's own logits' log-softmax on the real tokens (float64)."""
-    from pacs.integrations.model_forward import LogprobRequest
+    from pacs.model.model_forward import LogprobRequest
 
     input_ids, attention_mask, batch = left_right_padded(5)
     model = tiny_llama()
@@ -271,7 +272,7 @@ def test_pacs_train_refuses_packing_a_sliding_window_model_before_any_work(tmp_p
     """``pacs train``'s config check reads the model's config and class: train.packing=true for a model with a
     sliding window (no flash attention here) is refused, naming the setting; unset, it is accepted (padded
     rows); sequence parallelism, which needs packed rows, is refused for it."""
-    from pacs.run_setup import check_config
+    from pacs.train.run_setup import check_config
 
     model_dir = tmp_path / "mistral"
     tiny(transformers.MistralConfig, transformers.MistralForCausalLM, vocab_size=V, hidden_size=32,

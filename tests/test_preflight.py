@@ -1,4 +1,4 @@
-"""The preflight (pacs/preflight.py): it runs the worst case the settings allow through the trainer's
+"""The preflight (pacs/train/preflight.py): it runs the worst case the settings allow through the trainer's
 own update, changes nothing about the run, sizes the worst micro-batch like the planner, and turns
 running out of memory into a stop that names the settings still off."""
 
@@ -9,7 +9,7 @@ import torch
 from trainer_helpers import comparable, tiny_config
 
 from pacs.config import Config, load_config
-from pacs.preflight import WorstCase, adamw_state_gib, levers_off, preflight_enabled, worst_cases
+from pacs.train.preflight import WorstCase, adamw_state_gib, levers_off, preflight_enabled, worst_cases
 
 
 def cfg_with(*overrides: str) -> Config:
@@ -26,7 +26,7 @@ def test_enabled_on_cuda_by_default_and_when_asked():
 def test_the_worst_micro_batches_are_the_longest_rows_and_the_budget_filled():
     """The planner packs whole groups up to the budget: full-length groups, and as many groups of
     slightly shorter rows as fill it (more tokens), at most what the pass's share holds."""
-    from pacs.packing import plan_micro_batches
+    from pacs.model.packing import plan_micro_batches
 
     cfg = cfg_with("rollout.group_size=8", "rollout.max_prompt_len=100", "rollout.max_new_tokens=900",
                    "optim.micro_batch_groups=3")  # 8 x 1,000 tokens a full group
@@ -61,8 +61,8 @@ def test_a_run_with_the_preflight_trains_exactly_as_one_without(tmp_path, monkey
     """Same metrics and weights; the preflight's update saw full-length rows only (every prompt
     max_prompt_len tokens, every response max_new_tokens), as many groups as one micro-batch holds in
     each of two mini-batches (the run has two), in parts when the token budget is below a group."""
-    import pacs.trainer as trainer
-    from pacs.metrics import read_metrics
+    import pacs.train.trainer as trainer
+    from pacs.train.metrics import read_metrics
 
     seen = []
     real_update = trainer.update_policy
@@ -93,7 +93,7 @@ def test_a_run_with_the_preflight_trains_exactly_as_one_without(tmp_path, monkey
 
 
 def test_running_out_of_memory_stops_with_the_settings_still_off(tmp_path, monkeypatch):
-    import pacs.trainer as trainer
+    import pacs.train.trainer as trainer
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.50 GiB.")
@@ -116,9 +116,9 @@ def test_every_random_stream_is_as_it_was_after_the_preflight(tmp_path, monkeypa
     Python's random streams, or a run with dropout would train differently with the preflight on."""
     import random
 
-    import pacs.trainer as trainer
-    from pacs.policy import DistInfo, load_policy
-    from pacs.preflight import run_preflight
+    import pacs.train.trainer as trainer
+    from pacs.model.policy import DistInfo, load_policy
+    from pacs.train.preflight import run_preflight
 
     real_update = trainer.update_policy
 
@@ -140,7 +140,8 @@ def test_every_random_stream_is_as_it_was_after_the_preflight(tmp_path, monkeypa
     torch.manual_seed(11)
     random.seed(11)
     before = [p.detach().clone() for p in policy.parameters()]
-    run_preflight(cfg, policy, optimizer, 0, DistInfo(), packed=True, say=lambda *a: None)
+    run_preflight(cfg, policy, optimizer, 0, DistInfo(), packed=True, say=lambda *a: None,
+                  steps=trainer.preflight_steps())
     assert torch.equal(torch.rand(2), expected[0]) and random.random() == expected[1]
     assert all(torch.equal(a, p) for a, p in zip(before, policy.parameters()))
     assert all(p.grad is None for p in policy.parameters()) and not optimizer.state
@@ -149,9 +150,9 @@ def test_every_random_stream_is_as_it_was_after_the_preflight(tmp_path, monkeypa
 def test_the_old_policy_pass_gets_its_own_largest_chunk(monkeypatch):
     """train.old_policy_max_tokens above the training budget: the no-grad pass runs a chunk of its own
     budget, larger than any update micro-batch."""
-    import pacs.trainer as trainer
-    from pacs.policy import DistInfo
-    from pacs.preflight import run_preflight
+    import pacs.train.trainer as trainer
+    from pacs.model.policy import DistInfo
+    from pacs.train.preflight import run_preflight
 
     calls = []
     monkeypatch.setattr(trainer, "old_policy_logprobs", lambda policy, batch, ranges, *a, **k: (
@@ -165,7 +166,7 @@ def test_the_old_policy_pass_gets_its_own_largest_chunk(monkeypatch):
                    "rollout.max_new_tokens=5", "optim.mini_batches_per_step=1", "train.max_tokens_per_micro_batch=20",
                    "train.old_policy_max_tokens=80")
     run_preflight(cfg, Policy(), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]), 0, DistInfo(),
-                  packed=True, say=lambda *a: None)
+                  packed=True, say=lambda *a: None, steps=trainer.preflight_steps())
     assert calls[0] == 80 and max(calls[1:]) == 20  # its own 4 groups of 2 x 10, then the update's
 
 
@@ -182,9 +183,9 @@ def test_a_reference_kept_across_steps_preflights_the_usual_first_mini_batch(mon
     """optim.ref_reset_every > 1: steps between resets take the usual path (not one sweep) on their first
     mini-batch, reset steps the one sweep; with a single mini-batch per step the preflight runs both (a
     second mini-batch always runs the usual path)."""
-    import pacs.trainer as trainer
-    from pacs.policy import DistInfo
-    from pacs.preflight import run_preflight
+    import pacs.train.trainer as trainer
+    from pacs.model.policy import DistInfo
+    from pacs.train.preflight import run_preflight
 
     seen = []
     monkeypatch.setattr(trainer, "old_policy_logprobs", lambda policy, batch, ranges, *a, **k: (
@@ -199,5 +200,5 @@ def test_a_reference_kept_across_steps_preflights_the_usual_first_mini_batch(mon
                    "rollout.max_new_tokens=5", f"optim.mini_batches_per_step={minis}",
                    f"optim.ref_reset_every={every}")
     run_preflight(cfg, Policy(), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]), 0, DistInfo(),
-                  packed=True, say=lambda *a: None)
+                  packed=True, say=lambda *a: None, steps=trainer.preflight_steps())
     assert seen and len(seen) % len(firsts) == 0 and seen == firsts * (len(seen) // len(firsts))

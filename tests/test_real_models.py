@@ -1,5 +1,5 @@
 """Real architectures (Qwen2.5, Qwen3, Llama 3.2, Gemma 2, Qwen3-MoE) at reduced depth and width but with
-their real vocabulary, rope, norms, tying, soft-caps and head layout (pacs/model_zoo.py), random weights,
+their real vocabulary, rope, norms, tying, soft-caps and head layout (pacs/model/model_zoo.py), random weights,
 bfloat16 on the CPU: ``pacs train`` (packed and padded), ``PACSTrainer``, one step's loss and gradients
 against a float64 reference, and a math-format dataset with prompts of hundreds of tokens."""
 
@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from pacs.model_zoo import available_models, build_small_model  # noqa: E402
+from pacs.model.model_zoo import available_models, build_small_model  # noqa: E402
 
 MODELS = ["qwen2.5-0.5b-instruct", "qwen3-0.6b", "llama-3.2-1b-instruct", "gemma-2-2b-it", "qwen3-30b-a3b"]
 GROUP = 2
@@ -81,7 +81,7 @@ def test_reduced_models_keep_what_makes_the_architecture(zoo):
 def random_batch(vocab: int, seed: int, n_groups: int = 2):
     """Groups of GROUP responses; prompts 5..12 tokens, responses 3..10 tokens, ids anywhere in the
     vocabulary (the highest ids included); both labels in every group."""
-    from pacs.trainer import build_batch
+    from pacs.train.trainer import build_batch
 
     gen = torch.Generator().manual_seed(seed)
     prompts, responses = [], []
@@ -114,11 +114,11 @@ def reference_loss_and_grads(model_dir, batch, old_logp, temperature):
 
 
 def pacs_train_loss_and_grads(model_dir, batch, old_logp, temperature, dtype, packed):
-    """The loss and gradients ``pacs train`` computes for this micro-batch (pacs.trainer.policy_loss)."""
+    """The loss and gradients ``pacs train`` computes for this micro-batch (pacs.train.trainer.policy_loss)."""
     from pacs.config import load_config
-    from pacs.packing import pack_rows
-    from pacs.policy import load_policy
-    from pacs.trainer import policy_loss
+    from pacs.model.packing import pack_rows
+    from pacs.model.policy import load_policy
+    from pacs.train.trainer import policy_loss
 
     policy = load_policy(model_dir, dtype=dtype, packed_attention=packed)
     cfg = load_config(None, [f"rollout.group_size={GROUP}", f"rollout.temperature={temperature}",
@@ -153,9 +153,9 @@ TOLERANCE = {"float32": (3e-4, 3e-4), "bfloat16": (0.3, 0.4)}
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", MODELS)
 def test_one_step_loss_and_gradients_equal_a_float64_reference(zoo, tmp_path, name, dtype):
-    from pacs.packing import packing_obstacle
-    from pacs.policy import load_policy
-    from pacs.run_setup import packed_attention_for
+    from pacs.model.packing import packing_obstacle
+    from pacs.model.policy import load_policy
+    from pacs.train.run_setup import packed_attention_for
 
     model_dir = sharpened(zoo(name), str(tmp_path / "sharp"))
     config = load_policy(model_dir, dtype="float32").causal_lm.config
@@ -223,7 +223,7 @@ def train_args(model_dir, data, out, *extra):
 
 
 def check_two_steps(out):
-    from pacs.metrics import read_metrics
+    from pacs.train.metrics import read_metrics
 
     rows = read_metrics(os.path.join(out, "metrics.jsonl"))
     trained = [r for r in rows if r.get("step", 0) >= 1 and "loss" in r]
@@ -240,11 +240,11 @@ def check_two_steps(out):
 def test_pacs_train_two_bf16_steps(zoo, tmp_path, capsys, monkeypatch, name, packing):
     """Two steps with mixed rewards (the random model earns no math reward: here a response is right when its
     token ids add up to an odd number), lr 1e-3 so that bf16 weights move: the exported model differs."""
-    import pacs.trainer
+    import pacs.train.trainer
     from pacs.cli import main
     from pacs.tasks import MathTask
 
-    monkeypatch.setattr(pacs.trainer, "decode_response", lambda tokenizer, tokens: str(sum(tokens) % 2))
+    monkeypatch.setattr(pacs.train.trainer, "decode_response", lambda tokenizer, tokens: str(sum(tokens) % 2))
     monkeypatch.setattr(MathTask, "reward", lambda self, text, problem: float(text == "1"))
     data = write_math_data(tmp_path / "math.jsonl")
     out = tmp_path / "run"
@@ -271,7 +271,7 @@ def test_math_format_with_chat_template_and_300_token_prompts(zoo, tmp_path, cap
     from transformers import AutoTokenizer
 
     from pacs.cli import main
-    from pacs.evaluate import encode_prompt
+    from pacs.eval.evaluate import encode_prompt
     from pacs.tasks.math_data import load_problems
 
     model_dir = zoo("qwen2.5-0.5b-instruct")
@@ -345,7 +345,7 @@ def test_vllm_serves_the_architecture_and_takes_new_weights(zoo, tmp_path, name)
     Prompts of 5 to 40 tokens: past Gemma 2's (reduced) sliding window of 16."""
     from transformers import AutoModelForCausalLM
 
-    from pacs.policy import Policy, full_named_tensors
+    from pacs.model.policy import Policy, full_named_tensors
     from pacs.rollout import vllm_available
     from pacs.rollout.vllm import VLLMRolloutEngine
 

@@ -1,4 +1,4 @@
-"""PACS's reference kept for several rollout steps (optim.ref_reset_every, pacs/reference_policy.py):
+"""PACS's reference kept for several rollout steps (optim.ref_reset_every, pacs/model/reference_policy.py):
 the snapshot and its swap, the schedule, the trainer's use of it, and resuming with it."""
 
 import math
@@ -9,9 +9,9 @@ import torch
 from trainer_helpers import comparable, tiny_config
 
 from pacs.config import load_config, validate
-from pacs.metrics import read_metrics
-from pacs.reference_policy import ReferenceSnapshot, is_reset_step
-from pacs.trainer import train
+from pacs.model.reference_policy import ReferenceSnapshot, is_reset_step
+from pacs.train.metrics import read_metrics
+from pacs.train.trainer import train
 
 
 @pytest.fixture(scope="module")

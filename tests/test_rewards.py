@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from pacs import rewards
-from pacs.rewards import MathVerifyReward, fallback_math_check, math_verify_available
+from pacs.tasks import rewards
+from pacs.tasks.rewards import MathVerifyReward, fallback_math_check, math_verify_available
 
 CASES_PATH = os.path.join(os.path.dirname(__file__), "data", "math_reward_cases.jsonl")
 with open(CASES_PATH) as fh:
@@ -108,7 +108,7 @@ def test_first_check_in_a_fresh_process_is_not_timed_out_by_set_up():
     import subprocess
     import sys
 
-    code = ("from pacs.rewards import MathVerifyReward\n"
+    code = ("from pacs.tasks.rewards import MathVerifyReward\n"
             "r = MathVerifyReward(timeout_s=1)\n"
             "print(r('so \\\\boxed{\\\\frac{3}{4}}', '0.75'), r.pop_counts()['timeouts'])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
@@ -124,7 +124,7 @@ def test_the_warm_up_without_a_timeout_prints_nothing():
     import subprocess
     import sys
 
-    code = ("from pacs.rewards import MathVerifyReward\n"
+    code = ("from pacs.tasks.rewards import MathVerifyReward\n"
             "print(MathVerifyReward(timeout_s=5)('so \\\\boxed{2}', '2'))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -14,11 +14,11 @@ import fault_worker
 import pytest
 import test_run_errors
 
-import pacs.checkpoint as ck
-import pacs.disk_space as disk_space
+import pacs.train.checkpoint as ck
+import pacs.train.disk_space as disk_space
 from pacs.cli import main
-from pacs.disk_space import NoSpaceLeft
-from pacs.metrics import read_metrics
+from pacs.train.disk_space import NoSpaceLeft
+from pacs.train.metrics import read_metrics
 
 TINY_RUN = test_run_errors.TINY_RUN
 tiny_model = test_run_errors.tiny_model  # the same module-scoped fixture: a random copy of the embedded model

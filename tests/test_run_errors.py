@@ -13,13 +13,13 @@ import signal
 import pytest
 import torch
 
-import pacs.trainer as trainer
-from pacs import stop_signals
-from pacs.checkpoint import latest_checkpoint
+import pacs.train.trainer as trainer
 from pacs.cli import main
 from pacs.config import Config
-from pacs.metrics import read_metrics
 from pacs.tasks.embedded import build_model, build_tokenizer
+from pacs.train import stop_signals
+from pacs.train.checkpoint import latest_checkpoint
+from pacs.train.metrics import read_metrics
 
 TINY_RUN = ["task.digits=1", "rollout.engine=hf", "rollout.prompts_per_step=2", "rollout.group_size=2",
             "rollout.max_new_tokens=3", "optim.mini_batches_per_step=1", "optim.micro_batch_groups=1",

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from pacs.config import load_config
-from pacs.evaluate import encode_prompts, evaluate
-from pacs.policy import DistInfo, resolve_dtype
-from pacs.run_setup import Run
+from pacs.eval.evaluate import encode_prompts, evaluate
+from pacs.model.policy import DistInfo, resolve_dtype
 from pacs.tasks import AdditionTask
 from pacs.tasks.embedded import build_tokenizer
-from pacs.trainer import evaluate_policy
+from pacs.train.run_setup import Run
+from pacs.train.trainer import evaluate_policy
 
 
 class RecordingEngine:

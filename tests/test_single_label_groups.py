@@ -1,4 +1,4 @@
-"""optim.drop_single_label_groups (pacs/single_label_groups.py): which responses it leaves out, that it changes
+"""optim.drop_single_label_groups (pacs/train/single_label_groups.py): which responses it leaves out, that it changes
 nothing where a single-label group's gradient is 0 (the first mini-batch after a reset), that it removes
 the pull those groups have while the reference is older, and the settings it refuses."""
 
@@ -10,9 +10,9 @@ import torch
 from trainer_helpers import tiny_config
 
 from pacs.config import load_config, validate
-from pacs.metrics import read_metrics
-from pacs.single_label_groups import loss_valid, plan_group_skips, skip_rules
-from pacs.trainer import train
+from pacs.train.metrics import read_metrics
+from pacs.train.single_label_groups import loss_valid, plan_group_skips, skip_rules
+from pacs.train.trainer import train
 from pacs_kernels import pacs_loss
 
 

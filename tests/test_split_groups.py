@@ -1,4 +1,4 @@
-"""Groups larger than the micro-batch token budget run in parts (pacs/split_groups.py) and train
+"""Groups larger than the micro-batch token budget run in parts (pacs/train/split_groups.py) and train
 exactly like the whole group: same gradients, same weights, for PACS and GRPO, padded and packed,
 on the first mini-batch after a rollout (log-probs from the old-policy pass) and on later ones
 (a no-grad pass over the parts first)."""
@@ -7,10 +7,10 @@ import pytest
 import torch
 from test_packing import GROUP, config, random_batch, tiny_policy
 
-from pacs.packing import is_part_of_a_group, plan_micro_batches, split_to_count
-from pacs.policy import DistInfo
-from pacs.split_groups import split_group_rows
-from pacs.trainer import old_policy_logprobs, update_policy
+from pacs.model.packing import is_part_of_a_group, plan_micro_batches, split_to_count
+from pacs.model.policy import DistInfo
+from pacs.train.split_groups import split_group_rows
+from pacs.train.trainer import old_policy_logprobs, update_policy
 
 
 def test_plan_splits_only_groups_larger_than_the_budget():
@@ -145,7 +145,7 @@ def test_the_loss_chunk_setting_reaches_the_fused_loss(caplog):
     from test_packing import loss_and_grads
 
     from pacs.config import validate
-    from pacs.trainer import old_policy_logprobs as old_pass
+    from pacs.train.trainer import old_policy_logprobs as old_pass
 
     policy = tiny_policy(9)
     batch = random_batch(12)

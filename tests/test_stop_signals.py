@@ -7,8 +7,8 @@ import signal
 import pytest
 import torch
 
-from pacs import stop_signals as module
-from pacs.stop_signals import STOP_SIGNALS, StopSignals
+from pacs.train import stop_signals as module
+from pacs.train.stop_signals import STOP_SIGNALS, StopSignals
 
 CPU = torch.device("cpu")
 

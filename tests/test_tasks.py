@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from pacs.config import Config, TaskConfig
-from pacs.rewards import exact_match, extract_answer, extract_boxed, math_reward
 from pacs.tasks import AdditionTask, MathTask, load_problems, make_task
 from pacs.tasks.embedded import build_model, build_tokenizer, prepare_embedded_model
+from pacs.tasks.rewards import exact_match, extract_answer, extract_boxed, math_reward
 
 
 def test_addition_stream_is_deterministic_and_disjoint_from_eval():

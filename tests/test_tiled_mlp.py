@@ -1,4 +1,4 @@
-"""Tiled MLP (pacs/tiled_mlp.py): the same loss and gradients as the untiled model in float64 (padded
+"""Tiled MLP (pacs/model/tiled_mlp.py): the same loss and gradients as the untiled model in float64 (padded
 and packed, with checkpointing and activation offload, tiles that do not divide the tokens), only
 the MLP's input kept for the backward, 16-bit parameters and autocast, LoRA adapters inside the MLP,
 no-grad passes, unchanged parameter names, deep copies, and clear errors."""
@@ -11,11 +11,11 @@ import transformers
 from test_packing import ARCH, GROUP, config, random_batch, tiny_policy
 
 from pacs.config import load_config, validate
-from pacs.memory import activation_offload
-from pacs.packing import pack_rows
-from pacs.policy import Policy
-from pacs.tiled_mlp import is_tiled, tile_mlp
-from pacs.trainer import policy_loss
+from pacs.model.memory import activation_offload
+from pacs.model.packing import pack_rows
+from pacs.model.policy import Policy
+from pacs.model.tiled_mlp import is_tiled, tile_mlp
+from pacs.train.trainer import policy_loss
 
 
 def loss_and_grads(policy, batch, old_logp, packed: bool, offload: bool = False):
@@ -222,7 +222,7 @@ def test_a_tiled_model_under_the_plain_loop_forward_patch():
     gradient are the untiled patched model's."""
     import trl_helpers as helpers
 
-    from pacs.integrations.model_forward import PACSBatch, add_pacs_forward
+    from pacs.model.model_forward import PACSBatch, add_pacs_forward
     from pacs_kernels import PACSLoss
 
     plain = helpers.tiny_model(17).double()

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from pacs.config import Config
-from pacs.policy import check_model_path, load_policy
+from pacs.model.policy import check_model_path, load_policy
 from pacs.rollout import HFGenerateEngine, make_rollout_engine
 from pacs.tasks.embedded import build_model, build_tokenizer
-from pacs.trainer import build_batch, lr_lambda, old_policy_logprobs
+from pacs.train.trainer import build_batch, lr_lambda, old_policy_logprobs
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ import pytest
 import torch
 from trainer_helpers import comparable, repo_root, tiny_config
 
-import pacs.trainer as trainer
-from pacs.checkpoint import checkpoint_steps, latest_checkpoint
-from pacs.metrics import read_metrics
-from pacs.trainer import TrainingStopped, train
+import pacs.train.trainer as trainer
+from pacs.train.checkpoint import checkpoint_steps, latest_checkpoint
+from pacs.train.metrics import read_metrics
+from pacs.train.trainer import TrainingStopped, train
 
 
 @pytest.fixture(scope="module")
@@ -98,15 +98,15 @@ def test_train_any_hf_model_directory(tmp_path, cache_dir):
 
 CRASH_SCRIPT = """
 import os, sys
-import pacs.metrics
+import pacs.train.metrics
 from pacs.cli import main
 crash_after = int(sys.argv[1])
-original = pacs.metrics.MetricsLog.write
+original = pacs.train.metrics.MetricsLog.write
 def write(self, row):
     original(self, row)
     if row.get("step") == crash_after:
         os._exit(17)  # killed mid-run: after step {k}'s metrics, before its checkpoint
-pacs.metrics.MetricsLog.write = write
+pacs.train.metrics.MetricsLog.write = write
 sys.exit(main(sys.argv[2:]))
 """
 
@@ -229,7 +229,7 @@ def test_a_preempted_run_checkpoints_its_step_and_resumes_as_if_never_stopped(tm
     what a run that was never stopped logs. The handlers are gone afterwards."""
     from trainer_helpers import TINY
 
-    import pacs.trainer as trainer
+    import pacs.train.trainer as trainer
     from pacs.cli import main
 
     steps = [*TINY, f"task.cache_dir={cache_dir}", "rollout.engine=hf", "checkpoint_every=100", "max_steps=5"]

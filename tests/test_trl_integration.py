@@ -179,7 +179,7 @@ def test_activation_offload_moves_the_saved_tensors_and_keeps_the_loss_and_gradi
     the offload hooks (here a counting stand-in for save_on_cpu that moves them the same way), and the loss
     and gradients still equal pacs_loss on a plain copy."""
     import pacs.integrations.trl as trl_module
-    from pacs.memory import activation_offload
+    from pacs.model.memory import activation_offload
 
     moved = []
 
@@ -207,7 +207,7 @@ def test_the_packed_attention_kernel_is_reported_once_and_keeps_the_loss(tmp_pat
     pacs_loss's on a plain copy."""
     from test_varlen_attention import FakeKernel
 
-    from pacs import varlen_attention as va
+    from pacs.model import varlen_attention as va
 
     fake = FakeKernel("2.13")
     monkeypatch.setattr(va, "_varlen_kernel", lambda: (fake, fake.params))
@@ -466,7 +466,7 @@ def test_grpo_only_options_warn(tmp_path):
 
 
 def test_softcapped_model_gets_the_cap_in_the_kernels(tmp_path):
-    from pacs.integrations.model_forward import PACSBatch, add_pacs_forward, check_supported_head, logit_scale_of
+    from pacs.model.model_forward import PACSBatch, add_pacs_forward, check_supported_head, logit_scale_of
     from pacs_kernels import PACSLoss, pacs_loss
     from pacs_kernels.reference import naive_linear_logprobs
 
@@ -645,7 +645,7 @@ def test_a_signal_saves_the_step_and_the_resumed_run_equals_an_uninterrupted_one
     from it, the run ends with the uninterrupted run's weights. The handlers are put back."""
     from transformers import TrainerCallback
 
-    from pacs.stop_signals import StoppedBySignal
+    from pacs.train.stop_signals import StoppedBySignal
 
     whole = helpers.trainer(tmp_path / "whole", max_steps=4)
     whole.train()

@@ -1,4 +1,4 @@
-"""The packed row's attention as one flash varlen call (pacs/varlen_attention.py).
+"""The packed row's attention as one flash varlen call (pacs/model/varlen_attention.py).
 
 PyTorch's ``varlen_attn`` has a kernel on CUDA only, so here a fake kernel with each PyTorch signature
 (2.10's ``is_causal=``, later ``window_size=`` / ``scale=`` / ``enable_gqa=``) stands in for it: it checks
@@ -14,8 +14,8 @@ import pytest
 import torch
 from test_packing import config, loss_and_grads, random_batch, tiny_policy
 
-from pacs import varlen_attention as va
-from pacs.sequence_parallel import _ulysses_attention
+from pacs.model import varlen_attention as va
+from pacs.model.sequence_parallel import _ulysses_attention
 
 
 def explicit_causal_attention(q, k, v, cu, scale):
@@ -199,7 +199,7 @@ def test_the_first_call_inside_a_checkpointed_or_offloaded_layer(kernel, monkeyp
     """The self-check runs at the first packed call, inside a decoder layer's forward: under gradient
     checkpointing (whose saved-tensor hooks would count the check's tensors and break the recompute) and under
     activation offload (save_on_cpu) the training step still equals the loop's, the kernel engaged."""
-    from pacs.memory import activation_offload
+    from pacs.model.memory import activation_offload
 
     batch = random_batch(2)
     old_logp = torch.randn(batch.targets.shape, dtype=torch.float64) * 0.1 - 3.0
@@ -226,7 +226,7 @@ def test_the_first_call_inside_a_checkpointed_or_offloaded_layer(kernel, monkeyp
 def test_the_sequence_parallel_attention_takes_the_kernel_too(kernel, monkeypatch):
     """Its all-to-alls replaced by the identity (one rank), the Ulysses attention's per-sequence step is the
     kernel where it runs and the loop otherwise, with the same result."""
-    import pacs.sequence_parallel as sp_module
+    import pacs.model.sequence_parallel as sp_module
 
     monkeypatch.setattr(sp_module._Exchange, "apply", staticmethod(lambda x, sp, to_heads: x))
     one_rank = type("OneRank", (), {"size": 1})()
@@ -315,19 +315,19 @@ def test_mismatched_key_dtype_and_a_first_call_that_fell_back(kernel):
 def test_a_layer_that_is_not_causal_cannot_be_packed(kernel):
     """The packed attention keeps each sequence causal: a non-causal layer is refused (not silently made causal),
     and a call that says is_causal=True itself is fine."""
-    import pacs.sequence_parallel as sp_module
-    from pacs.packing import _packed_sdpa_attention, packed_call
+    import pacs.model.sequence_parallel as sp_module
+    from pacs.model.packed_attention import packed_call, packed_sdpa_attention
 
     kernel("2.13")
     bounds = [0, 5, 9]
     q, k, v, cu = packed_qkv(bounds)
     layer = torch.nn.Module()
     with packed_call(bounds):
-        out, _ = _packed_sdpa_attention(layer, q, k, v, None, cu_seq_lens_q=cu, is_causal=True)
+        out, _ = packed_sdpa_attention(layer, q, k, v, None, cu_seq_lens_q=cu, is_causal=True)
         torch.testing.assert_close(out, va.loop_causal_attention(q, k, v, bounds).transpose(1, 2))
         layer.is_causal = False
         with pytest.raises(ValueError, match="Module is not a causal attention layer.*cannot be packed"):
-            _packed_sdpa_attention(layer, q, k, v, None, cu_seq_lens_q=cu)
+            packed_sdpa_attention(layer, q, k, v, None, cu_seq_lens_q=cu)
         one_rank = type("OneRank", (), {"size": 1})()
         with pytest.raises(ValueError, match="sequence parallelism keeps every packed sequence causal"):
             _ulysses_attention(layer, q, k, v, None, cu_seq_lens_q=cu, **{sp_module.SEQUENCE_PARALLEL_KWARG: one_rank})

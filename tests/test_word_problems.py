@@ -11,10 +11,10 @@ import pytest
 from trainer_helpers import repo_root
 
 from pacs.config import Config, TaskConfig, load_config
-from pacs.metrics import read_metrics
 from pacs.tasks import WordProblemTask, make_task
 from pacs.tasks.embedded import warmup_key
 from pacs.tasks.word_problems import FEWER, MORE, boxed, build_word_tokenizer, write_jsonl
+from pacs.train.metrics import read_metrics
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 

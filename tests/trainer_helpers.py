@@ -83,7 +83,7 @@ def leave_distributed_run() -> None:
     was done, failing the test on nothing it checks (1 run in about 30 of the 2-rank TRL test,
     2026-12-01, and a 2-rank trainer run before). Background threads of gloo and of the libraries
     are then destroyed while the interpreter shuts down. The test workers only; ``pacs train``
-    ends with pacs.policy.close_distributed."""
+    ends with pacs.model.policy.close_distributed."""
     import sys
 
     import torch.distributed as dist

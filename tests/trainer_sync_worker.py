@@ -16,9 +16,9 @@ import sys
 import torch
 from trainer_helpers import leave_distributed_run  # the script's folder is on sys.path
 
-import pacs.trainer as trainer
+import pacs.train.trainer as trainer
 from pacs.config import load_config
-from pacs.policy import full_named_tensors
+from pacs.model.policy import full_named_tensors
 
 
 def checksum(named) -> dict[str, list[float]]:
@@ -32,8 +32,8 @@ def checksum(named) -> dict[str, list[float]]:
 
 def tiled_mlps(policy) -> int:
     """How many decoder MLPs run in tiles (train.tiled_mlp)."""
-    from pacs.policy import decoder_layers
-    from pacs.tiled_mlp import is_tiled
+    from pacs.model.layers import decoder_layers
+    from pacs.model.tiled_mlp import is_tiled
 
     return sum(is_tiled(layer.mlp) for layer in decoder_layers(policy.causal_lm))
 

@@ -25,7 +25,7 @@ what PACS needs differently is done here:
   on wherever that is exact for the model): no compute or memory on padding, no (B, L, L) mask;
 - the loss is divided by the gradient-accumulation steps (as the public PACS code does);
 - on-policy training steps skip the groups whose gradient is exactly 0 (every response valid and one
-  reward: ``pacs_skip_zero_gradient_groups``, pacs/single_label_groups.py), their loss value added, so
+  reward: ``pacs_skip_zero_gradient_groups``, pacs/train/single_label_groups.py), their loss value added, so
   loss and gradients are those of the whole micro-batch;
 - PACS stats (psi, the implicit critic's calibration, class weights) and the entropy go to TRL's
   metrics as ``pacs/...`` and ``entropy``.
@@ -50,18 +50,22 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
+from pacs.model.memory import activation_offload
+from pacs.model.mixed_precision import rounding_warning, share_frozen_by_rounding
+from pacs.model.model_forward import MULTIMODAL_KEYS, LogprobRequest, PACSBatch, add_pacs_forward, check_supported_head
+from pacs.model.tiled_mlp import tile_mlp
+from pacs.model.varlen_attention import new_decisions as new_attention_decisions
+from pacs.train.run_lock import RunDirectoryLocked, lock_run_directory
+from pacs.train.single_label_groups import (
+    group_losses_at_zero,
+    groups_that_must_run,
+    single_label,
+    zero_gradient_at_psi_zero,
+)
+from pacs.train.stop_signals import StoppedBySignal, StopSignals
+from pacs.train.weight_updates import UpdateMonitor
 from pacs_kernels import PACS, LossOptions, PACSLoss
 from pacs_kernels.loss_inputs import check_beta
-
-from ..memory import activation_offload
-from ..mixed_precision import rounding_warning, share_frozen_by_rounding
-from ..run_lock import RunDirectoryLocked, lock_run_directory
-from ..single_label_groups import group_losses_at_zero, groups_that_must_run, single_label, zero_gradient_at_psi_zero
-from ..stop_signals import StoppedBySignal, StopSignals
-from ..tiled_mlp import tile_mlp
-from ..varlen_attention import new_decisions as new_attention_decisions
-from ..weight_updates import UpdateMonitor
-from .model_forward import MULTIMODAL_KEYS, LogprobRequest, PACSBatch, add_pacs_forward, check_supported_head
 
 # GRPOConfig fields that only shape GRPO's loss or advantages: ignored by PACS (warning when changed).
 IGNORED_GRPO_OPTIONS = (
@@ -101,7 +105,7 @@ class PACSConfig(GRPOConfig):
                                         "generation allows it (not with transformers' continuous batching)."})
     pacs_tiled_mlp: bool = field(
         default=False, metadata={"help": "Run each decoder MLP over tiles of tokens, keeping only its input for the "
-                                         "backward (pacs/tiled_mlp.py): long completions on little memory."})
+                                         "backward (pacs/model/tiled_mlp.py): long completions on little memory."})
     pacs_mlp_tile_tokens: int | None = field(
         default=None, metadata={"help": "Tokens per MLP tile with pacs_tiled_mlp (None: the model's hidden size)."})
     pacs_activation_offload: bool = field(
@@ -117,7 +121,7 @@ class PACSConfig(GRPOConfig):
                                         "groups that ran; pacs/loss and pacs/frac_single_label_groups cover all."})
     pacs_checkpoint_on_signal: bool = field(
         default=True, metadata={"help": "SIGTERM / SIGUSR1 / Ctrl-C during train(): finish the optimizer step, save "
-                                        "a checkpoint, stop (pacs/stop_signals.py)."})
+                                        "a checkpoint, stop (pacs/train/stop_signals.py)."})
     pacs_checkpoint_minutes: float | None = field(
         default=None, metadata={"help": "Also save a checkpoint after any optimizer step that ends this many minutes "
                                         "after the last save (or the start), whatever save_steps says: a crash loses "
@@ -193,7 +197,7 @@ checkpoint_clock = time.monotonic  # what pacs_checkpoint_minutes is measured wi
 
 
 class StopOnSignal(TrainerCallback):
-    """While PACSTrainer.train() runs: after an optimizer step during which one of pacs.stop_signals'
+    """While PACSTrainer.train() runs: after an optimizer step during which one of pacs.train.stop_signals'
     signals arrived (on any rank: the flag is all-reduced), have the Trainer save a checkpoint and stop;
     with ``pacs_checkpoint_minutes``, also have it save once that long has passed since the last save
     (agreed across ranks in the same all-reduce)."""
@@ -229,7 +233,7 @@ class StopOnSignal(TrainerCallback):
 
 
 class UpdateMonitorCallback(TrainerCallback):
-    """Logs ``update_nonzero_frac`` (pacs/weight_updates.py) for each optimizer step: the share of sampled
+    """Logs ``update_nonzero_frac`` (pacs/train/weight_updates.py) for each optimizer step: the share of sampled
     trainable weights with a gradient that the step changed; near 0 when 16-bit weights are stepped at a
     learning rate whose updates round away."""
 
@@ -256,7 +260,7 @@ FROZEN_SHARE_WARNING = 0.1
 
 def warn_if_updates_round_away(model, learning_rate: float) -> float:
     """Warn (a UserWarning) when AdamW at ``learning_rate`` cannot move more than FROZEN_SHARE_WARNING of
-    the model's trainable 16-bit weights (their half ulp exceeds the update: pacs/mixed_precision.py).
+    the model's trainable 16-bit weights (their half ulp exceeds the update: pacs/model/mixed_precision.py).
     Returns that share (0.0 where every trainable weight is float32)."""
     trainable = [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
     low_precision = [p for p in trainable if p.dtype in (torch.bfloat16, torch.float16)]
@@ -312,7 +316,7 @@ class PACSTrainer(GRPOTrainer):
         self.add_callback(UpdateMonitorCallback(self))
 
     def _lock_output_dir(self) -> None:
-        """One training process per output directory (pacs/run_lock.py): the main process takes its lock for
+        """One training process per output directory (pacs/train/run_lock.py): the main process takes its lock for
         the life of the process, before training reads or writes anything there; every process raises its
         refusal (RunDirectoryLocked, a ValueError naming the holder's pid)."""
         refusal = None

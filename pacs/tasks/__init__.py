@@ -3,11 +3,11 @@ datasets (jsonl / parquet)."""
 
 from __future__ import annotations
 
-from ..config import Config
-from .arithmetic import AdditionTask
-from .base import Problem, Task
-from .math_data import MathTask, load_problems
-from .word_problems import WordProblemTask
+from pacs.config import Config
+from pacs.tasks.arithmetic import AdditionTask
+from pacs.tasks.base import Problem, Task
+from pacs.tasks.math_data import MathTask, load_problems
+from pacs.tasks.word_problems import WordProblemTask
 
 
 def make_task(cfg: Config) -> Task:

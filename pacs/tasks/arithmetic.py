@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from ..rewards import exact_match
-from .base import Problem, Task
+from pacs.tasks.base import Problem, Task
+from pacs.tasks.rewards import exact_match
 
 
 def _digits(value: int, width: int, little_endian: bool) -> str:

@@ -18,9 +18,10 @@ import time
 
 import torch
 
-from ..config import TaskConfig, config_hash
-from .arithmetic import AdditionTask
-from .base import Task
+from pacs.config import TaskConfig, config_hash
+from pacs.tasks.arithmetic import AdditionTask
+from pacs.tasks.base import Task
+from pacs.tasks.word_problems import WORDS, WordProblemTask, build_word_tokenizer
 
 CHARACTERS = list("0123456789+-*=")
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
@@ -77,8 +78,6 @@ def warmup_key(cfg: TaskConfig, seed: int) -> str:
         "warmup_batch_size", "warmup_lr", "warmup_target_accuracy")}
     fields.update(seed=seed, version=2, vocab="".join(SPECIAL_TOKENS + CHARACTERS))
     if cfg.name == "wordmath":  # the addition task's key is left as it was (its caches stay valid)
-        from .word_problems import WORDS
-
         fields.update(task="wordmath", word_steps=cfg.word_steps, vocab=" ".join(WORDS))
     return config_hash(fields)
 
@@ -86,8 +85,6 @@ def warmup_key(cfg: TaskConfig, seed: int) -> str:
 def warmup_task_and_tokenizer(cfg: TaskConfig, seed: int):
     """The task whose problems the warm-up trains on, and the tokenizer of its tiny model."""
     if cfg.name == "wordmath":
-        from .word_problems import WordProblemTask, build_word_tokenizer
-
         return WordProblemTask(cfg.word_steps, seed=seed, eval_size=cfg.eval_size), build_word_tokenizer()
     return AdditionTask(cfg.digits, seed=seed, eval_size=cfg.eval_size, reverse=cfg.reverse), build_tokenizer()
 

@@ -1,14 +1,14 @@
 """Math datasets: ``.jsonl`` or ``.parquet`` rows holding a question ("prompt" or "problem") and an
-"answer" (or "solution" with a \\boxed{} answer). Scored with :func:`pacs.rewards.math_reward`."""
+"answer" (or "solution" with a \\boxed{} answer). Scored with :func:`pacs.tasks.rewards.math_reward`."""
 
 from __future__ import annotations
 
-import json
-import os
 import random
 
-from ..rewards import extract_boxed, math_reward
-from .base import Problem, Task
+from pacs.tasks.base import Problem, Task
+from pacs.tasks.datasets import HF_PREFIX, load_hf
+from pacs.tasks.rewards import extract_boxed, math_reward
+from pacs.tasks.row_files import read_rows
 
 QUESTION_KEYS = ("prompt", "problem", "question", "Problem")  # "Problem": AIME 2024's column
 ANSWER_KEYS = ("answer", "final_answer", "Answer", "solution")
@@ -29,41 +29,9 @@ def _row_to_problem(row: dict, where: str) -> Problem:
     return Problem(prompt=str(question), answer=answer)
 
 
-def read_rows(path: str) -> list[dict]:
-    """All rows of a ``.jsonl``/``.json`` or ``.parquet`` file as dicts."""
-    if not os.path.isfile(path):
-        raise ValueError(f"task.data_path: no such file {path!r}")
-    if path.endswith(".parquet"):
-        try:
-            import pandas as pd
-        except ImportError as exc:
-            raise ValueError(f"reading {path!r} needs pandas and pyarrow (pip install pandas pyarrow)") from exc
-        return pd.read_parquet(path).to_dict("records")
-    if path.endswith((".jsonl", ".json")):
-        rows = []
-        with open(path, "rb") as fh:
-            data = fh.read()
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            line = data[:exc.start].count(b"\n") + 1
-            raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
-                             "save the file as UTF-8") from None
-        for n, line in enumerate(text.split("\n"), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from exc
-        return rows
-    raise ValueError(f"task.data_path must end in .jsonl, .json or .parquet, got {path!r}")
-
-
 def load_problems(path: str) -> list[Problem]:
     """All rows of a ``.jsonl``/``.json`` or ``.parquet`` file as problems; ``hf:NAME`` loads a
-    dataset of :data:`pacs.datasets.DATASETS` from the Hugging Face Hub (online only)."""
-    from ..datasets import HF_PREFIX, load_hf
-
+    dataset of :data:`pacs.tasks.datasets.DATASETS` from the Hugging Face Hub (online only)."""
     if path.startswith(HF_PREFIX):
         return load_hf(path[len(HF_PREFIX):])
     rows = read_rows(path)

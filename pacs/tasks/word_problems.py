@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 import random
 
-from ..rewards import math_reward
-from .base import Problem, Task
+from pacs.tasks.base import Problem, Task
+from pacs.tasks.rewards import math_reward
 
 NAMES = ("ann", "bob", "cal", "dee", "eve", "fay", "gus", "hal")
 ITEMS = ("apples", "pens", "cards", "coins", "books", "shells")
@@ -58,7 +58,7 @@ def word_problem(rng: random.Random, steps: int) -> Problem:
 
 class WordProblemTask(Task):
     """Training stream and a disjoint held-out set of ``steps``-step word problems, rewarded by
-    :func:`pacs.rewards.math_reward` (math-verify) on the response's ``\\boxed{}`` answer."""
+    :func:`pacs.tasks.rewards.math_reward` (math-verify) on the response's ``\\boxed{}`` answer."""
 
     name = "wordmath"
 

@@ -4,7 +4,7 @@ The public PACS code (github.com/ritzz-ai/PACS, ``scripts/inference.sh`` and
 ``src/preprocess_dataset.py``) samples N = 32 responses per problem at temperature 0.6, top-p 0.95,
 up to 4096 new tokens, with the chat template and the instruction below appended to each problem,
 and reports pass@k for k = 1, 2, 4, ... up to N; the paper's figures go to pass@256 (N = 256).
-Rewards: math-verify on the ``\\boxed{}`` answer (:mod:`pacs.rewards`).
+Rewards: math-verify on the ``\\boxed{}`` answer (:mod:`pacs.tasks.rewards`).
 
 A preset is a list of ``key=value`` overrides applied before the command line's own overrides and
 flags, which therefore win (e.g. ``--preset paper --n-samples 8``).

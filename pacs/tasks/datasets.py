@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .tasks.base import Problem
+from pacs.tasks.base import Problem
+from pacs.tasks.row_files import read_rows
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,6 @@ def rows_to_problems(rows: list[dict], name: str, where: str) -> list[Problem]:
 
 def load_dataset_file(path: str, name: str) -> list[Problem]:
     """A local ``.jsonl``/``.json``/``.parquet`` copy of dataset ``name`` (same columns as on the Hub)."""
-    from .tasks.math_data import read_rows
-
     return rows_to_problems(read_rows(path), name, path)
 
 

@@ -10,15 +10,15 @@ held-out problems and its first :data:`GENERATED_SAMPLE` training problems, whic
 
 from __future__ import annotations
 
-from .config import Config
-from .tasks import Problem, Task
+from pacs.config import Config
+from pacs.tasks import Problem, Task
 
 GENERATED_SAMPLE = 1000
 CHUNK = 1024  # prompts per tokenizer call
 
 
 def prompt_lengths(cfg: Config, problems: list[Problem], tokenizer, chunk: int = CHUNK) -> list[int]:
-    """Token counts of the problems' prompts, encoded as :func:`pacs.evaluate.encode_prompt` encodes them (the
+    """Token counts of the problems' prompts, encoded as :func:`pacs.eval.evaluate.encode_prompt` encodes them (the
     same tokenizer calls, batched: about 0.5 ms per 300-token prompt on a CPU core, not 5)."""
     counts = []
     for start in range(0, len(problems), chunk):

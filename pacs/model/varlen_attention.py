@@ -1,6 +1,6 @@
 """Causal attention over every sequence of a packed row in one kernel: PyTorch's flash varlen attention.
 
-A packed row (pacs/packing.py) holds B sequences back to back; each attends to itself only. Without the
+A packed row (pacs/model/packing.py) holds B sequences back to back; each attends to itself only. Without the
 ``flash_attn`` package, ``pacs_packed_sdpa`` ran ``scaled_dot_product_attention`` once per sequence and
 layer: exact, O(N) memory, but on a GPU B launches per layer and direction, each too small to fill the
 device when sequences are short (RL rollouts: many responses of a few hundred tokens). PyTorch ships the
@@ -24,7 +24,7 @@ When it runs (:func:`varlen_unavailable` says why not, otherwise):
     rounding) warns once and keeps that configuration on the loop, so an incompatible PyTorch costs speed,
     never a wrong gradient.
 
-A layer that is not causal is refused by the callers (pacs/packing.py's ``require_causal``), never computed
+A layer that is not causal is refused by the callers (pacs/model/packing.py's ``require_causal``), never computed
 as causal.
 
 ``PACS_PACKED_ATTENTION`` picks by hand: ``auto`` (the default, the above), ``loop`` (always the

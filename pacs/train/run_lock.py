@@ -17,7 +17,7 @@ import fcntl
 import os
 import sys
 
-LOCK_NAME = ".lock"
+from pacs.train.run_dir import LOCK_NAME, RunDir  # noqa: F401  (LOCK_NAME: the lock file's name)
 
 _held: dict[str, int] = {}  # real path of the lock file -> its open descriptor, in this process
 
@@ -54,7 +54,7 @@ def lock_run_directory(directory: str, what: str = "--output-dir") -> str:
     """Take the exclusive lock of ``directory`` (created when missing) for this process's life; returns
     the lock file's path. Raises :class:`RunDirectoryLocked` naming the holder's pid when another process
     holds it; ``what`` names the directory's setting in that message."""
-    path = os.path.realpath(os.path.join(directory, LOCK_NAME))
+    path = os.path.realpath(RunDir(directory).lock)
     fd = _held.get(path)
     if fd is not None:
         if _still_held(path, fd):
@@ -88,7 +88,7 @@ def lock_run_directory(directory: str, what: str = "--output-dir") -> str:
 
 def release_run_directory(directory: str) -> None:
     """Give up this process's lock of ``directory`` (no-op when it holds none)."""
-    path = os.path.realpath(os.path.join(directory, LOCK_NAME))
+    path = os.path.realpath(RunDir(directory).lock)
     fd = _held.pop(path, None)
     if fd is not None:
         os.close(fd)

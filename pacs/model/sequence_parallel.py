@@ -37,17 +37,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .packing import (
+from pacs.model.packed_attention import (
     SEQUENCE_PARALLEL_KWARG,
-    PackedMicroBatch,
-    _packed_sdpa_attention,
-    _packed_sdpa_mask,
-    non_attention_layer_types,
+    packed_sdpa_attention,
+    packed_sdpa_mask,
     register_packed_attention,
     require_causal,
     sequence_bounds,
 )
-from .varlen_attention import loop_causal_attention, varlen_causal_attention
+from pacs.model.packing import PackedMicroBatch, non_attention_layer_types, pack_rows
+from pacs.model.varlen_attention import loop_causal_attention, varlen_causal_attention
 
 ULYSSES_ATTENTION = "pacs_ulysses_sdpa"
 
@@ -126,6 +125,20 @@ def shard_packed(packed: PackedMicroBatch, sp: SequenceParallel) -> PackedMicroB
         targets=padded(packed.targets, packed.targets[-1])[start:stop], mask=mask[start:stop],
         rewards=packed.rewards, rows=rows[start:stop], cols=cols[start:stop],
         shard=TokenShard(sp=sp, start=start, stop=stop, rows=rows, cols=cols, mask=mask))
+
+
+def slice_micro_batch(batch, lo: int, hi: int, packed: bool, sp=None):
+    """Rows ``[lo, hi)`` of ``batch`` as a :class:`PackedMicroBatch`, or as padded rows
+    (``batch.rows``, trimmed to the longest row). ``sp`` (a
+    :class:`SequenceParallel`, packed only): this rank's slice of the tokens."""
+    if not packed:
+        if sp is not None:  # (the trainer's config checks refuse this earlier)
+            raise ValueError("sequence parallelism splits packed micro-batches only: set train.packing=true")
+        return batch.rows(lo, hi)
+    part = pack_rows(batch, lo, hi)
+    if sp is None:
+        return part
+    return shard_packed(part, sp)
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -220,12 +233,12 @@ def _ulysses_attention(module, query, key, value, attention_mask, dropout: float
     ``pacs_sequence_parallel=sp``, which Hugging Face hands to every attention call, also when gradient
     checkpointing recomputes a layer in the backward): query (1, H, n, D), key/value (1, H_kv, n, D) of this
     rank's tokens -> all-to-all -> causal attention over each packed sequence (``cu_seq_lens_q``: the whole row's
-    bounds) on H/P heads (one flash varlen call where it runs, pacs/varlen_attention.py, else SDPA per sequence)
+    bounds) on H/P heads (one flash varlen call where it runs, pacs/model/varlen_attention.py, else SDPA per sequence)
     -> all-to-all -> (1, n, H, D). Otherwise exactly ``pacs_packed_sdpa``
-    (pacs/packing.py)."""
+    (pacs/model/packing.py)."""
     sp = kwargs.pop(SEQUENCE_PARALLEL_KWARG, None)
     if sp is None:
-        return _packed_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+        return packed_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     require_causal(module, kwargs, "sequence parallelism")
     bounds = sequence_bounds(kwargs["cu_seq_lens_q"], kwargs.get("sliding_window"), "sequence parallelism",
@@ -238,7 +251,7 @@ def _ulysses_attention(module, query, key, value, attention_mask, dropout: float
     q, k, v = (_Exchange.apply(x, sp, True) for x in (query, key, value))
     out = varlen_causal_attention(q, k, v, kwargs["cu_seq_lens_q"], bounds, scaling=scaling, dropout=dropout,
                                   extras=kwargs)
-    if out is None:  # no flash varlen kernel here (pacs/varlen_attention.py): SDPA once per sequence
+    if out is None:  # no flash varlen kernel here (pacs/model/varlen_attention.py): SDPA once per sequence
         out = loop_causal_attention(q, k, v, bounds, scaling=scaling, dropout=dropout)
     return _Exchange.apply(out, sp, False).transpose(1, 2).contiguous(), None
 
@@ -276,7 +289,7 @@ def enable_sequence_parallel_attention(causal_lm, size: int) -> str:
     check_model_splits(causal_lm.config, size)
     register_packed_attention()  # what calls outside a sequence-parallel forward run
     AttentionInterface.register(ULYSSES_ATTENTION, _ulysses_attention)
-    AttentionMaskInterface.register(ULYSSES_ATTENTION, _packed_sdpa_mask)
+    AttentionMaskInterface.register(ULYSSES_ATTENTION, packed_sdpa_mask)
     causal_lm.set_attn_implementation(ULYSSES_ATTENTION)
     return ULYSSES_ATTENTION
 

@@ -26,10 +26,9 @@ import os
 import shlex
 from dataclasses import dataclass
 
-from .config import Config, apply_dict, config_keys, load_config, to_dict
+from pacs.config import Config, apply_dict, config_keys, load_config, to_dict
+from pacs.train.run_dir import HISTORY_NAME, RunDir
 
-CONFIG_NAME = "config.yaml"
-HISTORY_NAME = "config_history.jsonl"
 # settings that do not change what a run is: how long it runs, what it evaluates and logs, how often it
 # checkpoints, how it uses memory and which engine generates (a dotted prefix ending in "." covers a section)
 FREE_ON_RESUME = (
@@ -58,10 +57,10 @@ def _read_config(data: dict, where: str) -> Config:
 
 def settings_in_effect(output_dir: str) -> Config | None:
     """The config the run in ``output_dir`` last ran with (None: it has no config.yaml)."""
-    path = os.path.join(output_dir, CONFIG_NAME)
+    path = RunDir(output_dir).config
     if not os.path.isfile(path):
         return None
-    history = os.path.join(output_dir, HISTORY_NAME)
+    history = RunDir(output_dir).config_history
     if os.path.isfile(history):
         with open(history) as fh:
             lines = [line for line in fh.read().split("\n") if line.strip()]
@@ -114,7 +113,7 @@ def record_resume(output_dir: str, plan: ResumePlan, step: int, say=print) -> No
     entry = {"time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "resumed_from_step": step,
              "takes_effect_at_step": step + 1, "changed": plan.changed, "accepted": plan.accepted,
              "config": plan.config}
-    with open(os.path.join(output_dir, HISTORY_NAME), "a") as fh:
+    with open(RunDir(output_dir).config_history, "a") as fh:
         fh.write(json.dumps(entry) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
@@ -141,10 +140,10 @@ def resume_command(output_dir: str) -> str:
     """The command that continues the run in ``output_dir`` with the settings it last ran with: its
     config.yaml, ``--resume``, and what later resumes changed (``--change`` for the settings that change
     what the run is, KEY=VALUE for the others)."""
-    command = f"pacs train --config {shlex.quote(os.path.join(output_dir, CONFIG_NAME))} --resume"
+    command = f"pacs train --config {shlex.quote(RunDir(output_dir).config)} --resume"
     try:
         now = settings_in_effect(output_dir)
-        first = load_config(os.path.join(output_dir, CONFIG_NAME)) if now is not None else None
+        first = load_config(RunDir(output_dir).config) if now is not None else None
     except (OSError, ValueError, TypeError, KeyError):
         return command
     if now is None:

@@ -18,8 +18,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .lora import add_lora, has_lora, merged_named_tensors
-from .mixed_precision import Precision, resolve_precision
+from pacs.model.layers import decoder_layers
+from pacs.model.lora import add_lora, has_lora, merged_named_tensors
+from pacs.model.memory import apply_liger_patches, fsdp_kwargs
+from pacs.model.mixed_precision import Precision, resolve_precision
+from pacs.model.model_forward import check_supported_head, logit_scale_of, logit_softcap_of
+from pacs.model.packing import enable_packed_attention
+from pacs.model.sequence_parallel import enable_sequence_parallel_attention, new_sequence_parallel
+from pacs.model.tiled_mlp import tile_mlp
 
 
 @dataclass
@@ -29,7 +35,7 @@ class DistInfo:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     mesh: object | None = None
-    sp: object | None = None  # this rank's sequence-parallel group (pacs.sequence_parallel.SequenceParallel)
+    sp: object | None = None  # this rank's sequence-parallel group (pacs.model.sequence_parallel.SequenceParallel)
 
     @property
     def is_main(self) -> bool:
@@ -54,7 +60,7 @@ class DistInfo:
 def setup_distributed(sequence_parallel_size: int = 1, timeout_minutes: float | None = None) -> DistInfo:
     """Join the process group that ``torchrun`` describes (NCCL on GPU, gloo on CPU; collectives wait
     ``timeout_minutes`` for every rank, torch's default when None), and with ``sequence_parallel_size`` > 1
-    its sequence-parallel groups (pacs/sequence_parallel.py).
+    its sequence-parallel groups (pacs/model/sequence_parallel.py).
 
     A single process (no ``WORLD_SIZE`` > 1 in the environment) gets a DistInfo without any group.
     """
@@ -73,7 +79,6 @@ def setup_distributed(sequence_parallel_size: int = 1, timeout_minutes: float | 
     timeout = None if timeout_minutes is None else datetime.timedelta(minutes=timeout_minutes)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timeout)
-    from .sequence_parallel import new_sequence_parallel
 
     mesh = init_device_mesh(device.type, (world_size,))
     rank = dist.get_rank()
@@ -148,7 +153,7 @@ class Policy(nn.Module):
     hidden: (B, T, d) final hidden states after the backbone's last norm, in the compute dtype;
     lm_head_weight: (V, d); lm_head_bias: (V,) or None.
 
-    ``precision`` (pacs/mixed_precision.py): the compute and master dtypes; None: both the model's own.
+    ``precision`` (pacs/model/mixed_precision.py): the compute and master dtypes; None: both the model's own.
     ``autocast``: float32 master parameters on one process: the backbone runs under autocast to the
     16-bit compute dtype, and the hidden states and the head are cast to it, so the fused loss runs in
     16 bits while the gradients reach the float32 parameters. (FSDP2's mixed precision casts the
@@ -156,8 +161,6 @@ class Policy(nn.Module):
     """
 
     def __init__(self, causal_lm: nn.Module, precision: Precision | None = None, autocast: bool = False):
-        from .integrations.model_forward import check_supported_head, logit_scale_of, logit_softcap_of
-
         super().__init__()
         self.causal_lm = causal_lm
         dtype = getattr(causal_lm, "dtype", torch.float32)
@@ -179,7 +182,7 @@ class Policy(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, **backbone_kwargs):
         """``backbone_kwargs``: e.g. ``position_ids`` and ``cu_seq_lens_q`` for a packed row
-        (:func:`pacs.packing.packed_forward`)."""
+        (:func:`pacs.model.packing.packed_forward`)."""
         head = self.causal_lm.get_output_embeddings()
         bias = getattr(head, "bias", None)
         if self.autocast_dtype is None:
@@ -192,14 +195,6 @@ class Policy(nn.Module):
                 None if bias is None else bias.to(dtype))
 
 
-def decoder_layers(causal_lm: nn.Module) -> list[nn.Module]:
-    """The repeated decoder blocks (FSDP units), found as the backbone's largest ModuleList."""
-    lists = [m for m in causal_lm.get_decoder().modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
-        raise ValueError(f"cannot find the decoder layers of {type(causal_lm).__name__} for FSDP")
-    return list(max(lists, key=len))
-
-
 def load_policy(path: str, *, dtype: str = "auto", gradient_checkpointing: bool = False,
                 dist_info: DistInfo | None = None, trust_remote_code: bool = False, packed_attention: bool = False,
                 liger_patches: bool = False, fsdp_cpu_offload: bool = False, tiled_mlp: bool = False,
@@ -207,25 +202,22 @@ def load_policy(path: str, *, dtype: str = "auto", gradient_checkpointing: bool 
     """Load ``path`` as a :class:`Policy` on this rank's device, FSDP2-sharded when world_size > 1.
 
     Dropout is switched off: the old-policy log-probs and the training forward must agree.
-    Long-context options (pacs/packing.py, pacs/memory.py): ``packed_attention`` switches to an
+    Long-context options (pacs/model/packing.py, pacs/model/memory.py): ``packed_attention`` switches to an
     attention that keeps packed sequences apart (under sequence parallelism, ``dist_info.sp``: one that
-    also trades the ranks' token split for a head split, pacs/sequence_parallel.py); ``liger_patches``
+    also trades the ranks' token split for a head split, pacs/model/sequence_parallel.py); ``liger_patches``
     (CUDA) puts Liger-Kernel's RMSNorm/SwiGLU/RoPE in the model; ``tiled_mlp`` runs each decoder MLP over tiles of
-    ``mlp_tile_tokens`` tokens (pacs/tiled_mlp.py); ``fsdp_cpu_offload`` keeps parameters, gradients and
+    ``mlp_tile_tokens`` tokens (pacs/model/tiled_mlp.py); ``fsdp_cpu_offload`` keeps parameters, gradients and
     optimizer state on the host (FSDP2 CPUOffloadPolicy).
 
     ``dtype`` is the compute dtype, ``master_dtype`` the dtype of the parameters the optimizer steps
-    (pacs/mixed_precision.py): float32 parameters under a 16-bit ``dtype`` compute in 16 bits through
+    (pacs/model/mixed_precision.py): float32 parameters under a 16-bit ``dtype`` compute in 16 bits through
     autocast on one process and FSDP2's MixedPrecisionPolicy on several.
 
     ``lora`` (``model.lora``: rank, alpha, target_modules; rank 0 or None: full fine-tuning): LoRA adapters
-    (pacs/lora.py) in the master dtype over a frozen base kept in the compute dtype.
+    (pacs/model/lora.py) in the master dtype over a frozen base kept in the compute dtype.
     """
     from transformers import AutoModelForCausalLM
 
-    from .memory import apply_liger_patches, fsdp_kwargs
-    from .packing import enable_packed_attention
-    from .tiled_mlp import tile_mlp
 
     dist_info = dist_info or DistInfo()
     precision = resolve_precision(resolve_dtype(dtype, dist_info.device), master_dtype)
@@ -242,9 +234,7 @@ def load_policy(path: str, *, dtype: str = "auto", gradient_checkpointing: bool 
         add_lora(causal_lm, lora.rank, lora.alpha, lora.target_modules, precision.master)
     if gradient_checkpointing:
         causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if dist_info.sp_size > 1:  # attention trades the token split for a head split (pacs/sequence_parallel.py)
-        from .sequence_parallel import enable_sequence_parallel_attention
-
+    if dist_info.sp_size > 1:  # attention trades the token split for a head split (pacs/model/sequence_parallel.py)
         enable_sequence_parallel_attention(causal_lm, dist_info.sp_size)
     elif packed_attention:
         enable_packed_attention(causal_lm, dist_info.device)
@@ -279,7 +269,7 @@ def full_named_tensors(policy: Policy) -> Iterator[tuple[str, torch.Tensor]]:
         return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
     state = policy.causal_lm.state_dict()
-    if has_lora(policy.causal_lm):  # the adapters merged into plain Hugging Face weights (pacs/lora.py)
+    if has_lora(policy.causal_lm):  # the adapters merged into plain Hugging Face weights (pacs/model/lora.py)
         yield from merged_named_tensors(policy.causal_lm, state, full)
         return
     for name, tensor in state.items():

@@ -3,7 +3,7 @@
 Among a fixed sample of each trainable tensor's elements (drawn from a fixed seed), those with a
 nonzero gradient before the step: the share whose value differs after it, each tensor's sample weighted by
 the tensor's size (so the share is of elements, not of tensors). A weight with a nonzero gradient
-that does not move is an update that rounded away (pacs/mixed_precision.py): 16-bit weights stepped at a
+that does not move is an update that rounded away (pacs/model/mixed_precision.py): 16-bit weights stepped at a
 small learning rate read near 0, float32 master weights near 1. Sampled so that it costs two small gathers
 per tensor and step; under FSDP2 each rank samples its own shards and the counts are summed over ranks.
 """

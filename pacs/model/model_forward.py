@@ -23,7 +23,7 @@ Shapes: input_ids / attention_mask (B, P + C): prompt then completion; completio
 Padding-free (``add_pacs_forward(..., padding_free=True/None)``): the backbone runs on the rows' real tokens
 packed into one row (each row's real tokens one run: a left-padded prompt, a right-padded completion), and the
 hidden states that predict the completion tokens are gathered back into the (B, C) layout, so the loss is
-unchanged; only models for which that is exact are packed (``pacs.packing.packing_obstacle``).
+unchanged; only models for which that is exact are packed (``pacs.model.packing.packing_obstacle``).
 ``pacs_batch=LogprobRequest(targets)`` asks the same forward for the completion tokens' log-probs instead of
 the loss (old log-probs, with the fused kernels).
 """
@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import ModelOutput
 
+from pacs.model.packed_attention import PACKED_ATTENTION, packed_call
+from pacs.model.packing import pack_real_tokens, packed_backbone_kwargs, packing_obstacle, switch_attention
 from pacs_kernels import PACSLoss, linear_logprobs
 
 # Batch entries of multimodal models (images): the PACS forwards pass only token ids (refused where they would be
@@ -64,7 +66,6 @@ class PACSBatch:
     arguments to the parameter dtype, and ``old_logp`` in bf16 would bias psi by up to 2^-8 of each
     log-prob. Tensors inside a plain object reach the loss as the caller made them.
     """
-
     __slots__ = ("targets", "mask", "rewards", "valid", "old_logp", "group_ids", "return_stats")
 
     def __init__(self, targets: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor, valid: torch.Tensor,
@@ -84,7 +85,6 @@ class LogprobRequest:
     the sampled completion tokens, at the loss's temperature (``PACSModelOutput.logp``, (B, C) float32), from
     the same backbone call as the loss (padded or padding-free) and the fused kernels (no (B, C, V) logits).
     Positions whose token is padding get a value that means nothing."""
-
     __slots__ = ("targets",)
 
     def __init__(self, targets: torch.Tensor):
@@ -95,7 +95,6 @@ class LogprobRequest:
 class PACSModelOutput(ModelOutput):
     """loss: 0-d float32; stats: dict of floats (``PACSStats.as_dict()``) or None; logp: (B, C) float32 (for a
     :class:`LogprobRequest`, which has no loss)."""
-
     loss: torch.Tensor | None = None
     stats: dict | None = None
     logp: torch.Tensor | None = None
@@ -171,7 +170,7 @@ def add_pacs_forward(model, loss_fn: PACSLoss, *, temperature: float, padding_fr
     gradients are the padded forward's (up to float rounding), its cost is the real tokens'. The model's
     attention then becomes ``pacs_packed_sdpa`` (plain ``sdpa`` for every call that is not a packed row:
     generation, logits), unless it is a flash-attention one, which takes packed rows as they are.
-    None: padding-free wherever that is exact for the model (:func:`pacs.packing.packing_obstacle`);
+    None: padding-free wherever that is exact for the model (:func:`pacs.model.packing.packing_obstacle`);
     True for a model where it is not: a ValueError naming ``setting``. Returns whether it is on.
     """
     check_supported_head(model.config)
@@ -183,7 +182,6 @@ def add_pacs_forward(model, loss_fn: PACSLoss, *, temperature: float, padding_fr
     loss_fn.temperature = float(temperature) / logit_scale_of(model.config)
     loss_fn.logit_softcap = logit_softcap_of(model.config)  # Gemma-style soft-cap, inside the kernels
     add_pacs_head_forward(head, loss_fn)
-    from pacs.packing import switch_attention
 
     padding_free = attention is not None and switch_attention(
         model, attention, required_by=f"{setting}=True" if padding_free is True else None, off=f"{setting}=False")
@@ -215,10 +213,8 @@ def add_pacs_forward(model, loss_fn: PACSLoss, *, temperature: float, padding_fr
 def padding_free_attention(model, requested: bool | None, setting: str) -> str | None:
     """The attention a padding-free ``model`` would run (its own flash attention, else ``pacs_packed_sdpa``), or
     None for padded rows: ``requested`` False, or None where packing cannot be exact for the model
-    (:func:`pacs.packing.packing_obstacle`, rows left-padded as TRL's prompts are); ``requested`` True there is
+    (:func:`pacs.model.packing.packing_obstacle`, rows left-padded as TRL's prompts are); ``requested`` True there is
     a ValueError naming ``setting`` and saying why. Changes nothing."""
-    from pacs.packing import PACKED_ATTENTION, packing_obstacle
-
     if requested is False:
         return None
     if requested is not None and requested is not True:
@@ -257,7 +253,6 @@ def packed_completion_hidden(backbone, args: tuple, kwargs: dict, batch: PACSBat
                          f"{refused or 'no input_ids'}; add_pacs_forward(..., padding_free=False) takes any")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    from pacs.packing import pack_real_tokens, packed_backbone_kwargs, packed_call
 
     layout = pack_real_tokens(input_ids, attention_mask)
     with packed_call(layout.bounds):

@@ -40,8 +40,14 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+from pacs.config import micro_batch_groups
+from pacs.train.batch import build_batch
+from pacs.train.memory_plan import planned_training_gib
+from pacs.train.training_errors import TrainingStopped
 
 GiB = 2**30
 
@@ -65,6 +71,16 @@ class _NoSchedulerStep:
 
 
 @dataclass(frozen=True)
+class TrainerSteps:
+    """The trainer's own steps that the preflight runs (pacs/train/trainer.py's ``preflight_steps()``):
+    its no-grad old-policy pass, the micro-batch ranges of that pass, and its update."""
+
+    old_policy_logprobs: Callable
+    old_policy_ranges: Callable
+    update_policy: Callable
+
+
+@dataclass(frozen=True)
 class WorstCase:
     """``groups`` groups of rows ``row_len`` tokens long (prompt + response), per micro-batch."""
 
@@ -84,9 +100,7 @@ def preflight_enabled(cfg, device: torch.device) -> bool:
 def worst_cases(cfg, budget: int | None, max_groups: int) -> list[WorstCase]:
     """The micro-batches with the longest rows and with the most tokens that ``budget`` (tokens;
     None: ``optim.micro_batch_groups`` groups) lets the planner build from at most ``max_groups``
-    groups (pacs/packing.py packs whole groups greedily, a group over the budget in parts)."""
-    from .config import micro_batch_groups
-
+    groups (pacs/model/packing.py packs whole groups greedily, a group over the budget in parts)."""
     r = cfg.rollout
     longest, group = r.max_prompt_len + r.max_new_tokens, r.group_size
     if budget is None:
@@ -104,8 +118,6 @@ def worst_case_batch(cfg, case: WorstCase, copies: int, vocab_size: int, pad_tok
     """``copies`` x ``case.groups`` groups of ``case.row_len``-token rows (random tokens from a private
     generator; the prompt as long as the settings allow, at least one response token), both labels in
     every group so that the loss has a gradient."""
-    from .trainer import build_batch
-
     r = cfg.rollout
     gen = torch.Generator().manual_seed(0)
     low = min(3, vocab_size - 1)  # past the usual special ids
@@ -133,16 +145,16 @@ def levers_off(cfg) -> list[str]:
     return off
 
 
-def run_preflight(cfg, policy, optimizer, pad_token_id: int, dist_info, *, packed: bool, say=print) -> dict:
+def run_preflight(cfg, policy, optimizer, pad_token_id: int, dist_info, *, packed: bool, steps: TrainerSteps,
+                  say=print) -> dict:
     """Run the worst cases (module doc) with every random stream restored afterwards; returns what it
     measured. Raises ``TrainingStopped`` when they run out of memory."""
-    from .trainer import TrainingStopped
-
     device = dist_info.device
     python_state = random.getstate()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type="cuda"):
         try:
-            return _run_worst_cases(cfg, policy, optimizer, pad_token_id, dist_info, packed=packed, say=say)
+            return _run_worst_cases(cfg, policy, optimizer, pad_token_id, dist_info, packed=packed, steps=steps,
+                                    say=say)
         except torch.OutOfMemoryError as exc:
             reason = (str(exc).splitlines() or [type(exc).__name__])[0]
         finally:
@@ -169,8 +181,10 @@ def _describe(cfg) -> str:
             f"{r.max_new_tokens} tokens")
 
 
-def _run_worst_cases(cfg, policy, optimizer, pad_token_id: int, dist_info, *, packed: bool, say) -> dict:
-    from .trainer import old_policy_logprobs, old_policy_ranges, update_policy
+def _run_worst_cases(cfg, policy, optimizer, pad_token_id: int, dist_info, *, packed: bool, steps: TrainerSteps,
+                     say) -> dict:
+    old_policy_logprobs, old_policy_ranges, update_policy = (steps.old_policy_logprobs, steps.old_policy_ranges,
+                                                             steps.update_policy)
 
     r, o, tr = cfg.rollout, cfg.optim, cfg.train
     device, world = dist_info.device, dist_info.dp_size  # ranks with their own data
@@ -226,8 +240,6 @@ def _run_worst_cases(cfg, policy, optimizer, pad_token_id: int, dist_info, *, pa
     peak = torch.cuda.max_memory_allocated(device) / GiB
     torch.cuda.reset_peak_memory_stats(device)  # the step metrics report training, not this
     result.update(peak_gib=peak, adamw_state_gib=reserved_gib, available_gib=available / GiB, total_gib=total / GiB)
-    from .memory_plan import planned_training_gib
-
     planned = planned_training_gib(cfg, policy.causal_lm.config, total / GiB, dist_info.world_size)
     say(f"[preflight] the largest steps these settings allow fit ({cases}): peak {peak:.1f} GiB"
         + (f" (pacs plan predicted {planned:.1f} GiB)" if planned is not None else "")

@@ -1,6 +1,6 @@
 """Memory levers for long responses, each behind one ``train.*`` config switch.
 
-  * activation checkpointing: ``model.gradient_checkpointing`` (pacs/policy.py): each decoder
+  * activation checkpointing: ``model.gradient_checkpointing`` (pacs/model/policy.py): each decoder
     layer keeps only its input and recomputes the rest in the backward;
   * ``train.offload_activations``: :func:`activation_offload` moves every tensor the forward saves
     for the backward to host memory (``torch.autograd.graph.save_on_cpu``) and brings it back when
@@ -10,12 +10,12 @@
   * ``train.fsdp_cpu_offload``: :func:`fsdp_kwargs` gives FSDP2's ``CPUOffloadPolicy``: parameters,
     gradients and the optimizer state live in host memory, each layer's parameters are copied to
     the device for its forward and backward only (the optimizer steps on the CPU);
-  * the old-policy pass in no-grad chunks: ``train.old_policy_max_tokens`` (pacs/packing.py plans
-    the chunks, pacs/trainer.py runs them);
+  * the old-policy pass in no-grad chunks: ``train.old_policy_max_tokens`` (pacs/model/packing.py plans
+    the chunks, pacs/train/trainer.py runs them);
   * ``train.liger_patches``: :func:`apply_liger_patches`, Liger-Kernel's Triton RMSNorm, SwiGLU and
     RoPE in the model (CUDA only; never its loss: the loss is ours);
   * ``train.tiled_mlp``: each decoder layer's MLP over tiles of ``train.mlp_tile_tokens`` tokens,
-    keeping only its input for the backward (pacs/tiled_mlp.py).
+    keeping only its input for the backward (pacs/model/tiled_mlp.py).
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
 from dataclasses import dataclass
 
@@ -36,12 +35,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from .disk_space import NoSpaceLeft, is_disk_full, no_space_message, tensor_bytes
-from .policy import DistInfo
-from .resume_check import check_model_matches
+from pacs.model.policy import DistInfo
+from pacs.train.disk_space import NoSpaceLeft, is_disk_full, no_space_message, tensor_bytes
+from pacs.train.resume_check import check_model_matches
+from pacs.train.run_dir import CHECKPOINT_DIR, RunDir, checkpoint_name
 
 MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"step_(\d+)")
 _CHUNK = 1 << 22
 
 
@@ -134,7 +133,7 @@ def verify_checkpoint(path: str, checksums: bool = True) -> str | None:
         files, step = manifest["files"], int(manifest["step"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"manifest.json is unreadable ({type(exc).__name__}: {exc})"
-    match = _STEP_DIR.fullmatch(os.path.basename(os.path.normpath(path)))
+    match = CHECKPOINT_DIR.fullmatch(os.path.basename(os.path.normpath(path)))
     if match is None or int(match.group(1)) != step:
         return f"manifest.json names step {step}, not this directory's"
     for required in ("state.json", "model.pt"):
@@ -158,12 +157,12 @@ def verify_checkpoint(path: str, checksums: bool = True) -> str | None:
 
 def checkpoint_steps(output_dir: str) -> list[tuple[int, str]]:
     """(step, path) of every ``step_N`` directory under ``OUTPUT_DIR/checkpoints``, by step number."""
-    root = os.path.join(output_dir, "checkpoints")
+    root = RunDir(output_dir).checkpoints
     if not os.path.isdir(root):
         return []
     found = []
     for name in os.listdir(root):
-        match = _STEP_DIR.fullmatch(name)
+        match = CHECKPOINT_DIR.fullmatch(name)
         if match and os.path.isdir(os.path.join(root, name)):
             found.append((int(match.group(1)), os.path.join(root, name)))
     return sorted(found)
@@ -217,7 +216,7 @@ def write_checkpoint_files(root: str, step: int, write_files, dist_info: DistInf
     ``write_files(tmp_dir)`` writes this rank's files (with :func:`save_torch` / :func:`save_json`).
     Every rank calls this; rank 0 creates the temporary directory, writes the manifest, renames,
     points ``latest`` at the new checkpoint and rotates old ones. A full disk (ENOSPC, EDQUOT) on this
-    rank removes the unfinished ``step_X.tmp`` and raises :class:`~pacs.disk_space.NoSpaceLeft` naming
+    rank removes the unfinished ``step_X.tmp`` and raises :class:`~pacs.train.disk_space.NoSpaceLeft` naming
     the checkpoint, ``expected_bytes`` (what it needs) and the bytes free; older checkpoints are kept.
     """
     try:
@@ -225,7 +224,7 @@ def write_checkpoint_files(root: str, step: int, write_files, dist_info: DistInf
     except Exception as exc:
         if not is_disk_full(exc):
             raise
-        final = os.path.join(root, f"step_{step:06d}")
+        final = os.path.join(root, checkpoint_name(step))
         shutil.rmtree(final + ".tmp", ignore_errors=True)
         if os.path.exists(os.path.join(root, "latest.tmp")):
             os.remove(os.path.join(root, "latest.tmp"))
@@ -234,7 +233,7 @@ def write_checkpoint_files(root: str, step: int, write_files, dist_info: DistInf
 
 
 def _write_checkpoint_files(root: str, step: int, write_files, dist_info: DistInfo, keep: int) -> str:
-    name = f"step_{step:06d}"
+    name = checkpoint_name(step)
     final, tmp = os.path.join(root, name), os.path.join(root, name + ".tmp")
     if dist_info.is_main:
         os.makedirs(root, exist_ok=True)
@@ -283,7 +282,7 @@ REFERENCE_FILE = "reference.pt"  # PACS's reference weights, when kept across ro
 def save_checkpoint(output_dir: str, step: int, policy, optimizer, scheduler, state: dict,
                     dist_info: DistInfo, keep: int = KEEP, reference_state: dict | None = None) -> str:
     """Write checkpoint ``step`` of a training run (every rank must call this). ``reference_state``:
-    the reference snapshot's full tensors (pacs/reference_policy.py), when the run keeps one."""
+    the reference snapshot's full tensors (pacs/model/reference_policy.py), when the run keeps one."""
     # frozen parameters (a LoRA run's base model) are the model directory's: not written again
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     model_state, optim_state = get_state_dict(policy, optimizer, options=options)
@@ -301,7 +300,7 @@ def save_checkpoint(output_dir: str, step: int, policy, optimizer, scheduler, st
             save_json({**state, "step": step, "world_size": dist_info.world_size}, os.path.join(tmp, "state.json"))
 
     expected = tensor_bytes([model_state, optim_state, reference_state or {}])
-    return write_checkpoint_files(os.path.join(output_dir, "checkpoints"), step, write_files, dist_info, keep,
+    return write_checkpoint_files(RunDir(output_dir).checkpoints, step, write_files, dist_info, keep,
                                   expected_bytes=expected)
 
 

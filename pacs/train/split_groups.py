@@ -27,13 +27,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pacs.config import Config
+from pacs.model.packing import forward_micro_batch, is_part_of_a_group, to_layout
+from pacs.model.sequence_parallel import backend_for, reduce_over_group, slice_micro_batch
+from pacs.train.single_label_groups import loss_valid
 from pacs_kernels import grpo_loss, linear_logprobs_known_grad, pacs_loss
 from pacs_kernels.engine import logprob_drift, stale_lse_tolerance
-
-from .config import Config
-from .packing import forward_micro_batch, is_part_of_a_group, slice_micro_batch, to_layout
-from .sequence_parallel import backend_for, reduce_over_group
-from .single_label_groups import loss_valid
 
 
 @dataclass

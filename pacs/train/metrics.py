@@ -67,7 +67,7 @@ class MetricsLog:
                 fh.flush()
                 os.fsync(fh.fileno())
         except OSError as exc:
-            from .disk_space import DISK_FULL, NoSpaceLeft, no_space_message
+            from pacs.train.disk_space import DISK_FULL, NoSpaceLeft, no_space_message
 
             if exc.errno in DISK_FULL:  # a torn row is dropped on resume
                 raise NoSpaceLeft(no_space_message("metrics row to", self.path, None)) from exc

@@ -4,8 +4,8 @@
 checks it holds weights and that prompt + response fit its positions, builds the task (checking
 that it has a held-out set) and loads the tokenizer. :func:`engine_options` gives the rollout
 engine's arguments. Prompts are measured with the tokenizer before the model loads
-(pacs/prompt_lengths.py); where ``rollout.truncate_prompts`` allows it they are cut to ``rollout.max_prompt_len``
-by one function for training and both evaluations: :func:`pacs.evaluate.encode_prompts`.
+(pacs/train/prompt_lengths.py); where ``rollout.truncate_prompts`` allows it they are cut to ``rollout.max_prompt_len``
+by one function for training and both evaluations: :func:`pacs.eval.evaluate.encode_prompts`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .config import Config, check_lengths, use_packing, validate, validate_train
-from .policy import DistInfo, check_model_path, max_positions, resolve_dtype
-from .prompt_lengths import fit_prompt_length
-from .rollout import check_vllm_available
-from .tasks import Task, make_task
-from .varlen_attention import check_requested_engine, requested_engine
+from pacs.config import Config, check_lengths, use_packing, validate, validate_train
+from pacs.model.packed_attention import packed_attention_implementation
+from pacs.model.packing import packing_obstacle
+from pacs.model.policy import DistInfo, check_model_path, max_positions, resolve_dtype
+from pacs.model.sequence_parallel import ULYSSES_ATTENTION, check_model_splits
+from pacs.model.varlen_attention import check_requested_engine, requested_engine
+from pacs.rollout import check_vllm_available
+from pacs.tasks import Task, make_task
+from pacs.tasks.embedded import build_tokenizer, prepare_embedded_model
+from pacs.tasks.embedded import model_config as embedded_config
+from pacs.train.prompt_lengths import fit_prompt_length
 
 
 @dataclass
@@ -47,22 +52,15 @@ def check_config(cfg: Config, world_size: int = 1) -> None:
     if cfg.model.path != "embedded":
         model_config = check_model_path(cfg.model.path, cfg.model.trust_remote_code)
     else:  # built later, from the task's settings
-        from .tasks.embedded import build_tokenizer
-        from .tasks.embedded import model_config as embedded_config
-
         model_config = embedded_config(cfg.task, len(build_tokenizer()))
     check_lengths(cfg, max_positions(model_config))
     sp = cfg.train.sequence_parallel_size
     if sp > 1:  # before any model is built or trained
-        from .sequence_parallel import check_model_splits
-
         check_model_splits(model_config, sp)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     attention = packed_attention_for(sp, device)
     packed = use_packing(cfg, model_config, attention)
     if not packed and sp > 1:  # (train.packing=true for such a model raised)
-        from .packing import packing_obstacle
-
         raise ValueError(f"train.sequence_parallel_size={sp} splits packed micro-batches, which cannot be exact "
                          f"for this model: {packing_obstacle(model_config, attention)}")
     requested_engine()  # PACS_PACKED_ATTENTION's value
@@ -72,13 +70,9 @@ def check_config(cfg: Config, world_size: int = 1) -> None:
 
 def packed_attention_for(sequence_parallel_size: int, device: torch.device) -> str:
     """The attention implementation packed micro-batches run with: the sequence-parallel one under a token
-    split, else :func:`pacs.packing.packed_attention_implementation`."""
+    split, else :func:`pacs.model.packed_attention.packed_attention_implementation`."""
     if sequence_parallel_size > 1:
-        from .sequence_parallel import ULYSSES_ATTENTION
-
         return ULYSSES_ATTENTION
-    from .packing import packed_attention_implementation
-
     return packed_attention_implementation(device)
 
 
@@ -90,8 +84,6 @@ def prepare_run(cfg: Config, dist_info: DistInfo | None = None, log=print) -> Ru
     dist_info = dist_info or DistInfo()
     model_dir = cfg.model.path
     if model_dir == "embedded":
-        from .tasks.embedded import prepare_embedded_model
-
         if dist_info.is_main:
             model_dir = prepare_embedded_model(cfg.task, cfg.seed, log=log)
         if dist_info.world_size > 1:
@@ -109,7 +101,7 @@ def prepare_run(cfg: Config, dist_info: DistInfo | None = None, log=print) -> Ru
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    # the prompts measured with the run's tokenizer, before the model loads (pacs/prompt_lengths.py)
+    # the prompts measured with the run's tokenizer, before the model loads (pacs/train/prompt_lengths.py)
     measured = cfg.rollout.max_prompt_len is None
     fit_prompt_length(cfg, task, tokenizer, log=log if dist_info.is_main else (lambda *_: None))
     if measured:

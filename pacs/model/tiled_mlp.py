@@ -36,7 +36,8 @@ import contextlib
 import torch
 from torch import nn
 
-from .integrations.model_forward import unbound_forward
+from pacs.model.layers import decoder_layers
+from pacs.model.model_forward import unbound_forward
 
 
 class TiledMLPFunction(torch.autograd.Function):
@@ -160,8 +161,6 @@ def tile_mlp(causal_lm: nn.Module, tile_tokens: int | None = None, *,
     one MLP weight). In place; returns the number of MLPs tiled. Any trainer can call it on a Hugging
     Face model (TRL: ``PACSConfig(pacs_tiled_mlp=True)``; verl, a plain loop), best before FSDP wrapping.
     ``setting`` is the name errors give the tile size (the caller's config key)."""
-    from .policy import decoder_layers
-
     if tile_tokens is None:  # multimodal configs keep the decoder's sizes in their text config
         config = causal_lm.config
         tile_tokens = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from .evaluate import EvalReport
+from pacs.eval.evaluate import EvalReport
 
 
 def write_eval_outputs(report: EvalReport, out_dir: str, *, info: dict | None = None,

@@ -12,7 +12,7 @@ One rollout step:
   5. push the new weights into the rollout engine; log; evaluate and checkpoint every k steps.
 
 What happens before the first step (checks, output directory, model, task, tokenizer) is
-:func:`start_run`, shared in part with ``pacs eval`` through pacs/run_setup.py.
+:func:`start_run`, shared in part with ``pacs eval`` through pacs/train/run_setup.py.
 """
 
 from __future__ import annotations
@@ -24,14 +24,40 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from pacs_kernels import GRPO, PACS, LossOptions, fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs
-
-from .checkpoint import KEEP as CHECKPOINTS_KEPT
-from .checkpoint import (
+from pacs.config import Config, micro_batch_groups, save_config, use_packing
+from pacs.eval.evaluate import decode_response, encode_prompts, evaluate
+from pacs.model.memory import activation_offload
+from pacs.model.mixed_precision import rounding_warning, share_frozen_by_rounding
+from pacs.model.packing import (
+    PackedMicroBatch,
+    forward_micro_batch,
+    is_part_of_a_group,
+    micro_batch_ranges,
+    response_positions,
+    same_count_on_every_rank,
+    to_layout,
+)
+from pacs.model.policy import DistInfo, check_model_path, export_hf, full_named_tensors, load_policy, setup_distributed
+from pacs.model.reference_policy import ReferenceSnapshot, is_reset_step
+from pacs.model.sequence_parallel import (
+    SequenceParallel,
+    backend_for,
+    gather_rollouts,
+    prompt_share,
+    reduce_over_group,
+    slice_micro_batch,
+    whole_micro_batch,
+)
+from pacs.model.varlen_attention import new_decisions as new_attention_decisions
+from pacs.rollout import make_rollout_engine
+from pacs.train.batch import Batch, build_batch
+from pacs.train.checkpoint import KEEP as CHECKPOINTS_KEPT
+from pacs.train.checkpoint import (
     checkpoint_steps,
     find_checkpoint,
     latest_checkpoint,
@@ -39,41 +65,23 @@ from .checkpoint import (
     load_reference_state,
     save_checkpoint,
 )
-from .config import Config, micro_batch_groups, save_config, use_packing
-from .console import hide_progress_bars
-from .disk_space import NoSpaceLeft, check_checkpoint_space
-from .evaluate import decode_response, encode_prompts, evaluate
-from .memory import activation_offload
-from .metrics import MetricsLog, plot_metrics, read_metrics
-from .mixed_precision import rounding_warning, share_frozen_by_rounding
-from .packing import (
-    PackedMicroBatch,
-    forward_micro_batch,
-    is_part_of_a_group,
-    micro_batch_ranges,
-    response_positions,
-    same_count_on_every_rank,
-    slice_micro_batch,
-    to_layout,
+from pacs.train.console import hide_progress_bars
+from pacs.train.disk_space import NoSpaceLeft, check_checkpoint_space
+from pacs.train.metrics import MetricsLog, plot_metrics, read_metrics
+from pacs.train.preflight import TrainerSteps, preflight_enabled, run_preflight
+from pacs.train.resume_check import apply_optimizer_settings, plan_resume, record_resume, resume_command
+from pacs.train.run_dir import RunDir
+from pacs.train.run_lock import lock_run_directory
+from pacs.train.run_setup import (
+    Run,
+    apply_torch_threads,
+    check_config,
+    engine_options,
+    packed_attention_for,
+    prepare_run,
 )
-from .policy import DistInfo, check_model_path, export_hf, full_named_tensors, load_policy, setup_distributed
-from .preflight import preflight_enabled, run_preflight
-from .reference_policy import ReferenceSnapshot, is_reset_step
-from .resume_check import apply_optimizer_settings, plan_resume, record_resume, resume_command
-from .rollout import make_rollout_engine
-from .run_dir import check_free_for_run, check_usable, move_run_aside, run_contents
-from .run_lock import lock_run_directory
-from .run_setup import Run, apply_torch_threads, check_config, engine_options, packed_attention_for, prepare_run
-from .sequence_parallel import (
-    SequenceParallel,
-    backend_for,
-    gather_rollouts,
-    prompt_share,
-    reduce_over_group,
-    whole_micro_batch,
-)
-from .single_label_groups import group_losses_at_zero, loss_valid, plan_group_skips, single_label, skip_rules
-from .split_groups import (
+from pacs.train.single_label_groups import group_losses_at_zero, loss_valid, plan_group_skips, single_label, skip_rules
+from pacs.train.split_groups import (
     GroupGradients,
     group_gradients,
     group_loss_on_logprobs,
@@ -81,83 +89,27 @@ from .split_groups import (
     part_surrogate,
     split_group_rows,
 )
-from .stop_signals import StoppedBySignal, StopSignals
-from .varlen_attention import new_decisions as new_attention_decisions
-from .weight_updates import UpdateMonitor
+from pacs.train.stop_signals import StopSignals
+from pacs.train.training_errors import TrainingInterrupted, TrainingPreempted, TrainingStopped
+from pacs.train.weight_updates import UpdateMonitor
+from pacs_kernels import GRPO, PACS, LossOptions, fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs
 
 
 @dataclass
 class TrainResult:
     """What :func:`train` returns: the last metrics row and the trained policy (still sharded
-    under FSDP; :func:`pacs.policy.full_named_tensors` gathers it)."""
+    under FSDP; :func:`pacs.model.policy.full_named_tensors` gathers it)."""
 
     metrics: dict
     policy: torch.nn.Module
     output_dir: str
 
 
-class TrainingStopped(RuntimeError):
-    """Raised when repeated NaN losses/gradients stop a run (the last good checkpoint is kept)."""
-
-
-class TrainingInterrupted(RuntimeError):
-    """A second Ctrl-C during training (the first one finishes the step: TrainingPreempted); the message
-    says where the last checkpoint is and how to resume."""
-
-
-class TrainingPreempted(TrainingInterrupted, StoppedBySignal):
-    """SIGTERM / SIGUSR1 (a scheduler's preemption or time-limit warning) or a first Ctrl-C: the step in
-    progress was finished and checkpointed (pacs/stop_signals.py); the message says how to resume.
-    (Constructed as StoppedBySignal(message, signal_name).)"""
-
-
-@dataclass
-class Batch:
-    """Padded (right) prompt+response rows of one rollout step, groups contiguous.
-
-    input_ids, attention_mask: (B, L) int64; targets: (B, L) the next token at each position;
-    mask: (B, L) bool, True where ``targets`` is a response token; rewards: (B,) float32.
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    targets: torch.Tensor
-    mask: torch.Tensor
-    rewards: torch.Tensor
-
-    def rows(self, start: int, stop: int) -> "Batch":
-        """Rows [start, stop), trimmed to their longest row."""
-        width = int(self.attention_mask[start:stop].sum(1).max())
-        return Batch(*(t[start:stop, :width] if t.dim() == 2 else t[start:stop] for t in (
-            self.input_ids, self.attention_mask, self.targets, self.mask, self.rewards)))
-
-    def select(self, rows: torch.Tensor) -> "Batch":
-        """The rows in the order ``rows`` (a permutation), full width."""
-        return Batch(*(t.index_select(0, rows) for t in (self.input_ids, self.attention_mask, self.targets,
-                                                         self.mask, self.rewards)))
-
-    def to(self, device) -> "Batch":
-        return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.targets, self.mask,
-                                              self.rewards)))
-
-
-def build_batch(prompts: list[list[int]], responses: list[list[int]], rewards: list[float],
-                pad_token_id: int) -> Batch:
-    """Rows ``prompt + response`` (``len(responses)`` rows; prompt i // n for response i when the
-    caller repeated prompts). The loss mask covers the positions that predict response tokens."""
-    rows = [p + r for p, r in zip(prompts, responses)]
-    width = max(len(r) for r in rows)
-    n = len(rows)
-    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros(n, width, dtype=torch.long)
-    mask = torch.zeros(n, width, dtype=torch.bool)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        input_ids[i, :len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
-        attention[i, :len(p) + len(r)] = 1
-        mask[i, len(p) - 1:len(p) + len(r) - 1] = True  # position t predicts token t + 1
-    targets = torch.roll(input_ids, -1, dims=1)
-    targets[:, -1] = pad_token_id
-    return Batch(input_ids, attention, targets, mask, torch.tensor(rewards, dtype=torch.float32))
+def preflight_steps() -> TrainerSteps:
+    """The trainer's own old-policy pass and update, as the preflight runs them (looked up now: a test's
+    stand-in for one of them is what the preflight gets)."""
+    return TrainerSteps(old_policy_logprobs=old_policy_logprobs, old_policy_ranges=old_policy_ranges,
+                        update_policy=update_policy)
 
 
 def lr_lambda(cfg: Config, total_updates: int):
@@ -279,7 +231,7 @@ def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: t
 def sequence_parallel_loss(cfg: Config, policy, part: PackedMicroBatch, lo: int, old_logp_rows: torch.Tensor,
                            mask_rows: torch.Tensor):
     """The configured loss of a micro-batch whose tokens a sequence-parallel group splits
-    (pacs/sequence_parallel.py): this rank's log-probs from the fused kernel, gathered over the group into
+    (pacs/model/sequence_parallel.py): this rank's log-probs from the fused kernel, gathered over the group into
     the micro-batch's (rows, L) layout, then the loss on them, the same on every rank of the group.
     old_logp_rows, mask_rows: the micro-batch's rows of the batch."""
     hidden, weight, bias = forward_micro_batch(policy, part)
@@ -298,7 +250,7 @@ def sequence_parallel_first_step(cfg: Config, policy, batch: Batch, lo: int, hi:
     still the rollout's, so its log-probs are ``old_logp`` (psi = 0 exactly). Its loss and the gradient g on
     every token come first (from those few numbers, the same on every rank of the group); then this rank's
     tokens run one vocabulary sweep with g fixed (3 LM-head matmuls), checked to reproduce ``old_logp``: the
-    phases of pacs/split_groups.py with the whole micro-batch as the "group". Returns (loss, stats, surrogate):
+    phases of pacs/train/split_groups.py with the whole micro-batch as the "group". Returns (loss, stats, surrogate):
     the surrogate's backward is this rank's share of the loss's gradient."""
     grad_logp = torch.zeros_like(old_logp)
     loss, stats = loss_gradient(cfg, batch, slice(lo, hi), old_logp, old_logp, grad_logp)
@@ -309,7 +261,7 @@ def sequence_parallel_first_step(cfg: Config, policy, batch: Batch, lo: int, hi:
 
 def evaluate_policy(cfg: Config, engine, run: Run, dist_info: DistInfo, step: int) -> dict:
     """Held-out accuracy (and pass@k) with the rollout engine; each rank scores its share with
-    :func:`pacs.evaluate.evaluate` (the evaluator of ``pacs eval``) and the shares are averaged."""
+    :func:`pacs.eval.evaluate.evaluate` (the evaluator of ``pacs eval``) and the shares are averaged."""
     e = cfg.eval
     every = run.task.eval_problems(e.num_problems)
     share = math.ceil(len(every) / dist_info.world_size)
@@ -349,10 +301,10 @@ class UpdateResult:
     grad_norms: list[float]
     stats: dict[str, float]
     last_loss: float
-    split_groups: int = 0  # groups larger than the token budget, run in parts (pacs/split_groups.py)
+    split_groups: int = 0  # groups larger than the token budget, run in parts (pacs/train/split_groups.py)
     skipped_groups: int | None = None  # groups whose gradient is exactly 0, not run (None: not planned)
     skipped_losses: list[float] = dataclasses.field(default_factory=list)  # their loss values, one per group
-    # per applied update: the share of (sampled) weights with a gradient that the step changed (pacs/weight_updates.py)
+    # per applied update: the share of (sampled) weights with a gradient that the step changed (weight_updates.py)
     update_nonzero_fracs: list[float] = dataclasses.field(default_factory=list)
 
     def mean_loss(self) -> float:
@@ -381,7 +333,7 @@ def split_group_gradients(cfg: Config, policy, batch: Batch, micro_batches: list
                           old_logp: torch.Tensor, old_lse: torch.Tensor, dist_info: DistInfo, *,
                           first_mini_batch: bool, packed: bool,
                           rollout_logp: torch.Tensor | None = None) -> GroupGradients:
-    """Phases 1-2 of pacs/split_groups.py for the groups this mini-batch runs in parts: their
+    """Phases 1-2 of pacs/train/split_groups.py for the groups this mini-batch runs in parts: their
     log-probs under the current weights (the rollout-time pass's on the first mini-batch after a
     rollout: ``rollout_logp``, or ``old_logp`` itself when the reference is that policy; else a no-grad
     pass over their parts, the same number of forwards on every rank), then each group's loss and
@@ -413,7 +365,7 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
     the rollout. ``rollout_logp``: that policy's log-probs where the reference is an older one
     (``optim.ref_reset_every`` > 1); None where the reference is the rollout-time policy.
     ``groups_run``: per mini-batch, how many of its groups to run (the rest, behind them, have a gradient of
-    exactly 0: pacs/single_label_groups.py); None: all of them."""
+    exactly 0: pacs/train/single_label_groups.py); None: all of them."""
     o, tr, group = cfg.optim, cfg.train, cfg.rollout.group_size
     groups_per_mini = cfg.rollout.prompts_per_step // dist_info.dp_size // o.mini_batches_per_step
     rows_per_mini = groups_per_mini * group
@@ -444,7 +396,7 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
         micro_batches = same_count_on_every_rank(micro_batches, group, dist_info.world_size, dist_info.device)
         micro_per_mini = len(micro_batches)
         # groups larger than the token budget run in parts, made exact by their gradients on the
-        # log-probs, known first (pacs/split_groups.py); only token budgets cut groups
+        # log-probs, known first (pacs/train/split_groups.py); only token budgets cut groups
         split = None
         if tr.max_tokens_per_micro_batch is not None:
             split = split_group_gradients(cfg, policy, batch, micro_batches, old_logp, old_lse, dist_info,
@@ -548,19 +500,20 @@ def start_run(cfg: Config, dist_info: DistInfo, say=print,
               change: tuple[str, ...] = ()) -> tuple[Run, object, object]:
     """Everything before the model loads: config checks, a usable output directory that holds
     no other run (unless ``resume`` / ``overwrite``) and no other process, a resume's settings
-    compared with the run's (``change``: the keys named with --change; pacs/resume_check.py), the
+    compared with the run's (``change``: the keys named with --change; pacs/train/resume_check.py), the
     checkpoint to resume from, the model directory, task and tokenizer. Returns the run, the
-    :class:`~pacs.checkpoint.CheckpointChoice` and the :class:`~pacs.resume_check.ResumePlan` (both None
+    :class:`~pacs.train.checkpoint.CheckpointChoice` and the :class:`~pacs.train.resume_check.ResumePlan` (both None
     when not resuming). Nothing is written on a resume: its record is appended once the checkpoint loaded."""
     check_config(cfg, dist_info.world_size)
-    check_usable(cfg.output_dir)
-    # one process per run directory (pacs/run_lock.py), before anything there is read
-    on_main_rank(lambda: lock_run_directory(cfg.output_dir), dist_info)
-    check_free_for_run(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+    run_dir = RunDir(cfg.output_dir)
+    run_dir.check_usable()
+    # one process per run directory (pacs/train/run_lock.py), before anything there is read
+    on_main_rank(lambda: lock_run_directory(run_dir.path), dist_info)
+    run_dir.check_free_for_run(resume=cfg.resume, overwrite=cfg.overwrite)
     choice = plan = None
     if cfg.resume:
-        plan = on_main_rank(lambda: plan_resume(cfg, cfg.output_dir, change), dist_info)
-        choice = find_checkpoint(cfg.output_dir) if dist_info.is_main else None
+        plan = on_main_rank(lambda: plan_resume(cfg, run_dir.path, change), dist_info)
+        choice = find_checkpoint(run_dir.path) if dist_info.is_main else None
         if dist_info.world_size > 1:  # rank 0 verifies; every rank resumes from its choice
             shared = [choice]
             dist.broadcast_object_list(shared, src=0)
@@ -568,27 +521,26 @@ def start_run(cfg: Config, dist_info: DistInfo, say=print,
         for line in choice.describe():
             say(line)
         if choice.path is None:
-            found = run_contents(cfg.output_dir)
+            found = run_dir.contents()
             if found:
                 raise ValueError(
-                    f"--resume: {cfg.output_dir!r} holds a run ({', '.join(found)}) but no checkpoint that "
+                    f"--resume: {run_dir.path!r} holds a run ({', '.join(found)}) but no checkpoint that "
                     "verifies (reasons above); pass --overwrite instead of --resume to move it aside and "
                     "start afresh")
-            say(f"[resume] no checkpoint under {cfg.output_dir}/checkpoints: starting from scratch")
+            say(f"[resume] no checkpoint under {run_dir.checkpoints}: starting from scratch")
             choice = plan = None
     if dist_info.world_size > 1:  # every rank has checked the directory before rank 0 changes it
         dist.barrier()
     if dist_info.is_main:
         if cfg.overwrite:
-            moved = move_run_aside(cfg.output_dir)
+            moved = run_dir.move_aside()
             if moved:
-                lock_run_directory(cfg.output_dir)  # the lock file went aside with the old run: lock the new one
-                say(f"[train] --overwrite: moved the previous run in {cfg.output_dir} to {moved}")
+                lock_run_directory(run_dir.path)  # the lock file went aside with the old run: lock the new one
+                say(f"[train] --overwrite: moved the previous run in {run_dir.path} to {moved}")
         # the saved config resumes this run: `pacs train --config OUTPUT_DIR/config.yaml --resume`; written once,
         # when the run starts (a resume's settings go to config_history.jsonl)
-        if choice is None or not os.path.isfile(os.path.join(cfg.output_dir, "config.yaml")):
-            save_config(dataclasses.replace(cfg, resume=False, overwrite=False), os.path.join(cfg.output_dir,
-                                                                                              "config.yaml"))
+        if choice is None or not os.path.isfile(run_dir.config):
+            save_config(dataclasses.replace(cfg, resume=False, overwrite=False), run_dir.config)
     apply_torch_threads(cfg, dist_info.device)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -625,14 +577,13 @@ def resume_hint(cfg: Config) -> str:
     return f"the last checkpoint is {last.path} (step {last.step}); resume with: {command}"
 
 
-def summary_line(cfg: Config, metrics_path: str, steps: int, seconds: float, peak_mib: float,
-                 plot: str | None) -> str:
+def summary_line(run_dir: RunDir, steps: int, seconds: float, peak_mib: float, plot: str | None) -> str:
     """The run's last console line: steps, held-out accuracy first -> last, wall time, peak memory,
     where the model, metrics and curves are."""
-    evals = [r["eval_accuracy"] for r in read_metrics(metrics_path) if r.get("eval_accuracy") is not None]
+    evals = [r["eval_accuracy"] for r in read_metrics(run_dir.metrics) if r.get("eval_accuracy") is not None]
     accuracy = f"held-out accuracy {evals[0]:.3f} -> {evals[-1]:.3f}" if evals else "no held-out evaluation"
     minutes, secs = divmod(int(round(seconds)), 60)
-    where = f"model {os.path.join(cfg.output_dir, 'final_model')}, metrics {metrics_path}"
+    where = f"model {run_dir.final_model}, metrics {run_dir.metrics}"
     if plot:
         where += f", curves {plot}"
     return (f"[train] done: {steps} steps, {accuracy}, {minutes}m{secs:02d}s, peak memory {peak_mib:.0f} MiB; "
@@ -642,16 +593,45 @@ def summary_line(cfg: Config, metrics_path: str, steps: int, seconds: float, pea
 checkpoint_clock = time.monotonic  # what checkpoint_minutes is measured with (a module name: tests replace it)
 
 
-def train(cfg: Config, change: tuple[str, ...] = ()) -> TrainResult:
-    """Run (or resume) training as configured. ``change``: the settings a resume may change although they
-    change what the run is (``pacs train --resume --change KEY=VALUE``; pacs/resume_check.py)."""
-    dist_info = setup_distributed(cfg.train.sequence_parallel_size, cfg.train.distributed_timeout_minutes)
-    say = print if dist_info.is_main else (lambda *a, **k: None)
-    run, resume, resume_plan = start_run(cfg, dist_info, say, change)
-    o, r = cfg.optim, cfg.rollout
+@dataclass
+class Training:
+    """What the loop of :func:`train` works on, set up once by :func:`set_up_training`."""
 
-    # ---- policy and optimizer; the checkpoint's state when resuming
-    # padding-free micro-batches (pacs/packing.py) wherever the loss takes them and they are exact for the model
+    cfg: Config
+    dist_info: DistInfo
+    say: Callable
+    run: Run
+    run_dir: RunDir
+    packed: bool  # padding-free micro-batches (pacs/model/packing.py)
+    policy: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    reference: ReferenceSnapshot | None  # PACS's reference when kept across steps (optim.ref_reset_every > 1)
+    engine: object  # the rollout engine (pacs/rollout/)
+    metrics: MetricsLog
+    state: dict  # what a checkpoint keeps besides the weights: step, data position, NaN counters
+    start_time: float
+    last_checkpoint_time: float
+    progress: object = None  # the progress bar (tqdm), once the loop starts
+    warned_cut: bool = False  # prompts cut to rollout.max_prompt_len were reported
+    row: dict = dataclasses.field(default_factory=dict)  # the last metrics row
+
+
+@dataclass
+class StepEnd:
+    """What every rank agreed on at the end of a step (pacs/train/stop_signals.py)."""
+
+    stop_signal: str | None  # a signal's name: checkpoint this step and stop
+    out_of_time: bool  # max_minutes reached
+    checkpoint_due: bool  # checkpoint_minutes passed since the last checkpoint
+    last_step: bool
+
+
+def load_training_policy(cfg: Config, run: Run, dist_info: DistInfo, say) -> tuple[bool, torch.nn.Module, object,
+                                                                                  object]:
+    """The policy (packed where the loss takes padding-free micro-batches and they are exact for the model),
+    its AdamW optimizer over the trainable parameters (all, or the LoRA adapters) and the lr schedule."""
+    o = cfg.optim
     packed = use_packing(cfg, check_model_path(run.model_dir, cfg.model.trust_remote_code),
                          packed_attention_for(cfg.train.sequence_parallel_size, dist_info.device))
     policy = load_policy(run.model_dir, dtype=cfg.model.dtype, gradient_checkpointing=cfg.model.gradient_checkpointing,
@@ -662,208 +642,261 @@ def train(cfg: Config, change: tuple[str, ...] = ()) -> TrainResult:
     if policy.precision.steps_16_bit_weights:  # asked for by name (optim.master_dtype): say what it costs
         say(rounding_warning(share_frozen_by_rounding(policy.parameters(), o.lr), o.lr, policy.precision.master,
                              f"optim.master_dtype={o.master_dtype}"))
-    # the trainable parameters: all of them, or the LoRA adapters (model.lora)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=o.lr, betas=tuple(o.betas),
                                   weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, cfg.max_steps * o.mini_batches_per_step))
+    return packed, policy, optimizer, scheduler
+
+
+def set_up_training(cfg: Config, dist_info: DistInfo, say, run: Run, resume, resume_plan) -> Training:
+    """The policy, optimizer and schedule (a checkpoint's state when resuming), PACS's reference, the disk
+    space check, the rollout engine serving the current weights and the metrics log (cut back on a resume)."""
+    packed, policy, optimizer, scheduler = load_training_policy(cfg, run, dist_info, say)
+    run_dir = RunDir(cfg.output_dir)
     state = {"step": 0, "data_position": 0, "consecutive_nan": 0, "skipped_updates": 0}
     if resume is not None:
         state.update(load_checkpoint(resume.path, policy, optimizer, scheduler, dist_info))
         if resume_plan is not None and any(key.startswith("optim.") for key in resume_plan.changed):
             apply_optimizer_settings(cfg, optimizer, scheduler)  # the checkpoint's lr / betas / decay replaced
         if resume_plan is not None and dist_info.is_main:  # the checkpoint fits the model: the resume is recorded
-            record_resume(cfg.output_dir, resume_plan, resume.step, say)
-    # PACS's reference, when it is kept for optim.ref_reset_every > 1 rollout steps (pacs/reference_policy.py)
-    reference = ReferenceSnapshot(policy) if o.ref_reset_every > 1 else None
+            record_resume(run_dir.path, resume_plan, resume.step, say)
+    # PACS's reference, when it is kept for optim.ref_reset_every > 1 rollout steps (pacs/model/reference_policy.py)
+    reference = ReferenceSnapshot(policy) if cfg.optim.ref_reset_every > 1 else None
     if reference is not None and resume is not None:
         saved = load_reference_state(resume.path)
         if saved is not None:
             reference.load_full_state(saved)
-
     # the checkpoints this run keeps and its final model fit on the disk: said, or refused, before any rollout
-    check_checkpoint_space(cfg.output_dir, policy, keep=CHECKPOINTS_KEPT, reference_kept=reference is not None,
-                           existing=len(checkpoint_steps(cfg.output_dir)), say=say)
-
-    # ---- rollout engine, serving the current weights; the metrics log (cut back when resuming)
+    check_checkpoint_space(run_dir.path, policy, keep=CHECKPOINTS_KEPT, reference_kept=reference is not None,
+                           existing=len(checkpoint_steps(run_dir.path)), say=say)
     engine = make_rollout_engine(**engine_options(cfg, run.model_dir, cfg.seed + dist_info.rank, log=say))
     hide_progress_bars()  # again: a vLLM engine's start turns transformers' back on
     if resume is not None:
         engine.sync_weights(full_named_tensors(policy))
-    metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
-    metrics = MetricsLog(metrics_path, resume_step=state["step"] if resume is not None else None,
+    metrics = MetricsLog(run_dir.metrics, resume_step=state["step"] if resume is not None else None,
                          enabled=dist_info.is_main, warn=say)
+    return Training(cfg, dist_info, say, run, run_dir, packed, policy, optimizer, scheduler, reference, engine,
+                    metrics, state, start_time=time.time(), last_checkpoint_time=checkpoint_clock())
+
+
+def before_the_first_step(t: Training, resume) -> None:
+    """The preflight (the largest steps these settings allow, once: out of memory now, not hours in;
+    pacs/train/preflight.py), then a fresh run's step-0 evaluation and the progress bar."""
     from tqdm import tqdm
 
-    start_time = time.time()
-    last_checkpoint_time = checkpoint_clock()
-    row: dict = {}
-    progress = None
+    cfg, dist_info = t.cfg, t.dist_info
+    if preflight_enabled(cfg, dist_info.device) and t.state["step"] < cfg.max_steps:
+        run_preflight(cfg, t.policy, t.optimizer, t.run.pad_id, dist_info, packed=t.packed, say=t.say,
+                      steps=preflight_steps())
+    if resume is None:
+        t.row = {"step": 0, "rollout_engine": type(t.engine).__name__,
+                 **evaluate_policy(cfg, t.engine, t.run, dist_info, 0)}
+        t.metrics.write(t.row)
+        t.say(f"[eval] step 0: held-out accuracy {t.row['eval_accuracy']:.3f}")
+    t.progress = tqdm(total=cfg.max_steps, initial=t.state["step"], desc="rollout steps",
+                      disable=not dist_info.is_main, dynamic_ncols=True)
+
+
+def generate_rollouts(t: Training, step: int) -> tuple[list, list, list, int, int]:
+    """This rank's share of the step's prompts and G responses each, groups contiguous; seeds depend on
+    (seed, step, row) only, so a resumed run samples what the uninterrupted one did. Returns the problems,
+    their encoded prompts, the responses of the share ``[start, stop)`` this rank generated (the ranks of a
+    sequence-parallel group each generate a part), start and stop."""
+    cfg, r, dist_info = t.cfg, t.cfg.rollout, t.dist_info
+    per_rank = r.prompts_per_step // dist_info.dp_size  # a sequence-parallel group shares its data
+    problems = t.run.task.train_batch(t.state["data_position"] + dist_info.dp_rank * per_rank, per_rank)
+    t.state["data_position"] += r.prompts_per_step
+    prompts, cut = encode_prompts(t.run.tokenizer, problems, template=cfg.task.prompt_template,
+                                  use_chat_template=cfg.task.use_chat_template, max_prompt_len=r.max_prompt_len)
+    if cut and not r.truncate_prompts:  # (a generated task's prompt beyond the ones measured)
+        raise ValueError(f"rollout.max_prompt_len={r.max_prompt_len}: a prompt of rollout step {step} is "
+                         "longer; raise it or set rollout.truncate_prompts=true")
+    if cut and not t.warned_cut and dist_info.is_main:
+        t.warned_cut = True  # (tqdm's write: on a line of its own above the progress bar, not after it)
+        t.progress.write(f"[warning] prompts longer than rollout.max_prompt_len={r.max_prompt_len} tokens "
+                         "are cut to their last max_prompt_len tokens")
+    start, stop = prompt_share(per_rank, dist_info.sp)
+    outputs = t.engine.generate(prompts[start:stop], r.group_size, temperature=r.temperature, top_p=r.top_p,
+                                max_new_tokens=r.max_new_tokens, stop_token_ids=t.run.stop_ids,
+                                seed=step_seed(cfg.seed, step, (dist_info.dp_rank * per_rank + start) * r.group_size)
+                                ) if stop > start else []
+    return problems, prompts, outputs, start, stop
+
+
+def score_rollouts(t: Training, problems: list, prompts: list, outputs: list, start: int,
+                   stop: int) -> tuple[Batch, list[list[int]]]:
+    """One verifiable reward per response, scored once, where it was generated (a reward with a timeout could
+    score differently elsewhere), then gathered with it within a sequence-parallel group. Returns the step's
+    batch and its responses."""
+    group_size = t.cfg.rollout.group_size
+    scores = [[t.run.task.reward(decode_response(t.run.tokenizer, resp), problem) for resp in group_out]
+              for problem, group_out in zip(problems[start:stop], outputs)]
+    outputs, scores = gather_rollouts(outputs, scores, t.dist_info.sp)
+    responses = [resp for group_out in outputs for resp in group_out]
+    rewards = [reward for group_scores in scores for reward in group_scores]
+    batch = build_batch([p for p in prompts for _ in range(group_size)], responses, rewards, t.run.pad_id)
+    return batch.to(t.dist_info.device), responses
+
+
+def update_step(t: Training, step: int, batch: Batch) -> tuple[UpdateResult, float, float, float]:
+    """Old-policy log-probs (the policy that sampled; PACS's reference, reset every optim.ref_reset_every rollout
+    steps, in between the reference's own no-grad pass), the updates (NaN-skipping; groups whose gradient is
+    exactly 0 not run), then the new weights into the rollout engine. Returns the update, the entropy, and the
+    update's and the weight sync's seconds."""
+    cfg, o, r, dist_info, reference = t.cfg, t.cfg.optim, t.cfg.rollout, t.dist_info, t.reference
+    update_start = time.time()
+    ranges = old_policy_ranges(cfg, batch, dist_info, t.packed)
+    old_logp, old_lse, entropy = old_policy_logprobs(t.policy, batch, ranges, r.temperature, o.logprob_backend,
+                                                     t.packed, dist_info.sp)
+    rollout_logp = None
+    if reference is not None:
+        if reference.weights is None and not is_reset_step(step, o.ref_reset_every):
+            t.say(f"[train] step {step}: the checkpoint kept no reference weights (written with "
+                  "optim.ref_reset_every=1?): the reference is reset to the current policy now")
+        if reference.weights is None or is_reset_step(step, o.ref_reset_every):
+            reference.take(step)
+        else:
+            rollout_logp = old_logp
+            with reference.weights_in():
+                old_logp, _, _ = old_policy_logprobs(t.policy, batch, ranges, r.temperature, o.logprob_backend,
+                                                     t.packed, dist_info.sp)
+    # groups whose gradient is exactly 0 this step (single-label ones after a reset) are not run:
+    # moved behind the others within their mini-batch (pacs/train/single_label_groups.py)
+    skip_first, skip_every = skip_rules(cfg, reference_is_current=rollout_logp is None)
+    groups_run = None
+    if skip_first or skip_every:
+        order, groups_run = plan_group_skips(batch.rewards, r.group_size, o.mini_batches_per_step,
+                                             skip_first=skip_first, skip_every=skip_every)
+        groups_run = most_on_any_rank(groups_run, dist_info)
+        if order is not None:
+            batch, old_logp, old_lse = batch.select(order), old_logp[order], old_lse[order]
+            rollout_logp = None if rollout_logp is None else rollout_logp[order]
+    update = update_policy(cfg, t.policy, t.optimizer, t.scheduler, batch, old_logp, old_lse, t.state, dist_info,
+                           step, t.say, packed=t.packed, rollout_logp=rollout_logp, groups_run=groups_run)
+    update_time = time.time() - update_start
+    if t.packed and (attention := new_attention_decisions(dist_info.device)):  # once per configuration
+        t.say(f"[train] packed attention: {attention}")
+    sync_start = time.time()
+    t.engine.sync_weights(full_named_tensors(t.policy))
+    return update, entropy, update_time, time.time() - sync_start
+
+
+def log_step(t: Training, step: int, batch: Batch, responses: list, entropy: float, update: UpdateResult,
+             times: dict, stop_signals: StopSignals) -> StepEnd:
+    """The step's metrics (averaged over ranks), what every rank agrees on (a stop signal, the wall-clock
+    limit, a checkpoint due), the held-out evaluation every eval.every steps and at the end, the progress bar."""
+    cfg, dist_info = t.cfg, t.dist_info
+    extra = t.run.task.reward_metrics()
+    if t.reference is not None:  # rollout steps since the reference was reset (0: this step)
+        extra["ref_age"] = float(step - t.reference.step)
+    row = step_metrics(step, batch, responses, entropy, update, t.scheduler, t.state, times, dist_info,
+                       extra=extra, group_size=cfg.rollout.group_size)
+    # every rank, every step: the same answer on all of them (a stop signal, the wall-clock limit)
+    stop_signal, out_of_time, checkpoint_due = stop_signals.agreed(
+        dist_info.world_size, dist_info.device,
+        out_of_time=cfg.max_minutes is not None and time.time() - t.start_time > 60 * cfg.max_minutes,
+        checkpoint_due=(cfg.checkpoint_minutes is not None
+                        and checkpoint_clock() - t.last_checkpoint_time > 60 * cfg.checkpoint_minutes))
+    if step == cfg.max_steps:
+        stop_signal = None  # the run is done anyway: it ends as usual (evaluated, exported)
+    last_step = step == cfg.max_steps or out_of_time or stop_signal is not None
+    # a preempted run keeps only the scheduled evaluations (its resumed run then logs what an
+    # uninterrupted one does, and a scheduler's grace period is better spent on the checkpoint)
+    if (cfg.eval.every and step % cfg.eval.every == 0) or (last_step and stop_signal is None):
+        row.update(evaluate_policy(cfg, t.engine, t.run, dist_info, step))
+    t.metrics.write(row)
+    t.row = row
+    # the last mini-batch's loss (the first one's is ln 2 for PACS) and the grad norm: both move
+    t.progress.set_postfix(reward=f"{row['reward_mean']:.2f}", loss=f"{update.last_loss:.3f}",
+                           gnorm=f"{row['grad_norm']:.3f}",
+                           **({"acc": f"{row['eval_accuracy']:.2f}"} if "eval_accuracy" in row else {}))
+    t.progress.update(1)
+    t.state["step"] = step
+    return StepEnd(stop_signal, out_of_time, checkpoint_due, last_step)
+
+
+def checkpoint_if_due(t: Training, step: int, end: StepEnd) -> None:
+    """Every checkpoint_every steps, once checkpoint_minutes have passed since the last one, and at the end."""
+    if (t.cfg.checkpoint_every and step % t.cfg.checkpoint_every == 0) or end.checkpoint_due or end.last_step:
+        save_checkpoint(t.run_dir.path, step, t.policy, t.optimizer, t.scheduler, t.state, t.dist_info,
+                        reference_state=None if t.reference is None else t.reference.full_state())
+        t.last_checkpoint_time = checkpoint_clock()
+
+
+def stopped_training(t: Training, exc: BaseException) -> BaseException | None:
+    """A run stopped by ``exc``: the progress bar and the engine closed; a Ctrl-C becomes the returned
+    TrainingInterrupted; a crash mid-run (out of memory in generation, a reward function's bug, a lost rank)
+    says on this rank where the run can be continued from, and the error itself follows (None returned)."""
+    if t.progress is not None:
+        t.progress.close()
+    try:
+        t.engine.close()
+    except Exception:  # the error that stopped the run is the one to report
+        pass
+    if isinstance(exc, KeyboardInterrupt):
+        return TrainingInterrupted(f"interrupted at step {t.state['step'] + 1}; {resume_hint(t.cfg)}")
+    said = (TrainingInterrupted, TrainingStopped, NoSpaceLeft)  # their own line says how to resume
+    if isinstance(exc, Exception) and not isinstance(exc, said):
+        rank = f" on rank {t.dist_info.rank}" if t.dist_info.world_size > 1 else ""
+        try:  # (the hint must not replace the error)
+            hint = resume_hint(t.cfg)
+        except Exception as hint_error:
+            hint = f"the last checkpoint could not be listed ({type(hint_error).__name__})"
+        print(f"[train] stopped by {type(exc).__name__}{rank} after step {t.state['step']} (the last one "
+              f"finished); {hint}", file=sys.stderr, flush=True)
+        try:
+            exc.pacs_during_training = True  # the CLI then shows the whole traceback, not one line
+        except AttributeError:
+            pass
+    return None
+
+
+def finish_training(t: Training) -> TrainResult:
+    """The final export (HF format, servable by vLLM), the curves, one summary line."""
+    export_hf(t.policy, t.run.tokenizer, t.run_dir.final_model, t.dist_info)
+    t.engine.close()
+    png = None
+    if t.dist_info.is_main and t.cfg.plot and os.path.isfile(t.run_dir.metrics):
+        png = plot_metrics(t.run_dir.metrics, t.run_dir.metrics_plot,
+                           title=f"{t.cfg.optim.algo} on {t.cfg.task.name} ({t.run_dir.path})")
+    if t.dist_info.is_main:
+        t.say(summary_line(t.run_dir, t.state["step"], time.time() - t.start_time,
+                           peak_memory_mib(t.dist_info.device), png))
+    return TrainResult(metrics=t.row, policy=t.policy, output_dir=t.run_dir.path)
+
+
+def train(cfg: Config, change: tuple[str, ...] = ()) -> TrainResult:
+    """Run (or resume) training as configured. ``change``: the settings a resume may change although they
+    change what the run is (``pacs train --resume --change KEY=VALUE``; pacs/train/resume_check.py)."""
+    dist_info = setup_distributed(cfg.train.sequence_parallel_size, cfg.train.distributed_timeout_minutes)
+    say = print if dist_info.is_main else (lambda *a, **k: None)
+    run, resume, resume_plan = start_run(cfg, dist_info, say, change)  # checks; the run directory; task, tokenizer
+    t = set_up_training(cfg, dist_info, say, run, resume, resume_plan)  # policy, optimizer, engine, metrics log
     # SIGTERM / SIGUSR1 (a scheduler's preemption), Ctrl-C: finish the step, checkpoint it, stop
-    # (pacs/stop_signals.py)
+    # (pacs/train/stop_signals.py)
     with StopSignals(notice_prefix="[train]" if dist_info.is_main else None) as stop_signals:
         try:
-            # the largest steps these settings allow, once, before any rollout: out of memory now, not
-            # hours in (pacs/preflight.py)
-            if preflight_enabled(cfg, dist_info.device) and state["step"] < cfg.max_steps:
-                run_preflight(cfg, policy, optimizer, run.pad_id, dist_info, packed=packed, say=say)
-            if resume is None:
-                row = {"step": 0, "rollout_engine": type(engine).__name__,
-                       **evaluate_policy(cfg, engine, run, dist_info, 0)}
-                metrics.write(row)
-                say(f"[eval] step 0: held-out accuracy {row['eval_accuracy']:.3f}")
-            progress = tqdm(total=cfg.max_steps, initial=state["step"], desc="rollout steps",
-                            disable=not dist_info.is_main, dynamic_ncols=True)
-            per_rank = r.prompts_per_step // dist_info.dp_size  # a sequence-parallel group shares its data
-            warned_cut = False
-            for step in range(state["step"] + 1, cfg.max_steps + 1):
+            before_the_first_step(t, resume)  # out of memory now rather than hours in; the step-0 evaluation
+            for step in range(t.state["step"] + 1, cfg.max_steps + 1):
                 step_start = time.time()
-                # 1. prompts (this rank's share), G responses each, groups contiguous; seeds depend on
-                #    (seed, step, row) only, so a resumed run samples what the uninterrupted one did
-                problems = run.task.train_batch(state["data_position"] + dist_info.dp_rank * per_rank, per_rank)
-                state["data_position"] += r.prompts_per_step
-                prompts, cut = encode_prompts(run.tokenizer, problems, template=cfg.task.prompt_template,
-                                              use_chat_template=cfg.task.use_chat_template,
-                                              max_prompt_len=r.max_prompt_len)
-                if cut and not r.truncate_prompts:  # (a generated task's prompt beyond the ones measured)
-                    raise ValueError(f"rollout.max_prompt_len={r.max_prompt_len}: a prompt of rollout step {step} is "
-                                     "longer; raise it or set rollout.truncate_prompts=true")
-                if cut and not warned_cut and dist_info.is_main:
-                    warned_cut = True  # (tqdm's write: on a line of its own above the progress bar, not after it)
-                    progress.write(f"[warning] prompts longer than rollout.max_prompt_len={r.max_prompt_len} tokens "
-                                   "are cut to their last max_prompt_len tokens")
-                #    (the ranks of a sequence-parallel group each generate, and score, a share of them)
-                start, stop = prompt_share(per_rank, dist_info.sp)
-                outputs = engine.generate(prompts[start:stop], r.group_size, temperature=r.temperature,
-                                          top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop_token_ids=run.stop_ids,
-                                          seed=step_seed(cfg.seed, step, (dist_info.dp_rank * per_rank + start)
-                                                         * r.group_size)) if stop > start else []
+                rollout = generate_rollouts(t, step)  # 1. prompts, G responses each, from the current policy
                 rollout_time = time.time() - step_start
-
-                # 2. verifiable rewards, one per response, scored once, where it was generated (a reward with a
-                #    timeout could score differently elsewhere), then gathered with it within a sequence-parallel group
-                scores = [[run.task.reward(decode_response(run.tokenizer, resp), problem) for resp in group_out]
-                          for problem, group_out in zip(problems[start:stop], outputs)]
-                outputs, scores = gather_rollouts(outputs, scores, dist_info.sp)
-                responses = [resp for group_out in outputs for resp in group_out]
-                rewards = [reward for group_scores in scores for reward in group_scores]
-                batch = build_batch([p for p in prompts for _ in range(r.group_size)], responses, rewards,
-                                    run.pad_id).to(dist_info.device)
-
-                # 3. old-policy log-probs: the policy that sampled, PACS's reference (reset every
-                #    optim.ref_reset_every rollout steps; in between, the reference's own no-grad pass)
-                update_start = time.time()
-                ranges = old_policy_ranges(cfg, batch, dist_info, packed)
-                old_logp, old_lse, entropy = old_policy_logprobs(policy, batch, ranges, r.temperature,
-                                                                 o.logprob_backend, packed, dist_info.sp)
-                rollout_logp = None
-                if reference is not None:
-                    if reference.weights is None and not is_reset_step(step, o.ref_reset_every):
-                        say(f"[train] step {step}: the checkpoint kept no reference weights (written with "
-                            "optim.ref_reset_every=1?): the reference is reset to the current policy now")
-                    if reference.weights is None or is_reset_step(step, o.ref_reset_every):
-                        reference.take(step)
-                    else:
-                        rollout_logp = old_logp
-                        with reference.weights_in():
-                            old_logp, _, _ = old_policy_logprobs(policy, batch, ranges, r.temperature,
-                                                                 o.logprob_backend, packed, dist_info.sp)
-
-                # groups whose gradient is exactly 0 this step (single-label ones after a reset) are not run:
-                # moved behind the others within their mini-batch (pacs/single_label_groups.py)
-                skip_first, skip_every = skip_rules(cfg, reference_is_current=rollout_logp is None)
-                groups_run = None
-                if skip_first or skip_every:
-                    order, groups_run = plan_group_skips(batch.rewards, r.group_size, o.mini_batches_per_step,
-                                                         skip_first=skip_first, skip_every=skip_every)
-                    groups_run = most_on_any_rank(groups_run, dist_info)
-                    if order is not None:
-                        batch, old_logp, old_lse = batch.select(order), old_logp[order], old_lse[order]
-                        rollout_logp = None if rollout_logp is None else rollout_logp[order]
-
-                # 4. the updates (NaN-skipping); 5. new weights into the rollout engine
-                update = update_policy(cfg, policy, optimizer, scheduler, batch, old_logp, old_lse, state, dist_info,
-                                       step, say, packed=packed, rollout_logp=rollout_logp, groups_run=groups_run)
-                update_time = time.time() - update_start
-                if packed and (attention := new_attention_decisions(dist_info.device)):  # once per configuration
-                    say(f"[train] packed attention: {attention}")
-                sync_start = time.time()
-                engine.sync_weights(full_named_tensors(policy))
-                sync_time = time.time() - sync_start
-
-                # metrics (averaged over ranks), held-out evaluation every eval.every steps, checkpoint
+                batch, responses = score_rollouts(t, *rollout)  # 2. a verifiable reward for each response
+                update, entropy, update_time, sync_time = update_step(t, step, batch)  # 3. learn from them
                 times = {"rollout_time": rollout_time, "update_time": update_time, "sync_time": sync_time,
-                         "step_time": time.time() - step_start, "elapsed": time.time() - start_time}
-                extra = run.task.reward_metrics()
-                if reference is not None:  # rollout steps since the reference was reset (0: this step)
-                    extra["ref_age"] = float(step - reference.step)
-                row = step_metrics(step, batch, responses, entropy, update, scheduler, state, times, dist_info,
-                                   extra=extra, group_size=r.group_size)
-                # every rank, every step: the same answer on all of them (a stop signal, the wall-clock limit)
-                stop_signal, out_of_time, checkpoint_due = stop_signals.agreed(
-                    dist_info.world_size, dist_info.device,
-                    out_of_time=cfg.max_minutes is not None and time.time() - start_time > 60 * cfg.max_minutes,
-                    checkpoint_due=(cfg.checkpoint_minutes is not None
-                                    and checkpoint_clock() - last_checkpoint_time > 60 * cfg.checkpoint_minutes))
-                if step == cfg.max_steps:
-                    stop_signal = None  # the run is done anyway: it ends as usual (evaluated, exported)
-                last_step = step == cfg.max_steps or out_of_time or stop_signal is not None
-                # a preempted run keeps only the scheduled evaluations (its resumed run then logs what an
-                # uninterrupted one does, and a scheduler's grace period is better spent on the checkpoint)
-                if (cfg.eval.every and step % cfg.eval.every == 0) or (last_step and stop_signal is None):
-                    row.update(evaluate_policy(cfg, engine, run, dist_info, step))
-                metrics.write(row)
-                # the last mini-batch's loss (the first one's is ln 2 for PACS) and the grad norm: both move
-                progress.set_postfix(reward=f"{row['reward_mean']:.2f}", loss=f"{update.last_loss:.3f}",
-                                     gnorm=f"{row['grad_norm']:.3f}",
-                                     **({"acc": f"{row['eval_accuracy']:.2f}"} if "eval_accuracy" in row else {}))
-                progress.update(1)
-                state["step"] = step
-                # every checkpoint_every steps, and once checkpoint_minutes have passed since the last one
-                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or checkpoint_due or last_step:
-                    save_checkpoint(cfg.output_dir, step, policy, optimizer, scheduler, state, dist_info,
-                                    reference_state=None if reference is None else reference.full_state())
-                    last_checkpoint_time = checkpoint_clock()
-                if stop_signal is not None:
-                    raise TrainingPreempted(f"{stop_signal} received: stopped after step {step}, its checkpoint "
-                                            f"written; {resume_hint(cfg)}", stop_signal)
-                if out_of_time:
+                         "step_time": time.time() - step_start, "elapsed": time.time() - t.start_time}
+                end = log_step(t, step, batch, responses, entropy, update, times, stop_signals)  # 4. metrics, eval
+                checkpoint_if_due(t, step, end)  # 5. so that a stopped run resumes from here
+                if end.stop_signal is not None:
+                    raise TrainingPreempted(f"{end.stop_signal} received: stopped after step {step}, its checkpoint "
+                                            f"written; {resume_hint(cfg)}", end.stop_signal)
+                if end.out_of_time:
                     say(f"[train] max_minutes={cfg.max_minutes} reached after step {step}: stopping")
                     break
         except BaseException as exc:
-            if progress is not None:
-                progress.close()
-            try:
-                engine.close()
-            except Exception:  # the error that stopped the run is the one to report
-                pass
-            if isinstance(exc, KeyboardInterrupt):
-                raise TrainingInterrupted(f"interrupted at step {state['step'] + 1}; {resume_hint(cfg)}") from None
-            said = (TrainingInterrupted, TrainingStopped, NoSpaceLeft)  # their own line says how to resume
-            if isinstance(exc, Exception) and not isinstance(exc, said):
-                # a crash mid-run (out of memory in generation, a reward function's bug, a lost rank): the
-                # error itself follows; say on this rank where the run can be continued from
-                rank = f" on rank {dist_info.rank}" if dist_info.world_size > 1 else ""
-                try:  # (the hint must not replace the error)
-                    hint = resume_hint(cfg)
-                except Exception as hint_error:
-                    hint = f"the last checkpoint could not be listed ({type(hint_error).__name__})"
-                print(f"[train] stopped by {type(exc).__name__}{rank} after step {state['step']} (the last one "
-                      f"finished); {hint}", file=sys.stderr, flush=True)
-                try:
-                    exc.pacs_during_training = True  # the CLI then shows the whole traceback, not one line
-                except AttributeError:
-                    pass
+            interrupted = stopped_training(t, exc)  # the engine closed; where to resume said
+            if interrupted is not None:
+                raise interrupted from None
             raise
-        progress.close()
-
-    # ---- final export (HF format, servable by vLLM), the curves, one summary line
-    export_hf(policy, run.tokenizer, os.path.join(cfg.output_dir, "final_model"), dist_info)
-    engine.close()
-    png = None
-    if dist_info.is_main and cfg.plot and os.path.isfile(metrics_path):
-        png = plot_metrics(metrics_path, os.path.join(cfg.output_dir, "metrics.png"),
-                           title=f"{cfg.optim.algo} on {cfg.task.name} ({cfg.output_dir})")
-    if dist_info.is_main:
-        say(summary_line(cfg, metrics_path, state["step"], time.time() - start_time,
-                         peak_memory_mib(dist_info.device), png))
-    return TrainResult(metrics=row, policy=policy, output_dir=cfg.output_dir)
+        t.progress.close()
+    return finish_training(t)  # the final model, the curves, a summary line

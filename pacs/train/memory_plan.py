@@ -20,9 +20,12 @@ import json
 import os
 from dataclasses import dataclass, field, replace
 
+from pacs.config import load_config, micro_batch_groups, validate
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above pacs/train/
 GiB = 2**30
 MiB = 2**20
-PRESET_MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "presets",
+PRESET_MODELS_DIR = os.path.join(REPO_ROOT, "configs", "presets",
                                  "models")
 
 # bytes a decoder layer saves for the backward, per token, per element of: the hidden size, the query
@@ -432,8 +435,6 @@ def plan_for_config(cfg, model: ModelShape, gpu_gib: float, gpus: int = 1, lora_
                     lora_targets: tuple[str, ...] | None = None, device: str = "cuda") -> MemoryPlan:
     """The plan of a ``pacs train`` config (pacs.config.Config) exactly as set: its lengths, group size,
     micro-batches, precision, vLLM share and memory levers (what the trainer's preflight could print)."""
-    from .config import micro_batch_groups
-
     r, tr = cfg.rollout, cfg.train
     if lora_rank is None and cfg.model.lora.rank > 0:  # model.lora.*: all-linear = every projection
         lora_rank = cfg.model.lora.rank
@@ -509,8 +510,6 @@ def plan_preset(path: str) -> MemoryPlan:
     cannot say: ``model`` (a config.json, model directory or shipped name), ``gpu_gib``, ``gpus`` (and
     ``lora_rank`` / ``lora_targets`` to plan LoRA the YAML does not set; the YAML's ``model.lora`` is read)."""
     import yaml
-
-    from .config import load_config, validate
 
     stem = path[:-len(".yaml")] if path.endswith(".yaml") else path
     sidecar = stem + ".plan.yaml"

@@ -20,7 +20,8 @@ import os
 
 import torch
 
-CONFIG_ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "models")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above pacs/model/
+CONFIG_ROOT = os.path.join(REPO_ROOT, "configs", "models")
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<|im_end|>", "<|im_start|>"]  # pad 0, bos 1, eos 2
 CHAT_TEMPLATE = (

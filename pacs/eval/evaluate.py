@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .tasks.base import Problem, Task
+from pacs.tasks.base import Problem, Task
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -89,7 +89,7 @@ def run_eval(engine, task: Task, tokenizer, problems: list[Problem], *, n_sample
     ``chunk_problems``: generate that many problems at a time (default: all in one call); chunk c
     starts at problem i and samples with seed ``seed + i * n_samples``, which is what the one call
     gives each row with the HF engine (row j: seed + j) and a reproducible choice with vLLM's.
-    ``journal`` (:class:`pacs.eval_journal.EvalJournal`): problems it holds are not generated again,
+    ``journal`` (:class:`pacs.eval.journal.EvalJournal`): problems it holds are not generated again,
     and each finished chunk is appended to it. ``progress``: a progress bar over the problems.
     """
     if n_samples > 1 and temperature == 0:

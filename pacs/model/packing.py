@@ -7,7 +7,7 @@ offsets) mark where each sequence starts, so that
   * attention stays within each sequence: on CUDA with ``flash_attn`` installed, Hugging Face's
     ``flash_attention_2`` runs the varlen kernel on ``cu_seq_lens_q/k``; everywhere else the
     attention registered here (``pacs_packed_sdpa``) runs PyTorch's own flash varlen kernel, one call
-    for the whole row, where it can (CUDA, 16-bit: pacs/varlen_attention.py), else
+    for the whole row, where it can (CUDA, 16-bit: pacs/model/varlen_attention.py), else
     ``scaled_dot_product_attention`` with ``is_causal=True`` once per sequence; no N x N mask is ever
     built (memory O(N), exact);
   * the loss takes the packed layout directly: ``fused_linear_pacs_loss(hidden (N, d), ...,
@@ -22,7 +22,7 @@ until the next group would exceed the budget. A group larger than the budget is 
 whole responses (``split_groups``), and only such a group: PACS's gradient for any token of a
 response depends, through the group's RLOO baseline and the BCE on psi, on the log-probs of every
 response of its group, so one backward over part of a group is not the gradient of anything by
-itself. The trainer makes it exact in two phases (pacs/split_groups.py): the group's log-probs
+itself. The trainer makes it exact in two phases (pacs/train/split_groups.py): the group's log-probs
 first, without gradient, give every token's gradient; then each part's backward carries those
 fixed gradients. A single sequence larger than the budget is an error that names the setting and
 the sequence's token count (its forward cannot be cut).
@@ -30,21 +30,16 @@ the sequence's token count (its forward cannot be cut).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from dataclasses import dataclass
 
 import torch
 
-from .varlen_attention import varlen_causal_attention
-
-PACKED_ATTENTION = "pacs_packed_sdpa"
-SEQUENCE_PARALLEL_KWARG = "pacs_sequence_parallel"  # the backbone keyword that reaches every attention call
-                                                    # of a sequence-parallel forward (pacs/sequence_parallel.py)
-# inside a packed row's forward: the row's sequence offsets, on the host (None outside one)
-_PACKED_CALL: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("pacs_packed_call",
-                                                                                default=None)
-
+from pacs.model.packed_attention import (
+    SEQUENCE_PARALLEL_KWARG,
+    packed_attention_implementation,
+    packed_call,
+    register_packed_attention,
+)
 
 # ----------------------------------------------------------------------------- the layout
 
@@ -69,7 +64,7 @@ class PackedMicroBatch:
     rewards: torch.Tensor
     rows: torch.Tensor
     cols: torch.Tensor
-    shard: object | None = None  # sequence parallelism: this rank's slice (pacs.sequence_parallel.TokenShard)
+    shard: object | None = None  # sequence parallelism: this rank's slice (pacs.model.sequence_parallel.TokenShard)
 
     @property
     def n_tokens(self) -> int:
@@ -158,7 +153,7 @@ def pack_real_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> P
 
 
 def pack_rows(batch, lo: int, hi: int) -> PackedMicroBatch:
-    """Pack rows ``[lo, hi)`` of ``batch`` (a :class:`pacs.trainer.Batch`: right-padded
+    """Pack rows ``[lo, hi)`` of ``batch`` (a :class:`pacs.train.trainer.Batch`: right-padded
     input_ids/attention_mask/targets/mask (B, L) and rewards (B,)) into a :class:`PackedMicroBatch`.
 
     The target and mask of each packed position are those of the padded batch at the same place:
@@ -255,97 +250,7 @@ def fixed_micro_batches(n_rows: int, rows_per_micro: int) -> list[tuple[int, int
     return [(lo, min(lo + rows_per_micro, n_rows)) for lo in range(0, n_rows, rows_per_micro)]
 
 
-# ----------------------------------------------------------------------------- attention
-
-
-def sequence_bounds(cu_seqlens: torch.Tensor, window: int | None, what: str, instead: str) -> list[int]:
-    """The packed sequences' offsets as a list (those :func:`packed_call` holds on the host, else read from
-    ``cu_seqlens``: a device sync, e.g. in a checkpointed layer's recompute); a ValueError when one is longer
-    than the layer's sliding window, which ``what`` (an attention that runs whole sequences) does not implement
-    (``instead``: the setting to use)."""
-    held = _PACKED_CALL.get()
-    bounds = held if held is not None and len(held) == cu_seqlens.numel() else cu_seqlens.tolist()
-    longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
-    if window is not None and longest > window:
-        raise ValueError(
-            f"{what} does not implement sliding-window attention: a packed sequence of {longest} tokens exceeds "
-            f"this layer's window of {window}; set {instead} for this model")
-    return bounds
-
-
-def require_causal(module, kwargs: dict, what: str) -> None:
-    """A packed row's attention keeps each sequence causal: a ValueError for a layer that is not (the module's
-    ``is_causal``, or the call's); the call's ``is_causal`` is taken out of ``kwargs`` (the attention sets it)."""
-    if kwargs.pop("is_causal", None) is False or getattr(module, "is_causal", True) is False:
-        raise ValueError(f"{type(module).__name__} is not a causal attention layer, and {what} keeps every packed "
-                         "sequence causal: this model cannot be packed")
-
-
-def _packed_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
-                           scaling: float | None = None, **kwargs):
-    """Hugging Face attention function: query (1, H, N, D), key/value (1, H_kv, N, D).
-
-    With ``cu_seq_lens_q`` (a packed call from :func:`packed_forward`): causal attention over each
-    sequence on its own -> (1, N, H, D), as one flash varlen call where it runs
-    (pacs/varlen_attention.py), else SDPA per sequence, outputs concatenated. Otherwise (padded rows, generation,
-    a single sequence): exactly Hugging Face's ``sdpa`` attention.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    cu = kwargs.pop("cu_seq_lens_q", None)
-    for name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
-        kwargs.pop(name, None)
-    if cu is not None and attention_mask is not None and _PACKED_CALL.get() is not None:
-        raise ValueError(f"{type(module).__name__}: the model built an attention mask for a packed row, which "
-                         "pacs_packed_sdpa cannot combine with the row's sequence bounds; this model cannot be packed")
-    if cu is None or attention_mask is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    kwargs.pop("position_ids", None)
-    require_causal(module, kwargs, "pacs_packed_sdpa")
-    if query.shape[0] != 1:
-        raise ValueError(f"packed attention expects one packed row, got batch size {query.shape[0]}")
-    bounds = sequence_bounds(cu, kwargs.get("sliding_window"), "pacs_packed_sdpa", "train.packing=false")
-    fused = varlen_causal_attention(query, key, value, cu, bounds, scaling=scaling, dropout=dropout, extras=kwargs)
-    if fused is not None:  # one flash varlen call for the whole row (CUDA, 16-bit: pacs/varlen_attention.py)
-        return fused.transpose(1, 2), None
-    outputs = [
-        sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, dropout=dropout,
-                               scaling=scaling, is_causal=True, **kwargs)[0]
-        for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
-    return torch.cat(outputs, dim=1), None
-
-
-def _packed_sdpa_mask(*args, **kwargs):
-    """Mask function paired with ``pacs_packed_sdpa``: none for a packed call (the attention keeps
-    each sequence to itself), Hugging Face's sdpa mask otherwise."""
-    if _PACKED_CALL.get() is not None:
-        return None
-    from transformers.masking_utils import sdpa_mask
-
-    return sdpa_mask(*args, **kwargs)
-
-
-def register_packed_attention() -> str:
-    """Register ``pacs_packed_sdpa`` with transformers (idempotent); returns its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(PACKED_ATTENTION, _packed_sdpa_attention)
-    AttentionMaskInterface.register(PACKED_ATTENTION, _packed_sdpa_mask)
-    return PACKED_ATTENTION
-
-
-def packed_attention_implementation(device: torch.device) -> str:
-    """``flash_attention_2`` on CUDA when ``flash_attn`` is importable, else ``pacs_packed_sdpa``."""
-    if device.type == "cuda":
-        try:
-            import flash_attn  # noqa: F401
-
-            return "flash_attention_2"
-        except ImportError:
-            pass
-    return register_packed_attention()
+# ----------------------------------------------------------------------------- which models can be packed
 
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # Hugging Face layer_types that attend
@@ -458,18 +363,6 @@ def enable_packed_attention(causal_lm, device: torch.device) -> str:
     return name
 
 
-@contextlib.contextmanager
-def packed_call(bounds: list[int]):
-    """While a packed row runs through a backbone: ``pacs_packed_sdpa``'s mask function builds no mask
-    (the attention keeps each sequence to itself), and its attention reads the sequence offsets ``bounds``
-    (the row's ``cu_seqlens`` as a list) from here instead of from the device in every layer."""
-    token = _PACKED_CALL.set(list(bounds))
-    try:
-        yield
-    finally:
-        _PACKED_CALL.reset(token)
-
-
 def packed_backbone_kwargs(position_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> dict:
     """What a Hugging Face backbone takes for a packed row, besides ``input_ids`` and no attention mask:
     ``position_ids`` (RoPE restarts per sequence) and the flash-attention varlen arguments
@@ -479,14 +372,14 @@ def packed_backbone_kwargs(position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
 
 
 def packed_forward(policy, packed: PackedMicroBatch):
-    """Run ``policy`` (:class:`pacs.policy.Policy`) on a packed micro-batch.
+    """Run ``policy`` (:class:`pacs.model.policy.Policy`) on a packed micro-batch.
 
     Returns (hidden (N, d), lm_head_weight (V, d), lm_head_bias (V,) or None). The backbone gets no
     attention mask and :func:`packed_backbone_kwargs`. A model on another attention implementation
     (``sdpa``, ``eager``) still computes the right thing: Hugging Face builds a block-diagonal causal
     mask from the restarting ``position_ids`` (N x N memory).
     """
-    # sequence parallelism: this rank's slice of the tokens; the attention trades it (pacs/sequence_parallel.py)
+    # sequence parallelism: this rank's slice of the tokens; the attention trades it (pacs/model/sequence_parallel.py)
     split = {} if packed.shard is None else {SEQUENCE_PARALLEL_KWARG: packed.shard.sp}
     with packed_call(packed.cu_seqlens.tolist()):
         hidden, weight, bias = policy(packed.input_ids, None, **split, **packed_backbone_kwargs(
@@ -510,22 +403,6 @@ def micro_batch_ranges(lengths: list[int], lo: int, hi: int, *, group_size: int,
         plan = plan_micro_batches(lengths[lo:hi], group_size, max_tokens, padded=not packed, setting=setting,
                                   split_groups=True)
     return [(lo + a, lo + b) for a, b in plan]
-
-
-def slice_micro_batch(batch, lo: int, hi: int, packed: bool, sp=None):
-    """Rows ``[lo, hi)`` of ``batch`` as a :class:`PackedMicroBatch`, or as padded rows
-    (``batch.rows``, trimmed to the longest row). ``sp`` (a
-    :class:`pacs.sequence_parallel.SequenceParallel`, packed only): this rank's slice of the tokens."""
-    if not packed:
-        if sp is not None:  # (the trainer's config checks refuse this earlier)
-            raise ValueError("sequence parallelism splits packed micro-batches only: set train.packing=true")
-        return batch.rows(lo, hi)
-    part = pack_rows(batch, lo, hi)
-    if sp is None:
-        return part
-    from .sequence_parallel import shard_packed
-
-    return shard_packed(part, sp)
 
 
 def to_layout(part, lo: int, padded: torch.Tensor) -> torch.Tensor:
@@ -555,7 +432,7 @@ def response_positions(part, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
 def split_to_count(plan: list[tuple[int, int]], count: int, group_size: int) -> list[tuple[int, int]]:
     """Split micro-batches of ``plan`` until there are ``count`` of them: the one with the most rows
     first, at the group boundary nearest its middle when it holds two groups or more, else between
-    rows (a group then runs in parts, which the trainer makes exact: pacs/split_groups.py). Each part
+    rows (a group then runs in parts, which the trainer makes exact: pacs/train/split_groups.py). Each part
     costs no more than the micro-batch it came from, so a plan within a token budget stays within it.
     Raises ValueError when ``count`` exceeds the number of rows."""
     plan = list(plan)

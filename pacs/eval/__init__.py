@@ -1,0 +1,1 @@
+"""Evaluating a policy on a task: the evaluation, its journal, its written outputs and presets."""

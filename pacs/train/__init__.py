@@ -1,0 +1,1 @@
+"""Training: the loop, its run directory, checkpoints, preflight, stop signals, metrics and the console."""

@@ -1,0 +1,57 @@
+"""One rollout step's rows as tensors: prompt + response, right-padded, groups contiguous, with the mask of
+the positions that predict response tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Batch:
+    """Padded (right) prompt+response rows of one rollout step, groups contiguous.
+
+    input_ids, attention_mask: (B, L) int64; targets: (B, L) the next token at each position;
+    mask: (B, L) bool, True where ``targets`` is a response token; rewards: (B,) float32.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    targets: torch.Tensor
+    mask: torch.Tensor
+    rewards: torch.Tensor
+
+    def rows(self, start: int, stop: int) -> "Batch":
+        """Rows [start, stop), trimmed to their longest row."""
+        width = int(self.attention_mask[start:stop].sum(1).max())
+        return Batch(*(t[start:stop, :width] if t.dim() == 2 else t[start:stop] for t in (
+            self.input_ids, self.attention_mask, self.targets, self.mask, self.rewards)))
+
+    def select(self, rows: torch.Tensor) -> "Batch":
+        """The rows in the order ``rows`` (a permutation), full width."""
+        return Batch(*(t.index_select(0, rows) for t in (self.input_ids, self.attention_mask, self.targets,
+                                                         self.mask, self.rewards)))
+
+    def to(self, device) -> "Batch":
+        return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.targets, self.mask,
+                                              self.rewards)))
+
+
+def build_batch(prompts: list[list[int]], responses: list[list[int]], rewards: list[float],
+                pad_token_id: int) -> Batch:
+    """Rows ``prompt + response`` (``len(responses)`` rows; prompt i // n for response i when the
+    caller repeated prompts). The loss mask covers the positions that predict response tokens."""
+    rows = [p + r for p, r in zip(prompts, responses)]
+    width = max(len(r) for r in rows)
+    n = len(rows)
+    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros(n, width, dtype=torch.long)
+    mask = torch.zeros(n, width, dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[i, :len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
+        attention[i, :len(p) + len(r)] = 1
+        mask[i, len(p) - 1:len(p) + len(r) - 1] = True  # position t predicts token t + 1
+    targets = torch.roll(input_ids, -1, dims=1)
+    targets[:, -1] = pad_token_id
+    return Batch(input_ids, attention, targets, mask, torch.tensor(rewards, dtype=torch.float32))
