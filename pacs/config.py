@@ -131,7 +131,8 @@ class TrainConfig:
     offload_activations: bool = False  # tensors saved for the backward go to host memory
     fsdp_cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads, optimizer state on the host
     liger_patches: bool = False     # CUDA: Liger-Kernel RMSNorm, SwiGLU, RoPE in the model (never its loss)
-    tiled_mlp: bool = False         # each decoder MLP over tiles of tokens, only its input kept (model/tiled_mlp.py)
+    # each decoder MLP over tiles of tokens, only its input kept (pacs/model/tiled_mlp.py)
+    tiled_mlp: bool = False
     mlp_tile_tokens: int | None = None  # tokens per MLP tile; None: the model's hidden size
     skip_zero_gradient_groups: bool = True  # PACS: no forward/backward for groups whose gradient is exactly 0
                                     # (single-label groups on the first mini-batch after a reset; every
