@@ -316,7 +316,7 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
     if case.impl in OUR_IMPLS:
         one_sweep = case.op == "pacs_loss_first_step" and case.impl in ("torch", "triton", "auto")
         if case.impl == "auto":
-            options.update(backend="auto", path="auto")
+            loss_options = pacs_kernels.LossOptions(backend="auto", path="auto", dispatch_table=bench_dispatch_table())
         elif case.impl in SINGLE_PASS_BUDGET_GROUPS:
             # single_pass: the budget of one group (the longest possible): one group per chunk, 3 matmuls;
             # single_pass_lowmem: a third of that, two thirds of each group's logits rebuilt
