@@ -170,8 +170,8 @@ if [ "$part" = "long" ] || [ "$part" = "all" ]; then
     # the trainer itself on this device, first: the built-in task, HF generation (no vLLM here), the
     # preflight, the tiled MLP, checkpointing and a token budget that splits groups; then a resume
     rm -rf /tmp/pacs-train-smoke  # a rerun on a warm machine starts afresh (a used output dir is refused)
-    smoke=(--output-dir /tmp/pacs-train-smoke task.cache_dir=/tmp/pacs-smoke-cache task.warmup_steps=200
-           rollout.engine=hf eval.every=0 eval.num_problems=16 checkpoint_every=2 plot=false train.preflight=true
+    smoke=(--output-dir /tmp/pacs-train-smoke advanced.task.cache_dir=/tmp/pacs-smoke-cache advanced.task.warmup_steps=200
+           rollout.engine=hf eval.every=0 eval.num_problems=16 checkpoint_every=2 advanced.plot=false advanced.train.preflight=true
            train.tiled_mlp=true model.gradient_checkpointing=true train.max_tokens_per_micro_batch=64)
     # (the first call compiles every Triton kernel it meets at this model's shapes: the generous first limit)
     stamp "5/8 the trainer on this device: ${smoke_steps[0]} steps, then resumed to ${smoke_steps[1]} (limit 145s)"

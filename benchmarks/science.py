@@ -46,15 +46,16 @@ from benchmarks.run import cpu_model  # noqa: E402
 VARIANTS = {
     "pacs": ["optim.algo=pacs"],
     "grpo": ["optim.algo=grpo"],
-    "pacs_sft": ["optim.algo=pacs", "optim.score_function_term=true"],
+    "pacs_sft": ["optim.algo=pacs", "advanced.optim.score_function_term=true"],
     # the paper's ablation: PACS without its class weights (every response weighs 1)
-    "pacs_unweighted": ["optim.algo=pacs", "optim.weighting=none"],
+    "pacs_unweighted": ["optim.algo=pacs", "advanced.optim.weighting=none"],
     # the reference kept for 4 rollout steps (the paper's periodic hard reset, period 4 instead of 1)
-    "pacs_ref4": ["optim.algo=pacs", "optim.ref_reset_every=4"],
+    "pacs_ref4": ["optim.algo=pacs", "advanced.optim.ref_reset_every=4"],
     # the single-label groups left out of the loss (pacs/train/single_label_groups.py): with a reset every step,
     # and with the reference kept for 4 (where those groups pull toward the reference)
-    "pacs_drop": ["optim.algo=pacs", "optim.drop_single_label_groups=true"],
-    "pacs_ref4_drop": ["optim.algo=pacs", "optim.ref_reset_every=4", "optim.drop_single_label_groups=true"],
+    "pacs_drop": ["optim.algo=pacs", "advanced.optim.drop_single_label_groups=true"],
+    "pacs_ref4_drop": ["optim.algo=pacs", "advanced.optim.ref_reset_every=4",
+                       "advanced.optim.drop_single_label_groups=true"],
 }
 TASKS = {
     "embedded": ["task.name=embedded"],
@@ -81,9 +82,9 @@ def run_one(task: str, variant: str, seed: int, args, cache_dir: str) -> dict:
     ks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if k <= args.n_samples]
     cmd = [sys.executable, "-m", "pacs", "train", "--output-dir", out, "--seed", str(seed),
            "--max-steps", str(args.max_steps), *TASKS[task], *VARIANTS[variant],
-           f"task.cache_dir={cache_dir}", f"eval.every={args.eval_every}", f"eval.n_samples={args.n_samples}",
+           f"advanced.task.cache_dir={cache_dir}", f"eval.every={args.eval_every}", f"eval.n_samples={args.n_samples}",
            "eval.temperature=0.6", f"eval.ks=[{','.join(map(str, ks))}]", f"eval.num_problems={args.num_problems}",
-           "checkpoint_every=0", "plot=false", "torch_threads=1"]
+           "checkpoint_every=0", "advanced.plot=false", "advanced.torch_threads=1"]
     env = dict(os.environ, PYTHONPATH=args.code_dir, VLLM_LOGGING_LEVEL="ERROR")
     start = time.time()
     with open(out + ".log", "w") as log:

@@ -46,8 +46,9 @@ def run_pair_member(task: str, skip: bool, seed: int, steps: int, workdir: str, 
     """One `pacs train` (a fresh process); the means of its metrics."""
     out = os.path.join(workdir, f"{task.replace(' ', '_')}-s{seed}-{'skip' if skip else 'all'}")
     cmd = [sys.executable, "-m", "pacs", "train", "--output-dir", out, "--seed", str(seed), "--max-steps", str(steps),
-           *TASKS[task], f"task.cache_dir={cache_dir}", f"train.skip_zero_gradient_groups={str(skip).lower()}",
-           "eval.every=0", "checkpoint_every=0", "plot=false", "torch_threads=1", *overrides]
+           *TASKS[task], f"advanced.task.cache_dir={cache_dir}",
+           f"advanced.train.skip_zero_gradient_groups={str(skip).lower()}",
+           "eval.every=0", "checkpoint_every=0", "advanced.plot=false", "advanced.torch_threads=1", *overrides]
     env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_LOGGING_LEVEL="ERROR")
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode != 0:

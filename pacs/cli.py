@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 
-from pacs.config import BUILTIN_TASK_SETTINGS, Config, apply_dict, config_keys, load_config
+from pacs.config import ADVANCED_KEYS, BUILTIN_TASK_SETTINGS, Config, apply_dict, config_keys, load_config, user_key
 from pacs.train.console import quiet_third_party
 from pacs.train.run_dir import RunDir
 
@@ -44,8 +44,13 @@ def _key_list() -> str:
     lines = ["Every setting (KEY=VALUE overrides, or the same keys in a --config YAML file; precedence:",
              "defaults < --config < KEY=VALUE < named flags). Defaults (a real model's; where the built-in",
              "tasks embedded and wordmath differ, theirs in brackets, as in configs/default.yaml):", ""]
-    lines += [f"  {key} = {value}" + (f"  [{builtin[key]}]" if builtin[key] != value else "")
-              for key, value in config_keys()]
+    keys = config_keys()
+    for advanced in (False, True):
+        if advanced:
+            lines += ["", "Advanced settings (for experts and tests; written under advanced:, e.g.",
+                      "advanced.train.preflight=false or advanced: {train: {preflight: false}} in YAML):", ""]
+        lines += [f"  {user_key(key)} = {value}" + (f"  [{builtin[key]}]" if builtin[key] != value else "")
+                  for key, value in keys if (key in ADVANCED_KEYS) == advanced]
     return "\n".join(lines)
 
 

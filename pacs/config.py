@@ -8,6 +8,7 @@ Precedence (later wins): the dataclass defaults (a real model's settings, the pa
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -25,7 +26,7 @@ _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 class LoraConfig:
     """LoRA adapters instead of full fine-tuning (pacs/model/lora.py); rank 0: off."""
 
-    rank: int = 0
+    rank: int = 0                   # adapter rank; 0: full fine-tuning
     alpha: float = 16.0             # the adapters' output is scaled by alpha / rank
     target_modules: str = "all-linear"  # every linear layer but the LM head, or comma-separated names (q_proj,v_proj)
 
@@ -34,8 +35,8 @@ class LoraConfig:
 class ModelConfig:
     path: str = "embedded"          # "embedded" (the task builds a tiny model) or an HF dir / hub id
     dtype: str = "auto"             # auto: bfloat16 on GPU, float32 on CPU | float32 | bfloat16 | float16
-    gradient_checkpointing: bool = False
-    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False  # each decoder layer keeps only its input; the rest is recomputed
+    trust_remote_code: bool = False  # let transformers run the model repository's own code
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -45,21 +46,21 @@ class TaskConfig:
     data_path: str | None = None    # math: training file
     eval_path: str | None = None    # math: held-out file (default: the last eval_size rows of data_path)
     eval_size: int = 200            # held-out problems
-    prompt_template: str = "{prompt}"
-    use_chat_template: bool = False
+    prompt_template: str = "{prompt}"  # each problem's prompt text; {prompt}: the problem (braces doubled)
+    use_chat_template: bool = False  # wrap the prompt in the tokenizer's chat template (a user turn)
     # embedded task: multi-digit addition "a+b=" -> "c"
     digits: int = 3
     reverse: bool = True            # numbers written least-significant digit first
     word_steps: int = 2             # wordmath task: changes to the starting count per problem
     cache_dir: str | None = None    # warm-up cache; default $PACS_CACHE_DIR or ~/.cache/pacs
-    hidden_size: int = 64
-    num_layers: int = 2
+    hidden_size: int = 64           # the built-in tasks' tiny model: its hidden size
+    num_layers: int = 2             # ... its decoder layers
     num_heads: int = 2              # head_dim = hidden_size / num_heads (>= 32 for vLLM CPU)
-    intermediate_size: int = 256
+    intermediate_size: int = 256    # its MLP width
     warmup_steps: int = 3000        # at most this many supervised steps (the warm-up is cached)
     warmup_target_accuracy: float = 0.1  # ... stopping once validation accuracy reaches this
-    warmup_batch_size: int = 64
-    warmup_lr: float = 1e-3
+    warmup_batch_size: int = 64     # the supervised warm-up's batch size
+    warmup_lr: float = 1e-3         # ... and learning rate
 
 
 @dataclass
@@ -67,39 +68,39 @@ class RolloutConfig:
     engine: str = "auto"            # auto (vLLM if importable, else HF generate) | vllm | hf
     group_size: int = 8             # responses per prompt (G >= 2)
     prompts_per_step: int = 32      # prompts per rollout step (all ranks together)
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0        # sampling temperature of the training rollouts (> 0)
+    top_p: float = 1.0              # nucleus sampling of the training rollouts; 1: off
     max_new_tokens: int = 4096      # the paper's response budget (the built-in tasks: 6)
     max_prompt_len: int | None = None  # None: the longest prompt of the task's data, tokenized as the run will
                                        # (pacs/train/prompt_lengths.py; the built-in tasks: 32); a prompt longer than a
                                        # number set here is refused before any work, unless truncate_prompts
     truncate_prompts: bool = False  # cut prompts longer than max_prompt_len to their last max_prompt_len tokens
     gpu_memory_utilization: float = 0.5  # vLLM's share of the GPU (the built-in tasks: 0.3)
-    kv_cache_gib: float = 1.0
-    enforce_eager: bool = True
+    kv_cache_gib: float = 1.0       # vLLM on a CPU: the KV cache it reserves up front
+    enforce_eager: bool = True      # vLLM without CUDA graphs / torch.compile (faster start, slower decode)
 
 
 @dataclass
 class OptimConfig:
     algo: str = "pacs"              # pacs | grpo
     lr: float = 1e-6                # the paper's (the built-in tasks: 2e-4)
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0       # AdamW's
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW's
     lr_schedule: str = "cosine"     # constant | cosine | linear (decays to 0 at max_steps)
     lr_warmup_steps: int = 0        # optimizer steps
     mini_batches_per_step: int = 2  # optimizer steps per rollout step (whole groups each)
     micro_batch_groups: int = 4     # groups per micro-batch (gradient accumulation)
     micro_batch_responses: int | None = None  # alternative to micro_batch_groups; must be a multiple of G
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0      # gradients clipped to this global norm before each optimizer step
     # the dtype of the weights AdamW steps (pacs/model/mixed_precision.py): float32 master weights under a 16-bit
     # model.dtype; a 16-bit name equal to model.dtype steps those weights directly (warns: small updates round away)
     master_dtype: str = "float32"   # float32 | bfloat16 | float16
-    # PACS
-    beta: float = 1.0
-    score: str = "log_ratio"
-    advantage: str = "rloo"
-    weighting: str = "balanced"
-    score_function_term: bool = False
+    # PACS (docs/pacs-algorithm.md)
+    beta: float = 1.0               # the score's scale: psi = beta * score, made relative to the group
+    score: str = "log_ratio"        # log_ratio (sum of log-probs minus the reference's) | mean_logp
+    advantage: str = "rloo"         # rloo | grpo | naive: how a score is made relative to its group
+    weighting: str = "balanced"     # BCE class weights: balanced | none | positive_only | negative_only
+    score_function_term: bool = False  # add Eq. 6's score-function term (its value 0, its gradient not)
     # the reference of the log-ratio score: the policy at rollout steps 1, 1 + k, 1 + 2k, ... (k = this);
     # 1 (the public code's): the policy that generated each rollout (pacs/model/reference_policy.py)
     ref_reset_every: int = 1
@@ -107,9 +108,9 @@ class OptimConfig:
     # with a reset every rollout step they add no gradient on the first mini-batch anyway)
     drop_single_label_groups: bool = False
     # GRPO baseline
-    clip_eps: float = 0.2
-    aggregation: str = "token_mean"
-    logprob_backend: str = "auto"
+    clip_eps: float = 0.2           # the ratio is clipped to [1 - clip_eps, 1 + clip_eps]
+    aggregation: str = "token_mean"  # token_mean | seq_mean (each response's mean, then their mean)
+    logprob_backend: str = "auto"   # the log-prob kernels: auto | triton | torch | naive (logits materialized)
     # PACS only: on the first mini-batch after each rollout (weights unchanged since the old-policy
     # pass), get loss and gradients in one vocabulary sweep (fused_linear_pacs_loss(old_lse=...))
     one_sweep_first_step: bool = True
@@ -149,29 +150,29 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     every: int = 25                 # rollout steps between held-out evaluations (0: start and end only)
-    num_problems: int = 200
+    num_problems: int = 200         # held-out problems per evaluation (at most task.eval_size)
     n_samples: int = 1              # > 1 with temperature > 0 gives pass@k
     temperature: float = 0.0        # 0: greedy
-    top_p: float = 1.0
-    ks: tuple[int, ...] = (1,)
+    top_p: float = 1.0              # nucleus sampling of the evaluation; 1: off
+    ks: tuple[int, ...] = (1,)      # the k of each pass@k reported (each <= n_samples)
 
 
 @dataclass
 class Config:
-    seed: int = 0
-    output_dir: str = "runs/embedded"
+    seed: int = 0                   # the seed of data order, sampling and the built-in model's initialization
+    output_dir: str = "runs/embedded"  # the run directory: config, metrics, checkpoints, final_model/
     max_steps: int = 600            # rollout steps
     max_minutes: float | None = None  # stop (and checkpoint) after this wall time
-    checkpoint_every: int = 50
+    checkpoint_every: int = 50      # rollout steps between checkpoints (0: by checkpoint_minutes and at the end)
     checkpoint_minutes: float | None = 30.0  # also checkpoint once this long has passed since the last one
                                              # (or the start), at a step's end: a crash loses at most this
                                              # much plus one step; None: by step count only
-    resume: bool = False            # continue OUTPUT_DIR's run from its newest verified checkpoint
-    overwrite: bool = False         # move a run already in OUTPUT_DIR aside (OUTPUT_DIR.replaced-<time>)
-    max_consecutive_nan: int = 3
+    resume: bool = False            # continue OUTPUT_DIR's run from its newest verified checkpoint (--resume)
+    overwrite: bool = False         # move a run already in OUTPUT_DIR aside (OUTPUT_DIR.replaced-<time>; --overwrite)
+    max_consecutive_nan: int = 3    # non-finite updates in a row (each skipped) that stop the run
     torch_threads: int | None = None  # None: 1 on CPU for the embedded model (tiny ops; more threads
                                       # only spin, 20x slower on a busy 2-core machine), else torch's
-    plot: bool = True
+    plot: bool = True               # write the metrics' and evaluations' plots (PNG) to the run directory
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -179,6 +180,28 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
+
+# Keys only an expert, an ablation or a test should set (kernel knobs, the algorithm's ablation switches, thresholds,
+# timeouts, the built-in tasks' toy model); every other key is a user's (at most 45: tests/test_config.py counts
+# them). YAML files and KEY=VALUE overrides write these under ``advanced:``, in their section
+# (``advanced: {train: {preflight: false}}``, ``advanced.train.preflight=false``); the code reads each where it is
+# declared (``cfg.train.preflight``), and the same key at that spot in a YAML file or an override is refused.
+ADVANCED_KEYS = (
+    "checkpoint_minutes", "max_consecutive_nan", "torch_threads", "plot", "resume", "overwrite",
+    "model.trust_remote_code",
+    "task.digits", "task.reverse", "task.word_steps", "task.cache_dir", "task.hidden_size", "task.num_layers",
+    "task.num_heads", "task.intermediate_size", "task.warmup_steps", "task.warmup_target_accuracy",
+    "task.warmup_batch_size", "task.warmup_lr",
+    "rollout.top_p", "rollout.kv_cache_gib", "rollout.enforce_eager",
+    "optim.weight_decay", "optim.betas", "optim.lr_warmup_steps", "optim.micro_batch_responses",
+    "optim.max_grad_norm", "optim.score", "optim.advantage", "optim.weighting", "optim.score_function_term",
+    "optim.ref_reset_every", "optim.drop_single_label_groups", "optim.clip_eps", "optim.aggregation",
+    "optim.logprob_backend", "optim.one_sweep_first_step",
+    "train.old_policy_max_tokens", "train.mlp_tile_tokens", "train.skip_zero_gradient_groups", "train.preflight",
+    "train.distributed_timeout_minutes",
+    "eval.top_p",
+)
+ADVANCED = "advanced"  # the section of a YAML file (and the first part of an override's key) that holds them
 
 # The built-in tasks (embedded, wordmath: tiny models, prompts of a few tokens) start from these toy settings
 # instead of the dataclass defaults above, which are a real model's (the paper's); configs/default.yaml
@@ -191,6 +214,98 @@ BUILTIN_TASK_SETTINGS = {"optim": {"lr": 2e-4},
 def to_dict(cfg: Any) -> dict:
     """Plain nested dict (tuples become lists) for YAML/JSON."""
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def user_key(key: str) -> str:
+    """The dotted key ``key`` (as declared: ``train.preflight``) as a user writes it (``advanced.train.preflight``)."""
+    return f"{ADVANCED}.{key}" if key in ADVANCED_KEYS else key
+
+
+def declared_key(key: str) -> str:
+    """The inverse of :func:`user_key`: ``advanced.train.preflight`` -> ``train.preflight``."""
+    return key[len(ADVANCED) + 1:] if key.startswith(f"{ADVANCED}.") else key
+
+
+def to_user_dict(cfg: Config) -> dict:
+    """:func:`to_dict` in the layout a user writes: the advanced keys moved under ``advanced:``, in their sections."""
+    data, advanced = to_dict(cfg), {}
+    for key in ADVANCED_KEYS:
+        *sections, name = key.split(".")
+        holder = data
+        for section in sections:
+            holder = holder[section]
+        _put(advanced, key, holder.pop(name))
+    data[ADVANCED] = advanced
+    return data
+
+
+def from_user_layout(data: dict) -> dict:
+    """A config mapping as a user writes it (a YAML file, an override) in the layout of the dataclasses: each key
+    under ``advanced:`` moved to its section. An advanced key outside ``advanced:``, or a user's key inside it, is a
+    ValueError naming the spelling to use. A mapping saved by a run before the ``advanced:`` section existed
+    (:func:`saved_before_advanced`) is that layout already: returned as it is, so an old run directory resumes."""
+    if not isinstance(data, dict):
+        raise TypeError(f"config must be a mapping, got {type(data).__name__}")
+    if saved_before_advanced(data):
+        return data
+    declared = {key: value for key, value in data.items() if key != ADVANCED}
+    for key, _ in _leaves(declared):
+        if key in ADVANCED_KEYS:
+            raise ValueError(f"{key} is an advanced key now: write {ADVANCED}.{key}")
+    advanced = data.get(ADVANCED) or {}
+    if not isinstance(advanced, dict):
+        raise TypeError(f"{ADVANCED} must be a mapping of sections, got {type(advanced).__name__}")
+    declared = copy.deepcopy(declared)  # the caller's mapping stays as it was
+    for key, value in _leaves(advanced):
+        if key in dict(config_keys()) and key not in ADVANCED_KEYS:
+            raise ValueError(f"{ADVANCED}.{key} is not an advanced key: write {key}")
+        if key not in ADVANCED_KEYS:
+            raise ValueError(f"unknown config key {ADVANCED + '.' + key!r}; {_advanced_keys_near(key)}")
+        _put(declared, key, value)
+    return declared
+
+
+def _advanced_keys_near(key: str) -> str:
+    """The advanced keys in the section of dotted ``key`` (or in ``key``, a section), else the top level's."""
+    for section in (key, key.rpartition(".")[0]):
+        names = [k[len(section) + 1:] for k in ADVANCED_KEYS if section and k.startswith(f"{section}.")]
+        if names:
+            return f"known under {ADVANCED}.{section}: {', '.join(names)}"
+    top = dict.fromkeys(k.split(".")[0] for k in ADVANCED_KEYS)
+    return f"known under {ADVANCED}: {', '.join(top)}"
+
+
+# what only a run's saved config holds at its top level: where and how the run started (written as false)
+_SAVED_ONLY = ("resume", "overwrite")
+
+
+def saved_before_advanced(data: dict) -> bool:
+    """Whether ``data`` is a run's config.yaml (or config_history.jsonl entry) written before the ``advanced:``
+    section: every section, and ``resume`` and ``overwrite`` at the top level, which only such a saved config
+    held there, and no ``advanced:``."""
+    sections = [f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(getattr(Config(), f.name))]
+    return ADVANCED not in data and all(key in data for key in (*_SAVED_ONLY, *sections))
+
+
+def _leaves(data: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of each value of nested mapping ``data`` that is not itself a mapping."""
+    leaves = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            leaves += _leaves(value, f"{prefix}{key}.")
+        else:
+            leaves.append((f"{prefix}{key}", value))
+    return leaves
+
+
+def _put(data: dict, key: str, value: Any) -> None:
+    """Set dotted ``key`` of nested mapping ``data`` to ``value``, making the mappings on its way."""
+    *sections, name = key.split(".")
+    for section in sections:
+        data = data.setdefault(section, {})
+        if not isinstance(data, dict):
+            raise TypeError(f"{section} must be a mapping, got {type(data).__name__}")
+    data[name] = value
 
 
 def config_hash(obj: Any, length: int = 12) -> str:
@@ -259,7 +374,7 @@ def apply_dict(cfg: Any, data: dict, prefix: str = "") -> Any:
 
 
 def apply_override(cfg: Config, assignment: str) -> Config:
-    """Apply one ``a.b.c=value`` override."""
+    """Apply one ``a.b.c=value`` override (an advanced key spelled ``advanced.a.b=value``)."""
     if "=" not in assignment:
         raise ValueError(f"override must look like key.path=value, got {assignment!r}")
     path, value = assignment.split("=", 1)
@@ -267,14 +382,14 @@ def apply_override(cfg: Config, assignment: str) -> Config:
     nested: Any = value
     for key in reversed(keys):
         nested = {key: nested}
-    return apply_dict(cfg, nested)
+    return apply_dict(cfg, from_user_layout(nested))
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the YAML file at ``path``, then ``key=value`` overrides. The defaults are the
-    dataclasses' (a real model's) or, when the resulting ``task.name`` is a built-in task, those plus
-    :data:`BUILTIN_TASK_SETTINGS`."""
-    data = read_yaml(path)
+    """Defaults, then the YAML file at ``path``, then ``key=value`` overrides (both in the layout a user writes,
+    :func:`from_user_layout`). The defaults are the dataclasses' (a real model's) or, when the resulting
+    ``task.name`` is a built-in task, those plus :data:`BUILTIN_TASK_SETTINGS`."""
+    data = from_user_layout(read_yaml(path))
     cfg = _layered(Config(), data, overrides)
     if cfg.task.name in BUILTIN_TASKS:
         cfg = _layered(apply_dict(Config(), BUILTIN_TASK_SETTINGS), data, overrides)
@@ -303,8 +418,10 @@ def read_yaml(path: str | None) -> dict:
 
 
 def save_config(cfg: Config, path: str) -> None:
+    """``cfg`` as a YAML file in the layout a user writes (advanced keys under ``advanced:``): ``load_config``
+    reads it back equal."""
     with open(path, "w") as fh:
-        yaml.safe_dump(to_dict(cfg), fh, sort_keys=False)
+        yaml.safe_dump(to_user_dict(cfg), fh, sort_keys=False)
 
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -345,7 +462,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     validate_train(cfg, world_size)
     if o.one_sweep_first_step and o.logprob_backend == "naive":
         raise ValueError("optim.one_sweep_first_step needs optim.logprob_backend 'auto', 'torch' or 'triton', "
-                         "got 'naive'; set optim.one_sweep_first_step=false to use the naive backend")
+                         "got 'naive'; set advanced.optim.one_sweep_first_step=false to use the naive backend")
     if r.group_size < 2:
         raise ValueError(
             f"rollout.group_size must be >= 2 (PACS and GRPO compare responses within a group), "

@@ -3,8 +3,9 @@
 Every key of ``pacs.config.Config`` with its type (the annotation as written), its default (and the
 built-in tasks' value where theirs differs) and its description: the comments next to the field in
 pacs/config.py (the comment lines right above it, the one on its line and the lines continuing it),
-grouped by section as in a YAML config. tests/test_docs_site.py checks that docs/config.md equals this
-script's output.
+grouped by section as in a YAML config: first the keys a user sets, then the advanced ones
+(``pacs.config.ADVANCED_KEYS``, spelled as written: ``advanced.train.preflight``). tests/test_docs_site.py
+checks that docs/config.md equals this script's output.
 
     python scripts/gen_config_reference.py            # rewrite docs/config.md
     python scripts/gen_config_reference.py --check    # exit 1 if docs/config.md is out of date
@@ -86,21 +87,27 @@ def cell(text: str) -> str:
     return text if text.startswith("`") else text.replace("|", "\\|")
 
 
-def sections(default, builtin, prefix: str = "") -> list[tuple[str, type, list[tuple[str, str, str, str]]]]:
-    """(section key, dataclass, rows (key, type, default, description)); nested dataclasses follow their parent."""
+def sections(default, builtin, advanced: bool, prefix: str = "") -> list[tuple[str, type, list[tuple[str, ...]]]]:
+    """(section key, dataclass, rows (key as written, type, default, description)) of the user's keys or, with
+    ``advanced``, the advanced ones; nested dataclasses follow their parent; sections without such keys left out."""
+    from pacs.config import ADVANCED_KEYS, user_key
+
     cls = type(default)
     comments = field_comments(cls)
     rows, nested = [], []
     for f in dataclasses.fields(cls):
         value, builtin_value = getattr(default, f.name), getattr(builtin, f.name)
         if dataclasses.is_dataclass(value):
-            nested += sections(value, builtin_value, f"{prefix}{f.name}.")
+            nested += sections(value, builtin_value, advanced, f"{prefix}{f.name}.")
+            continue
+        key = f"{prefix}{f.name}"
+        if (key in ADVANCED_KEYS) != advanced:
             continue
         shown = f"`{yaml_value(value)}`"
         if builtin_value != value:
             shown += f" (built-in tasks: `{yaml_value(builtin_value)}`)"
-        rows.append((f"`{prefix}{f.name}`", f"`{annotation(cls, f.name)}`", shown, comments[f.name]))
-    return [(prefix.rstrip("."), cls, rows)] + nested
+        rows.append((f"`{user_key(key)}`", f"`{annotation(cls, f.name)}`", shown, comments[f.name]))
+    return ([(prefix.rstrip("."), cls, rows)] if rows else []) + nested
 
 
 def config_reference() -> str:
@@ -122,17 +129,31 @@ def config_reference() -> str:
         "parentheses (`configs/default.yaml` lists the built-in run's every value). Descriptions are the",
         "comments of `pacs/config.py`; a key without one is described on the page of its feature.",
         "",
+        f"The {len(config.config_keys()) - len(config.ADVANCED_KEYS)} keys a user sets come first, by section. The "
+        f"{len(config.ADVANCED_KEYS)} [advanced keys](#advanced-settings)",
+        "(kernel knobs, the algorithm's ablation switches, thresholds, timeouts, the built-in tasks' toy model) are",
+        "for experts, ablations and tests: they are written under `advanced:`, in their section",
+        "(`advanced: {train: {preflight: false}}` in YAML, `advanced.train.preflight=false` on the command line);",
+        "the same key outside `advanced:` is refused with the spelling to use.",
+        "",
         precedence,
         "",
     ]
-    for key, cls, rows in sections(default, builtin):
-        out += [f"## `{key}`" if key else "## Top level", ""]
-        doc = inspect.getdoc(cls)
-        if doc and not doc.startswith(f"{cls.__name__}("):  # dataclasses without a docstring get their signature
-            out += [doc, ""]
-        out += ["| key | type | default | description |", "|---|---|---|---|"]
-        out += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
-        out.append("")
+    for advanced in (False, True):
+        if advanced:
+            out += ["## Advanced settings", "",
+                    "Written under `advanced:` in a YAML file, `advanced.` before the key on the command line.", ""]
+        for key, cls, rows in sections(default, builtin, advanced):
+            if advanced:
+                out += [f"### `advanced.{key}`" if key else "### `advanced` (top level)", ""]
+            else:
+                out += [f"## `{key}`" if key else "## Top level", ""]
+            doc = inspect.getdoc(cls)
+            if not advanced and doc and not doc.startswith(f"{cls.__name__}("):  # (no docstring: the signature)
+                out += [doc, ""]
+            out += ["| key | type | default | description |", "|---|---|---|---|"]
+            out += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+            out.append("")
     return "\n".join(out)
 
 

@@ -42,8 +42,8 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = load_config(None, [f"rollout.group_size={GROUP}", f"rollout.prompts_per_step={GROUPS}",
                              "optim.mini_batches_per_step=1", "optim.micro_batch_groups=1", f"optim.lr={LR}",
-                             "optim.lr_schedule=constant", "optim.one_sweep_first_step=false",
-                             "optim.logprob_backend=torch", f"model.dtype={model_dtype}",
+                             "optim.lr_schedule=constant", "advanced.optim.one_sweep_first_step=false",
+                             "advanced.optim.logprob_backend=torch", f"model.dtype={model_dtype}",
                              f"optim.master_dtype={master_dtype}"])
     dist_info = setup_distributed()
     policy = load_policy(model_dir, dtype=model_dtype, master_dtype=master_dtype, dist_info=dist_info)

@@ -147,8 +147,8 @@ def test_zero_gradient_groups_benchmark_runs_both_settings_and_writes_its_table(
     from benchmarks import zero_gradient_groups
 
     rc = zero_gradient_groups.main(["--dry-run", "--tasks", "addition", "--out", str(tmp_path), "--cache-dir",
-                                    str(tmp_path / "cache"), "rollout.engine=hf", "task.digits=1",
-                                    "task.warmup_steps=300", "task.warmup_target_accuracy=0.3",
+                                    str(tmp_path / "cache"), "rollout.engine=hf", "advanced.task.digits=1",
+                                    "advanced.task.warmup_steps=300", "advanced.task.warmup_target_accuracy=0.3",
                                     "rollout.prompts_per_step=8", "rollout.group_size=4", "eval.num_problems=8"])
     assert rc == 0
     with open(tmp_path / "zero_gradient_groups_cpu.csv", newline="") as handle:

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from pacs.cli import build_config, main
-from pacs.config import Config, apply_override, config_keys, load_config, save_config, validate
+from pacs.config import Config, apply_override, config_keys, load_config, save_config, user_key, validate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,7 +33,7 @@ def test_shipped_configs_load(name):
 
         with open(os.path.join(REPO, "configs", name)) as f:
             listed = set(keys(yaml.safe_load(f)))
-        assert listed == {key for key, _ in config_keys()}, "configs/default.yaml must list every config key"
+        assert listed == {user_key(key) for key, _ in config_keys()}, "configs/default.yaml must list every config key"
     else:
         assert cfg.optim.algo == "grpo"
 
@@ -59,7 +59,7 @@ def test_bad_overrides(override, match):
 
 @pytest.mark.parametrize("overrides, match", [
     (["rollout.group_size=1"], "group_size must be >= 2"),
-    (["optim.micro_batch_responses=12"], "splits groups"),
+    (["advanced.optim.micro_batch_responses=12"], "splits groups"),
     (["optim.micro_batch_groups=3"], "micro_batch_groups .3. must divide"),
     (["optim.mini_batches_per_step=5"], "mini_batches_per_step .5. must divide"),
     (["optim.algo=ppo"], "optim.algo"),
@@ -67,8 +67,8 @@ def test_bad_overrides(override, match):
     (["rollout.temperature=0"], "temperature must be > 0"),
     (["eval.n_samples=4", "eval.temperature=0"], "greedy"),
     (["task.name=math"], "task.data_path"),
-    (["task.hidden_size=100", "task.num_heads=3"], "divisible"),
-    (["optim.logprob_backend=naive"], "one_sweep_first_step needs"),
+    (["advanced.task.hidden_size=100", "advanced.task.num_heads=3"], "divisible"),
+    (["advanced.optim.logprob_backend=naive"], "one_sweep_first_step needs"),
 ])
 def test_configs_that_cannot_work(overrides, match):
     cfg = load_config(None, overrides)

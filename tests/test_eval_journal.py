@@ -116,7 +116,8 @@ def test_pacs_eval_killed_and_run_again_writes_the_uninterrupted_report(tmp_path
     build_tokenizer().save_pretrained(model)
     monkeypatch.setattr(cli, "EVAL_CHUNK_SEQUENCES", 4)  # 2 samples: 2 problems a chunk
     argv = ["eval", "--model", str(model), "--n-samples", "2", "--temperature", "1", "--k", "1", "--k", "2",
-            "task.digits=1", "eval.num_problems=7", "rollout.max_new_tokens=3", "rollout.engine=hf", "plot=false"]
+            "advanced.task.digits=1", "eval.num_problems=7", "rollout.max_new_tokens=3", "rollout.engine=hf",
+            "advanced.plot=false"]
 
     def report(eval_dir):
         assert cli.main([*argv, "--eval-dir", str(eval_dir)]) == 0
@@ -183,8 +184,9 @@ def test_sigterm_during_pacs_eval_says_what_is_kept_and_exits_143(tmp_path, monk
     monkeypatch.setattr(HFGenerateEngine, "generate", terminated_in_chunk_3)
     previous = signal.signal(signal.SIGTERM, unhandled)
     try:
-        code = cli.main(["eval", "--model", str(model), "--n-samples", "2", "--temperature", "1", "task.digits=1",
-                         "eval.num_problems=7", "rollout.max_new_tokens=3", "rollout.engine=hf", "plot=false",
+        code = cli.main(["eval", "--model", str(model), "--n-samples", "2", "--temperature", "1",
+                         "advanced.task.digits=1",
+                         "eval.num_problems=7", "rollout.max_new_tokens=3", "rollout.engine=hf", "advanced.plot=false",
                          "--eval-dir", str(tmp_path / "eval")])
         assert signal.getsignal(signal.SIGTERM) is unhandled  # put back
     finally:

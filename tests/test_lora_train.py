@@ -87,7 +87,7 @@ def test_lora_settings_are_checked(model_dir):
 
 
 def adapter_grads(policy, batch, packed: bool) -> tuple[torch.Tensor, dict]:
-    cfg = load_config(None, ["rollout.group_size=3", "optim.logprob_backend=torch"])
+    cfg = load_config(None, ["rollout.group_size=3", "advanced.optim.logprob_backend=torch"])
     n = batch.input_ids.shape[0]
     part = pack_rows(batch, 0, n) if packed else batch.rows(0, n)
     old = part.take(torch.zeros(batch.targets.shape)) if packed else torch.zeros(part.targets.shape)
@@ -131,7 +131,7 @@ def test_a_lora_run_resumes_exactly_checkpoints_adapters_and_exports_the_merged_
     assert saved and all(".lora_A." in name or ".lora_B." in name for name in saved)
     # stopped after step 2 and resumed from its checkpoint: the same run
     train(tiny_config(tmp_path / "part", cache, "max_steps=2", *steps))
-    train(tiny_config(tmp_path / "part", cache, "max_steps=4", "resume=true", *steps))
+    train(tiny_config(tmp_path / "part", cache, "max_steps=4", "advanced.resume=true", *steps))
     assert comparable(read_metrics(str(tmp_path / "part" / "metrics.jsonl"))) == comparable(
         read_metrics(str(tmp_path / "full" / "metrics.jsonl")))
     # the export: plain Hugging Face weights with the adapters merged, generating what the policy generates

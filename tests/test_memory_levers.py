@@ -160,8 +160,9 @@ def test_trainer_packed_with_levers_matches_padded(tmp_path):
         "packed": train(tiny_config(tmp_path / "packed", cache, *common, "train.packing=true")),
         "budget": train(tiny_config(
             tmp_path / "budget", cache, *common, "train.packing=true", "train.max_tokens_per_micro_batch=72",
-            "train.old_policy_max_tokens=40", "train.offload_activations=true", "model.gradient_checkpointing=true",
-            "train.tiled_mlp=true", "train.mlp_tile_tokens=5")),
+            "advanced.train.old_policy_max_tokens=40", "train.offload_activations=true",
+            "model.gradient_checkpointing=true",
+            "train.tiled_mlp=true", "advanced.train.mlp_tile_tokens=5")),
     }
     rows = {k: comparable(read_metrics(os.path.join(r.output_dir, "metrics.jsonl"))) for k, r in runs.items()}
     assert rows["padded"][1]["grad_norm"] > 0
@@ -185,9 +186,10 @@ def test_two_fsdp_ranks_with_token_budgets_match_one_process(tmp_path):
 
     from test_trainer_fsdp import close, run_worker
 
-    extra = ("train.packing=true", "train.max_tokens_per_micro_batch=72", "train.old_policy_max_tokens=40")
+    extra = ("train.packing=true", "train.max_tokens_per_micro_batch=72", "advanced.train.old_policy_max_tokens=40")
     run_worker(tmp_path / "one", tmp_path / "cache", 1, *extra)
-    run_worker(tmp_path / "two", tmp_path / "cache", 2, *extra, "train.tiled_mlp=true", "train.mlp_tile_tokens=5")
+    run_worker(tmp_path / "two", tmp_path / "cache", 2, *extra, "train.tiled_mlp=true",
+                          "advanced.train.mlp_tile_tokens=5")
     one = json.loads((tmp_path / "one" / "sync_rank0.json").read_text())
     ranks = [json.loads((tmp_path / "two" / f"sync_rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["final"] == ranks[1]["final"]

@@ -237,6 +237,6 @@ def test_pacs_train_in_bfloat16_keeps_float32_weights_resumes_exactly_and_export
     assert exported["dtype"] == "bfloat16"
     # stopped after step 2, resumed from its checkpoint (float32 master weights and AdamW state): the same run
     train(tiny_config(tmp_path / "part", cache, "max_steps=2", *steps))
-    train(tiny_config(tmp_path / "part", cache, "max_steps=4", "resume=true", *steps))
+    train(tiny_config(tmp_path / "part", cache, "max_steps=4", "advanced.resume=true", *steps))
     assert comparable(read_metrics(str(tmp_path / "part" / "metrics.jsonl"))) == comparable(
         read_metrics(str(tmp_path / "full" / "metrics.jsonl")))

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from pacs.config import Config, load_config, use_packing, validate
+from pacs.config import Config, load_config, use_packing, user_key, validate
 from pacs.model.packed_attention import packed_attention_implementation
 from pacs.model.packing import (
     enable_packed_attention,
@@ -51,7 +51,7 @@ def random_batch(seed: int, n_groups: int = 2, max_prompt: int = 6, max_response
 
 
 def config(*extra: str) -> Config:
-    return load_config(None, [f"rollout.group_size={GROUP}", "optim.logprob_backend=torch", *extra])
+    return load_config(None, [f"rollout.group_size={GROUP}", "advanced.optim.logprob_backend=torch", *extra])
 
 
 def loss_and_grads(policy, batch, old_logp, packed: bool, cfg: Config, old_lse=None):
@@ -217,8 +217,8 @@ def test_a_budget_below_the_longest_possible_sequence_is_refused_at_the_start(na
     the run at the first rollout that long: refused before any work, naming both settings."""
     lengths = ["rollout.max_prompt_len=20", "rollout.max_new_tokens=12"]  # sequences up to 32 tokens
     with pytest.raises(ValueError, match=rf"train\.{name}=31 is smaller than .*max_new_tokens = 32 tokens"):
-        validate(config(*lengths, f"train.{name}=31"))
-    validate(config(*lengths, f"train.{name}=32"))
+        validate(config(*lengths, f"{user_key('train.' + name)}=31"))
+    validate(config(*lengths, f"{user_key('train.' + name)}=32"))
 
 
 def test_packed_attention_implementation_on_cpu():

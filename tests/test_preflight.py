@@ -19,8 +19,8 @@ def cfg_with(*overrides: str) -> Config:
 def test_enabled_on_cuda_by_default_and_when_asked():
     assert preflight_enabled(Config(), torch.device("cuda"))
     assert not preflight_enabled(Config(), torch.device("cpu"))
-    assert preflight_enabled(cfg_with("train.preflight=true"), torch.device("cpu"))
-    assert not preflight_enabled(cfg_with("train.preflight=false"), torch.device("cuda"))
+    assert preflight_enabled(cfg_with("advanced.train.preflight=true"), torch.device("cpu"))
+    assert not preflight_enabled(cfg_with("advanced.train.preflight=false"), torch.device("cuda"))
 
 
 def test_the_worst_micro_batches_are_the_longest_rows_and_the_budget_filled():
@@ -79,7 +79,7 @@ def test_a_run_with_the_preflight_trains_exactly_as_one_without(tmp_path, monkey
     cache = tmp_path / "cache"
     common = ["max_steps=2", "rollout.engine=hf", "eval.every=0", "checkpoint_every=0", "train.packing=true",
               "rollout.max_prompt_len=12", "train.max_tokens_per_micro_batch=40"]  # a group (4 x 15) in parts
-    runs = {flag: trainer.train(tiny_config(tmp_path / flag, cache, *common, f"train.preflight={flag}"))
+    runs = {flag: trainer.train(tiny_config(tmp_path / flag, cache, *common, f"advanced.train.preflight={flag}"))
             for flag in ("false", "true")}
     out = capsys.readouterr().out
     assert "[preflight] the largest steps these settings allow ran (full length: 1 group(s) of 4 x 15 tokens; " \
@@ -100,7 +100,7 @@ def test_running_out_of_memory_stops_with_the_settings_still_off(tmp_path, monke
 
     monkeypatch.setattr(trainer, "update_policy", out_of_memory)
     cfg = tiny_config(tmp_path / "run", tmp_path / "cache", "max_steps=1", "rollout.engine=hf", "eval.every=0",
-                      "train.preflight=true", "model.gradient_checkpointing=true")
+                      "advanced.train.preflight=true", "model.gradient_checkpointing=true")
     with pytest.raises(trainer.TrainingStopped) as stopped:
         trainer.train(cfg)
     message = str(stopped.value)
@@ -108,7 +108,7 @@ def test_running_out_of_memory_stops_with_the_settings_still_off(tmp_path, monke
             "of 3 tokens)") in message
     assert "ran out of cpu memory: CUDA out of memory. Tried to allocate 9.50 GiB." in message
     assert "train.tiled_mlp=true" in message and "model.gradient_checkpointing" not in message
-    assert "train.preflight=false skips this check" in message
+    assert "advanced.train.preflight=false skips this check" in message
 
 
 def test_every_random_stream_is_as_it_was_after_the_preflight(tmp_path, monkeypatch):
@@ -133,7 +133,7 @@ def test_every_random_stream_is_as_it_was_after_the_preflight(tmp_path, monkeypa
     policy = load_policy(str(model_dir), packed_attention=True)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     cfg = cfg_with("rollout.group_size=2", "rollout.prompts_per_step=2", "rollout.max_prompt_len=5",
-                   "rollout.max_new_tokens=4", "optim.mini_batches_per_step=1", "optim.logprob_backend=torch")
+                   "rollout.max_new_tokens=4", "optim.mini_batches_per_step=1", "advanced.optim.logprob_backend=torch")
     torch.manual_seed(11)
     random.seed(11)
     expected = (torch.rand(2), random.random())
@@ -164,7 +164,7 @@ def test_the_old_policy_pass_gets_its_own_largest_chunk(monkeypatch):
 
     cfg = cfg_with("rollout.group_size=2", "rollout.prompts_per_step=8", "rollout.max_prompt_len=5",
                    "rollout.max_new_tokens=5", "optim.mini_batches_per_step=1", "train.max_tokens_per_micro_batch=20",
-                   "train.old_policy_max_tokens=80")
+                   "advanced.train.old_policy_max_tokens=80")
     run_preflight(cfg, Policy(), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]), 0, DistInfo(),
                   packed=True, say=lambda *a: None, steps=trainer.preflight_steps())
     assert calls[0] == 80 and max(calls[1:]) == 20  # its own 4 groups of 2 x 10, then the update's
@@ -198,7 +198,7 @@ def test_a_reference_kept_across_steps_preflights_the_usual_first_mini_batch(mon
 
     cfg = cfg_with("rollout.group_size=2", "rollout.prompts_per_step=4", "rollout.max_prompt_len=5",
                    "rollout.max_new_tokens=5", f"optim.mini_batches_per_step={minis}",
-                   f"optim.ref_reset_every={every}")
+                   f"advanced.optim.ref_reset_every={every}")
     run_preflight(cfg, Policy(), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]), 0, DistInfo(),
                   packed=True, say=lambda *a: None, steps=trainer.preflight_steps())
     assert seen and len(seen) % len(firsts) == 0 and seen == firsts * (len(seen) // len(firsts))

@@ -218,8 +218,9 @@ def train_args(model_dir, data, out, *extra):
             "task.name=math", f"task.data_path={data}", "task.eval_size=2", "eval.num_problems=2", "eval.every=0",
             "rollout.engine=hf", f"rollout.group_size={GROUP}", "rollout.prompts_per_step=2",
             "rollout.max_new_tokens=4", "optim.mini_batches_per_step=1", "optim.micro_batch_groups=1",
-            "model.dtype=bfloat16", "train.skip_zero_gradient_groups=false", "checkpoint_every=0", "plot=false",
-            "torch_threads=1", *extra]
+            "model.dtype=bfloat16", "advanced.train.skip_zero_gradient_groups=false", "checkpoint_every=0",
+            "advanced.plot=false",
+            "advanced.torch_threads=1", *extra]
 
 
 def check_two_steps(out):

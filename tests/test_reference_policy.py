@@ -72,9 +72,10 @@ def test_a_checkpointed_snapshot_restores_the_same_reference_and_refuses_another
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["optim.ref_reset_every=0"], "optim.ref_reset_every must be an integer >= 1"),
-    (["optim.ref_reset_every=2", "optim.algo=grpo"], "needs optim.algo=pacs and optim.score=log_ratio"),
-    (["optim.ref_reset_every=2", "optim.score=mean_logp"], "needs optim.algo=pacs and optim.score=log_ratio"),
+    (["advanced.optim.ref_reset_every=0"], "optim.ref_reset_every must be an integer >= 1"),
+    (["advanced.optim.ref_reset_every=2", "optim.algo=grpo"], "needs optim.algo=pacs and optim.score=log_ratio"),
+    (["advanced.optim.ref_reset_every=2",
+      "advanced.optim.score=mean_logp"], "needs optim.algo=pacs and optim.score=log_ratio"),
 ])
 def test_settings_that_cannot_keep_a_reference_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -87,7 +88,7 @@ def test_between_resets_the_loss_scores_against_the_older_reference(tmp_path, ca
     runs = {}
     for k in (1, 2):
         cfg = tiny_config(tmp_path / f"k{k}", cache_dir, "max_steps=3", "rollout.engine=hf", "eval.every=0",
-                          "checkpoint_every=0", f"optim.ref_reset_every={k}")
+                          "checkpoint_every=0", f"advanced.optim.ref_reset_every={k}")
         train(cfg)
         runs[k] = read_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"))
     every, kept = runs[1], runs[2]
@@ -103,7 +104,7 @@ def test_between_resets_the_loss_scores_against_the_older_reference(tmp_path, ca
 def test_a_resumed_run_scores_against_the_reference_it_had(tmp_path, cache_dir):
     """k = 3, checkpoint at step 2, resumed: step 3 needs step 1's weights (kept in the checkpoint); the
     resumed run logs what the uninterrupted one does."""
-    steps = ["rollout.engine=hf", "eval.every=2", "checkpoint_every=2", "optim.ref_reset_every=3",
+    steps = ["rollout.engine=hf", "eval.every=2", "checkpoint_every=2", "advanced.optim.ref_reset_every=3",
              "optim.lr_schedule=constant"]  # (the schedule would follow max_steps, which the two runs differ in)
     full = tiny_config(tmp_path / "full", cache_dir, "max_steps=4", *steps)
     train(full)
@@ -111,7 +112,7 @@ def test_a_resumed_run_scores_against_the_reference_it_had(tmp_path, cache_dir):
     part = tiny_config(tmp_path / "part", cache_dir, "max_steps=2", *steps)
     train(part)
     assert os.path.isfile(os.path.join(part.output_dir, "checkpoints", "step_000002", "reference.pt"))
-    resumed = tiny_config(tmp_path / "part", cache_dir, "max_steps=4", "resume=true", *steps)
+    resumed = tiny_config(tmp_path / "part", cache_dir, "max_steps=4", "advanced.resume=true", *steps)
     train(resumed)
     got = comparable(read_metrics(os.path.join(resumed.output_dir, "metrics.jsonl")))
     assert [r["step"] for r in got] == [0, 1, 2, 3, 4]

@@ -18,9 +18,10 @@ from pacs.tasks.embedded import build_model, build_tokenizer
 from pacs.train.metrics import read_metrics
 from pacs.train.resume_check import HISTORY_NAME, changes_what_the_run_is, resume_command
 
-TINY_RUN = ["task.digits=1", "rollout.engine=hf", "rollout.prompts_per_step=2", "rollout.group_size=2",
+TINY_RUN = ["advanced.task.digits=1", "rollout.engine=hf", "rollout.prompts_per_step=2", "rollout.group_size=2",
             "rollout.max_new_tokens=3", "optim.mini_batches_per_step=1", "optim.micro_batch_groups=1",
-            "eval.num_problems=4", "eval.every=0", "checkpoint_every=1", "plot=false", "torch_threads=1"]
+            "eval.num_problems=4", "eval.every=0", "checkpoint_every=1", "advanced.plot=false",
+            "advanced.torch_threads=1"]
 
 
 def _model(path, hidden_size: int) -> str:

@@ -21,9 +21,10 @@ from pacs.train import stop_signals
 from pacs.train.checkpoint import latest_checkpoint
 from pacs.train.metrics import read_metrics
 
-TINY_RUN = ["task.digits=1", "rollout.engine=hf", "rollout.prompts_per_step=2", "rollout.group_size=2",
+TINY_RUN = ["advanced.task.digits=1", "rollout.engine=hf", "rollout.prompts_per_step=2", "rollout.group_size=2",
             "rollout.max_new_tokens=3", "optim.mini_batches_per_step=1", "optim.micro_batch_groups=1",
-            "eval.num_problems=4", "eval.every=0", "checkpoint_every=1", "plot=false", "torch_threads=1"]
+            "eval.num_problems=4", "eval.every=0", "checkpoint_every=1", "advanced.plot=false",
+            "advanced.torch_threads=1"]
 
 
 @pytest.fixture(scope="module")
@@ -118,22 +119,22 @@ def test_data_set_too_small_for_the_held_out_split(tmp_path, capsys, tiny_model)
 @pytest.mark.parametrize("override, message", [
     ("optim.beta=-1", "optim.beta must be > 0, got -1.0"),
     ("optim.beta=0", "optim.beta must be > 0, got 0.0"),
-    ("optim.weight_decay=-0.1", "optim.weight_decay must be >= 0"),
-    ("optim.betas=[0.9,1.5]", "optim.betas must be two numbers in [0, 1)"),
-    ("optim.clip_eps=2", "optim.clip_eps must be in (0, 1)"),
-    ("optim.score=logit", "optim.score must be one of"),
-    ("optim.lr_warmup_steps=-3", "optim.lr_warmup_steps must be >= 0"),
-    ("rollout.kv_cache_gib=0", "rollout.kv_cache_gib must be > 0"),
+    ("advanced.optim.weight_decay=-0.1", "optim.weight_decay must be >= 0"),
+    ("advanced.optim.betas=[0.9,1.5]", "optim.betas must be two numbers in [0, 1)"),
+    ("advanced.optim.clip_eps=2", "optim.clip_eps must be in (0, 1)"),
+    ("advanced.optim.score=logit", "optim.score must be one of"),
+    ("advanced.optim.lr_warmup_steps=-3", "optim.lr_warmup_steps must be >= 0"),
+    ("advanced.rollout.kv_cache_gib=0", "rollout.kv_cache_gib must be > 0"),
     ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization must be in (0, 1]"),
     ("max_minutes=0", "max_minutes must be > 0"),
-    ("checkpoint_minutes=-5", "checkpoint_minutes must be > 0"),
-    ("checkpoint_minutes=.nan", "checkpoint_minutes must be > 0"),
+    ("advanced.checkpoint_minutes=-5", "checkpoint_minutes must be > 0"),
+    ("advanced.checkpoint_minutes=.nan", "checkpoint_minutes must be > 0"),
     ("max_minutes=.nan", "max_minutes must be > 0"),
-    ("torch_threads=0", "torch_threads must be > 0"),
+    ("advanced.torch_threads=0", "torch_threads must be > 0"),
     ("seed=-1", "seed (--seed) must be >= 0"),
     ("eval.temperature=-1", "eval.temperature must be >= 0"),
-    ("task.num_heads=0", "task.num_heads must be > 0"),
-    ("task.warmup_target_accuracy=2", "task.warmup_target_accuracy must be in [0, 1]"),
+    ("advanced.task.num_heads=0", "task.num_heads must be > 0"),
+    ("advanced.task.warmup_target_accuracy=2", "task.warmup_target_accuracy must be in [0, 1]"),
 ])
 def test_nonsense_settings_exit_2_before_any_work(tmp_path, capsys, override, message):
     code, _, err = run_cli(capsys, "train", "--output-dir", str(tmp_path / "o"), override)

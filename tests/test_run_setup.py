@@ -38,7 +38,7 @@ def test_encode_prompts_keeps_the_last_tokens_and_counts_the_cut():
 
 
 def test_trainer_and_pacs_eval_cut_prompts_alike():
-    cfg = load_config(None, ["task.digits=3", "rollout.max_prompt_len=5", "eval.num_problems=12"])
+    cfg = load_config(None, ["advanced.task.digits=3", "rollout.max_prompt_len=5", "eval.num_problems=12"])
     tokenizer = build_tokenizer()
     task = AdditionTask(3, seed=cfg.seed, eval_size=cfg.task.eval_size)
     run = Run(cfg, "unused", task, tokenizer, tokenizer.pad_token_id, [tokenizer.eos_token_id])

@@ -75,7 +75,7 @@ def train_worker(out_dir, cache_dir, nproc: int, *extra: str) -> list[dict]:
     from trainer_helpers import TINY
 
     worker = os.path.join(repo_root(), "tests", "trainer_sync_worker.py")
-    run_torchrun([worker, out_dir, *TINY, f"task.cache_dir={cache_dir}", *STEPS, *extra],
+    run_torchrun([worker, out_dir, *TINY, f"advanced.task.cache_dir={cache_dir}", *STEPS, *extra],
                  f"the training worker on {nproc} rank(s)", nproc=nproc)
     return [json.loads((out_dir / f"sync_rank{r}.json").read_text()) for r in range(nproc)]
 
@@ -90,12 +90,14 @@ def close(a: dict, b: dict, tol: float = 2e-5) -> bool:
     [],  # two mini-batches: the second one's psi is not 0
     # every group in parts (pacs/train/split_groups.py), with the layers recomputed in the backward (collectives
     # inside), after the preflight (which changes nothing)
-    ["train.max_tokens_per_micro_batch=24", "rollout.max_prompt_len=16", "train.skip_zero_gradient_groups=false",
-     "model.gradient_checkpointing=true", "train.tiled_mlp=true", "train.mlp_tile_tokens=5", "train.preflight=true"],
+    ["train.max_tokens_per_micro_batch=24", "rollout.max_prompt_len=16",
+     "advanced.train.skip_zero_gradient_groups=false",
+     "model.gradient_checkpointing=true", "train.tiled_mlp=true", "advanced.train.mlp_tile_tokens=5",
+     "advanced.train.preflight=true"],
     ["optim.algo=grpo"],
     # a reference kept across rollout steps (step 2 is scored against step 1's weights: no one-sweep step) and
     # single-label groups dropped from every mini-batch
-    ["optim.ref_reset_every=3", "optim.drop_single_label_groups=true"],
+    ["advanced.optim.ref_reset_every=3", "advanced.optim.drop_single_label_groups=true"],
 ], ids=["pacs", "groups_in_parts", "grpo", "kept_reference_drop"])
 def test_two_ranks_splitting_the_tokens_train_what_one_process_does(tmp_path, variant):
     """train.sequence_parallel_size=2 on 2 ranks (one data rank): the same rollouts (each rank generates half
@@ -138,7 +140,7 @@ def test_four_ranks_two_data_ranks_of_two_match_two_data_ranks(tmp_path):
 @pytest.mark.slow
 def test_four_ranks_splitting_the_tokens_train_what_one_process_does(tmp_path):
     """P = 4 (a model with 4 heads: one per rank), one data rank: the rows split four ways."""
-    heads = ["task.num_heads=4"]
+    heads = ["advanced.task.num_heads=4"]
     one = train_worker(tmp_path / "one", tmp_path / "cache", 1, *heads)[0]
     ranks = train_worker(tmp_path / "sp", tmp_path / "cache", 4, "train.sequence_parallel_size=4", *heads)
     assert all(r["final"] == ranks[0]["final"] for r in ranks)
@@ -158,8 +160,8 @@ def test_torchrun_cli_with_the_default_engine_and_the_tokens_split(tmp_path):
 
     out = tmp_path / "run"
     run_torchrun(["-m", "pacs", "train", "--output-dir", out, "--max-steps", "2", *TINY,
-                  f"task.cache_dir={tmp_path / 'cache'}", "train.sequence_parallel_size=2",
-                  "train.distributed_timeout_minutes=20"],
+                  f"advanced.task.cache_dir={tmp_path / 'cache'}", "train.sequence_parallel_size=2",
+                  "advanced.train.distributed_timeout_minutes=20"],
                  "pacs train with the tokens split over 2 ranks")
     rows = read_metrics(str(out / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -172,7 +174,7 @@ def test_a_sequence_parallel_run_resumes_from_its_checkpoint(tmp_path):
     cache = tmp_path / "cache"
     sp = ["train.sequence_parallel_size=2"]
     train_worker(tmp_path / "sp", cache, 2, *sp)  # max_steps=2: the last step is checkpointed
-    resumed = train_worker(tmp_path / "sp", cache, 2, *sp, "max_steps=3", "resume=true")
+    resumed = train_worker(tmp_path / "sp", cache, 2, *sp, "max_steps=3", "advanced.resume=true")
     one = train_worker(tmp_path / "one", cache, 1, "max_steps=3")[0]
     assert resumed[0]["metrics"]["step"] == 3 and resumed[0]["final"] == resumed[1]["final"]
     assert len(resumed[0]["pushes"]) == 2  # the restored weights, then step 3's
@@ -198,7 +200,7 @@ def test_settings_that_cannot_split_tokens_are_refused_naming_the_setting():
     with pytest.raises(ValueError, match=r"train\.sequence_parallel_size must be a positive integer, got 0"):
         validate(load_config(None, ["train.sequence_parallel_size=0"]), world_size=2)
     with pytest.raises(ValueError, match=r"train\.distributed_timeout_minutes must be a positive number of minutes"):
-        validate(load_config(None, ["train.distributed_timeout_minutes=0"]), world_size=2)
+        validate(load_config(None, ["advanced.train.distributed_timeout_minutes=0"]), world_size=2)
     # the prompts are shared by the data ranks: 4 ranks in groups of 2 are 2 of them
     validate(config("rollout.prompts_per_step=2", "optim.mini_batches_per_step=1", "optim.micro_batch_groups=1"),
              world_size=4)

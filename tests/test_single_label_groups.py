@@ -66,15 +66,16 @@ def test_with_a_reset_every_step_and_one_mini_batch_dropping_changes_no_update(t
     where single-label groups add no gradient, so the runs update alike (the loss value differs: the
     dropped terms' ln 2 is gone). With the reference kept for 2 steps, step 2 (age 1) differs."""
     kept, dropped = _run(tmp_path, cache_dir, "keep"), _run(tmp_path, cache_dir, "drop",
-                                                             "optim.drop_single_label_groups=true")
+                                                             "advanced.optim.drop_single_label_groups=true")
     assert any(r["frac_single_label_groups"] > 0 for r in kept)  # there was something to drop
     for a, b in zip(kept, dropped):
         assert a["reward_mean"] == b["reward_mean"]
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
         assert a["single_label_grad_share"] == pytest.approx(0.0, abs=1e-12) or math.isnan(
             a["single_label_grad_share"])
-    old_kept = _run(tmp_path, cache_dir, "keep2", "optim.ref_reset_every=2")
-    old_dropped = _run(tmp_path, cache_dir, "drop2", "optim.ref_reset_every=2", "optim.drop_single_label_groups=true")
+    old_kept = _run(tmp_path, cache_dir, "keep2", "advanced.optim.ref_reset_every=2")
+    old_dropped = _run(tmp_path, cache_dir, "drop2", "advanced.optim.ref_reset_every=2",
+                                            "advanced.optim.drop_single_label_groups=true")
     assert old_kept[0]["grad_norm"] == pytest.approx(old_dropped[0]["grad_norm"], rel=1e-5)  # step 1: a reset
     assert old_kept[1]["single_label_grad_share"] > 0.01  # step 2: those groups pull toward the reference
     assert not math.isclose(old_kept[1]["grad_norm"], old_dropped[1]["grad_norm"], rel_tol=1e-3)
@@ -82,9 +83,9 @@ def test_with_a_reset_every_step_and_one_mini_batch_dropping_changes_no_update(t
 
 def test_drop_single_label_groups_is_a_pacs_option():
     with pytest.raises(ValueError, match="drop_single_label_groups is a PACS option"):
-        validate(load_config(None, ["optim.algo=grpo", "optim.drop_single_label_groups=true"]))
+        validate(load_config(None, ["optim.algo=grpo", "advanced.optim.drop_single_label_groups=true"]))
     with pytest.raises(TypeError, match="drop_single_label_groups must be true or false"):
-        load_config(None, ["optim.drop_single_label_groups=3"])
+        load_config(None, ["advanced.optim.drop_single_label_groups=3"])
 
 
 # ----------------------------------------------------------------------------- skipping their compute
@@ -108,23 +109,24 @@ def test_plan_moves_the_skippable_groups_behind_the_others_within_each_mini_batc
 @pytest.mark.parametrize("overrides,reference_is_current,expected", [
     ([], True, (True, False)),
     ([], False, (False, False)),  # psi != 0 against an older reference
-    (["optim.advantage=grpo"], True, (True, False)),
-    (["optim.advantage=naive"], True, (False, False)),  # psi = r has no baseline to cancel the slope
-    (["optim.score=mean_logp"], True, (False, False)),  # its psi is not 0 at the reference
-    (["optim.score_function_term=true"], True, (False, False)),  # w l / B per response: not 0
-    (["optim.one_sweep_first_step=false"], True, (False, False)),  # recomputed: psi of rounding size, not 0
-    (["optim.drop_single_label_groups=true"], False, (True, True)),
-    (["optim.drop_single_label_groups=true", "optim.score_function_term=true"], True, (True, True)),
+    (["advanced.optim.advantage=grpo"], True, (True, False)),
+    (["advanced.optim.advantage=naive"], True, (False, False)),  # psi = r has no baseline to cancel the slope
+    (["advanced.optim.score=mean_logp"], True, (False, False)),  # its psi is not 0 at the reference
+    (["advanced.optim.score_function_term=true"], True, (False, False)),  # w l / B per response: not 0
+    (["advanced.optim.one_sweep_first_step=false"], True, (False, False)),  # recomputed: psi of rounding size, not 0
+    (["advanced.optim.drop_single_label_groups=true"], False, (True, True)),
+    (["advanced.optim.drop_single_label_groups=true", "advanced.optim.score_function_term=true"], True, (True, True)),
     (["optim.algo=grpo"], True, (False, False)),  # GRPO's token mean counts every group's tokens
-    (["train.skip_zero_gradient_groups=false"], True, (False, False)),
-    (["train.skip_zero_gradient_groups=false", "optim.drop_single_label_groups=true"], True, (False, False)),
+    (["advanced.train.skip_zero_gradient_groups=false"], True, (False, False)),
+    (["advanced.train.skip_zero_gradient_groups=false",
+      "advanced.optim.drop_single_label_groups=true"], True, (False, False)),
 ])
 def test_skip_rules(overrides, reference_is_current, expected):
     assert skip_rules(load_config(None, overrides), reference_is_current=reference_is_current) == expected
 
 
-@pytest.mark.parametrize("extra", [[], ["optim.drop_single_label_groups=true"],
-                                   ["optim.ref_reset_every=2", "optim.drop_single_label_groups=true",
+@pytest.mark.parametrize("extra", [[], ["advanced.optim.drop_single_label_groups=true"],
+                                   ["advanced.optim.ref_reset_every=2", "advanced.optim.drop_single_label_groups=true",
                                     "optim.micro_batch_groups=2"],
                                    ["optim.mini_batches_per_step=1", "rollout.max_prompt_len=8",
                                     "train.max_tokens_per_micro_batch=12"]],
@@ -137,7 +139,7 @@ def test_skipping_the_zero_gradient_groups_trains_like_running_them(tmp_path, ca
     runs = {}
     for skip in ("true", "false"):
         cfg = tiny_config(tmp_path / skip, cache_dir, "max_steps=4", "rollout.engine=hf", "eval.every=2",
-                          "checkpoint_every=0", f"train.skip_zero_gradient_groups={skip}", *extra)
+                          "checkpoint_every=0", f"advanced.train.skip_zero_gradient_groups={skip}", *extra)
         train(cfg)
         runs[skip] = read_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"))
     skipped, ran = runs["true"], runs["false"]
@@ -151,7 +153,7 @@ def test_skipping_the_zero_gradient_groups_trains_like_running_them(tmp_path, ca
     assert max(fractions) > 0
     if extra == []:  # the first of two mini-batches only, and one of its two groups runs at least
         assert max(fractions) == 0.25
-    if extra == ["optim.drop_single_label_groups=true"]:  # 3 of 4 groups: a mini-batch of single-label ones
+    if extra == ["advanced.optim.drop_single_label_groups=true"]:  # 3 of 4 groups: a mini-batch of single-label ones
         assert max(r["frac_single_label_groups"] for r in skipped[1:]) >= 0.75
     if "train.max_tokens_per_micro_batch=12" in extra:  # groups over the budget ran in parts
         assert max(r["split_groups"] for r in skipped[1:]) > 0

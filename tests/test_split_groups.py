@@ -70,7 +70,7 @@ def test_a_split_group_scored_against_an_older_reference_trains_like_the_whole_g
     batch = random_batch(32, n_groups=4)
     budget = batch.input_ids.shape[1] if not packed else max(batch.attention_mask.sum(1).tolist())
     common = ["rollout.prompts_per_step=4", "optim.mini_batches_per_step=2", "optim.micro_batch_groups=2",
-              f"train.packing={str(packed).lower()}", "optim.ref_reset_every=2"]
+              f"train.packing={str(packed).lower()}", "advanced.optim.ref_reset_every=2"]
     whole_policy, whole = one_update(config(*common), batch, packed, reference_seed=6)
     split_policy, split = one_update(config(*common, f"train.max_tokens_per_micro_batch={budget}"), batch, packed,
                                      reference_seed=6)
@@ -122,9 +122,9 @@ def test_two_fsdp_ranks_with_split_groups(tmp_path):
 
     # every group runs (none skipped for a zero gradient: tests/test_single_label_groups.py), each in parts
     split = ("train.packing=true", "train.max_tokens_per_micro_batch=24", "rollout.max_prompt_len=16",
-             "train.skip_zero_gradient_groups=false")
+             "advanced.train.skip_zero_gradient_groups=false")
     run_worker(tmp_path / "one", tmp_path / "cache", 1, *split)
-    run_worker(tmp_path / "two", tmp_path / "cache", 2, *split, "train.preflight=true")  # changes nothing
+    run_worker(tmp_path / "two", tmp_path / "cache", 2, *split, "advanced.train.preflight=true")  # changes nothing
     one = json.loads((tmp_path / "one" / "sync_rank0.json").read_text())
     ranks = [json.loads((tmp_path / "two" / f"sync_rank{r}.json").read_text()) for r in (0, 1)]
     assert one["metrics"]["split_groups"] == 4 and ranks[0]["metrics"]["split_groups"] == 2  # every group, per rank

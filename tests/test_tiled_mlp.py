@@ -211,10 +211,11 @@ def test_models_without_a_tileable_mlp_are_refused():
 
 
 def test_config_checks_the_tile_size():
-    cfg = load_config(None, [f"rollout.group_size={GROUP}", "train.tiled_mlp=true", "train.mlp_tile_tokens=0"])
+    cfg = load_config(None, [f"rollout.group_size={GROUP}", "train.tiled_mlp=true", "advanced.train.mlp_tile_tokens=0"])
     with pytest.raises(ValueError, match="train.mlp_tile_tokens must be a positive number of tokens"):
         validate(cfg)
-    validate(load_config(None, [f"rollout.group_size={GROUP}", "train.tiled_mlp=true", "train.mlp_tile_tokens=64"]))
+    validate(load_config(None, [f"rollout.group_size={GROUP}", "train.tiled_mlp=true",
+                                "advanced.train.mlp_tile_tokens=64"]))
 
 
 def test_a_tiled_model_under_the_plain_loop_forward_patch():

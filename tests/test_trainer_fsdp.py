@@ -16,7 +16,7 @@ STEPS = ["max_steps=2", "rollout.engine=hf", "eval.every=1", "checkpoint_every=0
 
 def run_worker(out_dir, cache_dir, nproc: int, *extra: str) -> None:
     worker = os.path.join(repo_root(), "tests", "trainer_sync_worker.py")
-    run_torchrun([worker, out_dir, *TINY, f"task.cache_dir={cache_dir}", *STEPS, *extra],
+    run_torchrun([worker, out_dir, *TINY, f"advanced.task.cache_dir={cache_dir}", *STEPS, *extra],
                  f"the training worker on {nproc} rank(s)", nproc=nproc)
 
 
@@ -62,7 +62,7 @@ def test_two_cpu_ranks_resume_from_a_sharded_checkpoint(tmp_path):
     uninterrupted process does after 3 steps."""
     cache = tmp_path / "cache"
     run_worker(tmp_path / "two", cache, 2)  # max_steps=2: the last step is checkpointed
-    run_worker(tmp_path / "two", cache, 2, "max_steps=3", "resume=true")
+    run_worker(tmp_path / "two", cache, 2, "max_steps=3", "advanced.resume=true")
     run_worker(tmp_path / "one", cache, 1, "max_steps=3")
     resumed = [json.loads((tmp_path / "two" / f"sync_rank{r}.json").read_text()) for r in (0, 1)]
     one = json.loads((tmp_path / "one" / "sync_rank0.json").read_text())
@@ -79,9 +79,9 @@ def test_a_reference_kept_across_steps_is_sharded_checkpointed_and_resumed(tmp_p
     into the sharded parameters for its pass, gathered into the step-2 checkpoint and scattered again on
     resume; step 3 (scored against step 1's weights) ends where one uninterrupted process does."""
     cache = tmp_path / "cache"
-    kept = ["optim.ref_reset_every=3"]
+    kept = ["advanced.optim.ref_reset_every=3"]
     run_worker(tmp_path / "two", cache, 2, *kept)  # max_steps=2: the last step is checkpointed
-    run_worker(tmp_path / "two", cache, 2, *kept, "max_steps=3", "resume=true")
+    run_worker(tmp_path / "two", cache, 2, *kept, "max_steps=3", "advanced.resume=true")
     run_worker(tmp_path / "one", cache, 1, *kept, "max_steps=3")
     run_worker(tmp_path / "reset", cache, 1, "max_steps=3")  # the reference reset every step instead
     resumed = [json.loads((tmp_path / "two" / f"sync_rank{r}.json").read_text()) for r in (0, 1)]
@@ -108,7 +108,7 @@ def test_a_preemption_reaching_one_rank_stops_both_after_the_same_step(tmp_path,
     for rank in stopped:
         assert rank["preempted_by"] == "SIGTERM", rank
         assert "stopped after step 2" in rank["message"] and "step_000002" in rank["message"], rank
-    run_worker(tmp_path / "two", cache, 2, "max_steps=3", "resume=true")
+    run_worker(tmp_path / "two", cache, 2, "max_steps=3", "advanced.resume=true")
     run_worker(tmp_path / "one", cache, 1, "max_steps=3")
     resumed = [json.loads((tmp_path / "two" / f"sync_rank{r}.json").read_text()) for r in (0, 1)]
     one = json.loads((tmp_path / "one" / "sync_rank0.json").read_text())
@@ -126,7 +126,7 @@ def test_torchrun_cli_with_the_default_engine(tmp_path):
 
     out = tmp_path / "run"
     run_torchrun(["-m", "pacs", "train", "--output-dir", out, "--max-steps", "2", *TINY,
-                  f"task.cache_dir={tmp_path / 'cache'}"], "pacs train under torchrun (2 ranks)")
+                  f"advanced.task.cache_dir={tmp_path / 'cache'}"], "pacs train under torchrun (2 ranks)")
     rows = read_metrics(str(out / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[0]["rollout_engine"] == ("VLLMRolloutEngine" if vllm_available() else "HFGenerateEngine")

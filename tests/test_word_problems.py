@@ -99,10 +99,11 @@ def test_train_then_eval_with_the_math_preset(tmp_path):
     `pacs eval --preset math` on the shipped file."""
     cache = tmp_path / "cache"
     run = tmp_path / "run"
-    overrides = ["task.name=wordmath", f"task.cache_dir={cache}", "task.warmup_steps=50", "task.warmup_batch_size=16",
+    overrides = ["task.name=wordmath", f"advanced.task.cache_dir={cache}", "advanced.task.warmup_steps=50",
+                 "advanced.task.warmup_batch_size=16",
                  "rollout.max_new_tokens=7", "rollout.prompts_per_step=4", "rollout.group_size=4",
                  "optim.mini_batches_per_step=2", "optim.micro_batch_groups=1", "eval.num_problems=8",
-                 "eval.every=0", "checkpoint_every=0", "plot=false"]
+                 "eval.every=0", "checkpoint_every=0", "advanced.plot=false"]
     env = dict(os.environ, PYTHONPATH=repo_root())
     out = subprocess.run([sys.executable, "-m", "pacs", "train", "--output-dir", str(run), "--max-steps", "2",
                           "--rollout", "hf", *overrides], cwd=repo_root(), capture_output=True, text=True,

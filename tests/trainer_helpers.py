@@ -8,15 +8,16 @@ from pacs.config import Config, load_config
 # step really updates the weights (an all-zero reward would make the loss's gradient vanish and the
 # resume and multi-process comparisons trivially true).
 TINY = [
-    "task.digits=1", "task.warmup_steps=600", "task.warmup_batch_size=32", "task.warmup_target_accuracy=0.3",
+    "advanced.task.digits=1", "advanced.task.warmup_steps=600", "advanced.task.warmup_batch_size=32",
+    "advanced.task.warmup_target_accuracy=0.3",
     "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=3",
     "optim.mini_batches_per_step=2", "optim.micro_batch_groups=1",
-    "eval.num_problems=8", "eval.every=2", "checkpoint_every=2", "plot=false",
+    "eval.num_problems=8", "eval.every=2", "checkpoint_every=2", "advanced.plot=false",
 ]
 
 
 def tiny_config(output_dir, cache_dir, *extra: str) -> Config:
-    cfg = load_config(None, TINY + [f"task.cache_dir={cache_dir}", *extra])
+    cfg = load_config(None, TINY + [f"advanced.task.cache_dir={cache_dir}", *extra])
     cfg.output_dir = str(output_dir)
     return cfg
 

@@ -13,7 +13,7 @@ flags, which therefore win (e.g. ``--preset paper --n-samples 8``).
 from __future__ import annotations
 
 PAPER_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-PAPER_SAMPLING = ["eval.temperature=0.6", "eval.top_p=0.95"]
+PAPER_SAMPLING = ["eval.temperature=0.6", "advanced.eval.top_p=0.95"]
 
 
 def _escaped(text: str) -> str:

@@ -169,7 +169,7 @@ def run_preflight(cfg, policy, optimizer, pad_token_id: int, dist_info, *, packe
         size = f" ({torch.cuda.get_device_properties(device).total_memory / GiB:.1f} GiB)"
     message = (f"preflight: the largest step these settings allow ({_describe(cfg)}) ran out of {device} memory"
                f"{size}: {reason} Settings still off: {'; '.join(levers_off(cfg)) or 'none'}; or lower "
-               "rollout.max_new_tokens. (train.preflight=false skips this check.)")
+               "rollout.max_new_tokens. (advanced.train.preflight=false skips this check.)")
     if dist_info.world_size > 1:
         print(f"[rank {dist_info.rank}] {message}", file=sys.stderr, flush=True)
     raise TrainingStopped(message)

@@ -26,11 +26,21 @@ import os
 import shlex
 from dataclasses import dataclass
 
-from pacs.config import Config, apply_dict, config_keys, load_config, to_dict
+from pacs.config import (
+    Config,
+    apply_dict,
+    config_keys,
+    declared_key,
+    from_user_layout,
+    load_config,
+    to_user_dict,
+    user_key,
+)
 from pacs.train.run_dir import HISTORY_NAME, RunDir
 
 # settings that do not change what a run is: how long it runs, what it evaluates and logs, how often it
-# checkpoints, how it uses memory and which engine generates (a dotted prefix ending in "." covers a section)
+# checkpoints, how it uses memory and which engine generates (a dotted prefix ending in "." covers a section;
+# keys as declared: an advanced key's entry covers its advanced.* spelling)
 FREE_ON_RESUME = (
     "max_steps", "max_minutes", "checkpoint_every", "checkpoint_minutes", "max_consecutive_nan", "torch_threads",
     "plot", "eval.", "train.", "rollout.engine", "rollout.gpu_memory_utilization", "rollout.kv_cache_gib",
@@ -41,16 +51,18 @@ NOT_SETTINGS = ("output_dir", "resume", "overwrite")  # where and how a run star
 
 
 def changes_what_the_run_is(key: str) -> bool:
+    key = declared_key(key)
     return not any(key == free or (free.endswith(".") and key.startswith(free)) for free in FREE_ON_RESUME)
 
 
 def _settings(cfg: Config) -> dict:
-    return {key: value for key, value in config_keys(cfg) if key not in NOT_SETTINGS}
+    """Each setting of ``cfg`` by the key a user writes (``advanced.train.preflight``) -> its value."""
+    return {user_key(key): value for key, value in config_keys(cfg) if key not in NOT_SETTINGS}
 
 
 def _read_config(data: dict, where: str) -> Config:
-    try:
-        return apply_dict(Config(), data)
+    try:  # (an entry written before the advanced: section is read in its layout: from_user_layout)
+        return apply_dict(Config(), from_user_layout(data))
     except (ValueError, TypeError) as exc:
         raise ValueError(f"--resume: the run's settings in {where} cannot be read ({exc})") from exc
 
@@ -104,7 +116,7 @@ def plan_resume(cfg: Config, output_dir: str, change: tuple[str, ...] = ()) -> R
             "with --change KEY=VALUE to make it from the resumed step on")
     changed = {key: value for key, value in differ.items() if changes_what_the_run_is(key)}
     accepted = {key: value for key, value in differ.items() if not changes_what_the_run_is(key)}
-    config = to_dict(dataclasses.replace(cfg, resume=False, overwrite=False))
+    config = to_user_dict(dataclasses.replace(cfg, resume=False, overwrite=False))
     return ResumePlan(changed, accepted, config)
 
 

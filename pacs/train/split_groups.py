@@ -114,5 +114,5 @@ def part_surrogate(cfg: Config, policy, batch, lo: int, hi: int, gradients: Grou
             raise RuntimeError(
                 f"sequence parallelism's first step: the log-probs of the one sweep differ from the rollout-time ones "
                 f"by up to {float(drift):.3g} x (1 + |old_logp|), more than rounding: the weights changed since the "
-                "old-policy pass (a bug; optim.one_sweep_first_step=false avoids this path)")
+                "old-policy pass (a bug; advanced.optim.one_sweep_first_step=false avoids this path)")
     return surrogate

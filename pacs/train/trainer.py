@@ -752,7 +752,7 @@ def update_step(t: Training, step: int, batch: Batch) -> tuple[UpdateResult, flo
     if reference is not None:
         if reference.weights is None and not is_reset_step(step, o.ref_reset_every):
             t.say(f"[train] step {step}: the checkpoint kept no reference weights (written with "
-                  "optim.ref_reset_every=1?): the reference is reset to the current policy now")
+                  "advanced.optim.ref_reset_every=1?): the reference is reset to the current policy now")
         if reference.weights is None or is_reset_step(step, o.ref_reset_every):
             reference.take(step)
         else:
