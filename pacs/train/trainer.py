@@ -67,6 +67,7 @@ from pacs.train.checkpoint import (
 )
 from pacs.train.console import hide_progress_bars
 from pacs.train.disk_space import NoSpaceLeft, check_checkpoint_space
+from pacs.train.loss_objective import loss_objective
 from pacs.train.metrics import MetricsLog, plot_metrics, read_metrics
 from pacs.train.preflight import TrainerSteps, preflight_enabled, run_preflight
 from pacs.train.resume_check import apply_optimizer_settings, plan_resume, record_resume, resume_command
@@ -92,7 +93,7 @@ from pacs.train.split_groups import (
 from pacs.train.stop_signals import StopSignals
 from pacs.train.training_errors import TrainingInterrupted, TrainingPreempted, TrainingStopped
 from pacs.train.weight_updates import UpdateMonitor
-from pacs_kernels import GRPO, PACS, LossOptions, fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs
+from pacs_kernels import PACS, LossOptions, fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs
 
 
 @dataclass
@@ -208,7 +209,8 @@ def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: t
     """The configured loss (PACS or GRPO) of one micro-batch (padded rows or packed), straight from
     hidden states; old_logp/old_lse in the micro-batch's layout. ``old_lse`` (PACS, weights
     unchanged since the old-policy pass): the one-sweep first step. The one place in this module
-    that calls the fused losses: the objective and the options are built here, the engine does the rest."""
+    that calls the fused losses: the configured objective (pacs/train/loss_objective.py) and the options go to
+    the engine, which does the rest."""
     hidden, weight, bias = forward_micro_batch(policy, part)
     o, group = cfg.optim, cfg.rollout.group_size
     options = LossOptions(**policy.head_options(cfg.rollout.temperature), backend=o.logprob_backend,
@@ -216,13 +218,10 @@ def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: t
     inputs = dict(bias=bias, return_stats=True)
     if isinstance(part, PackedMicroBatch):
         inputs["cu_seqlens"] = part.cu_seqlens
-    if o.algo == "pacs":
+    objective, fused_loss = loss_objective(cfg), fused_linear_grpo_loss
+    if isinstance(objective, PACS):
         fused_loss = fused_linear_pacs_loss
-        objective = PACS(beta=o.beta, score=o.score, advantage=o.advantage, weighting=o.weighting,
-                         score_function_term=o.score_function_term)
         inputs.update(old_lse=old_lse, valid=loss_valid(part.rewards, group, o.drop_single_label_groups))
-    else:
-        fused_loss, objective = fused_linear_grpo_loss, GRPO(clip_eps=o.clip_eps, aggregation=o.aggregation)
     loss, stats = fused_loss(hidden, weight, part.targets, part.mask, old_logp, part.rewards, group_size=group,
                              objective=objective, options=options, **inputs)
     return loss, stats.as_dict()
