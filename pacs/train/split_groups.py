@@ -30,8 +30,9 @@ import torch.distributed as dist
 from pacs.config import Config
 from pacs.model.packing import forward_micro_batch, is_part_of_a_group, to_layout
 from pacs.model.sequence_parallel import backend_for, reduce_over_group, slice_micro_batch
+from pacs.train.loss_objective import loss_objective
 from pacs.train.single_label_groups import loss_valid
-from pacs_kernels import grpo_loss, linear_logprobs_known_grad, pacs_loss
+from pacs_kernels import PACS, grpo_loss, linear_logprobs_known_grad, pacs_loss
 from pacs_kernels.engine import logprob_drift, stale_lse_tolerance
 
 
@@ -55,15 +56,14 @@ def split_group_rows(micro_batches: list[tuple[int, int]], group_size: int) -> l
 def group_loss_on_logprobs(cfg: Config, logp: torch.Tensor, old_logp: torch.Tensor, rewards: torch.Tensor,
                            mask: torch.Tensor):
     """The configured loss (PACS or GRPO) of one group from its (G, L) log-probs: (loss, stats dict)."""
-    o, group = cfg.optim, cfg.rollout.group_size
-    if o.algo == "pacs":
-        loss, stats = pacs_loss(logp, old_logp, rewards, mask, group_size=group, beta=o.beta, score=o.score,
-                                advantage=o.advantage, weighting=o.weighting,
-                                score_function_term=o.score_function_term, return_stats=True, backend="torch",
-                                valid=loss_valid(rewards, group, o.drop_single_label_groups))
+    objective, group = loss_objective(cfg), cfg.rollout.group_size
+    if isinstance(objective, PACS):
+        loss, stats = pacs_loss(logp, old_logp, rewards, mask, group_size=group, **objective.group_settings(),
+                                return_stats=True, backend="torch",
+                                valid=loss_valid(rewards, group, cfg.optim.drop_single_label_groups))
     else:
-        loss, stats = grpo_loss(logp, old_logp, rewards, mask, group_size=group, clip_eps=o.clip_eps,
-                                aggregation=o.aggregation, return_stats=True)
+        loss, stats = grpo_loss(logp, old_logp, rewards, mask, group_size=group, clip_eps=objective.clip_eps,
+                                aggregation=objective.aggregation, return_stats=True)
     return loss, stats.as_dict()
 
 

@@ -67,6 +67,7 @@ from pacs.train.checkpoint import (
 )
 from pacs.train.console import hide_progress_bars
 from pacs.train.disk_space import NoSpaceLeft, check_checkpoint_space
+from pacs.train.loss_objective import loss_objective
 from pacs.train.metrics import MetricsLog, plot_metrics, read_metrics
 from pacs.train.preflight import TrainerSteps, preflight_enabled, run_preflight
 from pacs.train.resume_check import apply_optimizer_settings, plan_resume, record_resume, resume_command
@@ -92,7 +93,7 @@ from pacs.train.split_groups import (
 from pacs.train.stop_signals import StopSignals
 from pacs.train.training_errors import TrainingInterrupted, TrainingPreempted, TrainingStopped
 from pacs.train.weight_updates import UpdateMonitor
-from pacs_kernels import GRPO, PACS, LossOptions, fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs
+from pacs_kernels import PACS, LossOptions, fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs
 
 
 @dataclass
@@ -207,24 +208,22 @@ def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: t
                 old_lse: torch.Tensor | None = None):
     """The configured loss (PACS or GRPO) of one micro-batch (padded rows or packed), straight from
     hidden states; old_logp/old_lse in the micro-batch's layout. ``old_lse`` (PACS, weights
-    unchanged since the old-policy pass): the one-sweep first step."""
+    unchanged since the old-policy pass): the one-sweep first step. The one place in this module
+    that calls the fused losses: the configured objective (pacs/train/loss_objective.py) and the options go to
+    the engine, which does the rest."""
     hidden, weight, bias = forward_micro_batch(policy, part)
     o, group = cfg.optim, cfg.rollout.group_size
     options = LossOptions(**policy.head_options(cfg.rollout.temperature), backend=o.logprob_backend,
                           chunk_budget_mib=cfg.train.loss_chunk_mib)
-    common = dict(group_size=group, options=options, bias=bias, return_stats=True)
+    inputs = dict(bias=bias, return_stats=True)
     if isinstance(part, PackedMicroBatch):
-        common["cu_seqlens"] = part.cu_seqlens
-    if o.algo == "pacs":
-        loss, stats = fused_linear_pacs_loss(
-            hidden, weight, part.targets, part.mask, old_logp, part.rewards,
-            objective=PACS(beta=o.beta, score=o.score, advantage=o.advantage, weighting=o.weighting,
-                           score_function_term=o.score_function_term),
-            old_lse=old_lse, valid=loss_valid(part.rewards, group, o.drop_single_label_groups), **common)
-    else:
-        loss, stats = fused_linear_grpo_loss(
-            hidden, weight, part.targets, part.mask, old_logp, part.rewards,
-            objective=GRPO(clip_eps=o.clip_eps, aggregation=o.aggregation), **common)
+        inputs["cu_seqlens"] = part.cu_seqlens
+    objective, fused_loss = loss_objective(cfg), fused_linear_grpo_loss
+    if isinstance(objective, PACS):
+        fused_loss = fused_linear_pacs_loss
+        inputs.update(old_lse=old_lse, valid=loss_valid(part.rewards, group, o.drop_single_label_groups))
+    loss, stats = fused_loss(hidden, weight, part.targets, part.mask, old_logp, part.rewards, group_size=group,
+                             objective=objective, options=options, **inputs)
     return loss, stats.as_dict()
 
 
@@ -329,141 +328,226 @@ def old_policy_ranges(cfg: Config, batch: Batch, dist_info: DistInfo, packed: bo
     return same_count_on_every_rank(ranges, group, dist_info.world_size, dist_info.device)
 
 
-def split_group_gradients(cfg: Config, policy, batch: Batch, micro_batches: list[tuple[int, int]],
-                          old_logp: torch.Tensor, old_lse: torch.Tensor, dist_info: DistInfo, *,
-                          first_mini_batch: bool, packed: bool,
-                          rollout_logp: torch.Tensor | None = None) -> GroupGradients:
+@dataclass
+class UpdateData:
+    """What one rollout step's updates learn from (the arguments of :func:`update_policy`): the batch, the
+    reference's log-probs ``old_logp``, the rollout-time log-sum-exp ``old_lse``, the rollout-time log-probs
+    ``rollout_logp`` where the reference is older (None: it is the rollout's policy), per mini-batch the number
+    of groups that run (``groups_run``; None: all), and whether micro-batches are packed."""
+
+    batch: Batch
+    old_logp: torch.Tensor
+    old_lse: torch.Tensor
+    rollout_logp: torch.Tensor | None
+    groups_run: list[int] | None
+    packed: bool
+
+
+@dataclass
+class MiniBatch:
+    """One mini-batch's plan: its micro-batches (row ranges, the same count on every rank), the log-prob
+    gradients of its groups that run in parts (None: no token budget, no parts), the loss values of its groups
+    not run (a gradient of exactly 0), and ``first_step``: PACS on weights still the rollout's (every psi 0)."""
+
+    micro_batches: list[tuple[int, int]]
+    split: GroupGradients | None
+    skipped_losses: list[float]
+    first_step: bool
+
+
+@dataclass
+class MicroBatchLoss:
+    """One micro-batch's loss: what its backward runs on (the loss, or a surrogate whose gradient is the loss's),
+    the loss value, the rows its mean is over (a part of a group: the whole group's) and its statistics."""
+
+    to_backward: torch.Tensor
+    value: float
+    rows: int
+    stats: dict[str, float]
+
+
+class LossStatistics:
+    """The mean of each loss statistic over the micro-batches where it is defined (NaN: undefined there, e.g.
+    no correct response), NaN where none defines it."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, stats: dict[str, float]) -> None:
+        for key, value in stats.items():
+            self.sums[key] = self.sums.get(key, 0.0) + (value if math.isfinite(value) else 0.0)
+            self.counts[key] = self.counts.get(key, 0) + math.isfinite(value)
+
+    def means(self) -> dict[str, float]:
+        return {k: (v / self.counts[k] if self.counts[k] else float("nan")) for k, v in self.sums.items()}
+
+
+def split_group_gradients(cfg: Config, policy, data: UpdateData, micro_batches: list[tuple[int, int]],
+                          dist_info: DistInfo, *, first_mini_batch: bool) -> GroupGradients:
     """Phases 1-2 of pacs/train/split_groups.py for the groups this mini-batch runs in parts: their
     log-probs under the current weights (the rollout-time pass's on the first mini-batch after a
     rollout: ``rollout_logp``, or ``old_logp`` itself when the reference is that policy; else a no-grad
     pass over their parts, the same number of forwards on every rank), then each group's loss and
     per-token gradient."""
-    group = cfg.rollout.group_size
+    group, batch = cfg.rollout.group_size, data.batch
     parts = [(lo, hi) for lo, hi in micro_batches if is_part_of_a_group(lo, hi, group)]
-    current_logp, current_lse = (old_logp if rollout_logp is None else rollout_logp), old_lse
+    current_logp = data.old_logp if data.rollout_logp is None else data.rollout_logp
+    current_lse = data.old_lse
     if not first_mini_batch:
         count = most_on_any_rank([len(parts)], dist_info)[0]  # FSDP: every rank runs as many no-grad forwards
         if count:
             first = micro_batches[0][0]  # a rank without (enough) parts repeats a one-row forward
             current_logp, current_lse, _ = old_policy_logprobs(policy, batch, parts, cfg.rollout.temperature,
-                                                               cfg.optim.logprob_backend, packed, dist_info.sp,
+                                                               cfg.optim.logprob_backend, data.packed, dist_info.sp,
                                                                fillers=[(first, first + 1)] * (count - len(parts)))
-    return group_gradients(cfg, batch, split_group_rows(micro_batches, group), current_logp, current_lse, old_logp)
+    return group_gradients(cfg, batch, split_group_rows(micro_batches, group), current_logp, current_lse,
+                           data.old_logp)
+
+
+def plan_mini_batch(cfg: Config, policy, data: UpdateData, mini: int, dist_info: DistInfo,
+                    losses_at_zero: list[float] | None) -> MiniBatch:
+    """Mini-batch ``mini``: the rows of its groups that run (those not run, a gradient of exactly 0, sit behind
+    them: pacs/train/single_label_groups.py) cut into micro-batches of whole groups (at most
+    ``micro_batch_groups`` groups and ``train.max_tokens_per_micro_batch`` tokens; a group larger than that in
+    parts, made exact by its log-prob gradients, known first: pacs/train/split_groups.py)."""
+    o, tr, group = cfg.optim, cfg.train, cfg.rollout.group_size
+    rows_per_mini = mini_batch_rows(cfg, dist_info)
+    first = mini * rows_per_mini
+    last = first + (rows_per_mini if data.groups_run is None else data.groups_run[mini] * group)
+    skipped = [] if losses_at_zero is None else losses_at_zero[last // group:(first + rows_per_mini) // group]
+    micro_batches = micro_batch_ranges(
+        data.batch.attention_mask.sum(1).tolist(), first, last, group_size=group,
+        rows_per_micro=micro_batch_groups(cfg) * group, max_tokens=tr.max_tokens_per_micro_batch, packed=data.packed)
+    micro_batches = same_count_on_every_rank(micro_batches, group, dist_info.world_size, dist_info.device)
+    split = None  # only token budgets cut groups
+    if tr.max_tokens_per_micro_batch is not None:
+        split = split_group_gradients(cfg, policy, data, micro_batches, dist_info, first_mini_batch=mini == 0)
+    # one vocabulary sweep needs every psi to be 0 on the first mini-batch: reference = current weights
+    first_step = mini == 0 and o.algo == "pacs" and o.one_sweep_first_step and data.rollout_logp is None
+    return MiniBatch(micro_batches, split, skipped, first_step)
+
+
+def mini_batch_rows(cfg: Config, dist_info: DistInfo) -> int:
+    """Rows of one mini-batch on this rank: its share of the step's groups, split into the mini-batches."""
+    return cfg.rollout.prompts_per_step // dist_info.dp_size // cfg.optim.mini_batches_per_step * cfg.rollout.group_size
+
+
+def micro_batch_loss(cfg: Config, policy, data: UpdateData, mini: MiniBatch, lo: int, hi: int,
+                     sp: SequenceParallel | None) -> MicroBatchLoss:
+    """The loss of micro-batch rows [lo, hi), by the one route that fits it: a part of a group (its share of the
+    group's known gradient), sequence parallelism's first step or loss (this rank's tokens of the micro-batch),
+    else the fused loss (:func:`policy_loss`; on the first step, PACS's one sweep)."""
+    group, batch = cfg.rollout.group_size, data.batch
+    if is_part_of_a_group(lo, hi, group):  # a group over the token budget: its log-prob gradients are known
+        group_lo = lo - lo % group
+        surrogate = part_surrogate(cfg, policy, batch, lo, hi, mini.split, packed=data.packed, sp=sp)
+        return MicroBatchLoss(surrogate, mini.split.losses[group_lo], group, mini.split.stats.pop(group_lo, {}))
+    if sp is not None and mini.first_step:  # psi = 0 under sequence parallelism: the log-prob gradient first
+        loss, stats, surrogate = sequence_parallel_first_step(cfg, policy, batch, lo, hi, data.old_logp,
+                                                              data.old_lse, sp)
+        return MicroBatchLoss(surrogate, float(loss.detach()), hi - lo, stats)
+    part = slice_micro_batch(batch, lo, hi, data.packed, sp)
+    if sp is not None:  # the loss couples the tokens of a group: the log-probs gathered over the group's ranks
+        loss, stats = sequence_parallel_loss(cfg, policy, part, lo, data.old_logp[lo:hi], batch.mask[lo:hi])
+    else:  # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
+        lse = to_layout(part, lo, data.old_lse) if mini.first_step else None
+        loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, data.old_logp), lse)
+    return MicroBatchLoss(loss, float(loss.detach()), hi - lo, stats)
+
+
+def losses_at_zero(cfg: Config, batch: Batch, groups_run: list[int] | None) -> list[float] | None:
+    """Each group's loss value at psi = 0: what a group not run (a gradient of exactly 0) counts in the
+    metrics; None when every group runs."""
+    if groups_run is None:
+        return None
+    o, group = cfg.optim, cfg.rollout.group_size
+    valid = loss_valid(batch.rewards, group, o.drop_single_label_groups)
+    return group_losses_at_zero(batch.rewards, valid, group, o.weighting).tolist()
+
+
+def clipped_grad_norm(policy, max_norm: float) -> torch.Tensor:
+    """The gradient's norm before clipping it to ``max_norm`` (a plain tensor, also under FSDP2)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+        grad_norm = grad_norm.full_tensor()
+    return grad_norm
+
+
+def skip_non_finite(cfg: Config, optimizer, state: dict, losses: list[float], grad_norm: torch.Tensor,
+                    dist_info: DistInfo, step: int, say) -> bool:
+    """Skip this update? Yes (gradients dropped) after a non-finite loss or gradient on any rank, on every rank
+    together (or the shards diverge); ``max_consecutive_nan`` skips in a row raise TrainingStopped. Counts the
+    skips in ``state``."""
+    bad = torch.tensor([0.0 if all(math.isfinite(x) for x in losses) else 1.0,
+                        0.0 if torch.isfinite(grad_norm) else 1.0], device=dist_info.device)
+    if dist_info.world_size > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if not bad.any():
+        state["consecutive_nan"] = 0
+        return False
+    state["consecutive_nan"] += 1
+    state["skipped_updates"] += 1
+    say(f"[warning] step {step}: non-finite {'loss' if bad[0] else 'gradient'}; "
+        f"update skipped ({state['consecutive_nan']} in a row)")
+    optimizer.zero_grad(set_to_none=True)
+    if state["consecutive_nan"] >= cfg.max_consecutive_nan:
+        last = latest_checkpoint(cfg.output_dir)
+        raise TrainingStopped(
+            f"{state['consecutive_nan']} non-finite updates in a row at step {step}: stopping. "
+            f"The last good checkpoint is {last or '(none written yet)'}; resume from it "
+            "with a lower optim.lr or check the data")
+    return True
+
+
+def optimizer_step(optimizer, scheduler, monitor: UpdateMonitor) -> float:
+    """AdamW's step and the schedule's; returns the share of (sampled) weights with a gradient that it moved."""
+    monitor.before()
+    optimizer.step()
+    moved = monitor.after()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return moved
 
 
 def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_logp: torch.Tensor,
                   old_lse: torch.Tensor, state: dict, dist_info: DistInfo, step: int, say=print, *,
                   packed: bool = False, rollout_logp: torch.Tensor | None = None,
                   groups_run: list[int] | None = None) -> UpdateResult:
-    """Step 4: mini-batches of whole groups, each a gradient accumulation over micro-batches of
-    whole groups (at most ``micro_batch_size`` rows and ``train.max_tokens_per_micro_batch``
-    tokens; packed when ``packed``), clipped and applied; a non-finite loss or gradient on any
-    rank skips the update on every rank, and ``max_consecutive_nan`` skips in a row raise
-    TrainingStopped.
-
-    ``old_logp``: the reference's log-probs; ``old_lse``: the log-sum-exp of the policy as it was at
-    the rollout. ``rollout_logp``: that policy's log-probs where the reference is an older one
-    (``optim.ref_reset_every`` > 1); None where the reference is the rollout-time policy.
-    ``groups_run``: per mini-batch, how many of its groups to run (the rest, behind them, have a gradient of
-    exactly 0: pacs/train/single_label_groups.py); None: all of them."""
-    o, tr, group = cfg.optim, cfg.train, cfg.rollout.group_size
-    groups_per_mini = cfg.rollout.prompts_per_step // dist_info.dp_size // o.mini_batches_per_step
-    rows_per_mini = groups_per_mini * group
-    lengths = batch.attention_mask.sum(1).tolist()
-    # one vocabulary sweep needs every psi to be 0 on the first mini-batch: reference = current weights
-    one_sweep = o.algo == "pacs" and o.one_sweep_first_step and rollout_logp is None
-    stat_sums: dict[str, float] = {}
-    stat_counts: dict[str, int] = {}
-    losses, loss_groups, grad_norms, split_groups, skipped_losses, moved = [], [], [], 0, [], []
+    """Step 4: for each mini-batch of whole groups, its micro-batches' losses (each through
+    :func:`micro_batch_loss`), their gradients accumulated, clipped and applied; a non-finite loss or gradient
+    on any rank skips the update on every rank (:func:`skip_non_finite`). ``old_logp``: the reference's
+    log-probs; ``old_lse``: the rollout-time log-sum-exp; ``rollout_logp``, ``groups_run``: see :class:`UpdateData`."""
+    data = UpdateData(batch, old_logp, old_lse, rollout_logp, groups_run, packed)
+    o, group, rows_per_mini = cfg.optim, cfg.rollout.group_size, mini_batch_rows(cfg, dist_info)
+    skipped = None if groups_run is None else rows_per_mini // group * o.mini_batches_per_step - sum(groups_run)
+    update = UpdateResult([], [], [], {}, float("nan"), skipped_groups=skipped)
+    statistics, at_zero = LossStatistics(), losses_at_zero(cfg, batch, groups_run)
     # weights that a step leaves where they are, though they have a gradient: updates that rounded away
     monitor = UpdateMonitor(policy.parameters(), distributed=dist_info.world_size > 1)
-    last_loss = float("nan")
-    at_zero = None  # each group's loss value at psi = 0: what a group not run counts in the metrics
-    # FSDP averages gradients over every rank, but a sequence-parallel group's ranks each hold a part of one
-    # micro-batch's gradient: their backwards are scaled by the group's size so that the parts add up
-    sp, backward_scale = dist_info.sp, float(dist_info.sp_size)
-    if groups_run is not None:
-        valid = loss_valid(batch.rewards, group, o.drop_single_label_groups)
-        at_zero = group_losses_at_zero(batch.rewards, valid, group, o.weighting).tolist()
-    for mini in range(o.mini_batches_per_step):
-        run_rows = rows_per_mini if groups_run is None else groups_run[mini] * group
-        first_skipped, end = (mini * rows_per_mini + run_rows) // group, (mini + 1) * rows_per_mini // group
-        skipped_here = [] if at_zero is None else at_zero[first_skipped:end]
-        skipped_losses += skipped_here
-        micro_batches = micro_batch_ranges(
-            lengths, mini * rows_per_mini, mini * rows_per_mini + run_rows, group_size=group,
-            rows_per_micro=micro_batch_groups(cfg) * group, max_tokens=tr.max_tokens_per_micro_batch, packed=packed)
-        micro_batches = same_count_on_every_rank(micro_batches, group, dist_info.world_size, dist_info.device)
-        micro_per_mini = len(micro_batches)
-        # groups larger than the token budget run in parts, made exact by their gradients on the
-        # log-probs, known first (pacs/train/split_groups.py); only token budgets cut groups
-        split = None
-        if tr.max_tokens_per_micro_batch is not None:
-            split = split_group_gradients(cfg, policy, batch, micro_batches, old_logp, old_lse, dist_info,
-                                          first_mini_batch=mini == 0, packed=packed, rollout_logp=rollout_logp)
-            split_groups += len(split.losses)
-        for lo, hi in micro_batches:
-            with activation_offload(tr.offload_activations, dist_info.device):
-                if is_part_of_a_group(lo, hi, group):
-                    group_lo = lo - lo % group
-                    surrogate = part_surrogate(cfg, policy, batch, lo, hi, split, packed=packed, sp=sp)
-                    (surrogate * (backward_scale * group / rows_per_mini)).backward()
-                    loss_value, stats = split.losses[group_lo], split.stats.pop(group_lo, {})  # stats once per group
-                else:
-                    if sp is not None and one_sweep and mini == 0:  # psi = 0: the gradient on the log-probs first
-                        loss, stats, to_backward = sequence_parallel_first_step(cfg, policy, batch, lo, hi, old_logp,
-                                                                                old_lse, sp)
-                    else:
-                        part = slice_micro_batch(batch, lo, hi, packed, sp)
-                        if sp is not None:
-                            loss, stats = sequence_parallel_loss(cfg, policy, part, lo, old_logp[lo:hi],
-                                                                 batch.mask[lo:hi])
-                        else:
-                            # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
-                            lse = to_layout(part, lo, old_lse) if one_sweep and mini == 0 else None
-                            loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, old_logp), lse)
-                        to_backward = loss
-                    # each loss is a mean over its responses: weigh it by its share of the mini-batch
-                    (to_backward * (backward_scale * (hi - lo) / rows_per_mini)).backward()
-                    loss_value = float(loss.detach())
-            losses.append(loss_value)
-            loss_groups.append((hi - lo) / group)
-            for key, value in stats.items():  # NaN: undefined here (e.g. no correct response)
-                stat_sums[key] = stat_sums.get(key, 0.0) + (value if math.isfinite(value) else 0.0)
-                stat_counts[key] = stat_counts.get(key, 0) + math.isfinite(value)
-        last_loss = weighted_mean(losses[len(losses) - micro_per_mini:] + skipped_here,
-                                  loss_groups[len(loss_groups) - micro_per_mini:] + [1.0] * len(skipped_here))
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), o.max_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
-            grad_norm = grad_norm.full_tensor()
-        bad = torch.tensor([0.0 if all(math.isfinite(x) for x in losses[len(losses) - micro_per_mini:]) else 1.0,
-                            0.0 if torch.isfinite(grad_norm) else 1.0], device=dist_info.device)
-        if dist_info.world_size > 1:  # every rank skips together, or the shards diverge
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if bad.any():
-            state["consecutive_nan"] += 1
-            state["skipped_updates"] += 1
-            say(f"[warning] step {step}: non-finite {'loss' if bad[0] else 'gradient'}; "
-                f"update skipped ({state['consecutive_nan']} in a row)")
-            optimizer.zero_grad(set_to_none=True)
-            if state["consecutive_nan"] >= cfg.max_consecutive_nan:
-                last = latest_checkpoint(cfg.output_dir)
-                raise TrainingStopped(
-                    f"{state['consecutive_nan']} non-finite updates in a row at step {step}: stopping. "
-                    f"The last good checkpoint is {last or '(none written yet)'}; resume from it "
-                    "with a lower optim.lr or check the data")
+    for m in range(o.mini_batches_per_step):
+        mini = plan_mini_batch(cfg, policy, data, m, dist_info, at_zero)
+        update.skipped_losses += mini.skipped_losses
+        update.split_groups += 0 if mini.split is None else len(mini.split.losses)
+        for lo, hi in mini.micro_batches:
+            with activation_offload(cfg.train.offload_activations, dist_info.device):
+                loss = micro_batch_loss(cfg, policy, data, mini, lo, hi, dist_info.sp)
+                # a mean over its rows, weighed by their share of the mini-batch; FSDP averages over every rank,
+                # but a sequence-parallel group's ranks each hold a part of it: times the group's size
+                (loss.to_backward * (float(dist_info.sp_size) * loss.rows / rows_per_mini)).backward()
+            update.losses.append(loss.value)
+            update.loss_groups.append((hi - lo) / group)
+            statistics.add(loss.stats)
+        here = slice(len(update.losses) - len(mini.micro_batches), None)  # this mini-batch's micro-batches
+        update.last_loss = weighted_mean(update.losses[here] + mini.skipped_losses,
+                                         update.loss_groups[here] + [1.0] * len(mini.skipped_losses))
+        grad_norm = clipped_grad_norm(policy, o.max_grad_norm)
+        if skip_non_finite(cfg, optimizer, state, update.losses[here], grad_norm, dist_info, step, say):
             continue
-        state["consecutive_nan"] = 0
-        grad_norms.append(float(grad_norm))
-        monitor.before()
-        optimizer.step()
-        moved.append(monitor.after())
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-    stats = {k: (v / stat_counts[k] if stat_counts[k] else float("nan")) for k, v in stat_sums.items()}
-    skipped = None if groups_run is None else groups_per_mini * o.mini_batches_per_step - sum(groups_run)
-    return UpdateResult(losses, loss_groups, grad_norms, stats, last_loss, split_groups, skipped, skipped_losses,
-                        moved)
+        update.grad_norms.append(float(grad_norm))
+        update.update_nonzero_fracs.append(optimizer_step(optimizer, scheduler, monitor))
+    update.stats = statistics.means()
+    return update
 
 
 def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: float, update: UpdateResult,
