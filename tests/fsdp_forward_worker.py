@@ -85,7 +85,7 @@ def dtypes_under_bf16_mixed_precision(model, rank: int) -> dict:
     policy: parameters in bf16, cast_forward_inputs=True), the caller passing float32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from pacs.integrations import model_forward
+    from pacs.model import model_forward
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
