@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from pacs.model.policy import DistInfo
 from pacs.train.disk_space import NoSpaceLeft, is_disk_full, no_space_message, tensor_bytes
+from pacs.train.durable import fsync_dir
 from pacs.train.resume_check import check_model_matches
 from pacs.train.run_dir import CHECKPOINT_DIR, RunDir, checkpoint_name
 
@@ -66,15 +67,6 @@ def set_rng_state(state: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # durable writes
-
-
-def fsync_dir(path: str) -> None:
-    """Make a rename or a new entry in directory ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_durably(path: str, write) -> None:

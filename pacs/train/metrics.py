@@ -6,6 +6,8 @@ import json
 import math
 import os
 
+from pacs.train.durable import fsync_dir
+
 CURVES = (
     ("reward_mean", "training reward (mean)"),
     ("eval_accuracy", "held-out accuracy"),
@@ -37,7 +39,7 @@ class MetricsLog:
             return
         if resume_step is None or not os.path.isfile(path):
             open(path, "w").close()
-            _fsync_dir(os.path.dirname(os.path.abspath(path)))
+            fsync_dir(os.path.dirname(os.path.abspath(path)))
             if resume_step is not None and resume_step > 0:
                 warn(f"[resume] {path} was missing: the rows of steps 0-{resume_step} are lost (the checkpoint "
                      f"of step {resume_step} is not); the log continues from step {resume_step + 1}")
@@ -55,7 +57,7 @@ class MetricsLog:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(path + ".tmp", path)
-        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
 
     def write(self, row: dict) -> None:
         if not self.enabled:
@@ -85,14 +87,6 @@ def missing_steps(steps: list[int], last: int) -> str:
         else:
             ranges.append([step, step])
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_metrics(path: str, allow_torn_tail: bool = False):
