@@ -39,7 +39,13 @@ from pathlib import Path
 import torch
 
 from . import dispatch
-from .single_pass import default_chunk_budget_mib, plan_group_chunks, recomputed_fraction, tile_memory
+from .single_pass import (
+    budget_mib_for_tokens,
+    default_chunk_budget_mib,
+    plan_group_chunks,
+    recomputed_fraction,
+    tile_memory,
+)
 
 # passes over each logit: eager rows (EagerRows) amax, subtract, exp, row sum, then the gradient's scale;
 # Triton rows two reads. A rebuilt tile adds (eager) subtract lse and exp, (Triton) nothing: still two reads
@@ -170,7 +176,6 @@ def candidate_budgets(query: PathQuery) -> list[float | None]:
     and, on the CPU, budgets holding the largest group and all tokens, up to :func:`raised_budget_cap_mib`."""
     if query.budget_mib is not None:
         return [query.budget_mib]
-    from .single_pass import budget_mib_for_tokens
 
     default = default_chunk_budget_mib(query.device)
     cap = raised_budget_cap_mib(query.device)
