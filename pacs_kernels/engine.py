@@ -288,7 +288,8 @@ def pacs_one_sweep(batch, old_lse, rewards, valid, options, settings, *, return_
     if options.backend == "naive":
         raise ValueError("old_lse (the one-sweep first step) needs backend 'auto', 'torch' or 'triton', got 'naive'")
     old_selected = batch.old_logp.detach()
-    at_old = old_selected.float().clone().requires_grad_()
+    cdt = torch.float64 if batch.weight.dtype == torch.float64 else torch.float32
+    at_old = old_selected.to(cdt).clone().requires_grad_()
     full_mask = torch.ones_like(at_old, dtype=torch.bool)
     with torch.enable_grad():
         loss, per_response = pacs_group_loss(at_old, old_selected, full_mask, batch.counts, rewards, batch.layout,
@@ -306,7 +307,7 @@ def pacs_one_sweep(batch, old_lse, rewards, valid, options, settings, *, return_
             "usual path instead (exact for these weights). Pass old_lse only on the first optimizer step after "
             "the rollout that produced it.", RuntimeWarning, stacklevel=4)
         return None
-    total = loss.detach().float() + (surrogate - surrogate.detach())
+    total = loss.detach().to(cdt) + (surrogate - surrogate.detach())
     if return_stats:
         return total, compute_stats(total, per_response, rewards, batch.group_size, advantage=settings["advantage"],
                                     valid=valid)

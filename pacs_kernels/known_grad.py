@@ -28,12 +28,13 @@ from .logprobs import Kernels, LogprobOptions, check_softcap, resolve_backend
 class _KnownGradSweep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, grad_logp, lse, temperature, backend, softcap):
-        logp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        cdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        logp = torch.empty(hidden.shape[0], dtype=cdt, device=hidden.device)
         grads = Kernels(backend).backward(hidden, weight, targets, bias, temperature, lse, None, grad_logp, None,
                                           needs=tuple(ctx.needs_input_grad[:3]),
                                           options=LogprobOptions(softcap=softcap), logp_out=logp)
         ctx.save_for_backward(*grads)  # freed after one backward, kept by retain_graph=True
-        surrogate = (grad_logp.float() * logp).sum()
+        surrogate = (grad_logp.to(cdt) * logp).sum()
         ctx.mark_non_differentiable(logp)
         return surrogate, logp
 
@@ -63,14 +64,14 @@ def linear_logprobs_known_grad(
         temperature: as in linear_logprobs.
         bias: as in linear_logprobs.
         grad_logp: (...) the gradient of the loss with respect to each token's log-prob.
-        lse: (...) float32 log-sum-exp of each token's (tempered) logits under THESE weights,
+        lse: (...) log-sum-exp of each token's (tempered) logits under THESE weights,
             e.g. from ``linear_logprobs(..., return_lse=True)`` under torch.no_grad() on the same
             inputs. A stale lse gives wrong results: check that the returned logp matches.
 
     Returns:
-        (surrogate, logp): ``surrogate`` a 0-d float32 tensor, value sum(grad_logp * logp), whose
+        (surrogate, logp): ``surrogate`` a 0-d float32 tensor (float64 for float64 inputs), value sum(grad_logp * logp), whose
         backward delivers d/dhidden, d/dweight, d/dbias of that sum (computed during this call);
-        ``logp`` (...) float32, detached.
+        ``logp`` (...) in the surrogate's dtype, detached.
     """
     check_linear_inputs(hidden, weight, targets, bias)
     temperature = check_temperature(temperature)

@@ -98,6 +98,11 @@ def check_softcap(logit_softcap) -> float | None:
     return float(logit_softcap)
 
 
+def result_dtype(values: torch.Tensor) -> torch.Tensor:
+    """Per-token results in float32, or in float64 where they were computed in float64 (float64 inputs)."""
+    return values if values.dtype == torch.float64 else values.float()
+
+
 class Kernels:
     """The forward and backward of one backend, behind one interface: the only place that
     branches on the backend name (the known-gradient sweep is the backward with ``logp_out``)."""
@@ -135,7 +140,7 @@ class _LinearLogprobs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature, ctx.kernels, ctx.options = temperature, kernels, options
         ctx.mark_non_differentiable(lse)
-        return logp.float(), None if entropy is None else entropy.float(), lse
+        return result_dtype(logp), None if entropy is None else result_dtype(entropy), lse
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy, _grad_lse):
@@ -177,8 +182,8 @@ def linear_logprobs(
             (approximate; None means exact).
         chunk_elements: torch backend: logits per chunk (default 4M, 16 MiB in float32).
         vocab_splits: triton: vocabulary slices per token block (default: enough to fill the GPU).
-        return_lse: also return each token's log-sum-exp of the tempered logits (float32,
-            detached), the input of the known-gradient fast path (known_grad.py).
+        return_lse: also return each token's log-sum-exp of the tempered logits (float32, or float64
+            for float64 inputs; detached), the input of the known-gradient fast path (known_grad.py).
         logit_softcap: optional c > 0: the logits are soft-capped as ``c * tanh(z / c)`` before the
             temperature (Gemma 2/3's ``final_logit_softcapping``); torch and naive backends ("auto"
             picks torch then).
@@ -188,7 +193,7 @@ def linear_logprobs(
             (None: the packaged one, pacs_kernels/gpu_dispatch.json).
 
     Returns:
-        logp (...) float32, or (logp, entropy) with ``return_entropy=True``, with lse appended
+        logp (...) float32 (float64 for float64 inputs on the torch and naive backends), or (logp, entropy) with ``return_entropy=True``, with lse appended
         when ``return_lse=True``. Differentiable with
         respect to hidden, weight and bias for any upstream gradient on either output;
         gradients come back in the input dtypes. Nothing of size N x V is allocated (except by
@@ -219,10 +224,11 @@ def linear_logprobs(
     if backend == "naive":
         logp, entropy = naive_linear_logprobs(hidden, weight, targets, temperature=temperature, bias=bias,
                                               softcap=logit_softcap)
-        outputs = [logp.float()] + ([entropy.float()] if return_entropy else [])
+        outputs = [result_dtype(logp)] + ([result_dtype(entropy)] if return_entropy else [])
         if return_lse:
             with torch.no_grad():
-                logits = hidden.float() @ weight.float().T + (0 if bias is None else bias.float())
+                cdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+                logits = hidden.to(cdt) @ weight.to(cdt).T + (0 if bias is None else bias.to(cdt))
                 if logit_softcap is not None:
                     logits = logit_softcap * torch.tanh(logits / logit_softcap)
                 outputs.append(torch.logsumexp(logits / temperature, -1))
@@ -246,14 +252,14 @@ def linear_logprobs(
     else:  # old-policy / reference log-probs: save nothing
         logp, entropy, lse = kernels.forward(hidden_2d, weight, targets_1d, bias, temperature, return_entropy,
                                              options)
-        logp = logp.float()
-        entropy = entropy.float() if entropy is not None else None
+        logp = result_dtype(logp)
+        entropy = result_dtype(entropy) if entropy is not None else None
 
     outputs = [logp.reshape(lead_shape)]
     if return_entropy:
         outputs.append(entropy.reshape(lead_shape))
     if return_lse:
-        outputs.append(lse.detach().float().reshape(lead_shape))
+        outputs.append(result_dtype(lse.detach()).reshape(lead_shape))
     return _nan_where_not_finite(hidden, outputs)
 
 

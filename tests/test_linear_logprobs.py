@@ -93,10 +93,11 @@ def test_matches_float64_reference(backend, dtype, lead, d, vocab, with_bias, te
                             temperature=temperature, entropy=entropy, **kw)
     r_logp, r_ent, r_grads = _reference(hidden, weight, bias, targets, g_l, g_h,
                                         temperature=temperature, entropy=entropy)
-    assert logp.dtype == torch.float32 and logp.shape == lead
+    out_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # float32, float64 in float64
+    assert logp.dtype == out_dtype and logp.shape == lead
     _assert_close("logp", logp, r_logp, dtype)
     if entropy:
-        assert ent.dtype == torch.float32 and ent.shape == lead
+        assert ent.dtype == out_dtype and ent.shape == lead
         _assert_close("entropy", ent, r_ent, dtype)
     for name, got, ref, inp in zip(("dhidden", "dweight", "dbias"), grads, r_grads, (hidden, weight, bias)):
         if inp is None:

@@ -186,8 +186,7 @@ def test_float64_every_objective_layout_and_path(name, path, packed, paths_run):
     got = fused(case, data, False, "torch", packed=packed, path=path, dtype=torch.float64,
                 chunk_budget_mib=one_group_budget(data))
     assert paths_run == [path]
-    # the two passes' linear_logprobs returns float32 log-probs (for every input dtype): float32 rounding there
-    assert_matches(got, expected_loss_and_grads(case, data, False), float64=path == "single_pass")
+    assert_matches(got, expected_loss_and_grads(case, data, False), float64=True)
 
 
 @pytest.mark.parametrize("name", ["grpo", "gspo", "pacs", "custom"])

@@ -193,8 +193,8 @@ def old_policy_logprobs(policy, batch: Batch, ranges: list[tuple[int, int]], tem
         if i >= len(ranges):  # a filler: under sequence parallelism its tokens may sit on other ranks than in
             continue          # the chunk that wrote them, and the group's sum would count them twice
         rows, cols = response_positions(part, lo)
-        old_logp[rows, cols] = logp
-        old_lse[rows, cols] = lse
+        old_logp[rows, cols] = logp.to(old_logp.dtype)  # float32 buffers, also for a float64 model
+        old_lse[rows, cols] = lse.to(old_lse.dtype)
         entropy_sum += float(entropy.sum())
         tokens += int(part.mask.sum())
     if sp is not None:  # each token was written by one rank of the group, 0 elsewhere
