@@ -193,7 +193,8 @@ def linear_logprobs(
             (None: the packaged one, pacs_kernels/gpu_dispatch.json).
 
     Returns:
-        logp (...) float32 (float64 for float64 inputs on the torch and naive backends), or (logp, entropy) with ``return_entropy=True``, with lse appended
+        logp (...) float32 (float64 for float64 inputs on the torch and naive backends), or
+        (logp, entropy) with ``return_entropy=True``, with lse appended
         when ``return_lse=True``. Differentiable with
         respect to hidden, weight and bias for any upstream gradient on either output;
         gradients come back in the input dtypes. Nothing of size N x V is allocated (except by
