@@ -70,7 +70,8 @@ def linear_logprobs_known_grad(
 
     Returns:
         (surrogate, logp): ``surrogate`` a 0-d float32 tensor (float64 for float64 inputs), value
-        sum(grad_logp * logp), whose backward delivers d/dhidden, d/dweight, d/dbias of that sum (computed during this call);
+        sum(grad_logp * logp), whose backward delivers d/dhidden, d/dweight, d/dbias of that sum (computed
+        during this call);
         ``logp`` (...) in the surrogate's dtype, detached.
     """
     check_linear_inputs(hidden, weight, targets, bias)
