@@ -76,14 +76,19 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return (a @ b).to(cdt)
 
 
-def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, acc float32 (float64); a, b in one dtype; no (rows x cols) temporary where
+def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, overwrite: bool = False) -> None:
+    """acc += a @ b (``overwrite``: acc = a @ b, whatever acc held, so that an accumulator needs no zeroing
+    before its first product), acc float32 (float64); a, b in one dtype; no (rows x cols) temporary where
     the device has float32-output GEMMs or the inputs are already in acc's dtype."""
     with torch.autocast(a.device.type, enabled=False):
         if a.dtype == acc.dtype:
-            acc.addmm_(a, b)
+            acc.addmm_(a, b, beta=0 if overwrite else 1)  # beta=0: acc's old values (even NaN) are ignored
         elif has_out_dtype(a.device, a.dtype):
+            if overwrite:
+                acc.zero_()
             torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+        elif overwrite:
+            acc.copy_(a @ b)
         else:
             acc.add_(a @ b)
 

@@ -213,7 +213,8 @@ class _SinglePass(torch.autograd.Function):
         device, cdt = hidden.device, compute_dtype(hidden.dtype)
         weight_op = operand(weight)  # as it is on CUDA (tensor cores); widened once on the CPU
         d_hidden = torch.empty(hidden.shape, dtype=weight_op.dtype, device=device) if needs_h else None
-        d_weight = torch.zeros(weight.shape, dtype=cdt, device=device) if needs_w else None
+        d_weight = torch.empty(weight.shape, dtype=cdt, device=device) if needs_w else None
+        d_weight_written = [False]  # its first product writes it (no zeroing pass over V x d)
         d_bias = torch.zeros(weight.shape[0], dtype=cdt, device=device) if needs_b else None
         logp_all = torch.empty(hidden.shape[0], dtype=cdt, device=device)
         entropy_all = torch.empty_like(logp_all) if with_entropy else None
@@ -231,7 +232,8 @@ class _SinglePass(torch.autograd.Function):
             if needs_h:
                 mm_into(d_hidden[t0:t1], dz, weight_op)
             if needs_w:
-                addmm_f32_(d_weight, dz.T, operand(hidden[t0:t1]))
+                addmm_f32_(d_weight, dz.T, operand(hidden[t0:t1]), overwrite=not d_weight_written[0])
+                d_weight_written[0] = True
 
         tiles: list = []
         for chunk in chunks:
@@ -249,6 +251,8 @@ class _SinglePass(torch.autograd.Function):
             loss += share.detach().to(cdt)
             results.append(extra)
             if t1 == t0 or grad_logp is None or not (needs_h or needs_w or needs_b):
+                if needs_h:  # no gradient reaches these tokens (d_hidden is written, not accumulated)
+                    d_hidden[t0:t1].zero_()
                 continue
             g = torch.where(grad_logp.abs() < TINY_GRAD, torch.zeros_like(grad_logp), grad_logp)
             # the kept tile first (its memory goes with its gradient), then the others, rebuilt one by
@@ -260,6 +264,8 @@ class _SinglePass(torch.autograd.Function):
                 del held
                 gemms(a, b, dz)
                 del dz
+        if needs_w and not d_weight_written[0]:  # no token had a gradient
+            d_weight.zero_()
         grads = (None if d_hidden is None else d_hidden.to(hidden.dtype),
                  None if d_weight is None else d_weight.to(weight.dtype),
                  None if d_bias is None else d_bias.to(bias.dtype))

@@ -162,9 +162,13 @@ def backward(
         g_h = torch.where(g_h.abs() < TINY_GRAD, torch.zeros_like(g_h), g_h)
     out_weight = weight
     weight = operand(weight)
-    d_hidden = torch.zeros(hidden.shape, dtype=cdt, device=dev) if need_h else None
-    d_weight = torch.zeros(weight.shape, dtype=cdt, device=dev) if need_w else None
+    # dh and dW are written by their first product (no zeroing pass over V x d): dh[n0:n1] by the chunk at
+    # v0 = 0, dW[v0:v1] by the chunk at n0 = 0; an empty input leaves them to zero_() below
+    d_hidden = torch.empty(hidden.shape, dtype=cdt, device=dev) if need_h else None
+    d_weight = torch.empty(weight.shape, dtype=cdt, device=dev) if need_w else None
     d_bias = torch.zeros(vocab, dtype=cdt, device=dev) if need_b else None
+    if n_tokens == 0 and need_w:
+        d_weight.zero_()
     token_chunk, vocab_chunk = _chunk_sizes(n_tokens, vocab, chunk_elements)
     for n0 in range(0, n_tokens, token_chunk):
         n1 = min(n0 + token_chunk, n_tokens)
@@ -201,9 +205,9 @@ def backward(
                 d_bias[v0:v1] += dz.sum(0)
             dz = dz.to(weight.dtype) if weight.dtype != cdt else dz  # the GEMMs' dtype (bf16 on CUDA)
             if need_h:
-                addmm_f32_(d_hidden[n0:n1], dz, weight[v0:v1])
+                addmm_f32_(d_hidden[n0:n1], dz, weight[v0:v1], overwrite=v0 == 0)
             if need_w:
-                addmm_f32_(d_weight[v0:v1], dz.T, h)
+                addmm_f32_(d_weight[v0:v1], dz.T, h, overwrite=n0 == 0)
     return (
         d_hidden.to(hidden.dtype) if need_h else None,
         d_weight.to(out_weight.dtype) if need_w else None,
