@@ -54,7 +54,8 @@ def test_two_passes_accumulate_after_the_first_write(chunk_elements):
     targets = torch.randint(0, 37, (23,))
     upstream = torch.randn(23, dtype=torch.float64)
     plant_garbage()
-    (linear_logprobs(hidden, weight, targets, backend="torch", chunk_elements=chunk_elements) * upstream).sum().backward()
+    logp = linear_logprobs(hidden, weight, targets, backend="torch", chunk_elements=chunk_elements)
+    (logp * upstream).sum().backward()
     h_ref, w_ref = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
     logp_ref = torch.log_softmax(h_ref @ w_ref.T, -1).gather(1, targets[:, None])[:, 0]
     (logp_ref * upstream).sum().backward()
