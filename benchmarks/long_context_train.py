@@ -203,7 +203,7 @@ def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.
     cfg.rollout.group_size = GROUP
     cfg.train.loss_chunk_mib = loss_chunk_mib
     if "split" in levers:  # one response per part; the group's per-token gradients first
-        from pacs.train.split_groups import group_gradients, part_surrogate
+        from pacs.train.split_groups import group_gradients, part_of_a_group
         from pacs.train.trainer import old_policy_logprobs
 
         parts = [(row, row + 1) for row in range(GROUP)]
@@ -212,7 +212,9 @@ def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.
         gradients = group_gradients(cfg, batch, [0], logp, lse, old_logp)
         for lo, hi in parts:
             with activation_offload("offload" in levers, device):
-                surrogate = part_surrogate(cfg, policy, batch, lo, hi, gradients, packed=packed)
+                part = slice_micro_batch(batch, lo, hi, packed)
+                surrogate, _ = policy_loss(cfg, policy, part, to_layout(part, lo, old_logp),
+                                           piece=part_of_a_group(part, lo, gradients, 0))
             surrogate.backward()
             del surrogate
         loss_value = gradients.losses[0]

@@ -52,8 +52,9 @@ def step(policy, batch, sp, loss_chunk_mib: float) -> tuple[float, float]:
     from benchmarks.long_context_train import GROUP
     from pacs.config import Config
     from pacs.model.packing import to_layout
-    from pacs.model.sequence_parallel import slice_micro_batch
-    from pacs.train.trainer import policy_loss, sequence_parallel_loss
+    from pacs.model.sequence_parallel import slice_micro_batch, whole_micro_batch
+    from pacs.train.trainer import policy_loss
+    from pacs_kernels import GatheredLogprobs
 
     cfg = Config()
     cfg.rollout.group_size = GROUP
@@ -73,7 +74,9 @@ def step(policy, batch, sp, loss_chunk_mib: float) -> tuple[float, float]:
         if sp is None:
             loss, _ = policy_loss(cfg, policy, part, to_layout(part, 0, old_logp))
         else:
-            loss, _ = sequence_parallel_loss(cfg, policy, part, 0, old_logp, batch.mask)
+            piece = GatheredLogprobs(lambda logp: whole_micro_batch(part, logp, 0, old_logp.shape[1]), old_logp,
+                                     batch.mask, part.rewards)  # every rank's log-probs, gathered
+            loss, _ = policy_loss(cfg, policy, part, to_layout(part, 0, old_logp), piece=piece)
     loss.backward()
     for p in policy.parameters():
         p.grad = None

@@ -7,6 +7,7 @@ from .logprobs import linear_logprobs
 from .loss import PACSStats, pacs_loss
 from .objectives import CISPO, DAPO, GRPO, GSPO, PACS, DrGRPO, Objective, fused_linear_objective_loss
 from .options import LossOptions
+from .pieces import GatheredLogprobs, KnownGradient
 
 __all__ = [
     "linear_logprobs",
@@ -20,6 +21,8 @@ __all__ = [
     "GRPOStats",
     "fused_linear_objective_loss",
     "LossOptions",
+    "KnownGradient",
+    "GatheredLogprobs",
     "Objective",
     "GRPO",
     "DAPO",

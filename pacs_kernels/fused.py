@@ -21,14 +21,14 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from . import engine
+from . import engine, pieces
 from .keywords import sort_keywords
 from .loss_inputs import check_group_size
 from .objectives import GRPO, PACS
 from .options import LossOptions
 
-PACS_INPUTS = ("cu_seqlens", "bias", "group_ids", "valid", "old_lse", "return_stats", "with_entropy")
-GRPO_INPUTS = ("cu_seqlens", "bias", "ref_logp", "return_stats")
+PACS_INPUTS = ("cu_seqlens", "bias", "group_ids", "valid", "old_lse", "return_stats", "with_entropy", "piece")
+GRPO_INPUTS = ("cu_seqlens", "bias", "ref_logp", "return_stats", "piece")
 
 
 def fused_linear_pacs_loss(hidden, weight, targets, mask, old_logp, rewards, *, group_size: int,
@@ -54,7 +54,9 @@ def fused_linear_pacs_loss(hidden, weight, targets, mask, old_logp, rewards, *, 
             are still those that produced old_logp: then one sweep gives the loss and its gradients (a
             stale one gives a RuntimeWarning and the usual path); ``return_stats``: also return a
             :class:`PACSStats` (its ``path`` says which ran); ``with_entropy``: with return_stats, also
-            the policy's mean token entropy. A keyword that moved (``beta=``,
+            the policy's mean token entropy; ``piece``: these tokens are a piece of a batch whose loss is
+            completed elsewhere (:class:`KnownGradient`, :class:`GatheredLogprobs`; old_logp and rewards
+            are then unused, the stats a dict). A keyword that moved (``beta=``,
             ``path=``, ...) still works, with a DeprecationWarning naming its new home.
 
     Returns:
@@ -65,6 +67,8 @@ def fused_linear_pacs_loss(hidden, weight, targets, mask, old_logp, rewards, *, 
     objective, options, given = sort_keywords("fused_linear_pacs_loss", inputs, inputs=PACS_INPUTS,
                                               objective=PACS() if objective is None else objective, options=options)
     check_pacs_objective(objective)
+    if given.get("piece") is not None:
+        return piece_loss(hidden, weight, targets, mask, objective, options, given, group_size=group_size)
     batch = engine.LossBatch.build(hidden, weight, targets, mask, old_logp, rewards, group_size=group_size,
                                    cu_seqlens=given.get("cu_seqlens"), bias=given.get("bias"))
     return engine.run_pacs(batch, objective.group_settings(), options, valid=given.get("valid"),
@@ -80,7 +84,8 @@ def fused_linear_grpo_loss(hidden, weight, targets, mask, old_logp, rewards, *, 
 
     ``objective``: ``GRPO(clip_eps=, clip_eps_high=, aggregation=, kl_coef=)`` (None: ``GRPO()``; an
     entropy_coef needs :func:`fused_linear_objective_loss`). ``inputs``: ``cu_seqlens``, ``bias``,
-    ``ref_logp`` (for the KL term, laid out like old_logp), ``return_stats`` (-> ``(loss, GRPOStats)``).
+    ``ref_logp`` (for the KL term, laid out like old_logp), ``return_stats`` (-> ``(loss, GRPOStats)``), ``piece``
+    (as in :func:`fused_linear_pacs_loss`).
     The GRPO term of a token depends only on its own log-prob once the advantages and the normaliser are
     fixed, so the single pass (the default) cuts the response tokens into chunks of the budget whatever the
     response lengths (3 matmuls); ``LossOptions(path="two_pass")`` runs ``linear_logprobs`` and autograd.
@@ -93,12 +98,27 @@ def fused_linear_grpo_loss(hidden, weight, targets, mask, old_logp, rewards, *, 
     if objective.entropy_coef > 0:
         raise ValueError("fused_linear_grpo_loss has no entropy bonus; GRPO(entropy_coef > 0) runs through "
                          "fused_linear_objective_loss")
+    if given.get("piece") is not None:
+        return piece_loss(hidden, weight, targets, mask, objective, options, given, group_size=group_size)
     batch = engine.LossBatch.build(hidden, weight, targets, mask, old_logp, rewards, group_size=group_size,
                                    cu_seqlens=given.get("cu_seqlens"), bias=given.get("bias"))
     settings = dict(clip_eps=objective.clip_eps, clip_eps_high=objective.clip_eps_high,
                     aggregation=objective.aggregation, kl_coef=objective.kl_coef)
     return engine.run_grpo(batch, settings, options, ref_logp=given.get("ref_logp"),
                            return_stats=_flag("return_stats", given.get("return_stats", False)))
+
+
+def piece_loss(hidden, weight, targets, mask, objective, options, given: dict, *, group_size: int):
+    """A piece of a batch (``piece=``, pieces.py): ``(loss, stats dict)`` with return_stats, else the loss."""
+    for name in ("cu_seqlens", "group_ids", "old_lse", "ref_logp"):
+        if given.get(name) is not None:
+            raise ValueError(f"{name}= cannot go with piece=: a piece is selected by its mask and its loss is "
+                             "completed on the whole batch")
+    if given.get("with_entropy"):
+        raise ValueError("with_entropy=True cannot go with piece=")
+    loss, stats = pieces.run_piece(hidden, weight, targets, mask, given["piece"], objective, options,
+                                   group_size=group_size, bias=given.get("bias"), valid=given.get("valid"))
+    return (loss, stats) if _flag("return_stats", given.get("return_stats", False)) else loss
 
 
 def check_pacs_objective(objective) -> None:

@@ -12,8 +12,8 @@ splits exactly in two phases:
     3. each part: forward with gradient, then the surrogate S = sum_t g_t * logp_t over its tokens,
        whose gradient in the weights is the part's share of dL/dweights:
            dL/dtheta = sum_t g_t * dlogp_t/dtheta   (g_t held fixed)
-       computed in one vocabulary sweep (pacs_kernels.linear_logprobs_known_grad: the log-sum-exp
-       of phase 1 is known, 3 matmuls).
+       computed in one vocabulary sweep: the loss engine's known-gradient piece
+       (pacs_kernels.KnownGradient; the log-sum-exp of phase 1 is known, 3 matmuls).
 
 The same holds for GRPO (its token terms depend on the group through the advantages only). The
 cost is one more no-grad forward of the group's parts on later mini-batches, nothing on the first.
@@ -25,15 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from pacs.config import Config
-from pacs.model.packing import forward_micro_batch, is_part_of_a_group, to_layout
-from pacs.model.sequence_parallel import backend_for, reduce_over_group, slice_micro_batch
+from pacs.model.packing import is_part_of_a_group, to_layout
 from pacs.train.loss_objective import loss_objective
 from pacs.train.single_label_groups import loss_valid
-from pacs_kernels import PACS, grpo_loss, linear_logprobs_known_grad, pacs_loss
-from pacs_kernels.engine import logprob_drift, stale_lse_tolerance
+from pacs_kernels import PACS, KnownGradient
+from pacs_kernels.pieces import group_loss_on_rows
 
 
 @dataclass
@@ -55,16 +53,11 @@ def split_group_rows(micro_batches: list[tuple[int, int]], group_size: int) -> l
 
 def group_loss_on_logprobs(cfg: Config, logp: torch.Tensor, old_logp: torch.Tensor, rewards: torch.Tensor,
                            mask: torch.Tensor):
-    """The configured loss (PACS or GRPO) of one group from its (G, L) log-probs: (loss, stats dict)."""
+    """The configured loss (PACS or GRPO) of whole groups from their (rows, L) log-probs: (loss, stats dict), as
+    the loss engine computes it on gathered log-probs (pacs_kernels.pieces.group_loss_on_rows)."""
     objective, group = loss_objective(cfg), cfg.rollout.group_size
-    if isinstance(objective, PACS):
-        loss, stats = pacs_loss(logp, old_logp, rewards, mask, group_size=group, **objective.group_settings(),
-                                return_stats=True, backend="torch",
-                                valid=loss_valid(rewards, group, cfg.optim.drop_single_label_groups))
-    else:
-        loss, stats = grpo_loss(logp, old_logp, rewards, mask, group_size=group, clip_eps=objective.clip_eps,
-                                aggregation=objective.aggregation, return_stats=True)
-    return loss, stats.as_dict()
+    valid = loss_valid(rewards, group, cfg.optim.drop_single_label_groups) if isinstance(objective, PACS) else None
+    return group_loss_on_rows(objective, logp, old_logp, rewards, mask, group_size=group, valid=valid)
 
 
 def group_gradients(cfg: Config, batch, first_rows: list[int], current_logp: torch.Tensor,
@@ -91,28 +84,10 @@ def loss_gradient(cfg: Config, batch, rows: slice, current_logp: torch.Tensor, o
     return loss.detach(), stats
 
 
-def part_surrogate(cfg: Config, policy, batch, lo: int, hi: int, gradients: GroupGradients, *,
-                   packed: bool, sp=None, expected_logp: torch.Tensor | None = None) -> torch.Tensor:
-    """Phase 3 for rows [lo, hi) of a split group: forward with gradient, then the surrogate
-    sum_t g_t logp_t over its response tokens (one vocabulary sweep); its backward is the part's
-    share of the group loss's gradient. ``sp`` (sequence parallelism): this rank's tokens of the part,
-    whose surrogate is this rank's share of it. ``expected_logp`` (the batch's layout, sequence parallelism's
-    first step): the log-probs the gradients were computed at, which the sweep's must equal; checked by the
-    group's ranks together (they run the same micro-batches), so that all of them stop, not one."""
-    part = slice_micro_batch(batch, lo, hi, packed, sp)
-    hidden, weight, bias = forward_micro_batch(policy, part)
-    selected = part.mask
-    surrogate, logp = linear_logprobs_known_grad(
-        hidden[selected], weight, part.targets[selected], to_layout(part, lo, gradients.grad_logp)[selected],
-        to_layout(part, lo, gradients.lse)[selected], **policy.head_options(cfg.rollout.temperature), bias=bias,
-        backend=backend_for(selected, cfg.optim.logprob_backend))
-    if expected_logp is not None:
-        drift = logprob_drift(logp, to_layout(part, lo, expected_logp)[selected])
-        if sp is not None:
-            reduce_over_group([drift], sp, op=dist.ReduceOp.MAX)
-        if not float(drift) <= stale_lse_tolerance(weight.dtype):
-            raise RuntimeError(
-                f"sequence parallelism's first step: the log-probs of the one sweep differ from the rollout-time ones "
-                f"by up to {float(drift):.3g} x (1 + |old_logp|), more than rounding: the weights changed since the "
-                "old-policy pass (a bug; advanced.optim.one_sweep_first_step=false avoids this path)")
-    return surrogate
+def part_of_a_group(part, lo: int, gradients: GroupGradients, group_lo: int) -> KnownGradient:
+    """Phase 3 for the micro-batch ``part`` (rows [lo, ...) of a split group starting at ``group_lo``): the
+    loss engine's known-gradient piece (pacs_kernels.KnownGradient). Its surrogate sum_t g_t logp_t over the
+    part's response tokens (one vocabulary sweep) has as gradient the part's share of the group loss's; the
+    part reports the group's loss value, and the group's statistics on its first part only."""
+    return KnownGradient(to_layout(part, lo, gradients.grad_logp), to_layout(part, lo, gradients.lse),
+                         gradients.losses[group_lo], gradients.stats.pop(group_lo, {}))

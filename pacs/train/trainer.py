@@ -82,18 +82,19 @@ from pacs.train.run_setup import (
     prepare_run,
 )
 from pacs.train.single_label_groups import group_losses_at_zero, loss_valid, plan_group_skips, single_label, skip_rules
-from pacs.train.split_groups import (
-    GroupGradients,
-    group_gradients,
-    group_loss_on_logprobs,
-    loss_gradient,
-    part_surrogate,
-    split_group_rows,
-)
+from pacs.train.split_groups import GroupGradients, group_gradients, loss_gradient, part_of_a_group, split_group_rows
 from pacs.train.stop_signals import StopSignals
 from pacs.train.training_errors import TrainingInterrupted, TrainingPreempted, TrainingStopped
 from pacs.train.weight_updates import UpdateMonitor
-from pacs_kernels import PACS, LossOptions, fused_linear_grpo_loss, fused_linear_pacs_loss, linear_logprobs
+from pacs_kernels import (
+    PACS,
+    GatheredLogprobs,
+    KnownGradient,
+    LossOptions,
+    fused_linear_grpo_loss,
+    fused_linear_pacs_loss,
+    linear_logprobs,
+)
 
 
 @dataclass
@@ -205,18 +206,19 @@ def old_policy_logprobs(policy, batch: Batch, ranges: list[tuple[int, int]], tem
 
 
 def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: torch.Tensor,
-                old_lse: torch.Tensor | None = None):
+                old_lse: torch.Tensor | None = None, piece=None):
     """The configured loss (PACS or GRPO) of one micro-batch (padded rows or packed), straight from
     hidden states; old_logp/old_lse in the micro-batch's layout. ``old_lse`` (PACS, weights
-    unchanged since the old-policy pass): the one-sweep first step. The one place in this module
-    that calls the fused losses: the configured objective (pacs/train/loss_objective.py) and the options go to
-    the engine, which does the rest."""
+    unchanged since the old-policy pass): the one-sweep first step. ``piece`` (:func:`loss_piece`): the
+    micro-batch holds a piece of the loss's batch (part of a group, or this rank's tokens under sequence
+    parallelism). The one place in this module that calls the fused losses: the configured objective
+    (pacs/train/loss_objective.py) and the options go to the engine, which does the rest."""
     hidden, weight, bias = forward_micro_batch(policy, part)
     o, group = cfg.optim, cfg.rollout.group_size
     options = LossOptions(**policy.head_options(cfg.rollout.temperature), backend=o.logprob_backend,
                           chunk_budget_mib=cfg.train.loss_chunk_mib)
-    inputs = dict(bias=bias, return_stats=True)
-    if isinstance(part, PackedMicroBatch):
+    inputs = dict(bias=bias, return_stats=True, piece=piece)
+    if isinstance(part, PackedMicroBatch) and piece is None:
         inputs["cu_seqlens"] = part.cu_seqlens
     objective, fused_loss = loss_objective(cfg), fused_linear_grpo_loss
     if isinstance(objective, PACS):
@@ -224,38 +226,34 @@ def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: t
         inputs.update(old_lse=old_lse, valid=loss_valid(part.rewards, group, o.drop_single_label_groups))
     loss, stats = fused_loss(hidden, weight, part.targets, part.mask, old_logp, part.rewards, group_size=group,
                              objective=objective, options=options, **inputs)
-    return loss, stats.as_dict()
+    return loss, stats if isinstance(stats, dict) else stats.as_dict()
 
 
-def sequence_parallel_loss(cfg: Config, policy, part: PackedMicroBatch, lo: int, old_logp_rows: torch.Tensor,
-                           mask_rows: torch.Tensor):
-    """The configured loss of a micro-batch whose tokens a sequence-parallel group splits
-    (pacs/model/sequence_parallel.py): this rank's log-probs from the fused kernel, gathered over the group into
-    the micro-batch's (rows, L) layout, then the loss on them, the same on every rank of the group.
-    old_logp_rows, mask_rows: the micro-batch's rows of the batch."""
-    hidden, weight, bias = forward_micro_batch(policy, part)
-    chunk_mib = cfg.train.loss_chunk_mib  # the torch backend's logits chunk, where the user set one
-    logp = linear_logprobs(hidden[part.mask], weight, part.targets[part.mask], bias=bias,
-                           **policy.head_options(cfg.rollout.temperature),
-                           backend=backend_for(part.mask, cfg.optim.logprob_backend),
-                           chunk_elements=None if chunk_mib is None else max(1, int(chunk_mib * 2**20) // 4))
-    logp_rows = whole_micro_batch(part, logp, lo, old_logp_rows.shape[1])
-    return group_loss_on_logprobs(cfg, logp_rows, old_logp_rows, part.rewards, mask_rows)
+def loss_piece(cfg: Config, data: UpdateData, mini: MiniBatch, part, lo: int, hi: int,
+               sp: SequenceParallel | None):
+    """What the loss engine needs beyond micro-batch rows [lo, hi)'s tokens, and the rows its loss is a mean
+    over: a part of a group over the token budget gets its group's known log-prob gradients
+    (pacs/train/split_groups.py); under sequence parallelism the first step's gradients are known from
+    old_logp (psi = 0: the whole micro-batch as the "group"), and later steps gather every rank's log-probs;
+    else nothing (None)."""
+    group, batch = cfg.rollout.group_size, data.batch
+    if is_part_of_a_group(lo, hi, group):  # a group over the token budget: its log-prob gradients are known
+        return part_of_a_group(part, lo, mini.split, lo - lo % group), group
+    if sp is None:
+        return None, hi - lo
+    if mini.first_step:  # the weights are still the rollout's: the loss and its gradient from old_logp
+        grad_logp = torch.zeros_like(data.old_logp)
+        loss, stats = loss_gradient(cfg, batch, slice(lo, hi), data.old_logp, data.old_logp, grad_logp)
 
+        def agree(drift):  # every rank of the group stops, or none
+            reduce_over_group([drift], sp, op=dist.ReduceOp.MAX)
+            return drift
 
-def sequence_parallel_first_step(cfg: Config, policy, batch: Batch, lo: int, hi: int, old_logp: torch.Tensor,
-                                 old_lse: torch.Tensor, sp: SequenceParallel):
-    """The one-sweep first step under sequence parallelism, for micro-batch rows [lo, hi): the weights are
-    still the rollout's, so its log-probs are ``old_logp`` (psi = 0 exactly). Its loss and the gradient g on
-    every token come first (from those few numbers, the same on every rank of the group); then this rank's
-    tokens run one vocabulary sweep with g fixed (3 LM-head matmuls), checked to reproduce ``old_logp``: the
-    phases of pacs/train/split_groups.py with the whole micro-batch as the "group". Returns (loss, stats, surrogate):
-    the surrogate's backward is this rank's share of the loss's gradient."""
-    grad_logp = torch.zeros_like(old_logp)
-    loss, stats = loss_gradient(cfg, batch, slice(lo, hi), old_logp, old_logp, grad_logp)
-    surrogate = part_surrogate(cfg, policy, batch, lo, hi, GroupGradients(grad_logp, old_lse, {}, {}), packed=True,
-                               sp=sp, expected_logp=old_logp)
-    return loss, stats, surrogate
+        return KnownGradient(to_layout(part, lo, grad_logp), to_layout(part, lo, data.old_lse), loss, stats,
+                             expected_logp=to_layout(part, lo, data.old_logp), agree=agree), hi - lo
+    width = data.old_logp.shape[1]  # the loss couples the tokens of a group: gathered over the group's ranks
+    return GatheredLogprobs(lambda logp: whole_micro_batch(part, logp, lo, width), data.old_logp[lo:hi],
+                            batch.mask[lo:hi], part.rewards), hi - lo
 
 
 def evaluate_policy(cfg: Config, engine, run: Run, dist_info: DistInfo, step: int) -> dict:
@@ -435,25 +433,14 @@ def mini_batch_rows(cfg: Config, dist_info: DistInfo) -> int:
 
 def micro_batch_loss(cfg: Config, policy, data: UpdateData, mini: MiniBatch, lo: int, hi: int,
                      sp: SequenceParallel | None) -> MicroBatchLoss:
-    """The loss of micro-batch rows [lo, hi), by the one route that fits it: a part of a group (its share of the
-    group's known gradient), sequence parallelism's first step or loss (this rank's tokens of the micro-batch),
-    else the fused loss (:func:`policy_loss`; on the first step, PACS's one sweep)."""
-    group, batch = cfg.rollout.group_size, data.batch
-    if is_part_of_a_group(lo, hi, group):  # a group over the token budget: its log-prob gradients are known
-        group_lo = lo - lo % group
-        surrogate = part_surrogate(cfg, policy, batch, lo, hi, mini.split, packed=data.packed, sp=sp)
-        return MicroBatchLoss(surrogate, mini.split.losses[group_lo], group, mini.split.stats.pop(group_lo, {}))
-    if sp is not None and mini.first_step:  # psi = 0 under sequence parallelism: the log-prob gradient first
-        loss, stats, surrogate = sequence_parallel_first_step(cfg, policy, batch, lo, hi, data.old_logp,
-                                                              data.old_lse, sp)
-        return MicroBatchLoss(surrogate, float(loss.detach()), hi - lo, stats)
-    part = slice_micro_batch(batch, lo, hi, data.packed, sp)
-    if sp is not None:  # the loss couples the tokens of a group: the log-probs gathered over the group's ranks
-        loss, stats = sequence_parallel_loss(cfg, policy, part, lo, data.old_logp[lo:hi], batch.mask[lo:hi])
-    else:  # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
-        lse = to_layout(part, lo, data.old_lse) if mini.first_step else None
-        loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, data.old_logp), lse)
-    return MicroBatchLoss(loss, float(loss.detach()), hi - lo, stats)
+    """The loss of micro-batch rows [lo, hi): one call to the loss engine (:func:`policy_loss`) with the piece of
+    the loss's batch it holds, if any (:func:`loss_piece`); on the first step without one, PACS's one sweep."""
+    part = slice_micro_batch(data.batch, lo, hi, data.packed, sp)
+    piece, rows = loss_piece(cfg, data, mini, part, lo, hi, sp)
+    # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
+    lse = to_layout(part, lo, data.old_lse) if mini.first_step and piece is None else None
+    loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, data.old_logp), lse, piece)
+    return MicroBatchLoss(loss, float(loss.detach()), rows, stats)
 
 
 def losses_at_zero(cfg: Config, batch: Batch, groups_run: list[int] | None) -> list[float] | None:

@@ -14,12 +14,12 @@ Objectives only see which tokens belong to which response, never their positions
 
 from __future__ import annotations
 
-from .. import engine
+from .. import engine, pieces
 from ..keywords import sort_keywords
 from ..loss_inputs import check_group_size, check_response_rewards
 from ..options import LossOptions
 
-OBJECTIVE_INPUTS = ("old_logp", "ref_logp", "bias", "cu_seqlens")
+OBJECTIVE_INPUTS = ("old_logp", "ref_logp", "bias", "cu_seqlens", "piece")
 
 
 def fused_linear_objective_loss(hidden, weight, targets, mask, rewards, objective, *, group_size: int,
@@ -33,8 +33,9 @@ def fused_linear_objective_loss(hidden, weight, targets, mask, rewards, objectiv
         objective: a callable satisfying the Objective protocol (GRPO(), DAPO(), ... or your own).
         options: :class:`LossOptions` (backend, path, temperature, ...; None: ``LossOptions()``).
         inputs: ``old_logp`` / ``ref_logp`` laid out like targets (None: on-policy / no KL reference);
-            ``bias`` (V,); ``cu_seqlens``. ``temperature=`` / ``backend=`` still work, deprecated for
-            ``options``.
+            ``bias`` (V,); ``cu_seqlens``; ``piece``: these tokens are a piece of a batch whose loss is
+            completed elsewhere (:class:`KnownGradient`, :class:`GatheredLogprobs`; rewards unused then).
+            ``temperature=`` / ``backend=`` still work, deprecated for ``options``.
 
     Returns:
         ``(loss, stats)`` as the objective returns them; the loss is differentiable in hidden, weight, bias.
@@ -44,6 +45,11 @@ def fused_linear_objective_loss(hidden, weight, targets, mask, rewards, objectiv
                         f"got {type(objective).__name__}")
     _, options, given = sort_keywords("fused_linear_objective_loss", inputs, inputs=OBJECTIVE_INPUTS,
                                       objective=None, options=options)
+    if given.get("piece") is not None:  # a piece of a batch whose loss is completed elsewhere (pieces.py)
+        if given.get("ref_logp") is not None:
+            raise ValueError("ref_logp cannot go with piece=: the piece's loss is computed on the whole batch")
+        return pieces.run_piece(hidden, weight, targets, mask, given["piece"], objective, options,
+                                group_size=group_size, bias=given.get("bias"))
     batch = engine.LossBatch.build(hidden, weight, targets, mask, given.get("old_logp"), rewards,
                                    group_size=group_size, cu_seqlens=given.get("cu_seqlens"), bias=given.get("bias"))
     check_response_rewards(rewards, batch.n_responses, batch.hidden.device)
