@@ -6,7 +6,7 @@
 For each case it prints the largest errors of logp, entropy, dh and dW (dh and dW for both GEMM engines
 of the Triton backward: torch.mm / cuBLAS and the Triton kernels; and of the fused PACS
 loss and its gradients, when pacs_kernels has it) and exits with status 1 if any is over its
-tolerance. On one real case (``OBJECTIVE_CASES``) and the dry run's cases it also checks the GRPO-family
+tolerance. On one real case and the dry run's bf16 one (``OBJECTIVE_CASES``) it also checks the GRPO-family
 objectives (GRPO, DAPO, Dr. GRPO, GSPO, CISPO at their defaults, off-policy, 0/1 rewards) through
 ``fused_linear_objective_loss`` on the Triton backend: the single pass (a group a chunk) and the two
 passes on padded rows, and the single pass on the packed layout, each against the objective itself on
@@ -47,8 +47,9 @@ SMALL_CASES = [
 # (logp/entropy/loss absolute, dh/dW relative to the largest reference entry)
 TOLERANCE = {"bfloat16": (2e-3, 2e-2), "float32": (2e-4, 2e-4)}
 LOSS_RESPONSES, LOSS_GROUP_SIZE = 16, 8
-# the cases that also check the GRPO-family objectives (about 15 fused losses and 6 reference sweeps more each)
-OBJECTIVE_CASES = ("qwen7b-bf16", "small-bf16", "small-fp32-tau0.7")
+# the cases that also check the GRPO-family objectives (15 fused losses and 6 reference sweeps more each); in the
+# dry run the bf16 one only (tests/test_objectives_fused.py checks them in float32 and float64 in the interpreter)
+OBJECTIVE_CASES = ("qwen7b-bf16", "small-bf16")
 # off-policy log-ratios logp - old_logp: uniform in +-OFF_POLICY_SPAN per token, kept CLIP_MARGIN away from every
 # clip boundary, so that the kernels' rounding (about 1e-5 in a log-prob) cannot flip a token between the clipped
 # and the unclipped branch, whose gradients differ; GSPO's sequence ratios are set per response (GSPO_LOG_RATIOS)
