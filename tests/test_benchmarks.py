@@ -595,7 +595,7 @@ def test_loss_grid_columns_per_objective_and_the_time_budget(tmp_path):
     assert loss_grid.estimate_seconds("cpu-quick", "cpu", loss_grid.default_columns("dapo"), 150e9, "dapo") > 60
 
 
-def test_gpu_check_dry_run_checks_every_objective_on_both_paths_and_packed(capsys):
+def test_gpu_correctness_dry_run_checks_every_objective_on_both_paths_and_packed(capsys):
     """benchmarks/check_gpu_correctness.py --device cpu --small (Triton interpreter), its bf16 case: the kernels,
     the fused PACS loss and each GRPO-family objective (single pass, two passes, packed) within tolerance."""
     from benchmarks import check_gpu_correctness
@@ -609,7 +609,7 @@ def test_gpu_check_dry_run_checks_every_objective_on_both_paths_and_packed(capsy
             assert f"{name}_{label}_dh " in out and f"{name}_{label}_dW " in out
 
 
-def test_gpu_check_of_the_objectives_fails_a_wrong_loss(monkeypatch):
+def test_gpu_correctness_check_of_the_objectives_fails_a_wrong_loss(monkeypatch):
     """The objective check flags a fused loss 1% off (its gradients; the loss error is relative to
     max(1, |loss|), as PACS's), and its off-policy old log-probs keep every log-ratio off the clip boundaries
     while clipping some tokens."""
