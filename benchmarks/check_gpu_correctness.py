@@ -6,7 +6,13 @@
 For each case it prints the largest errors of logp, entropy, dh and dW (dh and dW for both GEMM engines
 of the Triton backward: torch.mm / cuBLAS and the Triton kernels; and of the fused PACS
 loss and its gradients, when pacs_kernels has it) and exits with status 1 if any is over its
-tolerance. The reference walks the tokens in chunks, computing each chunk's logits in float32
+tolerance. On one real case and the dry run's bf16 one (``OBJECTIVE_CASES``) it also checks the GRPO-family
+objectives (GRPO, DAPO, Dr. GRPO, GSPO, CISPO at their defaults, off-policy, 0/1 rewards) through
+``fused_linear_objective_loss`` on the Triton backend: the single pass (a group a chunk) and the two
+passes on padded rows, and the single pass on the packed layout, each against the objective itself on
+the float32 reference log-probs (its dloss/dlogp by autograd, then dh and dW in closed form).
+
+The reference walks the tokens in chunks, computing each chunk's logits in float32
 from the (bf16 or fp32) inputs upcast to float32, with TF32 off, and forms the gradient in
 closed form (z = h W^T / tau, p = softmax z, H the entropy, g_l and g_H upstream gradients):
 
@@ -41,6 +47,14 @@ SMALL_CASES = [
 # (logp/entropy/loss absolute, dh/dW relative to the largest reference entry)
 TOLERANCE = {"bfloat16": (2e-3, 2e-2), "float32": (2e-4, 2e-4)}
 LOSS_RESPONSES, LOSS_GROUP_SIZE = 16, 8
+# the cases that also check the GRPO-family objectives (15 fused losses and 6 reference sweeps more each); in the
+# dry run the bf16 one only (tests/test_objectives_fused.py checks them in float32 and float64 in the interpreter)
+OBJECTIVE_CASES = ("qwen7b-bf16", "small-bf16")
+# off-policy log-ratios logp - old_logp: uniform in +-OFF_POLICY_SPAN per token, kept CLIP_MARGIN away from every
+# clip boundary, so that the kernels' rounding (about 1e-5 in a log-prob) cannot flip a token between the clipped
+# and the unclipped branch, whose gradients differ; GSPO's sequence ratios are set per response (GSPO_LOG_RATIOS)
+OFF_POLICY_SPAN, CLIP_MARGIN = 0.3, 0.01
+GSPO_LOG_RATIOS = (0.0, 5e-5, -1e-4, 2e-3, -2e-3, 5e-2, -5e-2, 1e-4)  # inside (-3e-4, 4e-4) and outside, >= 2e-4 off
 
 
 def parse_args(argv):
@@ -123,6 +137,8 @@ def main(argv=None) -> int:
         del ref
         if has_loss and n >= LOSS_RESPONSES:
             errors.update(check_loss(pacs_kernels, hidden, weight, targets, tau, gen, args.chunk, atol, rtol))
+        if case_name in OBJECTIVE_CASES and hasattr(pacs_kernels, "fused_linear_objective_loss"):
+            errors.update(check_objectives(pacs_kernels, hidden, weight, targets, tau, gen, args.chunk, atol, rtol))
         if tau == 1.0 and args.peers == "with" and case_name == cases[0][0]:
             check_peers(hidden, weight, targets, grad_logp, args.chunk, args.device)
         if device.type == "cuda":
@@ -264,6 +280,103 @@ def check_loss(pacs_kernels, hidden, weight, targets, tau, gen, chunk, atol, rto
     if "old_lse" in getattr(getattr(pacs_kernels, "fused", None), "PACS_INPUTS", ()):
         errors.update(check_first_step(pacs_kernels, h, weight, y, mask, rewards, options, ref, chunk, atol, rtol))
     return errors
+
+
+def check_objectives(pacs_kernels, hidden, weight, targets, tau, gen, chunk, atol, rtol) -> dict:
+    """Each GRPO-family objective, fused (Triton backend), against the objective on float32 reference log-probs.
+
+    16 responses of up to N/16 tokens (padded rows, ragged lengths), groups of 8 with four 0 and four 1 rewards,
+    old_logp off-policy (:func:`off_policy_old_logp`). Paths: ``single_pass`` (a chunk budget of one group:
+    two chunks, so the engine's per-chunk shares of the objective are exercised), ``two_pass``, and
+    ``packed`` (the single pass on the same tokens packed back to back with cu_seqlens)."""
+    import torch
+
+    from benchmarks.grpo_family import OBJECTIVES, make_objective
+    from pacs_kernels.single_pass import budget_mib_for_tokens
+
+    started = time.perf_counter()
+    n, d = hidden.shape
+    b, t = LOSS_RESPONSES, n // LOSS_RESPONSES
+    used, device = b * t, hidden.device
+    h, y = hidden[:used].reshape(b, t, d), targets[:used].reshape(b, t)
+    lengths = torch.randint(max(1, t // 2), t + 1, (b,), generator=gen)
+    mask = (torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)).to(device)
+    rewards = torch.cat([torch.tensor([1.0] * 4 + [0.0] * 4)[torch.randperm(LOSS_GROUP_SIZE, generator=gen)]
+                         for _ in range(b // LOSS_GROUP_SIZE)]).to(device)
+    zeros = torch.zeros(used, device=device)
+    ref_logp = reference(h.reshape(used, d), weight, y.reshape(used), tau, zeros, zeros, chunk)["logp"].reshape(b, t)
+    largest_group = int(mask.reshape(-1, LOSS_GROUP_SIZE * t).sum(1).max())
+    one_group = budget_mib_for_tokens(largest_group, weight.shape[0], weight.device, weight.dtype, row_kernels="triton")
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(device)
+    selected = mask.reshape(-1)
+
+    errors = {}
+    for name in OBJECTIVES:
+        objective = make_objective(name, t)
+        old_logp = off_policy_old_logp(objective, ref_logp, mask, gen)
+        logp = ref_logp.clone().requires_grad_(True)
+        ref_loss, _ = objective(logp, old_logp, rewards, mask, group_size=LOSS_GROUP_SIZE)
+        ref_loss.backward()
+        grads = reference(h.reshape(used, d), weight, y.reshape(used), tau, logp.grad.reshape(used), zeros, chunk)
+        scale = max(1.0, abs(ref_loss.item()))
+        for label, path, packed in (("single_pass", "single_pass", False), ("two_pass", "two_pass", False),
+                                    ("packed", "single_pass", True)):
+            key = f"{name}_{label}"
+            hh = (h[mask] if packed else h).clone().requires_grad_(True)
+            ww = weight.clone().requires_grad_(True)
+            inputs = dict(old_logp=old_logp[mask] if packed else old_logp,
+                          cu_seqlens=cu_seqlens if packed else None)
+            try:
+                loss, _ = pacs_kernels.fused_linear_objective_loss(
+                    hh, ww, y[mask] if packed else y, mask[mask] if packed else mask, rewards, objective,
+                    group_size=LOSS_GROUP_SIZE, options=pacs_kernels.LossOptions(
+                        backend="triton", path=path, chunk_budget_mib=one_group, temperature=tau), **inputs)
+                loss.backward()
+            except Exception as exc:  # a failing path is a failed check, not the end of the run
+                print(f"          {key}: {type(exc).__name__}: {str(exc)[:300]}")
+                errors[key] = (float("inf"), atol * 10)
+                continue
+            d_hidden = hh.grad if packed else hh.grad.reshape(used, d)[selected]
+            errors[key] = (abs(loss.item() - ref_loss.item()) / scale, atol * 10)
+            errors[f"{key}_dh"] = (_rel_err(d_hidden, grads["dh"][selected]), rtol)
+            errors[f"{key}_dW"] = (_rel_err(ww.grad, grads["dW"]), rtol)
+            del hh, ww, loss
+        del grads
+    print(f"          (the {len(OBJECTIVES)} objectives x 3 paths took {time.perf_counter() - started:.1f}s)")
+    return errors
+
+
+def off_policy_old_logp(objective, logp, mask, gen):
+    """old_logp = logp - r for ``objective``: r uniform in +-OFF_POLICY_SPAN, each token's r at least CLIP_MARGIN
+    from the log of each clip boundary (1 - eps_low, 1 + eps_high); for GSPO, whose ratio is a response's mean,
+    r has the mean GSPO_LOG_RATIOS[i % 8] over response i's tokens instead."""
+    import math
+
+    import torch
+
+    import pacs_kernels
+
+    r = (torch.rand(logp.shape, generator=gen) * 2 - 1).to(logp.device) * OFF_POLICY_SPAN
+    if isinstance(objective, pacs_kernels.GSPO):
+        counts = mask.sum(-1, keepdim=True).clamp_min(1)
+        noise = r * (0.05 / OFF_POLICY_SPAN) * mask
+        wanted = torch.tensor([GSPO_LOG_RATIOS[i % len(GSPO_LOG_RATIOS)] for i in range(logp.shape[0])],
+                              device=logp.device, dtype=logp.dtype)
+        r = noise - noise.sum(-1, keepdim=True) / counts + wanted[:, None]
+        return (logp - r).detach()
+    low, high = clip_range(objective)
+    for bound in ([math.log(1 - low)] if low < 1 else []) + [math.log(1 + high)]:
+        near = (r - bound).abs() < CLIP_MARGIN
+        r = torch.where(near, bound + CLIP_MARGIN * torch.where(r >= bound, 1.0, -1.0), r)
+    return (logp - r).detach()
+
+
+def clip_range(objective) -> tuple[float, float]:
+    """(eps_low, eps_high) of a clipped objective (GRPO's clip_eps / clip_eps_high, the others' eps_low / eps_high)."""
+    if hasattr(objective, "clip_eps"):
+        high = objective.clip_eps if objective.clip_eps_high is None else objective.clip_eps_high
+        return objective.clip_eps, high
+    return objective.eps_low, objective.eps_high
 
 
 def print_tile_memory(device) -> None:

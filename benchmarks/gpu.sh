@@ -2,7 +2,9 @@
 # One prepared GPU run (one GPU, no network): about 5 minutes expected, hard limits add up to 6m00s:
 #   1. correctness at real shapes against a float32 chunked reference: the Triton kernels (the backward
 #      with both GEMM engines), and every path of the fused loss (two passes, single pass with Triton row
-#      kernels and with eager torch)
+#      kernels and with eager torch); on the first 4096-token case also GRPO, DAPO, Dr. GRPO, GSPO and CISPO
+#      through fused_linear_objective_loss (single pass, two passes, packed) against each objective on the
+#      reference log-probs
 #   2a. the Triton backward's two gradient GEMMs on its staged dz chunks: our Triton kernels against
 #      torch.mm (cuBLAS); the faster one is what the race below and "auto" afterwards use
 #   2. the race at Qwen2.5-7B's head (d=3584, V=152064, N 8k-64k, bf16): naive, torch (two passes),
@@ -22,9 +24,12 @@
 #   8. the longest response whose full training step (Qwen2.5-1.5B-shaped model, random weights)
 #      fits 24 GiB, padded naive vs packed fused, the memory levers (tiled MLP included); 80 GiB
 #      would share the same 100 s (every search cut short): run it by hand when there is time
-# PACS_GPU_PART=grid runs instead, in a call of its own (limit 150s): the PACS loss grid (benchmarks/loss_grid.py)
-# at GPU shapes, naive, every path, auto and the peers; PACS_GRID picks the grid (gpu-quick | gpu, default
-# gpu-quick: 3 points; the full gpu grid, 27 points, needs a call of up to 10 minutes).
+# PACS_GPU_PART=grid runs instead, in a call of its own (limit 150s): the loss grid (benchmarks/loss_grid.py) at
+# GPU shapes, naive, every path, auto and the peers, first for PACS (budget 60s, limit 75s), then for DAPO
+# (--objective dapo: naive, single_pass, two_pass, auto, CCE + the objective, Liger's fused linear GRPO loss with
+# loss_type="dapo"; budget 60s, limit 75s); cases not started within a budget are listed as "budget". PACS_GRID
+# picks the grid (gpu-quick | gpu, default gpu-quick: 3 points; the full gpu grid, 27 points, needs up to 10 minutes
+# per objective: run loss_grid.py by hand for it). Files: log.txt, loss_grid_<grid>{,_dapo}.{csv,md,png} (7 of 8).
 # (PACS_GPU_PART=all runs all three, for the CPU dry run.)
 # Usage: bash benchmarks/gpu.sh OUT_DIR        (run from anywhere; writes CSV, PNG, Markdown, log)
 # Peers: wheels in .whl/ (see benchmarks/README.md) are installed into /tmp/site when present.
@@ -107,9 +112,13 @@ part="${PACS_GPU_PART:-race}"
 case "$part" in race|long|grid|all) ;; *) echo "PACS_GPU_PART must be race, long, grid or all, got '$part'" >&2; exit 2;; esac
 
 if [ "$part" = "grid" ] || [ "$part" = "all" ]; then
-    stamp "grid: the PACS loss at GPU shapes, naive / paths / auto / peers (limit 150s)"
-    timeout 150 "$py" benchmarks/loss_grid.py "${grid_args[@]}" --out "$out" \
-        || { echo "!!! loss grid exited with $?"; status=1; }
+    # two halves of the part's 150 s: each grid stops starting cases after its budget, its timeout is the backstop
+    stamp "grid 1/2: the PACS loss at GPU shapes, naive / paths / auto / peers (budget 60s, limit 75s)"
+    timeout 75 "$py" benchmarks/loss_grid.py "${grid_args[@]}" --time-budget 60 --out "$out" \
+        || { echo "!!! PACS loss grid exited with $?"; status=1; }
+    stamp "grid 2/2: the DAPO loss at the same shapes, naive / paths / auto / CCE / Liger's fused loss (budget 60s, limit 75s)"
+    timeout 75 "$py" benchmarks/loss_grid.py "${grid_args[@]}" --objective dapo --time-budget 60 --out "$out" \
+        || { echo "!!! DAPO loss grid exited with $?"; status=1; }
 fi
 
 if [ "$part" = "race" ] || [ "$part" = "all" ]; then

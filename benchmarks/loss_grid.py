@@ -1,9 +1,10 @@
-"""The PACS loss grid: naive, each of our paths, ``auto`` and the peers at every (V, d, N) point, in one run.
+"""The loss grid: naive, each of our paths, ``auto`` and the peers at every (V, d, N) point, in one run.
 
     python benchmarks/loss_grid.py --grid cpu-quick            # about 12 min on 2 quiet cores
     python benchmarks/loss_grid.py --grid cpu --estimate       # how long the full CPU grid would take
     python benchmarks/loss_grid.py --grid gpu --device cuda    # GPU shapes (benchmarks/gpu.sh)
     python benchmarks/loss_grid.py --grid dry                  # tiny shapes: the plumbing (tests, gpu.sh dry run)
+    python benchmarks/loss_grid.py --grid gpu-quick --objective dapo   # a GRPO-family objective instead of PACS
 
 Each point times the PACS loss forward + backward (ops.py's ``pacs_loss_fwd_bwd``: 16 responses of up to
 N/16 tokens, groups of 8, float32 on the CPU, bf16 on a GPU) for
@@ -20,6 +21,13 @@ and writes OUT/loss_grid_<grid>.csv, .md (times relative to naive, and ``auto`` 
 single_pass / two_pass) and .png, with the device and the date. A point where naive's logits (and CCE's,
 which materializes them too on the CPU) would not fit in memory is skipped for those two, with the reason.
 Peers that are not importable are skipped with the reason (ops.impl_unavailable_reason).
+
+``--objective`` grpo | dapo | dr_grpo | gspo | cispo races that objective at its defaults instead (ops.py's
+``objective_loss_fwd_bwd``, benchmarks/grpo_family.py), on the same inputs, into
+OUT/loss_grid_<grid>_<objective>.*: naive (materialized logits + the objective), single_pass, two_pass and
+auto (fused_linear_objective_loss), cce (its log-probs + the objective), and liger_fused (Liger-Kernel's
+fused linear GRPO loss with the matching loss_type, or the sequence level for GSPO); one_sweep is PACS's
+own (skipped with the reason).
 """
 
 from __future__ import annotations
@@ -37,12 +45,12 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks import report
+from benchmarks import grpo_family, report
 from benchmarks.measure import measure_case
-from benchmarks.ops import Case, impl_unavailable_reason, selected_tokens
+from benchmarks.ops import OBJECTIVE_OP, Case, impl_unavailable_reason, selected_tokens
 from benchmarks.run import device_name
 
-# column -> (op, impl on the CPU, impl on CUDA)
+# PACS: column -> (op, impl on the CPU, impl on CUDA)
 COLUMNS = {
     "naive": ("pacs_loss_fwd_bwd", "naive", "naive"),
     "single_pass": ("pacs_loss_fwd_bwd", "single_pass", "single_pass"),
@@ -52,6 +60,23 @@ COLUMNS = {
     "cce": ("pacs_loss_fwd_bwd", "cce", "cce"),
     "liger_chunked": ("pacs_loss_fwd_bwd", "liger_chunked", "liger_chunked"),
 }
+# a GRPO-family objective (--objective): column -> (op, impl on the CPU, impl on CUDA), or None: not for it
+OBJECTIVE_COLUMNS = {
+    "naive": (OBJECTIVE_OP, "naive", "naive"),
+    "single_pass": (OBJECTIVE_OP, "single_pass", "single_pass"),
+    "two_pass": (OBJECTIVE_OP, "torch", "triton"),
+    "one_sweep": None,
+    "auto": (OBJECTIVE_OP, "auto", "auto"),
+    "cce": (OBJECTIVE_OP, "cce", "cce"),
+    "liger_fused": (OBJECTIVE_OP, "liger_fused", "liger_fused"),
+}
+NOT_FOR_OBJECTIVES = {
+    "one_sweep": "the one-sweep first step (old_lse) is PACS's own: fused_linear_objective_loss has none",
+    "liger_chunked": "the PACS race's Liger column (its log-probs + pacs_loss); for an objective see liger_fused",
+}
+NOT_FOR_PACS = {"liger_fused": "Liger's GRPO-family loss; PACS couples a group's responses before any gradient, "
+                               "which its per-chunk reduction cannot hold (see liger_chunked)"}
+OBJECTIVES = ("pacs",) + grpo_family.OBJECTIVES
 OUR_PATHS = ("single_pass", "two_pass")  # what auto chooses among for this op (one_sweep needs old_lse)
 MATERIALIZING = ("naive", "cce")  # hold the N x V float32 logits (CCE on the CPU: its torch_compile impl)
 LOGIT_COPIES = 4  # logits, log-softmax, its gradient, a temporary: float32 each
@@ -77,7 +102,7 @@ GRIDS = {
 TIMING = {"cpu": dict(warmup=1, repeats=3, max_seconds=15.0), "cuda": dict(warmup=1, repeats=5, max_seconds=2.0)}
 # time of each column over the 3-matmul floor, roughly (for the estimate only; CPU, measured on 2 cores)
 ESTIMATE_FACTOR = {"naive": 2.0, "single_pass": 1.1, "two_pass": 1.5, "one_sweep": 1.4, "auto": 1.1,
-                   "cce": 1.6, "liger_chunked": 3.5}
+                   "cce": 1.6, "liger_chunked": 3.5, "liger_fused": 3.5}
 RUN_OVERHEAD_S = 4.0  # a fresh worker process, its imports and inputs
 
 
@@ -89,7 +114,7 @@ def memory_bytes(device: str) -> int:
 
 def skip_reason(column: str, case: Case, memory: int) -> str | None:
     """Why (column, case) is not timed: the peer's or path's own reason, or the logits not fitting."""
-    reason = impl_unavailable_reason(case.op, case.impl, case.device)
+    reason = impl_unavailable_reason(case.op, case.impl, case.device, case.objective)
     if reason:
         return reason
     if column in MATERIALIZING and (column == "naive" or case.device != "cuda"):
@@ -100,23 +125,37 @@ def skip_reason(column: str, case: Case, memory: int) -> str | None:
     return None
 
 
-def cases(grid: str, device: str, columns) -> list[tuple[str, Case]]:
+def default_columns(objective: str = "pacs") -> list[str]:
+    return list(COLUMNS if objective == "pacs" else OBJECTIVE_COLUMNS)
+
+
+def column_case(column: str, objective: str, point: tuple, dtype: str, device: str) -> tuple[Case, str | None]:
+    """The case a column times at ``point`` = (V, d, N) for ``objective``, and a reason when the column is not
+    one of that objective's (its row then says why; the case is the column's PACS case, for the record)."""
+    v, d, n = point
+    spec = COLUMNS.get(column) if objective == "pacs" else OBJECTIVE_COLUMNS.get(column)
+    fixed = (NOT_FOR_PACS if objective == "pacs" else NOT_FOR_OBJECTIVES).get(column)
+    if spec is None:
+        spec = COLUMNS.get(column) or OBJECTIVE_COLUMNS[column]
+    op, cpu_impl, cuda_impl = spec
+    case = Case(op, cuda_impl if device == "cuda" else cpu_impl, n, d, v, dtype, device,
+                objective=None if objective == "pacs" else objective)
+    return case, fixed
+
+
+def cases(grid: str, device: str, columns, objective: str = "pacs") -> list[tuple[str, Case, str | None]]:
+    """(column, case, reason it is not for this objective or None) for every point and column of the grid."""
     spec = GRIDS[grid]
-    dtype = spec["dtype"]
-    out = []
-    for v, d, n in spec["points"]:
-        for column in columns:
-            op, cpu_impl, cuda_impl = COLUMNS[column]
-            out.append((column, Case(op, cuda_impl if device == "cuda" else cpu_impl, n, d, v, dtype, device)))
-    return out
+    return [(column, *column_case(column, objective, point, spec["dtype"], device))
+            for point in spec["points"] for column in columns]
 
 
-def estimate_seconds(grid: str, device: str, columns, gemm_flops_per_s: float) -> float:
+def estimate_seconds(grid: str, device: str, columns, gemm_flops_per_s: float, objective: str = "pacs") -> float:
     """How long the grid's CPU run takes, roughly: per timed impl, its runs (warmup + repeats within the cap)
     at ESTIMATE_FACTOR x the 3-matmul floor at ``gemm_flops_per_s``, plus a worker's start."""
     timing, memory, total = TIMING["cuda" if device == "cuda" else "cpu"], memory_bytes(device), 0.0
-    for column, case in cases(grid, device, columns):
-        if skip_reason(column, case, memory):
+    for column, case, fixed in cases(grid, device, columns, objective):
+        if fixed or skip_reason(column, case, memory):
             continue
         one = ESTIMATE_FACTOR[column] * 6.0 * selected_tokens(case) * case.v * case.d / gemm_flops_per_s
         timed = max(1, min(timing["repeats"], int(timing["max_seconds"] // max(one, 1e-9)) + 1))
@@ -124,31 +163,42 @@ def estimate_seconds(grid: str, device: str, columns, gemm_flops_per_s: float) -
     return total
 
 
-def run_grid(grid: str, device: str, columns, out: Path, note: str = "") -> list[dict]:
+def run_grid(grid: str, device: str, columns, out: Path, note: str = "", objective: str = "pacs",
+             time_budget: float | None = None) -> list[dict]:
+    """Time every (point, column); cases not started within ``time_budget`` seconds get status "budget"."""
     timing = dict(TIMING["cuda" if device == "cuda" else "cpu"])
     if grid == "dry":
         timing.update(repeats=1, max_seconds=1.0)
     memory = memory_bytes(device)
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     name = device_name(device)
+    started = time.perf_counter()
     rows = []
-    for column, case in cases(grid, device, columns):
-        row = dict(date=date, device=device, device_name=name, column=column, impl=case.impl, op=case.op,
-                   N=case.n, d=case.d, V=case.v, dtype=case.dtype)
-        reason = skip_reason(column, case, memory)
+    for column, case, fixed in cases(grid, device, columns, objective):
+        row = dict(date=date, device=device, device_name=name, objective=objective, column=column, impl=case.impl,
+                   op=case.op, N=case.n, d=case.d, V=case.v, dtype=case.dtype)
+        reason = fixed or skip_reason(column, case, memory)
         if reason:
             row.update(status="skipped", note=reason)
+        elif time_budget is not None and time.perf_counter() - started > time_budget:
+            row.update(status="budget", note=f"not started: the run's time budget ({time_budget:g}s) was spent")
         else:
             row.update(measure_case(case, timeout_s=900.0, **timing))
         rows.append(row)
         print(f"[grid] V={case.v} d={case.d} N={case.n} {column}: {row.get('status')} "
               f"{row.get('median_ms', '')} {row.get('note', '')}", flush=True)
-        write(rows, grid, out, note)  # after every case: a run cut short keeps what it measured
+        write(rows, grid, out, note, objective)  # after every case: a run cut short keeps what it measured
     return rows
 
 
-CSV_COLUMNS = ["date", "device", "device_name", "column", "impl", "op", "N", "d", "V", "dtype", "median_ms",
-               "min_ms", "repeats", "peak_mem_mib", "x_naive", "threads", "cpu_util", "loadavg", "status", "note"]
+def stem_name(grid: str, objective: str = "pacs") -> str:
+    """The results' file stem: loss_grid_<grid> for PACS, loss_grid_<grid>_<objective> for the others."""
+    return f"loss_grid_{grid}" if objective == "pacs" else f"loss_grid_{grid}_{objective}"
+
+
+CSV_COLUMNS = ["date", "device", "device_name", "objective", "column", "impl", "op", "N", "d", "V", "dtype",
+               "median_ms", "min_ms", "repeats", "peak_mem_mib", "x_naive", "threads", "cpu_util", "loadavg", "status",
+               "note"]
 
 
 def _ms(row) -> float | None:
@@ -169,22 +219,30 @@ def auto_over_fastest(cells: dict[str, dict]) -> float | None:
     return None if auto is None or not ours else auto / min(ours)
 
 
-def write(rows: list[dict], grid: str, out: Path, note: str = "") -> Path:
+def write(rows: list[dict], grid: str, out: Path, note: str = "", objective: str = "pacs") -> Path:
     by_point = points(rows)
     for cells in by_point.values():
         naive = _ms(cells["naive"]) if "naive" in cells else None
         for row in cells.values():
             ms = _ms(row)
             row["x_naive"] = None if naive is None or ms is None else ms / naive
-    columns = [c for c in COLUMNS if any(r["column"] == c for r in rows)]
+    order = list(COLUMNS) + [c for c in OBJECTIVE_COLUMNS if c not in COLUMNS]
+    columns = [c for c in order if any(r["column"] == c for r in rows)]
     first = rows[0] if rows else {}
-    lines = [f"## PACS loss grid `{grid}`", "",
+    label = "PACS" if objective == "pacs" else objective
+    if objective == "pacs":
+        what = ("one_sweep is the first step after a rollout (given old_lse); cce and liger_chunked give log-probs, "
+                "followed by pacs_loss.")
+    else:
+        what = (f"The objective is pacs_kernels' {type(grpo_family.make_objective(objective, 1)).__name__} at its "
+                "defaults (old log-probs: the current ones plus N(0, 0.05) noise; 0/1 rewards); naive materializes "
+                "the logits; cce gives log-probs, followed by the objective; "
+                + grpo_family.liger_note(objective) + ".")
+    lines = [f"## {label} loss grid `{grid}`", "",
              f"Device: {first.get('device_name', '?')} ({first.get('device', '?')}); date: {first.get('date', '?')}.",
-             "", "PACS loss forward + backward (16 responses of up to N/16 tokens, groups of 8, "
+             "", f"{label} loss forward + backward (16 responses of up to N/16 tokens, groups of 8, "
              f"{first.get('dtype', '?')}); each cell: median ms, and in brackets the time relative to naive. "
-             "`auto / fastest`: auto over the faster of single_pass and two_pass (target: at most 1.05). "
-             "one_sweep is the first step after a rollout (given old_lse); cce and liger_chunked give log-probs, "
-             "followed by pacs_loss.", ""]
+             "`auto / fastest`: auto over the faster of single_pass and two_pass (target: at most 1.05). " + what, ""]
     if note:
         lines += [note, ""]
     lines += ["| V | d | N | " + " | ".join(columns) + " | auto / fastest |",
@@ -208,10 +266,10 @@ def write(rows: list[dict], grid: str, out: Path, note: str = "") -> Path:
     if skipped:
         lines += ["", "Not timed:", ""]
         lines += [f"- {column} at {', '.join(where)}: {why}" for (column, why), where in skipped.items()]
-    stem = report.write_csv_and_markdown(out / f"loss_grid_{grid}", [
+    stem = report.write_csv_and_markdown(out / stem_name(grid, objective), [
         {k: report._fmt(r.get(k)) for k in CSV_COLUMNS} for r in rows], CSV_COLUMNS, lines)
-    plot(by_point, columns, stem.with_suffix(".png"), title=f"PACS loss grid {grid}: {first.get('device_name', '')}, "
-         f"{first.get('date', '')}")
+    plot(by_point, columns, stem.with_suffix(".png"), title=f"{label} loss grid {grid}: "
+         f"{first.get('device_name', '')}, {first.get('date', '')}")
     return stem
 
 
@@ -250,8 +308,13 @@ def plot(by_point: dict, columns: list[str], path: Path, title: str) -> None:
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", choices=sorted(GRIDS), default="cpu-quick")
+    parser.add_argument("--objective", choices=OBJECTIVES, default="pacs",
+                        help="the loss raced (default pacs; the others at their defaults: benchmarks/grpo_family.py)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: the grid's")
-    parser.add_argument("--columns", nargs="+", choices=list(COLUMNS), default=list(COLUMNS))
+    parser.add_argument("--columns", nargs="+", choices=list(dict.fromkeys([*COLUMNS, *OBJECTIVE_COLUMNS])),
+                        default=None, help="default: the objective's (a column not for it is listed, skipped)")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds: cases not started by then are recorded as 'budget' (the table stays whole)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--estimate", action="store_true", help="print how long the run would take, run nothing")
     parser.add_argument("--gflops", type=float, default=None,
@@ -264,22 +327,23 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = args.device or GRIDS[args.grid]["device"]
+    columns = args.columns or default_columns(args.objective)
     if args.estimate:
         from pacs_kernels.path_choice import device_costs
 
         rate = args.gflops * 1e9 if args.gflops else 1.0 / device_costs(
             torch.device(device), getattr(torch, GRIDS[args.grid]["dtype"])).gemm_s_per_flop
-        seconds = estimate_seconds(args.grid, device, args.columns, rate)
+        seconds = estimate_seconds(args.grid, device, columns, rate, args.objective)
         print(f"grid {args.grid} on {device_name(device)}: about {seconds / 60:.0f} min "
               f"(GEMMs at {rate / 1e9:.0f} GFLOP/s{'' if args.gflops else ', calibrated'})")
         return 0
     started = time.perf_counter()
-    rows = run_grid(args.grid, device, args.columns, args.out, args.note)
+    rows = run_grid(args.grid, device, columns, args.out, args.note, args.objective, args.time_budget)
     ratios = [r for r in (auto_over_fastest(cells) for cells in points(rows).values()) if r is not None]
-    print(f"[grid] {len(rows)} cases in {time.perf_counter() - started:.0f}s; auto / fastest of ours: "
-          + (f"median {statistics.median(ratios):.2f}, worst {max(ratios):.2f}" if ratios else "n/a")
-          + f"; wrote {args.out / f'loss_grid_{args.grid}'}.csv/.md/.png")
-    return 0 if all(r["status"] in ("ok", "skipped") for r in rows) else 1
+    print(f"[grid] {args.objective}: {len(rows)} cases in {time.perf_counter() - started:.0f}s; auto / fastest of "
+          "ours: " + (f"median {statistics.median(ratios):.2f}, worst {max(ratios):.2f}" if ratios else "n/a")
+          + f"; wrote {args.out / stem_name(args.grid, args.objective)}.csv/.md/.png")
+    return 0 if all(r["status"] in ("ok", "skipped", "budget") for r in rows) else 1
 
 
 if __name__ == "__main__":

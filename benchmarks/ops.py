@@ -7,6 +7,9 @@ Three operations, each on N tokens with hidden width d and vocabulary V:
     logprobs_nograd    old-policy log-probs under torch.no_grad() (nothing kept for backward)
     pacs_loss_fwd_bwd  the whole PACS loss (log-ratio score, RLOO, balanced weights), forward
                        and backward, on B = 16 responses of T = N / 16 tokens, groups of 8
+    objective_loss_fwd_bwd  a GRPO-family objective's loss (``Case.objective``: grpo, dapo, dr_grpo, gspo,
+                       cispo at their defaults, benchmarks/grpo_family.py), forward and backward, on the
+                       same inputs as pacs_loss_fwd_bwd (our impls: fused_linear_objective_loss)
     pacs_loss_first_step  the same loss on the first optimizer step after a rollout, where
                        logp == old_logp: fused_linear_pacs_loss(old_lse=...) computes the loss and
                        its gradients in one vocabulary sweep (torch/triton); single_pass needs no
@@ -45,9 +48,13 @@ Implementations ("impls"):
     liger_chunked  Liger-Kernel's chunked GRPO/PPO log-prob step,
                    LigerFusedLinearPPOBase.chunk_forward (sequence x vocabulary chunks in
                    PyTorch, custom backward that recomputes the logits)
+    liger_fused    objective op only: Liger-Kernel's whole fused linear GRPO loss
+                   (LigerFusedLinearGRPOLoss: the loss_type and importance-sampling level that
+                   compute the objective, grpo_family.liger_settings; its loss math under
+                   torch.compile on CUDA, eager on the CPU), given our advantages
 
-For the loss op every impl that only gives log-probs gets the same PACS loss on top:
-``pacs_kernels.pacs_loss`` (torch backend) on its (B, T) log-probs. Like
+For the loss ops every impl that only gives log-probs gets the same loss on top:
+``pacs_kernels.pacs_loss`` (torch backend), or the objective, on its (B, T) log-probs. Like
 ``fused_linear_pacs_loss``, it computes log-probs of the masked-in tokens only (their hidden
 rows gathered first), so every impl does the same work. Liger's GRPO loss itself
 cannot be used: it reduces each chunk of sequences on its own, while PACS couples the G
@@ -64,12 +71,15 @@ from typing import Callable
 
 import torch
 
-OPS = ("logprobs_fwd_bwd", "logprobs_nograd", "pacs_loss_fwd_bwd", "pacs_loss_first_step", "grad_gemms")
-LOSS_OPS = ("pacs_loss_fwd_bwd", "pacs_loss_first_step")
+OPS = ("logprobs_fwd_bwd", "logprobs_nograd", "pacs_loss_fwd_bwd", "pacs_loss_first_step", "grad_gemms",
+       "objective_loss_fwd_bwd")
+LOSS_OPS = ("pacs_loss_fwd_bwd", "pacs_loss_first_step", "objective_loss_fwd_bwd")
+OBJECTIVE_OP = "objective_loss_fwd_bwd"
 OUR_IMPLS = ("naive", "torch", "triton", "single_pass", "single_pass_lowmem", "auto")
 SINGLE_PASS_BUDGET_GROUPS = {"single_pass": 1.0, "single_pass_lowmem": 1 / 3}  # chunk budget, in groups
-PEER_IMPLS = ("cce", "cce_exact", "liger_flce", "liger_chunked")
-IMPLS = OUR_IMPLS + PEER_IMPLS
+PEER_IMPLS = ("cce", "cce_exact", "liger_flce", "liger_chunked")  # log-prob peers
+LOSS_PEER_IMPLS = ("liger_fused",)  # a peer's whole loss
+IMPLS = OUR_IMPLS + PEER_IMPLS + LOSS_PEER_IMPLS
 
 LOSS_RESPONSES = 16  # B: responses per micro-batch in the loss op (two groups)
 LOSS_GROUP_SIZE = 8  # G, as in the PACS paper's runs
@@ -82,7 +92,7 @@ LOSS_BETA = 1.0
 # grad_gemms: the Triton backward's two gradient GEMMs alone (dh and dW from the staged dz chunks, 4NVd),
 # as our Triton kernels ("triton") and as torch.mm / cuBLAS ("torch"): its floor is those two GEMMs.
 FLOP_FACTOR = {"logprobs_fwd_bwd": 6, "logprobs_nograd": 2, "pacs_loss_fwd_bwd": 6, "pacs_loss_first_step": 6,
-               "grad_gemms": 4}
+               "grad_gemms": 4, "objective_loss_fwd_bwd": 6}
 OLD_LOGP_NOISE = 0.05
 
 
@@ -109,12 +119,24 @@ def first_step_available() -> bool:
     return "old_lse" in PACS_INPUTS
 
 
-def impl_unavailable_reason(op: str, impl: str, device: str) -> str | None:
-    """None when (op, impl) can run for real on ``device``; otherwise why not (one line)."""
+def impl_unavailable_reason(op: str, impl: str, device: str, objective: str | None = None) -> str | None:
+    """None when (op, impl) can run for real on ``device``; otherwise why not (one line). ``objective``:
+    the objective op's (``Case.objective``)."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if op == OBJECTIVE_OP:
+        from benchmarks.grpo_family import OBJECTIVES
+
+        if objective not in OBJECTIVES:
+            return f"{OBJECTIVE_OP} needs an objective of {OBJECTIVES} (loss_grid.py --objective), got {objective!r}"
+    if impl in LOSS_PEER_IMPLS:
+        if op != OBJECTIVE_OP:
+            return (f"{impl} is Liger's whole GRPO-family loss ({OBJECTIVE_OP} only); PACS couples a group's "
+                    "responses before any gradient, which Liger's per-chunk reduction cannot hold")
+        if not _importable("liger_kernel"):
+            return "liger-kernel is not installed"
     if op == "grad_gemms":
         from pacs_kernels.dispatch import GRAD_GEMMS
 
@@ -163,6 +185,7 @@ class Case:
     dtype: str  # "float32" | "bfloat16" | "float16"
     device: str  # "cpu" | "cuda"
     seed: int = 0
+    objective: str | None = None  # the objective op's: one of grpo_family.OBJECTIVES
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -294,7 +317,8 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
     """A function that runs the case once on its inputs and returns what it produced."""
     if case.op == "grad_gemms":
         return _grad_gemms_runner(case.impl)
-    logp_fn = logprob_function(case.impl) if case.op not in LOSS_OPS or case.impl not in OUR_IMPLS else None
+    gives_logprobs = case.op not in LOSS_OPS or case.impl not in OUR_IMPLS + LOSS_PEER_IMPLS
+    logp_fn = logprob_function(case.impl) if gives_logprobs else None
 
     if case.op == "logprobs_nograd":
         def run(inputs):
@@ -309,30 +333,16 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
             return logp.detach()
         return run
 
+    if case.op == OBJECTIVE_OP:
+        return _objective_runner(case, logp_fn)
+
     import pacs_kernels
 
     options = dict(group_size=LOSS_GROUP_SIZE, beta=LOSS_BETA, score="log_ratio", advantage="rloo",
                    weighting="balanced")
     if case.impl in OUR_IMPLS:
         one_sweep = case.op == "pacs_loss_first_step" and case.impl in ("torch", "triton", "auto")
-        if case.impl == "auto":
-            loss_options = pacs_kernels.LossOptions(backend="auto", path="auto", dispatch_table=bench_dispatch_table())
-        elif case.impl in SINGLE_PASS_BUDGET_GROUPS:
-            # single_pass: the budget of one group (the longest possible): one group per chunk, 3 matmuls;
-            # single_pass_lowmem: a third of that, two thirds of each group's logits rebuilt
-            from pacs_kernels.engine import row_kernels_for
-            from pacs_kernels.single_pass import budget_mib_for_tokens
-
-            group_tokens = LOSS_GROUP_SIZE * (case.n // LOSS_RESPONSES)
-            device = torch.device(case.device)
-            row_kernels = row_kernels_for("auto", torch.empty(0, device=device, dtype=case.torch_dtype))
-            budget = budget_mib_for_tokens(math.ceil(group_tokens * SINGLE_PASS_BUDGET_GROUPS[case.impl]), case.v,
-                                           device, case.torch_dtype, row_kernels=row_kernels)
-            loss_options = pacs_kernels.LossOptions(backend="auto", path="single_pass", chunk_budget_mib=budget,
-                                                    dispatch_table=bench_dispatch_table())
-        else:
-            loss_options = pacs_kernels.LossOptions(backend=case.impl, path="two_pass",
-                                                    dispatch_table=bench_dispatch_table())
+        loss_options = fused_loss_options(case)
         group_size = options.pop("group_size")
         objective = pacs_kernels.PACS(**options)
 
@@ -346,18 +356,87 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
         return run
 
     def run(inputs):
-        # like fused_linear_pacs_loss, compute log-probs of the masked-in tokens only
-        mask = inputs["mask"]
-        index = mask.reshape(-1).nonzero().squeeze(-1)
-        hidden = inputs["hidden"].reshape(-1, inputs["hidden"].shape[-1]).index_select(0, index)
-        selected = logp_fn(hidden, inputs["weight"], inputs["targets"].reshape(-1).index_select(0, index))
-        logp = torch.zeros(mask.numel(), device=selected.device, dtype=selected.dtype).index_put(
-            (index,), selected).reshape(mask.shape)
-        loss = pacs_kernels.pacs_loss(logp, inputs["old_logp"], inputs["rewards"], mask,
+        logp = _response_logprobs(logp_fn, inputs)  # like fused_linear_pacs_loss: the masked-in tokens only
+        loss = pacs_kernels.pacs_loss(logp, inputs["old_logp"], inputs["rewards"], inputs["mask"],
                                       backend="torch", **options)
         loss.backward()
         return loss.detach()
     return run
+
+
+def fused_loss_options(case: Case):
+    """The LossOptions of our impl ``case.impl`` for a fused loss: auto (the library's defaults), single_pass
+    (a chunk budget of one group, the longest possible: one group per chunk, 3 matmuls), single_pass_lowmem
+    (a third of that: two thirds of each group's logits rebuilt), naive / torch / triton (two passes)."""
+    import pacs_kernels
+
+    table = bench_dispatch_table()
+    if case.impl == "auto":
+        return pacs_kernels.LossOptions(backend="auto", path="auto", dispatch_table=table)
+    if case.impl in SINGLE_PASS_BUDGET_GROUPS:
+        from pacs_kernels.engine import row_kernels_for
+        from pacs_kernels.single_pass import budget_mib_for_tokens
+
+        group_tokens = LOSS_GROUP_SIZE * (case.n // LOSS_RESPONSES)
+        device = torch.device(case.device)
+        row_kernels = row_kernels_for("auto", torch.empty(0, device=device, dtype=case.torch_dtype))
+        budget = budget_mib_for_tokens(math.ceil(group_tokens * SINGLE_PASS_BUDGET_GROUPS[case.impl]), case.v,
+                                       device, case.torch_dtype, row_kernels=row_kernels)
+        return pacs_kernels.LossOptions(backend="auto", path="single_pass", chunk_budget_mib=budget,
+                                        dispatch_table=table)
+    return pacs_kernels.LossOptions(backend=case.impl, path="two_pass", dispatch_table=table)
+
+
+def _objective_runner(case: Case, logp_fn) -> Callable[[dict], torch.Tensor]:
+    """The objective op: ours through fused_linear_objective_loss, Liger's fused GRPO loss, or a peer's
+    log-probs of the response tokens followed by the objective."""
+    import pacs_kernels
+    from benchmarks import grpo_family
+
+    name = case.objective
+    objective = grpo_family.make_objective(name, case.n // LOSS_RESPONSES)
+    if case.impl in OUR_IMPLS:
+        loss_options = fused_loss_options(case)
+
+        def run(inputs):
+            loss, _ = pacs_kernels.fused_linear_objective_loss(
+                inputs["hidden"], inputs["weight"], inputs["targets"], inputs["mask"], inputs["rewards"], objective,
+                group_size=LOSS_GROUP_SIZE, options=loss_options, old_logp=inputs["old_logp"])
+            loss.backward()
+            return loss.detach()
+        return run
+
+    if case.impl == "liger_fused":
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        liger_loss = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, compiled=case.device == "cuda",
+                                              **grpo_family.liger_settings(name, objective))
+
+        def run(inputs):
+            advantages = grpo_family.advantages(name, inputs["rewards"], LOSS_GROUP_SIZE)
+            loss, _metrics = liger_loss(inputs["hidden"], inputs["weight"], inputs["targets"], inputs["mask"].float(),
+                                        advantages, old_per_token_logps=inputs["old_logp"].float())
+            loss.backward()
+            return loss.detach()
+        return run
+
+    def run(inputs):
+        logp = _response_logprobs(logp_fn, inputs)
+        loss, _ = objective(logp, inputs["old_logp"], inputs["rewards"], inputs["mask"], group_size=LOSS_GROUP_SIZE)
+        loss.backward()
+        return loss.detach()
+    return run
+
+
+def _response_logprobs(logp_fn, inputs: dict) -> torch.Tensor:
+    """A log-prob impl on the response tokens only (their hidden rows gathered first, as the fused losses
+    do), scattered back into (B, T) rows, zeros elsewhere."""
+    mask = inputs["mask"]
+    index = mask.reshape(-1).nonzero().squeeze(-1)
+    hidden = inputs["hidden"].reshape(-1, inputs["hidden"].shape[-1]).index_select(0, index)
+    selected = logp_fn(hidden, inputs["weight"], inputs["targets"].reshape(-1).index_select(0, index))
+    return torch.zeros(mask.numel(), device=selected.device, dtype=selected.dtype).index_put(
+        (index,), selected).reshape(mask.shape)
 
 
 def _grad_gemms_runner(engine: str) -> Callable[[dict], torch.Tensor]:

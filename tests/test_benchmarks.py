@@ -511,3 +511,133 @@ def test_loss_grid_table_skips_and_ratios(tmp_path):
 def test_auto_is_a_loss_path_only():
     assert impl_unavailable_reason("pacs_loss_fwd_bwd", "auto", "cpu") is None
     assert "path of the fused losses" in impl_unavailable_reason("logprobs_fwd_bwd", "auto", "cpu")
+
+
+# --- the GRPO-family objectives: the objective op, the grid's --objective, the GPU check's dry run -------------
+
+OBJECTIVE_NAMES = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
+
+
+@pytest.mark.parametrize("objective", OBJECTIVE_NAMES)
+def test_objective_op_gives_naives_loss_and_gradients_on_every_impl(objective):
+    """ops.py's objective op, float32, tiny: our fused impls and every importable peer (CCE + the objective,
+    Liger's chunked log-probs + the objective, Liger's fused GRPO loss with grpo_family's mapping) give the loss
+    and the gradients of naive (materialized logits + the objective)."""
+    results = {}
+    for impl in ("naive", "single_pass", "torch", "auto", "cce", "liger_chunked", "liger_fused"):
+        case = Case("objective_loss_fwd_bwd", impl, 64, 8, 32, "float32", "cpu", objective=objective)
+        if impl_unavailable_reason(case.op, impl, "cpu", objective):
+            continue
+        inputs = make_inputs(case, 7)
+        loss = runner(case)(inputs)
+        results[impl] = (loss.double(), inputs["hidden"].grad.double(), inputs["weight"].grad.double())
+    assert {"naive", "single_pass", "torch", "auto"} <= set(results)
+    want_loss, want_hidden, want_weight = results.pop("naive")
+    assert want_loss.abs() > 1e-4 and want_weight.abs().max() > 1e-4
+    for impl, (loss, d_hidden, d_weight) in results.items():
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-7, msg=lambda m: f"{impl}: {m}")
+        torch.testing.assert_close(d_hidden, want_hidden, rtol=1e-4, atol=1e-7, msg=lambda m: f"{impl}: {m}")
+        torch.testing.assert_close(d_weight, want_weight, rtol=1e-4, atol=1e-7, msg=lambda m: f"{impl}: {m}")
+
+
+def test_objective_op_needs_an_objective_and_liger_fused_is_for_objectives_only():
+    assert "needs an objective" in impl_unavailable_reason("objective_loss_fwd_bwd", "naive", "cpu")
+    assert "needs an objective" in impl_unavailable_reason("objective_loss_fwd_bwd", "naive", "cpu", "pacs")
+    assert "couples a group" in impl_unavailable_reason("pacs_loss_fwd_bwd", "liger_fused", "cpu")
+
+
+def test_liger_settings_map_each_objective_to_its_loss_type():
+    from benchmarks import grpo_family
+
+    settings = {name: grpo_family.liger_settings(name, grpo_family.make_objective(name, 100))
+                for name in grpo_family.OBJECTIVES}
+    assert settings["grpo"] == dict(loss_type="bnpo", epsilon_low=0.2, epsilon_high=0.2)
+    assert settings["dapo"] == dict(loss_type="dapo", epsilon_low=0.2, epsilon_high=0.28)
+    assert settings["dr_grpo"]["max_completion_length"] == 100 and settings["dr_grpo"]["loss_type"] == "dr_grpo"
+    assert settings["gspo"]["importance_sampling_level"] == "sequence" and settings["gspo"]["loss_type"] == "grpo"
+    assert settings["cispo"]["epsilon_high"] == pytest.approx(1.28)  # Liger's bound is the weight itself
+    with pytest.raises(ValueError, match="objective must be one of"):
+        grpo_family.make_objective("ppo", 10)
+
+
+def test_loss_grid_objective_dry_run_names_its_files_and_skips_one_sweep(tmp_path):
+    """--objective dapo end to end at the dry point: loss_grid_dry_dapo.*, one_sweep skipped as PACS's own."""
+    from benchmarks import loss_grid
+
+    assert loss_grid.main(["--grid", "dry", "--objective", "dapo", "--columns", "naive", "single_pass", "one_sweep",
+                           "--out", str(tmp_path)]) == 0
+    assert not (tmp_path / "loss_grid_dry.csv").exists()
+    with open(tmp_path / "loss_grid_dry_dapo.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["column"], r["op"], r["objective"], r["status"]) for r in rows] == [
+        ("naive", "objective_loss_fwd_bwd", "dapo", "ok"), ("single_pass", "objective_loss_fwd_bwd", "dapo", "ok"),
+        ("one_sweep", "pacs_loss_first_step", "dapo", "skipped")]
+    assert "PACS's own" in rows[2]["note"] and float(rows[1]["median_ms"]) > 0
+    table = (tmp_path / "loss_grid_dry_dapo.md").read_text()
+    assert table.startswith("## dapo loss grid `dry`") and "DAPO at its defaults" in table
+    assert "loss_type='dapo'" in table and (tmp_path / "loss_grid_dry_dapo.png").stat().st_size > 5000
+
+
+def test_loss_grid_columns_per_objective_and_the_time_budget(tmp_path):
+    """Which column times what for PACS and for an objective; a spent time budget starts no case."""
+    from benchmarks import loss_grid
+
+    assert loss_grid.default_columns("pacs") == list(loss_grid.COLUMNS)
+    assert loss_grid.default_columns("gspo") == ["naive", "single_pass", "two_pass", "one_sweep", "auto", "cce",
+                                                 "liger_fused"]
+    case, reason = loss_grid.column_case("two_pass", "cispo", (512, 32, 64), "bfloat16", "cuda")
+    assert (case.op, case.impl, case.objective, reason) == ("objective_loss_fwd_bwd", "triton", "cispo", None)
+    assert "PACS" in loss_grid.column_case("liger_fused", "pacs", (512, 32, 64), "float32", "cpu")[1]
+    assert "liger_fused" in loss_grid.column_case("liger_chunked", "dapo", (512, 32, 64), "float32", "cpu")[1]
+    rows = loss_grid.run_grid("dry", "cpu", ["naive", "one_sweep"], tmp_path, objective="grpo", time_budget=0.0)
+    assert [(r["column"], r["status"]) for r in rows] == [("naive", "budget"), ("one_sweep", "skipped")]
+    assert (tmp_path / "loss_grid_dry_grpo.md").exists()
+    assert loss_grid.estimate_seconds("cpu-quick", "cpu", loss_grid.default_columns("dapo"), 150e9, "dapo") > 60
+
+
+def test_gpu_correctness_dry_run_checks_every_objective_on_both_paths_and_packed(capsys):
+    """benchmarks/check_gpu_correctness.py --device cpu --small (Triton interpreter), its bf16 case: the kernels,
+    the fused PACS loss and each GRPO-family objective (single pass, two passes, packed) within tolerance."""
+    from benchmarks import check_gpu_correctness
+
+    argv = ["--device", "cpu", "--small", "--cases", "small-bf16", "--peers", "without"]
+    assert check_gpu_correctness.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "[check] small-bf16" in out and ": ok (" in out and "all cases within tolerance" in out
+    for name in OBJECTIVE_NAMES:
+        for label in ("single_pass", "two_pass", "packed"):
+            assert f"{name}_{label}_dh " in out and f"{name}_{label}_dW " in out
+
+
+def test_gpu_correctness_check_of_the_objectives_fails_a_wrong_loss(monkeypatch):
+    """The objective check flags a fused loss 1% off (its gradients; the loss error is relative to
+    max(1, |loss|), as PACS's), and its off-policy old log-probs keep every log-ratio off the clip boundaries
+    while clipping some tokens."""
+    import math
+    from types import SimpleNamespace
+
+    import pacs_kernels
+    from benchmarks import check_gpu_correctness, grpo_family
+
+    monkeypatch.setattr(grpo_family, "OBJECTIVES", ("dapo", "gspo"))
+
+    def one_percent_off(*args, **kwargs):
+        loss, stats = pacs_kernels.fused_linear_objective_loss(*args, **kwargs)
+        return loss * 1.01, stats
+
+    wrong = SimpleNamespace(fused_linear_objective_loss=one_percent_off, LossOptions=pacs_kernels.LossOptions)
+    gen = torch.Generator().manual_seed(3)
+    hidden, weight, targets = torch.randn(48, 8), torch.randn(40, 8), torch.randint(0, 40, (48,))
+    errors = check_gpu_correctness.check_objectives(wrong, hidden, weight, targets, 1.0, gen, 512, 2e-4, 2e-4)
+    assert len(errors) == 2 * 3 * 3
+    assert all(err > tol for key, (err, tol) in errors.items() if key.endswith(("_dh", "_dW")))
+
+    logp = -torch.rand(16, 40) * 3
+    mask = torch.ones(16, 40, dtype=torch.bool)
+    r = logp - check_gpu_correctness.off_policy_old_logp(pacs_kernels.DAPO(), logp, mask, gen)
+    for bound in (math.log(0.8), math.log(1.28)):
+        assert (r - bound).abs().min() >= check_gpu_correctness.CLIP_MARGIN - 1e-6
+        assert ((r > bound).float().mean() - 0.5).abs() < 0.45  # both sides of every boundary are hit
+    r = logp - check_gpu_correctness.off_policy_old_logp(pacs_kernels.GSPO(), logp, mask, gen)
+    torch.testing.assert_close(r.mean(-1), torch.tensor(check_gpu_correctness.GSPO_LOG_RATIOS * 2), atol=1e-6,
+                               rtol=0)
