@@ -22,7 +22,7 @@ import pytest
 import torch
 import triton
 
-from pacs_kernels import fused_linear_pacs_loss, linear_logprobs
+from pacs_kernels import LossOptions, fused_linear_pacs_loss, linear_logprobs
 from pacs_kernels.reference import naive_linear_logprobs
 from pacs_kernels.triton import grad_matmuls, launch_config
 
@@ -130,13 +130,13 @@ def test_the_pacs_loss_on_triton_after_a_race(racing_kernels, path, d, vocab):
         old_lse = torch.logsumexp(logits, -1).float()
         if not first_step:
             old_logp = old_logp + 0.05 * torch.randn(B, T, generator=torch.Generator().manual_seed(8))
-    kwargs = dict(group_size=G, backend="triton")
     if first_step:
         loss, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old_logp, rewards, old_lse=old_lse,
-                                             return_stats=True, **kwargs)
+                                             group_size=G, options=LossOptions(backend="triton"),
+                                             return_stats=True)
     else:
-        loss, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old_logp, rewards, path=path,
-                                             return_stats=True, **kwargs)
+        loss, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old_logp, rewards, group_size=G,
+                                             options=LossOptions(backend="triton", path=path), return_stats=True)
     assert stats.path == path
     loss.backward()
     h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()

@@ -1,10 +1,11 @@
-"""PACS's score scale beta must be > 0 wherever it enters: the library functions, PACSLoss, PACSConfig and
-the verl plugin's options refuse 0 and negative values with a ValueError naming the argument (issue #26)."""
+"""PACS's score scale beta must be > 0 wherever it enters: pacs_loss, the PACS objective (what the fused loss
+and PACSLoss take), the deprecated beta= keyword of both, PACSConfig and the verl plugin's options refuse 0 and
+negative values with a ValueError naming the argument (issue #26)."""
 
 import pytest
 import torch
 
-from pacs_kernels import PACSLoss, fused_linear_pacs_loss, pacs_loss
+from pacs_kernels import PACS, LossOptions, PACSLoss, fused_linear_pacs_loss, pacs_loss
 
 BAD = [0, 0.0, -1, -0.5, float("nan"), float("inf")]
 
@@ -23,15 +24,23 @@ def test_pacs_loss_refuses_beta_not_above_zero(beta):
 
 
 @pytest.mark.parametrize("beta", BAD)
-def test_fused_loss_and_module_refuse_beta_not_above_zero(beta):
+def test_the_pacs_objective_refuses_beta_not_above_zero(beta):
+    with pytest.raises(ValueError, match=r"beta must be a finite number > 0"):
+        PACS(beta=beta)
+
+
+@pytest.mark.parametrize("beta", BAD)
+def test_the_deprecated_beta_keyword_refuses_it_too(beta):
     g = torch.Generator().manual_seed(1)
     hidden, weight = torch.randn(4, 3, 8, generator=g), torch.randn(11, 8, generator=g)
     targets, mask = torch.randint(0, 11, (4, 3), generator=g), torch.ones(4, 3, dtype=torch.bool)
-    with pytest.raises(ValueError, match=r"beta must be a finite number > 0"):
-        fused_linear_pacs_loss(hidden, weight, targets, mask, torch.zeros(4, 3), torch.tensor([1, 0, 1, 0]),
-                               group_size=2, beta=beta, backend="torch")
-    with pytest.raises(ValueError, match=r"beta must be a finite number > 0"):
-        PACSLoss(group_size=2, beta=beta)
+    with pytest.warns(DeprecationWarning, match=r"fused_linear_pacs_loss\(beta=\.\.\.\) is deprecated"):
+        with pytest.raises(ValueError, match=r"beta must be a finite number > 0"):
+            fused_linear_pacs_loss(hidden, weight, targets, mask, torch.zeros(4, 3), torch.tensor([1, 0, 1, 0]),
+                                   group_size=2, options=LossOptions(backend="torch"), beta=beta)
+    with pytest.warns(DeprecationWarning, match=r"PACSLoss\(beta=\.\.\.\) is deprecated"):
+        with pytest.raises(ValueError, match=r"beta must be a finite number > 0"):
+            PACSLoss(group_size=2, beta=beta)
 
 
 def test_a_positive_beta_still_works():

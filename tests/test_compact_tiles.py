@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_fused_loss import grads_of, make_batch, naive_loss
 
-from pacs_kernels import fused_linear_pacs_loss
+from pacs_kernels import GRPO, PACS, LossOptions, fused_linear_pacs_loss
 from pacs_kernels import single_pass as single_pass_module
 from pacs_kernels.reference import naive_linear_logprobs
 from pacs_kernels.single_pass import (
@@ -143,9 +143,10 @@ def test_fused_pacs_loss_with_gpu_style_tiles(monkeypatch, budget_groups):
     assert memory.tile_dtype == torch.bfloat16 and memory.strip_rows >= 1
     want, want_grads = grads_of(lambda h, w, b: naive_loss(h, w, b, targets, mask, old, rewards, temperature=0.7,
                                                            **opts), (hidden, weight, bias))
+    options = LossOptions(temperature=0.7, backend="triton", path="single_pass", chunk_budget_mib=budget)
     got, got_grads = grads_of(lambda h, w, b: fused_linear_pacs_loss(
-        h, w, targets, mask, old, rewards, bias=b, temperature=0.7, backend="triton", path="single_pass",
-        chunk_budget_mib=budget, **opts), (hidden, weight, bias))
+        h, w, targets, mask, old, rewards, bias=b, group_size=4, objective=PACS(beta=0.8), options=options),
+        (hidden, weight, bias))
     torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-6)
     for g, e in zip(got_grads, want_grads):
         torch.testing.assert_close(g.double(), e.double(), rtol=2e-2, atol=2e-2 * e.abs().max().item())
@@ -195,18 +196,19 @@ def test_fused_grpo_loss_with_gpu_style_tiles(monkeypatch):
 
     monkeypatch.setattr(single_pass_module, "tile_dtype_for", lambda device, dtype, rows: torch.bfloat16)
     hidden, weight, _, targets, mask, old, rewards = make_batch(n_groups=2, seed=34)
-    opts = dict(group_size=4, clip_eps=0.1, clip_eps_high=0.3, kl_coef=0.05)
+    settings = dict(clip_eps=0.1, clip_eps_high=0.3, kl_coef=0.05)
     ref_lp = old + 0.1
     budget = budget_mib_for_tokens(7, weight.shape[0], weight.device, weight.dtype, row_kernels="triton")
 
     def expected(h, w):
         logp = naive_linear_logprobs(h.double(), w.double(), targets.clamp(min=0))[0]
-        return reference_grpo_loss(logp, old.double(), rewards, mask, ref_logp=ref_lp.double(), **opts)
+        return reference_grpo_loss(logp, old.double(), rewards, mask, ref_logp=ref_lp.double(), group_size=4,
+                                   **settings)
 
     want, want_grads = grads_of(expected, (hidden, weight))
     got, got_grads = grads_of(lambda h, w: fused_linear_grpo_loss(
-        h, w, targets, mask, old, rewards, ref_logp=ref_lp, backend="triton", path="single_pass",
-        chunk_budget_mib=budget, **opts), (hidden, weight))
+        h, w, targets, mask, old, rewards, ref_logp=ref_lp, group_size=4, objective=GRPO(**settings),
+        options=LossOptions(backend="triton", path="single_pass", chunk_budget_mib=budget)), (hidden, weight))
     torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-6)
     for g, e in zip(got_grads, want_grads):
         torch.testing.assert_close(g.double(), e.double(), rtol=2e-2, atol=2e-2 * e.abs().max().item())

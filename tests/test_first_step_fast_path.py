@@ -8,7 +8,7 @@ import pytest
 import torch
 from seeds import stable_seed
 
-from pacs_kernels import PACSLoss, fused_linear_pacs_loss, linear_logprobs
+from pacs_kernels import PACS, LossOptions, PACSLoss, fused_linear_pacs_loss, linear_logprobs
 
 VOCAB, WIDTH = 70, 24
 
@@ -41,8 +41,8 @@ def _loss_and_grads(hidden, weight, bias, targets, mask, old, rewards, **kw):
                                                        ("rloo", "log_ratio", "positive_only")])
 def test_one_sweep_first_step_equals_usual_path(backend, advantage, score, weighting):
     hidden, weight, bias, targets, mask, rewards = _batch(seed=stable_seed(backend, advantage, score) % 999)
-    opts = dict(group_size=4, temperature=0.9, beta=0.7, advantage=advantage, score=score, weighting=weighting,
-                backend=backend)
+    opts = dict(group_size=4, objective=PACS(beta=0.7, advantage=advantage, score=score, weighting=weighting),
+                options=LossOptions(temperature=0.9, backend=backend))
     with torch.no_grad():  # the rollout-time pass: old log-probs and their log-sum-exp
         old, old_lse = linear_logprobs(hidden, weight, targets, bias=bias, temperature=0.9, backend=backend,
                                        return_lse=True)
@@ -59,7 +59,7 @@ def test_module_and_tied_weight_take_old_lse():
     hidden, weight, _, targets, mask, rewards = _batch(seed=3)
     with torch.no_grad():
         old, old_lse = linear_logprobs(hidden, weight, targets, backend="torch", return_lse=True)
-    loss_fn = PACSLoss(group_size=4, backend="torch")
+    loss_fn = PACSLoss(group_size=4, options=LossOptions(backend="torch"))
     w1, w2 = weight.clone().requires_grad_(), weight.clone().requires_grad_()
     loss_fn(hidden, w1, targets, mask, old, rewards).backward()
     loss_fn(hidden, w2, targets, mask, old, rewards, old_lse=old_lse).backward()
@@ -76,8 +76,10 @@ def test_a_stale_old_lse_warns_and_the_usual_path_runs():
     w_stale, w_usual = moved.clone().requires_grad_(), moved.clone().requires_grad_()
     with pytest.warns(RuntimeWarning, match="old_lse does not belong to these weights.*usual path"):
         stale, stats = fused_linear_pacs_loss(hidden, w_stale, targets, mask, old, rewards, group_size=4,
-                                              old_lse=old_lse, backend="torch", return_stats=True)
-    usual = fused_linear_pacs_loss(hidden, w_usual, targets, mask, old, rewards, group_size=4, backend="torch")
+                                              old_lse=old_lse, options=LossOptions(backend="torch"),
+                                              return_stats=True)
+    usual = fused_linear_pacs_loss(hidden, w_usual, targets, mask, old, rewards, group_size=4,
+                                   options=LossOptions(backend="torch"))
     assert stats.path != "one_sweep"
     stale.backward()
     usual.backward()
@@ -106,7 +108,8 @@ def test_the_one_sweep_tolerates_rounding_not_moved_weights(dtype, tolerance):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, moved, rewards, group_size=4,
-                                              old_lse=old_lse, backend="torch", return_stats=True)
+                                              old_lse=old_lse, options=LossOptions(backend="torch"),
+                                              return_stats=True)
         stale = [w for w in caught if "old_lse does not belong" in str(w.message)]
         if expected == "one_sweep":
             assert stats.path == "one_sweep" and not stale
@@ -114,7 +117,7 @@ def test_the_one_sweep_tolerates_rounding_not_moved_weights(dtype, tolerance):
             assert stats.path != "one_sweep" and len(stale) == 1
     with pytest.raises(ValueError, match="old_lse must have the shape of old_logp"):
         fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, old_lse=old_lse[:2],
-                               backend="torch")
+                               options=LossOptions(backend="torch"))
     with pytest.raises(ValueError, match="needs backend 'auto', 'torch' or 'triton'"):
         fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, old_lse=old_lse,
-                               backend="naive")
+                               options=LossOptions(backend="naive"))

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from pacs_kernels import PACSLoss, fused_linear_pacs_loss, pacs_loss
+from pacs_kernels import PACS, LossOptions, PACSLoss, fused_linear_pacs_loss, pacs_loss
 from pacs_kernels.reference import naive_linear_logprobs, reference_pacs_loss
 
 VOCAB, WIDTH = 50, 16
@@ -50,13 +50,15 @@ def grads_of(loss_fn, tensors):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_padded_matches_naive(backend, dtype):
     hidden, weight, bias, targets, mask, old, rewards = make_batch(seed=1, dtype=dtype, with_bias=True)
-    opts = dict(group_size=4, beta=0.8, score="log_ratio", advantage="rloo", weighting="balanced")
+    settings = dict(beta=0.8, score="log_ratio", advantage="rloo", weighting="balanced")
     expected, expected_grads = grads_of(
-        lambda h, w, b: naive_loss(h, w, b, targets, mask, old, rewards, temperature=0.7, **opts),
+        lambda h, w, b: naive_loss(h, w, b, targets, mask, old, rewards, temperature=0.7, group_size=4,
+                                   **settings),
         (hidden, weight, bias))
     loss, got = grads_of(
-        lambda h, w, b: fused_linear_pacs_loss(h, w, targets, mask, old, rewards, bias=b, temperature=0.7,
-                                               backend=backend, **opts),
+        lambda h, w, b: fused_linear_pacs_loss(h, w, targets, mask, old, rewards, bias=b, group_size=4,
+                                               objective=PACS(**settings),
+                                               options=LossOptions(temperature=0.7, backend=backend)),
         (hidden, weight, bias))
     assert loss.dtype == torch.float32
     assert [g.dtype for g in got] == [dtype] * 3
@@ -68,11 +70,11 @@ def test_padded_matches_naive(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("options", [
-    dict(score="mean_logp", advantage="grpo", weighting="none"),
-    dict(score="log_ratio", advantage="naive", weighting="positive_only", score_function_term=True),
+@pytest.mark.parametrize("objective", [
+    PACS(score="mean_logp", advantage="grpo", weighting="none"),
+    PACS(score="log_ratio", advantage="naive", weighting="positive_only", score_function_term=True),
 ])
-def test_packed_matches_padded(backend, options):
+def test_packed_matches_padded(backend, objective):
     hidden, weight, _, targets, mask, old, rewards = make_batch(seed=2)
     b = hidden.shape[0]
     lengths = mask.sum(1) + torch.arange(b) % 2  # each response's slice also holds one masked-out token
@@ -81,7 +83,7 @@ def test_packed_matches_padded(backend, options):
     cu[1:] = torch.cumsum(lengths, 0)
     packed = [torch.cat([t[i, :lengths[i]] for i in range(b)]) for t in (hidden, targets, mask, old)]
     padded_mask = mask & (torch.arange(hidden.shape[1])[None, :] < lengths[:, None])
-    common = dict(group_size=4, backend=backend, **options)
+    common = dict(group_size=4, objective=objective, options=LossOptions(backend=backend))
     loss_padded, g_padded = grads_of(
         lambda h, w: fused_linear_pacs_loss(h, w, targets, padded_mask, old, rewards, **common), (hidden, weight))
     loss_packed, g_packed = grads_of(
@@ -105,11 +107,13 @@ def test_packed_matches_reference_float64():
     cu = torch.zeros(b + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(lengths, 0)
     packed = [torch.cat([t[i, :lengths[i]] for i in range(b)]) for t in (hidden, targets, mask, old)]
-    opts = dict(group_size=4, score="mean_logp", advantage="rloo", weighting="balanced")
-    expected, e_grads = grads_of(lambda h, w: naive_loss(h, w, None, targets, mask, old, rewards, **opts),
+    settings = dict(score="mean_logp", advantage="rloo", weighting="balanced")
+    expected, e_grads = grads_of(lambda h, w: naive_loss(h, w, None, targets, mask, old, rewards, group_size=4,
+                                                         **settings),
                                  (hidden, weight))
     loss, got = grads_of(lambda h, w: fused_linear_pacs_loss(h, w, packed[1], packed[2], packed[3], rewards,
-                                                             cu_seqlens=cu, backend="torch", **opts),
+                                                             cu_seqlens=cu, group_size=4, objective=PACS(**settings),
+                                                             options=LossOptions(backend="torch")),
                          (packed[0], weight))
     torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-7)  # logp comes back float32
     torch.testing.assert_close(got[1], e_grads[1], rtol=1e-5, atol=1e-6)
@@ -135,7 +139,7 @@ def test_tied_embeddings_gradient(backend):
     model = TinyTiedLM()
     _, _, _, targets, mask, old, rewards = make_batch(seed=4)
     input_ids = torch.randint(0, VOCAB, targets.shape)
-    loss_fn = PACSLoss(group_size=4, temperature=0.9, backend=backend)
+    loss_fn = PACSLoss(group_size=4, options=LossOptions(temperature=0.9, backend=backend))
     loss = loss_fn(model.hidden_states(input_ids), model.embed.weight, targets, mask, old, rewards)
     loss.backward()
     got = {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -155,13 +159,13 @@ def test_tied_embeddings_gradient(backend):
 
 def test_module_matches_function_and_reports_stats():
     hidden, weight, _, targets, mask, old, rewards = make_batch(seed=5)
-    module = PACSLoss(group_size=4, beta=2.0, score="mean_logp", advantage="grpo", weighting="negative_only",
-                      temperature=1.3, backend="torch")
+    objective = PACS(beta=2.0, score="mean_logp", advantage="grpo", weighting="negative_only")
+    options = LossOptions(temperature=1.3, backend="torch")
+    module = PACSLoss(group_size=4, objective=objective, options=options)
     assert "group_size=4" in repr(module) and "mean_logp" in repr(module)
     loss, stats = module(hidden, weight, targets, mask, old, rewards, return_stats=True)
-    direct = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, beta=2.0,
-                                    score="mean_logp", advantage="grpo", weighting="negative_only",
-                                    temperature=1.3, backend="torch")
+    direct = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, objective=objective,
+                                    options=options)
     assert loss.item() == direct.item() == stats.loss
     assert 0 <= stats.sigmoid_psi_mean <= 1 and stats.weight_min == 0.0
 
@@ -181,9 +185,10 @@ def test_drop_in_trainer_snippet():
     response_mask[0, -2:] = False                                        # a shorter response (padding)
     rewards = torch.randint(0, 2, (2 * G,)).float()                     # verifier: 1 = correct
     # --- snippet starts here -------------------------------------------------------------------
-    from pacs_kernels import PACSLoss, linear_logprobs
+    from pacs_kernels import PACS, LossOptions, PACSLoss, linear_logprobs
 
-    loss_fn = PACSLoss(group_size=G, beta=1.0, temperature=1.0)          # configure once
+    loss_fn = PACSLoss(group_size=G, objective=PACS(beta=1.0),           # configure once
+                       options=LossOptions(temperature=1.0))
 
     targets = input_ids[:, 1:]                                           # position t predicts token t+1
     mask = response_mask[:, 1:]                                          # 1 on response tokens only
@@ -208,7 +213,7 @@ def test_drop_in_trainer_snippet():
 
 def test_fused_bad_inputs():
     hidden, weight, _, targets, mask, old, rewards = make_batch(seed=6)
-    call = dict(group_size=4, backend="torch")
+    call = dict(group_size=4, options=LossOptions(backend="torch"))
     with pytest.raises(ValueError, match="hidden"):
         fused_linear_pacs_loss(hidden[0], weight, targets[0], mask[0], old[0], rewards, **call)
     with pytest.raises(ValueError, match="targets"):
@@ -224,7 +229,8 @@ def test_fused_bad_inputs():
     with pytest.raises(ValueError, match="targets"):  # a masked token with an id outside the vocabulary
         fused_linear_pacs_loss(hidden, weight, targets.masked_fill(mask, VOCAB), mask, old, rewards, **call)
     with pytest.raises(ValueError, match="backend"):
-        fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, backend="cuda")
+        fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4,
+                               options=LossOptions(backend="cuda"))
     with pytest.raises(ValueError, match="device"):
         fused_linear_pacs_loss(hidden, weight, targets, mask.to("meta"), old, rewards, **call)
     flat = [t.reshape(-1, *t.shape[2:]) for t in (hidden, targets, mask, old)]
@@ -236,17 +242,17 @@ def test_fused_bad_inputs():
                                **call)
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    (dict(group_size=1), ValueError, "group_size"),
-    (dict(group_size=4, score="x"), ValueError, "score"),
-    (dict(group_size=4, temperature=0.0), ValueError, "temperature"),
-    (dict(group_size=4, beta=float("nan")), ValueError, "beta"),
-    (dict(group_size=4, backend="gpu"), ValueError, "backend"),
-    (dict(group_size=4, score_function_term=1), TypeError, "score_function_term"),
-])
-def test_module_bad_config(kwargs, error, match):
+@pytest.mark.parametrize("configure,error,match", [
+    (lambda: PACSLoss(group_size=1), ValueError, "group_size"),
+    (lambda: PACSLoss(group_size=4, objective=PACS(score="x")), ValueError, "score"),
+    (lambda: PACSLoss(group_size=4, options=LossOptions(temperature=0.0)), ValueError, "temperature"),
+    (lambda: PACSLoss(group_size=4, objective=PACS(beta=float("nan"))), ValueError, "beta"),
+    (lambda: PACSLoss(group_size=4, options=LossOptions(backend="gpu")), ValueError, "backend"),
+    (lambda: PACSLoss(group_size=4, objective=PACS(score_function_term=1)), TypeError, "score_function_term"),
+], ids=["group_size", "score", "temperature", "beta", "backend", "score_function_term"])
+def test_module_bad_config(configure, error, match):
     with pytest.raises(error, match=match):
-        PACSLoss(**kwargs)
+        configure()
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -255,11 +261,14 @@ def test_all_tokens_selected(backend):
     hidden, weight, _, targets, mask, old, rewards = make_batch(seed=7)
     full = torch.ones_like(mask)
     targets = targets.clamp(min=0)
-    opts = dict(group_size=4, score="mean_logp", advantage="rloo", weighting="balanced")
-    expected, e_grads = grads_of(lambda h, w: naive_loss(h, w, None, targets, full, old, rewards, **opts),
+    settings = dict(score="mean_logp", advantage="rloo", weighting="balanced")
+    expected, e_grads = grads_of(lambda h, w: naive_loss(h, w, None, targets, full, old, rewards, group_size=4,
+                                                         **settings),
                                  (hidden, weight))
-    loss, got = grads_of(lambda h, w: fused_linear_pacs_loss(h, w, targets, full.float(), old, rewards,
-                                                             backend=backend, **opts), (hidden, weight))
+    loss, got = grads_of(lambda h, w: fused_linear_pacs_loss(h, w, targets, full.float(), old, rewards, group_size=4,
+                                                             objective=PACS(**settings),
+                                                             options=LossOptions(backend=backend)),
+                         (hidden, weight))
     torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
     for g, e in zip(got, e_grads):
         torch.testing.assert_close(g, e.float(), rtol=1e-4, atol=1e-6)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pacs_kernels import fused_linear_pacs_loss, linear_logprobs, pacs_loss
+from pacs_kernels import PACS, LossOptions, fused_linear_pacs_loss, linear_logprobs, pacs_loss
 
 
 @dataclass
@@ -93,6 +93,9 @@ def draw(seed: int, *, allow_float64: bool) -> Draw:
                 budgets)
 
 
+LOGIT_KNOBS = ("temperature", "logit_softcap")  # the draw's options that go to LossOptions, not to the loss
+
+
 def reference_logp(hidden, weight, bias, targets, options, dtype=torch.float64):
     z = hidden.to(dtype) @ weight.to(dtype).T
     if bias is not None:
@@ -111,7 +114,7 @@ def materialized(case: Draw, dtype=torch.float64, loss_dtype=None):
     old = logp.detach() if case.old_logp is None else case.old_logp.to(dtype)
     if loss_dtype is not None:
         logp, old = logp.to(loss_dtype), old.to(loss_dtype)
-    loss_options = {k: v for k, v in case.options.items() if k not in ("temperature", "logit_softcap")}
+    loss_options = {k: v for k, v in case.options.items() if k not in LOGIT_KNOBS}
     loss = pacs_loss(logp, old, case.rewards, case.mask, valid=case.valid, backend="torch", **case.layout,
                      **loss_options)
     grads = torch.autograd.grad(loss, inputs + ([bias] if bias is not None else []))
@@ -127,9 +130,12 @@ def fused(case: Draw, backend: str, path: str, budget):
                                               temperature=case.options["temperature"], bias=case.bias,
                                               return_lse=True, backend="torch",
                                               logit_softcap=case.options["logit_softcap"])
+    knobs = {k: v for k, v in case.options.items() if k in LOGIT_KNOBS}
+    settings = {k: v for k, v in case.options.items() if k not in LOGIT_KNOBS and k != "group_size"}
+    options = LossOptions(backend=backend, path=path, chunk_budget_mib=budget, **knobs)
     loss = fused_linear_pacs_loss(hidden, weight, case.targets, case.mask, case.old_logp, case.rewards, bias=bias,
-                                  valid=case.valid, backend=backend, path=path, chunk_budget_mib=budget,
-                                  **case.layout, **case.options, **extra)
+                                  valid=case.valid, group_size=case.options["group_size"],
+                                  objective=PACS(**settings), options=options, **case.layout, **extra)
     grads = torch.autograd.grad(loss, [hidden, weight] + ([bias] if bias is not None else []))
     return [loss.detach().double()] + [g.double() for g in grads]
 

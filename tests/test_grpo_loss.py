@@ -4,7 +4,7 @@ import pytest
 import torch
 from seeds import stable_seed
 
-from pacs_kernels import GRPOStats, fused_linear_grpo_loss, grpo_loss
+from pacs_kernels import GRPO, GRPOStats, LossOptions, fused_linear_grpo_loss, grpo_loss
 from pacs_kernels.reference import naive_linear_logprobs, reference_grpo_loss
 
 
@@ -73,14 +73,15 @@ def test_fused_matches_naive(backend):
     targets = targets.masked_fill(~mask, -1)
     old = torch.randn(8, 6, generator=gen) * 0.1 - 3.5
     rewards = torch.randint(0, 2, (8,), generator=gen).float()
-    opts = dict(group_size=4, aggregation="seq_mean", clip_eps_high=0.3)
+    settings = dict(aggregation="seq_mean", clip_eps_high=0.3)
 
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss = fused_linear_grpo_loss(h1, w1, targets, mask, old, rewards, temperature=0.8, backend=backend, **opts)
+    loss = fused_linear_grpo_loss(h1, w1, targets, mask, old, rewards, group_size=4, objective=GRPO(**settings),
+                                  options=LossOptions(temperature=0.8, backend=backend))
     loss.backward()
     h2, w2 = hidden.double().requires_grad_(), weight.double().requires_grad_()
     logp, _ = naive_linear_logprobs(h2, w2, targets.clamp(min=0), temperature=0.8)
-    expected = reference_grpo_loss(logp, old, rewards, mask, **opts)
+    expected = reference_grpo_loss(logp, old, rewards, mask, group_size=4, **settings)
     expected.backward()
     torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(h1.grad.double(), h2.grad, rtol=1e-4, atol=1e-6)
@@ -130,7 +131,8 @@ def test_fused_full_mask():
     mask = torch.ones(4, 5, dtype=torch.bool)
     old = -3.4 + 0.1 * torch.randn(4, 5, generator=gen, dtype=torch.float64)
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
-    loss = fused_linear_grpo_loss(hidden, weight, targets, mask, old, rewards, group_size=2, backend="torch")
+    loss = fused_linear_grpo_loss(hidden, weight, targets, mask, old, rewards, group_size=2,
+                                  options=LossOptions(backend="torch"))
     logp, _ = naive_linear_logprobs(hidden, weight, targets)
     expected = reference_grpo_loss(logp, old, rewards, mask, group_size=2)
     torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-7)  # logp comes back float32

@@ -13,9 +13,10 @@ from pacs.config import load_config, use_packing
 from pacs.model.model_forward import PACSBatch, add_pacs_forward
 from pacs.model.packed_attention import PACKED_ATTENTION
 from pacs.model.packing import packing_obstacle
-from pacs_kernels import PACSLoss
+from pacs_kernels import LossOptions, PACSLoss
 
 V, G = 23, 3
+TORCH_BACKEND = LossOptions(backend="torch")
 
 
 def tiny_llama(seed: int = 0):
@@ -72,8 +73,8 @@ def test_padding_free_loss_and_gradients_equal_the_padded_forward_in_float64(on_
         batch.old_logp = None
     padded, packed = tiny_llama(), tiny_llama()
     packed.set_attn_implementation(attention)
-    assert add_pacs_forward(padded, PACSLoss(group_size=G, backend="torch"), temperature=0.7) is False
-    assert add_pacs_forward(packed, PACSLoss(group_size=G, backend="torch"), temperature=0.7,
+    assert add_pacs_forward(padded, PACSLoss(group_size=G, options=TORCH_BACKEND), temperature=0.7) is False
+    assert add_pacs_forward(packed, PACSLoss(group_size=G, options=TORCH_BACKEND), temperature=0.7,
                             padding_free=True) is True
     assert packed.config._attn_implementation == PACKED_ATTENTION
     loss, grads, stats = loss_and_grads(packed, input_ids, attention_mask, batch)
@@ -104,8 +105,8 @@ def test_padding_free_takes_positional_inputs_and_no_attention_mask():
     full = torch.ones_like(attention_mask)
     batch.mask = torch.ones_like(batch.mask)  # every completion token real
     padded, packed = tiny_llama(), tiny_llama()
-    add_pacs_forward(padded, PACSLoss(group_size=G, backend="torch"), temperature=1.0)
-    add_pacs_forward(packed, PACSLoss(group_size=G, backend="torch"), temperature=1.0, padding_free=True)
+    add_pacs_forward(padded, PACSLoss(group_size=G, options=TORCH_BACKEND), temperature=1.0)
+    add_pacs_forward(packed, PACSLoss(group_size=G, options=TORCH_BACKEND), temperature=1.0, padding_free=True)
     with torch.no_grad():
         expected = padded(input_ids, full, pacs_batch=batch).loss
         torch.testing.assert_close(packed(input_ids, pacs_batch=batch).loss, expected, rtol=1e-10, atol=1e-12)
@@ -118,7 +119,7 @@ def test_a_loss_mask_on_padding_is_refused():
     short = int((attention_mask[:, 7:].sum(1) < 9).nonzero()[0])
     batch.mask[short] = 1.0
     model = tiny_llama()
-    add_pacs_forward(model, PACSLoss(group_size=G, backend="torch"), temperature=1.0, padding_free=True)
+    add_pacs_forward(model, PACSLoss(group_size=G, options=TORCH_BACKEND), temperature=1.0, padding_free=True)
     with pytest.raises(ValueError, match="pacs_batch.mask selects completion tokens that attention_mask marks"):
         model(input_ids=input_ids, attention_mask=attention_mask, pacs_batch=batch)
     with pytest.raises(ValueError, match="not \\['position_ids'\\]"):
@@ -242,7 +243,7 @@ def test_a_packed_row_with_an_attention_mask_or_images_is_refused():
         packed_sdpa_attention(module, q, q, q, torch.zeros(1, 1, 4, 4), cu_seq_lens_q=torch.tensor([0, 2, 4]))
     input_ids, attention_mask, batch = left_right_padded(4)
     model = tiny_llama()
-    add_pacs_forward(model, PACSLoss(group_size=G, backend="torch"), temperature=1.0, padding_free=True)
+    add_pacs_forward(model, PACSLoss(group_size=G, options=TORCH_BACKEND), temperature=1.0, padding_free=True)
     with pytest.raises(ValueError, match=r"text only\), not \['pixel_values'\]"):
         model(input_ids=input_ids, attention_mask=attention_mask, pixel_values=torch.zeros(1, 3, 4, 4),
               pacs_batch=batch)
@@ -256,7 +257,7 @@ def test_a_logprob_request_returns_the_completion_log_probs(padding_free):
 
     input_ids, attention_mask, batch = left_right_padded(5)
     model = tiny_llama()
-    add_pacs_forward(model, PACSLoss(group_size=G, backend="torch"), temperature=0.7, padding_free=padding_free)
+    add_pacs_forward(model, PACSLoss(group_size=G, options=TORCH_BACKEND), temperature=0.7, padding_free=padding_free)
     with torch.no_grad():
         logp = model(input_ids=input_ids, attention_mask=attention_mask,
                      pacs_batch=LogprobRequest(batch.targets)).logp

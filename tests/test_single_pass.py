@@ -12,7 +12,15 @@ import pytest
 import torch
 from test_fused_loss import grads_of, make_batch, naive_loss
 
-from pacs_kernels import fused_linear_grpo_loss, fused_linear_pacs_loss, grpo_loss, linear_logprobs
+from pacs_kernels import (
+    GRPO,
+    PACS,
+    LossOptions,
+    fused_linear_grpo_loss,
+    fused_linear_pacs_loss,
+    grpo_loss,
+    linear_logprobs,
+)
 from pacs_kernels.reference import naive_linear_logprobs, reference_grpo_loss, reference_pacs_loss
 from pacs_kernels.single_pass import (
     TINY_GRAD,
@@ -68,19 +76,23 @@ def test_plan_token_chunks_cover_every_token_once():
 def test_single_pass_matches_reference_float64(score, advantage, weighting):
     hidden, weight, bias, targets, mask, old, rewards = make_batch(n_groups=3, seed=5, with_bias=True)
     hidden, weight, bias = hidden.double(), weight.double(), bias.double()
-    opts = dict(group_size=4, beta=0.7, score=score, advantage=advantage, weighting=weighting)
+    settings = dict(beta=0.7, score=score, advantage=advantage, weighting=weighting)
+    objective = PACS(**settings)
     expected, e_grads = grads_of(
-        lambda h, w, b: naive_loss(h, w, b, targets, mask, old, rewards, temperature=0.8, **opts),
+        lambda h, w, b: naive_loss(h, w, b, targets, mask, old, rewards, temperature=0.8, group_size=4, **settings),
         (hidden, weight, bias))
     # one chunk; one group per chunk; 5 tokens: every group bigger than the budget, cut into tiles
     # of at most 5 tokens, the last one's logits kept, the others rebuilt
     for budget in (64.0, one_group_mib(torch.float64), tokens_mib(5, torch.float64)):
-        loss, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, bias=bias,
-                                             temperature=0.8, chunk_budget_mib=budget, return_stats=True, **opts)
+        loss, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, bias=bias, group_size=4,
+                                             objective=objective,
+                                             options=LossOptions(temperature=0.8, chunk_budget_mib=budget),
+                                             return_stats=True)
         assert stats.path == "single_pass"
+        options = LossOptions(temperature=0.8, chunk_budget_mib=budget, path="single_pass")
         loss, got = grads_of(
-            lambda h, w, b: fused_linear_pacs_loss(h, w, targets, mask, old, rewards, bias=b, temperature=0.8,
-                                                   chunk_budget_mib=budget, path="single_pass", **opts),
+            lambda h, w, b: fused_linear_pacs_loss(h, w, targets, mask, old, rewards, bias=b, group_size=4,
+                                                   objective=objective, options=options),
             (hidden, weight, bias))
         assert loss.dtype == torch.float64
         torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
@@ -93,16 +105,18 @@ def test_single_pass_matches_reference_float64(score, advantage, weighting):
 def test_single_pass_equals_two_pass_and_packed(score_function_term):
     hidden, weight, _, targets, mask, old, rewards = make_batch(n_groups=3, seed=6)
     hidden, weight = hidden.double(), weight.double()
-    opts = dict(group_size=4, score_function_term=score_function_term)
+    opts = dict(group_size=4, objective=PACS(score_function_term=score_function_term))
     results = {}
     for path in ("single_pass", "two_pass"):
+        options = LossOptions(path=path, chunk_budget_mib=one_group_mib(torch.float64))
         results[path] = grads_of(lambda h, w: fused_linear_pacs_loss(
-            h, w, targets, mask, old, rewards, path=path, chunk_budget_mib=one_group_mib(torch.float64), **opts),
+            h, w, targets, mask, old, rewards, options=options, **opts),
             (hidden, weight))
     (packed_h, packed_y, packed_m, packed_old), cu = to_packed(hidden, targets, mask, old)
     budget = one_group_mib(torch.float64)
     results["packed"] = grads_of(lambda h, w: fused_linear_pacs_loss(
-        h, w, packed_y, packed_m, packed_old, rewards, cu_seqlens=cu, chunk_budget_mib=budget, **opts),
+        h, w, packed_y, packed_m, packed_old, rewards, cu_seqlens=cu, options=LossOptions(chunk_budget_mib=budget),
+        **opts),
         (packed_h, weight))
     # the two-pass path's log-probs are float32 (linear_logprobs' contract): float32-level agreement
     loss, grads = results["two_pass"]
@@ -143,36 +157,40 @@ def test_group_over_budget_rebuilds_part_of_its_logits():
     hidden, weight, _, targets, mask, old, rewards = make_batch(seed=7)
     tiny = tokens_mib(3)  # three tokens: no group fits
     expected, e_grads = grads_of(lambda h, w: fused_linear_pacs_loss(
-        h, w, targets, mask, old, rewards, group_size=4, path="two_pass"), (hidden, weight))
+        h, w, targets, mask, old, rewards, group_size=4, options=LossOptions(path="two_pass")), (hidden, weight))
     _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4,
-                                      chunk_budget_mib=tiny, return_stats=True)
+                                      options=LossOptions(chunk_budget_mib=tiny), return_stats=True)
     assert stats.path == "single_pass"
     loss, got = grads_of(lambda h, w: fused_linear_pacs_loss(
-        h, w, targets, mask, old, rewards, group_size=4, chunk_budget_mib=tiny), (hidden, weight))
+        h, w, targets, mask, old, rewards, group_size=4, options=LossOptions(chunk_budget_mib=tiny)), (hidden, weight))
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7)
     for g, e in zip(got, e_grads):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6 * e.abs().max().item())
-    _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, backend="triton",
-                                      chunk_budget_mib=tiny, return_stats=True)
+    _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4,
+                                      options=LossOptions(backend="triton", chunk_budget_mib=tiny), return_stats=True)
     assert stats.path == "two_pass"
     # with a soft-cap the Triton two passes cannot run (no cap in the log-prob kernels): auto rebuilds instead
     # of refusing, and matches the torch two passes
-    capped = dict(group_size=4, chunk_budget_mib=tiny, logit_softcap=2.0)
+    capped = dict(chunk_budget_mib=tiny, logit_softcap=2.0)
     expected, e_grads = grads_of(lambda h, w: fused_linear_pacs_loss(
-        h, w, targets, mask, old, rewards, path="two_pass", backend="torch", **capped), (hidden, weight))
-    _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, backend="triton",
-                                      return_stats=True, **capped)
+        h, w, targets, mask, old, rewards, group_size=4,
+        options=LossOptions(path="two_pass", backend="torch", **capped)), (hidden, weight))
+    _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4,
+                                      options=LossOptions(backend="triton", **capped), return_stats=True)
     assert stats.path == "single_pass"
     loss, got = grads_of(lambda h, w: fused_linear_pacs_loss(
-        h, w, targets, mask, old, rewards, backend="triton", **capped), (hidden, weight))
+        h, w, targets, mask, old, rewards, group_size=4, options=LossOptions(backend="triton", **capped)),
+        (hidden, weight))
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     for g, e in zip(got, e_grads):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5 * e.abs().max().item())
     for bad in (0, -1.0, float("inf"), "big", True):
         with pytest.raises(ValueError, match="chunk_budget_mib must be a finite number"):
-            fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, chunk_budget_mib=bad)
+            fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4,
+                                   options=LossOptions(chunk_budget_mib=bad))
     with pytest.raises(ValueError, match="path must be one of"):
-        fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, path="three_pass")
+        fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4,
+                               options=LossOptions(path="three_pass"))
 
 
 @pytest.mark.parametrize("path", ["single_pass", "two_pass", "one_sweep"])
@@ -182,13 +200,15 @@ def test_on_policy_old_logp_none(path, score):
     hidden, weight = hidden.double(), weight.double()
     with torch.no_grad():
         current, lse = linear_logprobs(hidden, weight, targets.clamp(min=0), return_lse=True)
-    opts = dict(group_size=4, score=score)
-    expected, e_grads = grads_of(lambda h, w: naive_loss(h, w, None, targets, mask, current, rewards, **opts),
+    opts = dict(group_size=4, objective=PACS(score=score))
+    expected, e_grads = grads_of(lambda h, w: naive_loss(h, w, None, targets, mask, current, rewards, group_size=4,
+                                                         score=score),
                                  (hidden, weight))
     if path == "one_sweep":
         run = lambda h, w: fused_linear_pacs_loss(h, w, targets, mask, current, rewards, old_lse=lse, **opts)  # noqa: E731
     else:
-        run = lambda h, w: fused_linear_pacs_loss(h, w, targets, mask, None, rewards, path=path, **opts)  # noqa: E731
+        run = lambda h, w: fused_linear_pacs_loss(h, w, targets, mask, None, rewards,  # noqa: E731
+                                                  options=LossOptions(path=path), **opts)
     loss, got = grads_of(run, (hidden, weight))
     torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-8)
     for g, e in zip(got, e_grads):  # `current` is float32: float32-level agreement
@@ -208,13 +228,14 @@ def test_valid_mask_matches_reference(path):
         lambda h, w: reference_pacs_loss(logp_ref(h, w), old.double(), rewards, mask, group_size=4,
                                          valid=valid)[0], (hidden, weight))
     loss, got = grads_of(lambda h, w: fused_linear_pacs_loss(h, w, targets, mask, old, rewards_with_nan,
-                                                             group_size=4, valid=valid, path=path),
+                                                             group_size=4, valid=valid,
+                                                             options=LossOptions(path=path)),
                          (hidden, weight))
     torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-8)
     for g, e in zip(got, e_grads):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5 * e.abs().max().item())
     _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards_with_nan, group_size=4,
-                                      valid=valid, path=path, return_stats=True)
+                                      valid=valid, options=LossOptions(path=path), return_stats=True)
     assert stats.valid_frac == pytest.approx(9 / 12)
     with pytest.raises(ValueError, match="valid must have shape"):
         fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, valid=valid[:5])
@@ -226,7 +247,8 @@ def test_valid_mask_matches_reference(path):
 def test_entropy_in_stats(path):
     hidden, weight, bias, targets, mask, old, rewards = make_batch(seed=10, with_bias=True)
     _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, bias=bias,
-                                      temperature=0.9, with_entropy=True, return_stats=True, path=path)
+                                      options=LossOptions(temperature=0.9, path=path), with_entropy=True,
+                                      return_stats=True)
     _, entropy = naive_linear_logprobs(hidden.double(), weight.double(), targets.clamp(min=0), temperature=0.9,
                                        bias=bias.double())
     assert stats.entropy_mean == pytest.approx(entropy[mask].mean().item(), rel=1e-5)
@@ -239,8 +261,9 @@ def test_bf16_single_pass_close_to_float64():
     opts = dict(group_size=4)
     expected, e_grads = grads_of(lambda h, w: naive_loss(h, w, None, targets, mask, old, rewards, **opts),
                                  (hidden.double(), weight.double()))
-    loss, got = grads_of(lambda h, w: fused_linear_pacs_loss(h, w, targets, mask, old, rewards, path="single_pass",
-                                                             **opts), (hidden, weight))
+    loss, got = grads_of(lambda h, w: fused_linear_pacs_loss(h, w, targets, mask, old, rewards,
+                                                             options=LossOptions(path="single_pass"), **opts),
+                         (hidden, weight))
     assert [g.dtype for g in got] == [torch.bfloat16, torch.bfloat16]
     torch.testing.assert_close(loss.double(), expected, rtol=2e-2, atol=2e-2)
     for g, e in zip(got, e_grads):
@@ -268,7 +291,7 @@ def batch_at_the_old_policy(seed: int, path: str):
     hidden, weight, _, targets, mask, _, rewards = make_batch(seed=seed)
     with torch.no_grad():
         old, lse = linear_logprobs(hidden, weight, targets.clamp(min=0), return_lse=True)
-    extra = {"old_lse": lse} if path == "one_sweep" else {"path": path}
+    extra = {"old_lse": lse} if path == "one_sweep" else {"options": LossOptions(path=path)}
     return hidden, weight, targets, mask, old, rewards, extra
 
 
@@ -288,11 +311,11 @@ def test_second_backward_needs_retain_graph(path):
 def test_tiny_gradients_are_flushed_not_denormal():
     hidden, weight, _, targets, mask, old, rewards = make_batch(seed=14)
     # scores so confident that sigmoid(psi) - R underflows for the right answers
-    loss = fused_linear_pacs_loss(hidden, weight, targets, mask, old - 30.0, rewards, group_size=4, beta=5.0,
-                                  weighting="none")
+    loss = fused_linear_pacs_loss(hidden, weight, targets, mask, old - 30.0, rewards, group_size=4,
+                                  objective=PACS(beta=5.0, weighting="none"))
     h = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_()
-    loss = fused_linear_pacs_loss(h, w, targets, mask, old - 30.0, rewards, group_size=4, beta=5.0)
+    loss = fused_linear_pacs_loss(h, w, targets, mask, old - 30.0, rewards, group_size=4, objective=PACS(beta=5.0))
     loss.backward()
     for g in (h.grad, w.grad):
         assert bool(torch.isfinite(g).all())
@@ -306,7 +329,7 @@ def test_empty_batch_is_refused():
     for path in ("single_pass", "two_pass"):
         with pytest.raises(ValueError, match="at least one group of responses, got B = 0"):
             fused_linear_pacs_loss(hidden[:0], weight, targets[:0], mask[:0], old[:0], rewards[:0], group_size=4,
-                                   path=path)
+                                   options=LossOptions(path=path))
 
 
 @pytest.mark.parametrize("backend", ["torch", "naive", "triton"])
@@ -318,8 +341,8 @@ def test_inf_hidden_gives_nan_loss_on_every_backend_and_path(backend):
     paths = ("two_pass",) if backend == "naive" else ("single_pass", "two_pass")
     for path in paths:
         h = hidden.clone().requires_grad_()
-        loss = fused_linear_pacs_loss(h, weight, targets, mask, old, rewards, group_size=4, path=path,
-                                      backend=backend)
+        loss = fused_linear_pacs_loss(h, weight, targets, mask, old, rewards, group_size=4,
+                                      options=LossOptions(path=path, backend=backend))
         assert math.isnan(loss.item()), (backend, path)
 
 
@@ -329,10 +352,12 @@ def test_grpo_single_pass_matches_reference(aggregation, layout):
     hidden, weight, _, targets, mask, old, rewards = make_batch(n_groups=2, seed=17)
     hidden, weight = hidden.double(), weight.double()
     ref_lp = (old + 0.1).double()
-    opts = dict(group_size=4, clip_eps=0.1, clip_eps_high=0.3, aggregation=aggregation, kl_coef=0.05)
+    settings = dict(clip_eps=0.1, clip_eps_high=0.3, aggregation=aggregation, kl_coef=0.05)
+    objective = GRPO(**settings)
     logp_of = lambda h, w: naive_linear_logprobs(h, w, targets.clamp(min=0))[0]  # noqa: E731
     expected, e_grads = grads_of(
-        lambda h, w: reference_grpo_loss(logp_of(h, w), old, rewards, mask, ref_logp=ref_lp, **opts),
+        lambda h, w: reference_grpo_loss(logp_of(h, w), old, rewards, mask, ref_logp=ref_lp, group_size=4,
+                                         **settings),
         (hidden, weight))
     chunk = 5 * 200 / 2 ** 20  # five tokens per chunk: responses are cut
     if layout == "padded":
@@ -342,16 +367,19 @@ def test_grpo_single_pass_matches_reference(aggregation, layout):
         (_, _, _, pr), _ = to_packed(hidden, targets, mask, ref_lp)
         args = (ph, py, pm, po, pr, cu)
     for path, budget in (("single_pass", chunk), ("single_pass", 64.0), ("two_pass", 64.0)):
+        options = LossOptions(path=path, chunk_budget_mib=budget)
         loss, got = grads_of(lambda h, w: fused_linear_grpo_loss(
-            h, w, args[1], args[2], args[3], rewards, ref_logp=args[4], cu_seqlens=args[5], path=path,
-            chunk_budget_mib=budget, **opts), (args[0], weight))
+            h, w, args[1], args[2], args[3], rewards, ref_logp=args[4], cu_seqlens=args[5], group_size=4,
+            objective=objective, options=options), (args[0], weight))
         torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-8)
         torch.testing.assert_close(got[1], e_grads[1], rtol=1e-5, atol=1e-5 * e_grads[1].abs().max().item())
     # the stats agree with grpo_loss on the same log-probs
-    _, stats = fused_linear_grpo_loss(hidden, weight, targets, mask, old, rewards, ref_logp=ref_lp,
-                                      chunk_budget_mib=chunk, return_stats=True, **opts)
+    _, stats = fused_linear_grpo_loss(hidden, weight, targets, mask, old, rewards, ref_logp=ref_lp, group_size=4,
+                                      objective=objective, options=LossOptions(chunk_budget_mib=chunk),
+                                      return_stats=True)
     logp = torch.where(mask, logp_of(hidden, weight), torch.zeros(()))
-    _, expected_stats = grpo_loss(logp, old, rewards, mask, ref_logp=ref_lp, return_stats=True, **opts)
+    _, expected_stats = grpo_loss(logp, old, rewards, mask, ref_logp=ref_lp, return_stats=True, group_size=4,
+                                  **settings)
     for key, value in expected_stats.as_dict().items():
         assert stats.as_dict()[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
 
@@ -368,13 +396,15 @@ def test_triton_row_kernels_match_the_torch_single_pass(dtype, with_bias, budget
     if not triton_kernels.INTERPRETED:
         pytest.skip("needs TRITON_INTERPRET=1 on a machine without CUDA")
     hidden, weight, bias, targets, mask, old, rewards = make_batch(seed=18, dtype=dtype, with_bias=with_bias)
-    opts = dict(group_size=4, temperature=0.7, bias=bias, path="single_pass", return_stats=True, with_entropy=True,
-                chunk_budget_mib=2 * budget if softcap else budget, logit_softcap=softcap)
+    opts = dict(group_size=4, bias=bias, return_stats=True, with_entropy=True)
+    knobs = dict(temperature=0.7, path="single_pass", chunk_budget_mib=2 * budget if softcap else budget,
+                 logit_softcap=softcap)
     results = {}
     for backend in ("torch", "triton"):
+        options = LossOptions(backend=backend, **knobs)
         results[backend] = grads_of(lambda h, w: fused_linear_pacs_loss(
-            h, w, targets, mask, old, rewards, backend=backend, **opts)[0], (hidden, weight))
-        _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, backend=backend, **opts)
+            h, w, targets, mask, old, rewards, options=options, **opts)[0], (hidden, weight))
+        _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, options=options, **opts)
         results[backend] += (stats,)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     (loss_t, grads_t, stats_t), (loss_k, grads_k, stats_k) = results["torch"], results["triton"]
@@ -418,38 +448,40 @@ def test_logit_softcap_matches_reference_float64(path):
     hidden, weight, bias, targets, mask, old, rewards = make_batch(n_groups=2, seed=20, with_bias=True)
     hidden, weight, bias = 3 * hidden.double(), weight.double(), bias.double()  # logits large enough to cap
     cap, tau = 2.5, 0.8
-    opts = dict(group_size=4, beta=0.7)
+    opts = dict(group_size=4, objective=PACS(beta=0.7))
 
     def reference(h, w, b):
         logp, _ = naive_linear_logprobs(h, w, targets.clamp(min=0), temperature=tau, bias=b, softcap=cap)
-        return reference_pacs_loss(logp, old_ref, rewards, mask, **opts)[0]
+        return reference_pacs_loss(logp, old_ref, rewards, mask, group_size=4, beta=0.7)[0]
 
+    inputs, knobs = {}, {}  # the batch's optional inputs; LossOptions fields
     if path == "one_sweep":
         with torch.no_grad():
             old_ref, lse = linear_logprobs(hidden, weight, targets.clamp(min=0), temperature=tau, bias=bias,
                                            return_lse=True, logit_softcap=cap)
-        extra = {"old_lse": lse}
+        inputs = {"old_lse": lse}
     elif path == "single_pass_rebuild":  # groups bigger than the budget (the slope rows are rebuilt too)
-        old_ref, extra = old.double(), {"path": "single_pass", "chunk_budget_mib": 2 * tokens_mib(5, torch.float64)}
+        old_ref, knobs = old.double(), {"path": "single_pass", "chunk_budget_mib": 2 * tokens_mib(5, torch.float64)}
     else:
-        old_ref, extra = old.double(), {"path": path}
+        old_ref, knobs = old.double(), {"path": path}
     expected, e_grads = grads_of(reference, (hidden, weight, bias))
     loss, got = grads_of(lambda h, w, b: fused_linear_pacs_loss(
-        h, w, targets, mask, old_ref, rewards, bias=b, temperature=tau, logit_softcap=cap, **opts, **extra),
+        h, w, targets, mask, old_ref, rewards, bias=b, options=LossOptions(temperature=tau, logit_softcap=cap, **knobs),
+        **opts, **inputs),
         (hidden, weight, bias))
     torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-8)
     for g, e in zip(got, e_grads):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5 * e.abs().max().item())
     if path != "one_sweep":  # (there, the capped old_lse is refused for uncapped logits: stale)
-        plain = fused_linear_pacs_loss(hidden, weight, targets, mask, old_ref, rewards, bias=bias, temperature=tau,
-                                       **opts, **extra)
+        plain = fused_linear_pacs_loss(hidden, weight, targets, mask, old_ref, rewards, bias=bias,
+                                       options=LossOptions(temperature=tau, **knobs), **opts, **inputs)
         assert abs(plain.item() - loss.item()) > 1e-6  # the cap changes the loss: the test is not vacuous
         # GRPO's fused loss takes it too
         logp_ref = naive_linear_logprobs(hidden, weight, targets.clamp(min=0), temperature=tau, bias=bias,
                                          softcap=cap)[0]
         expected_grpo = reference_grpo_loss(logp_ref, old, rewards, mask, group_size=4)
         grpo = fused_linear_grpo_loss(hidden, weight, targets, mask, old, rewards, group_size=4, bias=bias,
-                                      temperature=tau, logit_softcap=cap, path=extra["path"])
+                                      options=LossOptions(temperature=tau, logit_softcap=cap, path=knobs["path"]))
         torch.testing.assert_close(grpo.double(), expected_grpo, rtol=1e-6, atol=1e-8)
 
 
@@ -457,7 +489,8 @@ def test_logit_softcap_errors():
     hidden, weight, _, targets, mask, old, rewards = make_batch(seed=21)
     for bad in (0, -1.0, float("inf"), "30", True):
         with pytest.raises(ValueError, match="logit_softcap must be None or a finite number > 0"):
-            fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, logit_softcap=bad)
+            fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4,
+                                   options=LossOptions(logit_softcap=bad))
     with pytest.raises(ValueError, match="logit_softcap needs backend='torch'"):
         linear_logprobs(hidden, weight, targets.clamp(min=0), backend="triton", logit_softcap=30.0)
 
@@ -500,9 +533,9 @@ def test_a_table_that_measured_two_passes_faster_does_not_send_a_softcap_there(m
 
     hidden, weight, _, targets, mask, old, rewards = make_batch(seed=8)
     monkeypatch.setattr(path_choice, "measured_two_pass_faster", lambda *args, **kwargs: True)
-    _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, backend="triton",
-                                      return_stats=True)
+    _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4,
+                                      options=LossOptions(backend="triton"), return_stats=True)
     assert stats.path == "two_pass"
-    _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4, backend="triton",
-                                      logit_softcap=2.0, return_stats=True)
+    _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4,
+                                      options=LossOptions(backend="triton", logit_softcap=2.0), return_stats=True)
     assert stats.path == "single_pass"

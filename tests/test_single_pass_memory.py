@@ -17,7 +17,7 @@ import pytest
 
 SCRIPT = r"""
 import json, sys, torch
-from pacs_kernels import fused_linear_pacs_loss
+from pacs_kernels import LossOptions, fused_linear_pacs_loss
 
 def rss_kib(field):
     for line in open("/proc/self/status"):
@@ -36,7 +36,8 @@ with torch.no_grad():
     old += 0.05 * torch.randn(old.shape, generator=gen)
 rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
 def run(h, w, t, m, o, b):
-    return fused_linear_pacs_loss(h, w, t, m, o, rewards, group_size=group, chunk_budget_mib=b, return_stats=True)
+    return fused_linear_pacs_loss(h, w, t, m, o, rewards, group_size=group, options=LossOptions(chunk_budget_mib=b),
+                                  return_stats=True)
 # warm up on a tiny input (pages in the code), with both budgets' code paths
 for b in (64.0, 0.001):
     small, _ = run(hidden[:, :8].detach().requires_grad_(), weight[:64].detach().requires_grad_(),
