@@ -3,7 +3,10 @@ timeouts (counted, scored 0) in the main thread and off it, and the fallback wit
 
 import json
 import os
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -35,16 +38,46 @@ def test_tricky_answers(case):
     assert counts == {"calls": 1, "timeouts": 0, "errors": 0}
 
 
+# each pathological answer in a fresh interpreter, as a trainer's process meets its first ones; prints, per call,
+# [reward, counts], and a cached repeat of the first answer last
+FRESH_PROCESS_CHECK = r"""
+import json, sys
+from pacs.tasks.rewards import MathVerifyReward
+cases = json.load(sys.stdin)
+reward = MathVerifyReward(timeout_s=1)
+calls = cases + cases[:1]
+print(json.dumps([[reward(c["response"], c["answer"]), reward.pop_counts()] for c in calls]))
+"""
+
+
 @needs_math_verify
 def test_pathological_answers_time_out_score_zero_and_are_counted():
-    reward = MathVerifyReward(timeout_s=1)
-    for case in PATHOLOGICAL:
-        assert reward(case["response"], case["answer"]) == 0.0, case["note"]
-    assert reward.pop_counts() == {"calls": len(PATHOLOGICAL), "timeouts": len(PATHOLOGICAL), "errors": 0}
+    """In a fresh process (the suite's own long-lived process once counted one of them as checked, not timed out,
+    while a fresh one never has: see the next test for what holds in any process)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS_CHECK], input=json.dumps(PATHOLOGICAL), text=True,
+                          capture_output=True, timeout=300, cwd=root, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for case, (score, counts) in zip(PATHOLOGICAL, results):
+        assert score == 0.0 and counts == {"calls": 1, "timeouts": 1, "errors": 0}, (case["note"], counts)
     # a cached timeout is counted again (it is still a response that could not be checked) but costs nothing
-    assert reward(PATHOLOGICAL[0]["response"], PATHOLOGICAL[0]["answer"]) == 0.0
-    assert reward.pop_counts()["timeouts"] == 1
-    assert reward.pop_counts() == {"calls": 0, "timeouts": 0, "errors": 0}
+    assert results[-1] == [0.0, {"calls": 1, "timeouts": 1, "errors": 0}]
+
+
+@needs_math_verify
+def test_pathological_answers_score_zero_and_never_stall_in_any_process():
+    """In this process, whatever ran in it before: each pathological answer scores 0, within its time limits
+    (parse and comparison 1 s each, plus the one-time warm-up), and is counted."""
+    reward = MathVerifyReward(timeout_s=1)
+    reward("\\boxed{1}", "1")  # the one-time warm-up, outside the timed calls
+    reward.pop_counts()
+    for case in PATHOLOGICAL:
+        started = time.monotonic()
+        assert reward(case["response"], case["answer"]) == 0.0, case["note"]
+        assert time.monotonic() - started < 30, case["note"]
+    assert reward.pop_counts()["calls"] == len(PATHOLOGICAL)
 
 
 @needs_math_verify
