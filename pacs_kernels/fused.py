@@ -110,12 +110,7 @@ def fused_linear_grpo_loss(hidden, weight, targets, mask, old_logp, rewards, *, 
 
 def piece_loss(hidden, weight, targets, mask, objective, options, given: dict, *, group_size: int):
     """A piece of a batch (``piece=``, pieces.py): ``(loss, stats dict)`` with return_stats, else the loss."""
-    for name in ("cu_seqlens", "group_ids", "old_lse", "ref_logp"):
-        if given.get(name) is not None:
-            raise ValueError(f"{name}= cannot go with piece=: a piece is selected by its mask and its loss is "
-                             "completed on the whole batch")
-    if given.get("with_entropy"):
-        raise ValueError("with_entropy=True cannot go with piece=")
+    pieces.refuse_with_piece(given)
     loss, stats = pieces.run_piece(hidden, weight, targets, mask, given["piece"], objective, options,
                                    group_size=group_size, bias=given.get("bias"), valid=given.get("valid"))
     return (loss, stats) if _flag("return_stats", given.get("return_stats", False)) else loss

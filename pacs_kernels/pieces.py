@@ -94,6 +94,17 @@ def group_loss_on_rows(objective, logp, old_logp, rewards, mask, *, group_size: 
     return objective(logp, old_logp, rewards, mask, group_size=group_size)
 
 
+def refuse_with_piece(given: dict) -> None:
+    """The fused entries' inputs that a piece has no use for, refused by name (a piece is selected by its mask
+    and its loss is completed on the whole batch)."""
+    for name in ("cu_seqlens", "group_ids", "old_lse", "ref_logp"):
+        if given.get(name) is not None:
+            raise ValueError(f"{name}= cannot go with piece=: a piece is selected by its mask and its loss is "
+                             "completed on the whole batch")
+    if given.get("with_entropy"):
+        raise ValueError("with_entropy=True cannot go with piece=")
+
+
 def run_piece(hidden, weight, targets, mask, piece, objective, options: LossOptions, *, group_size: int, bias=None,
               valid=None):
     """The loss of a piece of a batch (``piece``: a :class:`KnownGradient` or :class:`GatheredLogprobs`) ->

@@ -46,8 +46,7 @@ def fused_linear_objective_loss(hidden, weight, targets, mask, rewards, objectiv
     _, options, given = sort_keywords("fused_linear_objective_loss", inputs, inputs=OBJECTIVE_INPUTS,
                                       objective=None, options=options)
     if given.get("piece") is not None:  # a piece of a batch whose loss is completed elsewhere (pieces.py)
-        if given.get("ref_logp") is not None:
-            raise ValueError("ref_logp cannot go with piece=: the piece's loss is computed on the whole batch")
+        pieces.refuse_with_piece(given)
         return pieces.run_piece(hidden, weight, targets, mask, given["piece"], objective, options,
                                 group_size=group_size, bias=given.get("bias"))
     batch = engine.LossBatch.build(hidden, weight, targets, mask, given.get("old_logp"), rewards,
