@@ -90,23 +90,41 @@ def _release(inputs: dict, produced) -> None:
     gc.collect()
 
 
-def measure_in_process(case: Case, *, warmup: int, repeats: int, max_seconds: float | None = None) -> dict:
+def measure_in_process(case: Case, *, warmup: int, repeats: int, max_seconds: float | None = None,
+                       long_run_s: float | None = None) -> dict:
     """Time and peak memory of ``case`` in this process. Returns a dict of results.
 
     ``max_seconds`` caps the timed runs: no further run starts once the timed runs so far add up
     to more than that (at least one is made). The returned ``repeats`` says how many were made.
+    ``long_run_s`` (CPU only): a first warm-up run longer than that counts as the first timed run
+    (its time, CPU use and peak memory; the result's note says so). What a warm-up absorbs on the
+    CPU, lazy set-up, was at most 0.5 s per case in the CPU worker (first run against the next ones,
+    2 cores), under 1% of a run of a minute, and a second run of that length would double the cost.
     """
     run = runner(case)
     on_cuda = case.device == "cuda"
     seed = case.seed * 1_000_003
+    times_ms, peaks_mib, utils = [], [], []
     for i in range(max(warmup, 0)):
         inputs = make_inputs(case, seed + i)
+        counting = i == 0 and long_run_s is not None and not on_cuda
+        base = reset_peak_rss() if counting else None
+        start, cpu_start = time.perf_counter(), time.process_time()
         produced = run(inputs)
         _sync(case.device)
+        wall = time.perf_counter() - start
+        if counting and wall > long_run_s:
+            times_ms.append(wall * 1e3)
+            utils.append((time.process_time() - cpu_start) / max(wall, 1e-9))
+            peaks_mib.append(peak_rss_mib() - base)
+            _release(inputs, produced)
+            break
         _release(inputs, produced)
 
-    times_ms, peaks_mib, utils = [], [], []
-    for i in range(repeats):
+    first_counted = bool(times_ms)
+    for i in range(repeats - len(times_ms)):
+        if max_seconds is not None and sum(times_ms) / 1e3 > max_seconds:
+            break
         inputs = make_inputs(case, seed + 1000 + i)
         gc.collect()
         if on_cuda:
@@ -131,8 +149,6 @@ def measure_in_process(case: Case, *, warmup: int, repeats: int, max_seconds: fl
             if base is not None:  # memory from the first timed run, right after the reset
                 peaks_mib.append(peak_rss_mib() - base)
         _release(inputs, produced)
-        if max_seconds is not None and sum(times_ms) / 1e3 > max_seconds:
-            break
     result = {
         "median_ms": statistics.median(times_ms),
         "min_ms": min(times_ms),
@@ -144,14 +160,17 @@ def measure_in_process(case: Case, *, warmup: int, repeats: int, max_seconds: fl
     if utils:
         result["cpu_util"] = statistics.median(utils)
         result["loadavg"] = os.getloadavg()[0]
+    if first_counted:
+        result["note"] = f"the warm-up run took over {long_run_s:g} s and was timed (measure.py)"
     return result
 
 
 def measure_in_subprocess(case: Case, *, warmup: int, repeats: int, timeout_s: float,
-                          max_seconds: float | None = None, threads: int | None = None) -> dict:
+                          max_seconds: float | None = None, threads: int | None = None,
+                          long_run_s: float | None = None) -> dict:
     """Run ``measure_in_process`` in a fresh Python process (the CPU memory method)."""
     payload = json.dumps({"case": asdict(case), "warmup": warmup, "repeats": repeats,
-                          "max_seconds": max_seconds, "threads": threads})
+                          "max_seconds": max_seconds, "threads": threads, "long_run_s": long_run_s})
     env = dict(os.environ)
     env.update(WORKER_ENV)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
@@ -169,7 +188,8 @@ def measure_in_subprocess(case: Case, *, warmup: int, repeats: int, timeout_s: f
 
 
 def measure_case(case: Case, *, warmup: int, repeats: int, timeout_s: float = 600.0,
-                 max_seconds: float | None = None, threads: int | None = None) -> dict:
+                 max_seconds: float | None = None, threads: int | None = None,
+                 long_run_s: float | None = None) -> dict:
     """The benchmark's method for ``case``: in-process on CUDA, a fresh subprocess on CPU.
 
     Out-of-memory on CUDA is reported as status "oom" (the allocator is emptied afterwards).
@@ -177,7 +197,7 @@ def measure_case(case: Case, *, warmup: int, repeats: int, timeout_s: float = 60
     """
     if case.device == "cpu":
         return measure_in_subprocess(case, warmup=warmup, repeats=repeats, timeout_s=timeout_s,
-                                     max_seconds=max_seconds, threads=threads)
+                                     max_seconds=max_seconds, threads=threads, long_run_s=long_run_s)
     try:
         return measure_in_process(case, warmup=warmup, repeats=repeats, max_seconds=max_seconds)
     except torch.OutOfMemoryError as exc:
@@ -202,7 +222,7 @@ def _worker(argv: list[str]) -> None:
         torch.set_num_threads(int(request["threads"]))
     case = Case(**request["case"])
     result = measure_in_process(case, warmup=request["warmup"], repeats=request["repeats"],
-                                max_seconds=request.get("max_seconds"))
+                                max_seconds=request.get("max_seconds"), long_run_s=request.get("long_run_s"))
     print(json.dumps(result), flush=True)
 
 
