@@ -127,7 +127,8 @@ class TrainConfig:
     old_policy_max_tokens: int | None = None  # token budget of each no-grad old-policy chunk; None: the
                                               # training micro-batches
     loss_chunk_mib: float | None = None  # the fused loss's logits working memory (chunk_budget_mib);
-                                         # None: 256 MiB on the CPU, 2 GiB on CUDA; lower it for long
+                                         # None: 2 GiB on CUDA; 256 MiB on the CPU, which path="auto" may
+                                         # raise to hold a group (up to 1/8 of the memory); lower it for long
                                          # responses on little memory (a group over it is rebuilt in part)
     offload_activations: bool = False  # tensors saved for the backward go to host memory
     fsdp_cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads, optimizer state on the host

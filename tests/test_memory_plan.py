@@ -27,6 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = sorted(p for p in glob.glob(os.path.join(REPO, "configs", "presets", "*.yaml"))
                  if not p.endswith(".plan.yaml"))
 GiB = 2**30
+MiB = 2**20
 
 
 def test_parameter_counts_of_the_shipped_configs_are_the_published_ones():
@@ -62,6 +63,33 @@ def test_default_loss_chunk_is_the_kernels_default():
     from pacs_kernels.single_pass import DEFAULT_CHUNK_BUDGET_MIB
 
     assert DEFAULT_LOSS_CHUNK_MIB == DEFAULT_CHUNK_BUDGET_MIB
+
+
+def test_raised_loss_chunk_share_is_the_kernels():
+    from pacs.train.memory_plan import RAISED_LOSS_CHUNK_SHARE
+    from pacs_kernels.path_choice import RAISED_BUDGET_SHARE
+
+    assert RAISED_LOSS_CHUNK_SHARE == RAISED_BUDGET_SHARE
+
+
+def test_cpu_plan_counts_the_chunk_auto_may_raise_to_and_a_set_chunk_pins_it():
+    """On the CPU, with no train.loss_chunk_mib, path="auto" may hold a whole group or every token in one
+    chunk (up to 1/8 of the memory): the plan counts that, and a set loss_chunk_mib pins the chunk."""
+    from pacs.train.memory_plan import RAISED_LOSS_CHUNK_SHARE, loss_chunk_budget
+
+    key = "fused loss (logits chunk, head gradient, hidden states)"
+    cpu = inputs(device="cpu", gpu_gib=64, gpu_memory_utilization=0.0, compute_dtype="float32")
+    unset, pinned = plan_memory(cpu), plan_memory(cpu, Levers(loss_chunk_mib=256))
+    all_logits = unset.micro_batch_tokens * cpu.model.vocab * 4
+    assert all_logits > 256 * MiB  # the default chunk would not hold them
+    raised = min(RAISED_LOSS_CHUNK_SHARE * 64 * GiB, all_logits)
+    assert unset.transient[key] - pinned.transient[key] == pytest.approx(raised - 256 * MiB)
+    assert loss_chunk_budget(Levers(), cpu) == RAISED_LOSS_CHUNK_SHARE * 64 * GiB
+    small = inputs(device="cpu", gpu_gib=1, gpu_memory_utilization=0.0, compute_dtype="float32")
+    assert loss_chunk_budget(Levers(), small) == 256 * MiB  # never below the default
+    gpu = inputs()  # CUDA: the default stands (GPU memory belongs to the model)
+    assert loss_chunk_budget(Levers(), gpu) == 2048 * MiB
+    assert plan_memory(gpu).transient[key] == plan_memory(gpu, Levers(loss_chunk_mib=2048)).transient[key]
 
 
 def test_weights_gradients_and_adamw_bytes_of_a_known_config():

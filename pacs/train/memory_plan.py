@@ -55,6 +55,10 @@ LOSS_HIDDEN_COPIES = 10
 CUDA_RESERVE_GIB = 1.0
 # pacs_kernels.single_pass.DEFAULT_CHUNK_BUDGET_MIB (a test keeps them equal; this module imports no torch)
 DEFAULT_LOSS_CHUNK_MIB = {"cuda": 2048.0, "cpu": 256.0}
+# pacs_kernels.path_choice.RAISED_BUDGET_SHARE (a test keeps them equal): on the CPU, with no
+# train.loss_chunk_mib, path="auto" may raise the chunk to hold a whole group or every token, up to this
+# share of the memory; the plan counts that most (setting train.loss_chunk_mib pins the chunk)
+RAISED_LOSS_CHUNK_SHARE = 1 / 8
 
 
 @dataclass(frozen=True)
@@ -285,6 +289,15 @@ def micro_batch_tokens(inp: PlanInputs, levers: Levers) -> int:
     return min(group, max(1, levers.max_tokens_per_micro_batch // inp.row_tokens) * inp.row_tokens)
 
 
+def loss_chunk_budget(levers: Levers, inp: PlanInputs) -> float:
+    """Bytes the fused loss's logits chunk may take: ``train.loss_chunk_mib`` where set; else the device's
+    default, or on the CPU the most ``path="auto"`` may raise it to (:data:`RAISED_LOSS_CHUNK_SHARE`)."""
+    if levers.loss_chunk_mib is not None:
+        return levers.loss_chunk_mib * MiB
+    default = DEFAULT_LOSS_CHUNK_MIB[inp.device] * MiB
+    return max(default, RAISED_LOSS_CHUNK_SHARE * inp.gpu_gib * GiB) if inp.device == "cpu" else default
+
+
 def plan_memory(inp: PlanInputs, levers: Levers = Levers(), tokens: int | None = None) -> MemoryPlan:
     """The peak bytes per GPU of one ``pacs train`` update with ``levers``, by component. ``tokens``: the
     micro-batch's tokens (default: the worst case, :func:`micro_batch_tokens`); padded rows count rows x
@@ -332,9 +345,8 @@ def plan_memory(inp: PlanInputs, levers: Levers = Levers(), tokens: int | None =
         host["activations (offloaded)"] = saved
         saved = 0 if levers.gradient_checkpointing else one_layer  # one layer in flight
     comp["activations (saved for the backward)"] = saved
-    chunk_mib = levers.loss_chunk_mib or DEFAULT_LOSS_CHUNK_MIB[inp.device]
     logit_bytes = 2 if (inp.device == "cuda" and compute == 2) else 4
-    chunk = min(chunk_mib * MiB, tokens * m.vocab * logit_bytes)
+    chunk = min(loss_chunk_budget(levers, inp), tokens * m.vocab * logit_bytes)
     head_gradient = 0 if lora else m.vocab * m.hidden * 4  # LoRA: the LM head is frozen
     loss = (chunk * LOSS_CHUNK_COPIES["16-bit" if compute == 2 else "float32"] + head_gradient
             + LOSS_HIDDEN_COPIES * tokens * m.hidden * stream)
