@@ -2,6 +2,7 @@
 
     python benchmarks/loss_grid.py --grid cpu-quick            # about 12 min on 2 quiet cores
     python benchmarks/loss_grid.py --grid cpu --estimate       # how long the full CPU grid would take
+    python benchmarks/loss_grid.py --grid cpu --resume         # time only what the CSV lacks (a cut run, a column)
     python benchmarks/loss_grid.py --grid gpu --device cuda    # GPU shapes (benchmarks/gpu.sh)
     python benchmarks/loss_grid.py --grid dry                  # tiny shapes: the plumbing (tests, gpu.sh dry run)
     python benchmarks/loss_grid.py --grid gpu-quick --objective dapo   # a GRPO-family objective instead of PACS
@@ -33,6 +34,7 @@ own (skipped with the reason).
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime as dt
 import os
 import statistics
@@ -167,22 +169,59 @@ def estimate_seconds(grid: str, device: str, columns, gemm_flops_per_s: float, o
     return total
 
 
+SPREAD = 1.25  # a row whose median run took over this times its fastest run is unsteady
+
+
+def unsteady(row: dict) -> str | None:
+    """Why a measured row's time is not to be trusted as it stands, or None: its process got well under its
+    threads' worth of CPU (report.contended_row: a busy machine), or its runs spread over SPREAD."""
+    if _ms(row) is None:
+        return None
+    if report.contended_row(row):
+        return f"a busy machine (CPU use {float(row['cpu_util']):.2f} of {int(float(row['threads']))} threads)"
+    low, runs = report._num(row.get("min_ms")), report._num(row.get("repeats"))
+    if low and runs and runs > 1 and _ms(row) > SPREAD * low:
+        return f"runs spread from {low:.0f} to a median of {_ms(row):.0f} ms"
+    return None
+
+
+def measured_rows(path: Path, device: str, objective: str) -> dict[tuple, dict]:
+    """The rows of an earlier run's CSV worth keeping (status ok and not :func:`unsteady`; skip reasons are
+    found again), by (column, V, d, N); a CSV of another device or objective is refused."""
+    if not path.exists():
+        return {}
+    with open(path, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    for row in rows:
+        if row["device"] != device or row["objective"] != objective:
+            raise ValueError(f"--resume: {path} holds {row['objective']} rows measured on {row['device']}, "
+                             f"not {objective} on {device}; give another --out")
+    return {(row["column"], int(row["V"]), int(row["d"]), int(row["N"])): row
+            for row in rows if row["status"] == "ok" and not unsteady(row)}
+
+
 def run_grid(grid: str, device: str, columns, out: Path, note: str = "", objective: str = "pacs",
-             time_budget: float | None = None) -> list[dict]:
-    """Time every (point, column); cases not started within ``time_budget`` seconds get status "budget"."""
+             time_budget: float | None = None, resume: bool = False) -> list[dict]:
+    """Time every (point, column); cases not started within ``time_budget`` seconds get status "budget".
+    ``resume``: cases the CSV in ``out`` already holds as measured (ok, steady) are kept, with their run's date."""
     timing = dict(TIMING["cuda" if device == "cuda" else "cpu"])
     if grid == "dry":
         timing.update(repeats=1, max_seconds=1.0)
     memory = memory_bytes(device)
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     name = device_name(device)
+    kept = measured_rows(out / f"{stem_name(grid, objective)}.csv", device, objective) if resume else {}
+    todo = cases(grid, device, columns, objective)
+    planned = {(column, case.v, case.d, case.n) for column, case, _ in todo}
+    rows = [row for key, row in kept.items() if key not in planned]  # other columns of the earlier run(s)
     started = time.perf_counter()
-    rows = []
-    for column, case, fixed in cases(grid, device, columns, objective):
+    for column, case, fixed in todo:
         row = dict(date=date, device=device, device_name=name, objective=objective, column=column, impl=case.impl,
                    op=case.op, N=case.n, d=case.d, V=case.v, dtype=case.dtype)
         reason = fixed or skip_reason(column, case, memory)
-        if reason:
+        if (column, case.v, case.d, case.n) in kept:
+            row = kept[(column, case.v, case.d, case.n)]
+        elif reason:
             row.update(status="skipped", note=reason)
         elif time_budget is not None and time.perf_counter() - started > time_budget:
             row.update(status="budget", note=f"not started: the run's time budget ({time_budget:g}s) was spent")
@@ -233,6 +272,7 @@ def write(rows: list[dict], grid: str, out: Path, note: str = "", objective: str
     order = list(COLUMNS) + [c for c in OBJECTIVE_COLUMNS if c not in COLUMNS]
     columns = [c for c in order if any(r["column"] == c for r in rows)]
     first = rows[0] if rows else {}
+    dates = sorted({r.get("date", "?") for r in rows}) or ["?"]
     label = "PACS" if objective == "pacs" else objective
     if objective == "pacs":
         what = ("one_sweep is the first step after a rollout (given old_lse); cce and liger_chunked give log-probs, "
@@ -243,7 +283,10 @@ def write(rows: list[dict], grid: str, out: Path, note: str = "", objective: str
                 "the logits; cce gives log-probs, followed by the objective; "
                 + grpo_family.liger_note(objective) + ".")
     lines = [f"## {label} loss grid `{grid}`", "",
-             f"Device: {first.get('device_name', '?')} ({first.get('device', '?')}); date: {first.get('date', '?')}.",
+             f"Device: {first.get('device_name', '?')} ({first.get('device', '?')}); "
+             + (f"date: {dates[0]}." if len(dates) == 1 else
+                f"runs of {', '.join(dates)} (--resume; each row's date is in the CSV; a ratio marked * compares "
+                "columns of different runs)."),
              "", f"{label} loss forward + backward (16 responses of up to N/16 tokens, groups of 8, "
              f"{first.get('dtype', '?')}); each cell: median ms, and in brackets the time relative to naive. "
              "`auto / fastest`: auto over the faster of single_pass and two_pass (target: at most 1.05). " + what, ""]
@@ -251,7 +294,7 @@ def write(rows: list[dict], grid: str, out: Path, note: str = "", objective: str
         lines += [note, ""]
     lines += ["| V | d | N | " + " | ".join(columns) + " | auto / fastest |",
               "|---:|---:|---:|" + "---:|" * (len(columns) + 1)]
-    skipped = {}
+    skipped, shaky = {}, []
     for (v, d, n), cells in sorted(by_point.items()):
         shown = []
         for column in columns:
@@ -264,29 +307,42 @@ def write(rows: list[dict], grid: str, out: Path, note: str = "", objective: str
                 shown.append(label)
             else:
                 ratio = row.get("x_naive")
-                shown.append(f"{_ms(row):.0f}" + (f" ({ratio:.2f})" if ratio is not None else ""))
+                why = unsteady(row)
+                if why:
+                    shaky.append(f"{column} at V={v} d={d} N={n}: {why}")
+                shown.append(f"{_ms(row):.0f}" + (f" ({ratio:.2f})" if ratio is not None else "")
+                             + ("†" if why else ""))
         ratio = auto_over_fastest(cells)
-        lines.append(f"| {v} | {d} | {n} | " + " | ".join(shown) + f" | {'' if ratio is None else f'{ratio:.2f}'} |")
+        mixed = len({cells[c].get("date") for c in ("auto", *OUR_PATHS) if c in cells}) > 1
+        shown_ratio = "" if ratio is None else f"{ratio:.2f}" + ("*" if mixed else "")
+        lines.append(f"| {v} | {d} | {n} | " + " | ".join(shown) + f" | {shown_ratio} |")
+    if shaky:
+        lines += ["", "Unsteady (marked †; `--resume` times them again):", ""] + [f"- {line}" for line in shaky]
     if skipped:
         lines += ["", "Not timed:", ""]
         lines += [f"- {column} at {', '.join(where)}: {why}" for (column, why), where in skipped.items()]
     stem = report.write_csv_and_markdown(out / stem_name(grid, objective), [
         {k: report._fmt(r.get(k)) for k in CSV_COLUMNS} for r in rows], CSV_COLUMNS, lines)
     plot(by_point, columns, stem.with_suffix(".png"), title=f"{label} loss grid {grid}: "
-         f"{first.get('device_name', '')}, {first.get('date', '')}")
+         f"{first.get('device_name', '')}, {', '.join(dates)}")
     return stem
 
 
 def plot(by_point: dict, columns: list[str], path: Path, title: str) -> None:
-    """Bars per point: each column's time relative to naive (log scale; points without naive: omitted)."""
+    """Two panels: each column's time relative to naive, in bars per point (points where naive did not run
+    are left out); below, auto over the fastest of our paths at every point that has both, with the
+    target (1.05)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = [k for k, cells in sorted(by_point.items()) if "naive" in cells and _ms(cells["naive"]) is not None]
+    ratios = [(k, auto_over_fastest(cells)) for k, cells in sorted(by_point.items())]
+    ratios = [(k, r) for k, r in ratios if r is not None]
     shown = [c for c in columns if c != "naive"]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(labels) * max(1, len(shown)) / 4), 4.2))
+    width_in = max(6.0, 1.2 * len(labels) * max(1, len(shown)) / 4, 0.45 * len(ratios))
+    fig, (ax, below) = plt.subplots(2, 1, figsize=(width_in, 6.6), height_ratios=(3, 2))
     width = 0.8 / max(1, len(shown))
     for i, column in enumerate(shown):
         xs, ys = [], []
@@ -304,6 +360,17 @@ def plot(by_point: dict, columns: list[str], path: Path, title: str) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, ncol=3)
     ax.set_title(title, fontsize=9)
+    below.bar(range(len(ratios)), [r for _, r in ratios], color="tab:gray")
+    below.axhline(1.0, color="black", linewidth=0.8)
+    below.axhline(1.05, color="tab:red", linewidth=0.8, linestyle="--", label="target 1.05")
+    below.set_xticks(range(len(ratios)))
+    below.set_xticklabels([f"{v // 1024}k\n{d}\n{n}" for (v, d, n), _ in ratios], fontsize=6)
+    below.set_ylabel("auto / fastest of ours")
+    below.set_xlabel("V (k), d, N", fontsize=7)
+    if ratios:
+        below.set_ylim(min(0.9, min(r for _, r in ratios) - 0.02), max(1.15, max(r for _, r in ratios) + 0.02))
+        below.legend(fontsize=7)
+    below.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -319,6 +386,8 @@ def parse_args(argv):
                         default=None, help="default: the objective's (a column not for it is listed, skipped)")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds: cases not started by then are recorded as 'budget' (the table stays whole)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the cases OUT's CSV of this grid already measured (ok and steady), time the rest")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--estimate", action="store_true", help="print how long the run would take, run nothing")
     parser.add_argument("--gflops", type=float, default=None,
@@ -342,7 +411,7 @@ def main(argv=None) -> int:
               f"(GEMMs at {rate / 1e9:.0f} GFLOP/s{'' if args.gflops else ', calibrated'})")
         return 0
     started = time.perf_counter()
-    rows = run_grid(args.grid, device, columns, args.out, args.note, args.objective, args.time_budget)
+    rows = run_grid(args.grid, device, columns, args.out, args.note, args.objective, args.time_budget, args.resume)
     ratios = [r for r in (auto_over_fastest(cells) for cells in points(rows).values()) if r is not None]
     print(f"[grid] {args.objective}: {len(rows)} cases in {time.perf_counter() - started:.0f}s; auto / fastest of "
           "ours: " + (f"median {statistics.median(ratios):.2f}, worst {max(ratios):.2f}" if ratios else "n/a")

@@ -508,6 +508,68 @@ def test_loss_grid_table_skips_and_ratios(tmp_path):
     assert loss_grid.estimate_seconds("cpu-quick", "cpu", list(loss_grid.COLUMNS), 150e9) > 60
 
 
+def test_loss_grid_runs_the_cheapest_point_first_and_estimates_one_run_for_long_cases(monkeypatch):
+    from benchmarks import loss_grid
+
+    sizes = [case.v * case.d * case.n for _, case, _ in loss_grid.cases("cpu", "cpu", ["auto"])]
+    assert sizes == sorted(sizes) and len(sizes) == 27
+    # at 1 GFLOP/s every case takes minutes: run once (its warm-up timed), not warm-up + one timed run
+    overhead = 27 * loss_grid.RUN_OVERHEAD_S
+    once = loss_grid.estimate_seconds("cpu", "cpu", ["single_pass"], 1e9) - overhead
+    monkeypatch.setitem(loss_grid.TIMING, "cpu", dict(loss_grid.TIMING["cpu"], long_run_s=float("inf")))
+    twice = loss_grid.estimate_seconds("cpu", "cpu", ["single_pass"], 1e9) - overhead
+    assert twice == pytest.approx(2 * once)
+
+
+def test_a_long_warmup_is_timed_once_and_says_so():
+    """measure.py's long_run_s: a first warm-up run over it is the timed run (CPU); below it, warm-up then timed."""
+    from benchmarks.measure import measure_in_process
+
+    case = Case("pacs_loss_fwd_bwd", "single_pass", 64, 32, 512, "float32", "cpu")
+    counted = measure_in_process(case, warmup=1, repeats=3, max_seconds=0.0, long_run_s=0.0)
+    assert counted["repeats"] == 1 and "warm-up run took over 0 s and was timed" in counted["note"]
+    assert counted["median_ms"] > 0 and counted["peak_mem_mib"] >= 0
+    usual = measure_in_process(case, warmup=1, repeats=2, long_run_s=1e9)
+    assert usual["repeats"] == 2 and "note" not in usual
+
+
+def test_loss_grid_resume_keeps_measured_cases_and_times_only_the_rest(tmp_path, monkeypatch):
+    """--resume: the CSV's measured cases are kept with their date (other columns too), the rest are
+    timed; a point whose ratio mixes runs is marked; a CSV of another device or objective is refused."""
+    from benchmarks import loss_grid
+
+    base = dict(date="2026-01-01 00:00 UTC", device="cpu", device_name="test CPU", objective="pacs",
+                dtype="float32", op="x", impl="x", V=512, d=32, N=64)
+    steady = dict(repeats=3, cpu_util=1.98, threads=2)  # no min_ms: runs not spread
+    earlier = [dict(base, **steady, column="naive", median_ms=10.0, status="ok"),
+               dict(base, **steady, column="single_pass", median_ms=5.0, status="ok"),
+               dict(base, **dict(steady, cpu_util=1.2), column="two_pass", median_ms=8.0, status="ok"),  # busy
+               dict(base, **dict(steady, min_ms=5.0), column="auto", median_ms=9.0, status="ok"),  # runs spread
+               dict(base, column="one_sweep", status="timeout", note="over 900s"),
+               dict(base, **steady, column="cce", median_ms=7.0, status="ok")]
+    loss_grid.write(earlier, "dry", tmp_path)
+    table = (tmp_path / "loss_grid_dry.md").read_text()
+    assert "- two_pass at V=512 d=32 N=64: a busy machine (CPU use 1.20 of 2 threads)" in table
+    assert "- auto at V=512 d=32 N=64: runs spread from 5 to a median of 9 ms" in table and "9 (0.90)†" in table
+    timed = []
+    monkeypatch.setattr(loss_grid, "measure_case", lambda case, **kw: timed.append(case.impl) or
+                        dict(median_ms=6.0, min_ms=6.0, repeats=1, status="ok"))
+    rows = loss_grid.run_grid("dry", "cpu", ["naive", "single_pass", "two_pass", "one_sweep", "auto"], tmp_path,
+                              resume=True)
+    assert timed == ["torch", "torch", "auto"]  # two_pass and auto (unsteady), one_sweep (timed out) again
+    by_column = {r["column"]: r for r in rows}
+    assert set(by_column) == {"naive", "single_pass", "two_pass", "one_sweep", "auto", "cce"}  # cce: not in this run
+    assert by_column["naive"]["date"] == base["date"] and by_column["auto"]["date"] != base["date"]
+    table = (tmp_path / "loss_grid_dry.md").read_text()
+    assert "runs of 2026-01-01 00:00 UTC, " in table and "| 1.20* |" in table  # auto 6 over single_pass 5
+    loss_grid.write([dict(r, device="cuda") for r in earlier], "dry", tmp_path)  # the same stem, other rows
+    with pytest.raises(ValueError, match="--resume: .* holds pacs rows measured on cuda, not pacs on cpu"):
+        loss_grid.run_grid("dry", "cpu", ["naive"], tmp_path, resume=True)
+    loss_grid.write([dict(r, objective="dapo") for r in earlier], "dry", tmp_path)
+    with pytest.raises(ValueError, match="holds dapo rows"):
+        loss_grid.run_grid("dry", "cpu", ["naive"], tmp_path, resume=True)
+
+
 def test_auto_is_a_loss_path_only():
     assert impl_unavailable_reason("pacs_loss_fwd_bwd", "auto", "cpu") is None
     assert "path of the fused losses" in impl_unavailable_reason("logprobs_fwd_bwd", "auto", "cpu")
