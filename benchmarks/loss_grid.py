@@ -3,6 +3,7 @@
     python benchmarks/loss_grid.py --grid cpu-quick            # about 12 min on 2 quiet cores
     python benchmarks/loss_grid.py --grid cpu --estimate       # how long the full CPU grid would take
     python benchmarks/loss_grid.py --grid cpu --resume         # time only what the CSV lacks (a cut run, a column)
+    python benchmarks/loss_grid.py --grid cpu --paired         # then auto vs our fastest path, in alternation
     python benchmarks/loss_grid.py --grid gpu --device cuda    # GPU shapes (benchmarks/gpu.sh)
     python benchmarks/loss_grid.py --grid dry                  # tiny shapes: the plumbing (tests, gpu.sh dry run)
     python benchmarks/loss_grid.py --grid gpu-quick --objective dapo   # a GRPO-family objective instead of PACS
@@ -22,6 +23,12 @@ and writes OUT/loss_grid_<grid>.csv, .md (times relative to naive, and ``auto`` 
 single_pass / two_pass) and .png, with the device and the date. A point where naive's logits (and CCE's,
 which materializes them too on the CPU) would not fit in memory is skipped for those two, with the reason.
 Peers that are not importable are skipped with the reason (ops.impl_unavailable_reason).
+
+``--paired`` (after the grid, on OUT's CSV): at every point, auto against the faster of single_pass / two_pass,
+the two timed in alternation in one worker (measure.measure_pair: the median of per-round ratios), into
+OUT/loss_grid_<grid>_paired.csv and a ``paired`` column of the table: separate runs of the same work differ by
+more than the 5% the target allows on a shared machine. ``--note`` is not kept by ``--resume`` and
+``--paired``: give it again.
 
 ``--objective`` grpo | dapo | dr_grpo | gspo | cispo races that objective at its defaults instead (ops.py's
 ``objective_loss_fwd_bwd``, benchmarks/grpo_family.py), on the same inputs, into
@@ -48,7 +55,7 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks import grpo_family, report
-from benchmarks.measure import measure_case
+from benchmarks.measure import measure_case, measure_pair
 from benchmarks.ops import OBJECTIVE_OP, Case, impl_unavailable_reason, selected_tokens
 from benchmarks.run import device_name
 
@@ -185,19 +192,25 @@ def unsteady(row: dict) -> str | None:
     return None
 
 
-def measured_rows(path: Path, device: str, objective: str) -> dict[tuple, dict]:
-    """The rows of an earlier run's CSV worth keeping (status ok and not :func:`unsteady`; skip reasons are
-    found again), by (column, V, d, N); a CSV of another device or objective is refused."""
+def earlier_rows(path: Path, device: str, objective: str, flag: str = "--resume") -> list[dict]:
+    """The rows of an earlier run's CSV (none where there is no such file); a CSV of another device or
+    objective is refused."""
     if not path.exists():
-        return {}
+        return []
     with open(path, newline="") as handle:
         rows = list(csv.DictReader(handle))
     for row in rows:
         if row["device"] != device or row["objective"] != objective:
-            raise ValueError(f"--resume: {path} holds {row['objective']} rows measured on {row['device']}, "
+            raise ValueError(f"{flag}: {path} holds {row['objective']} rows measured on {row['device']}, "
                              f"not {objective} on {device}; give another --out")
+    return rows
+
+
+def measured_rows(path: Path, device: str, objective: str) -> dict[tuple, dict]:
+    """The rows of an earlier run's CSV worth keeping (status ok and not :func:`unsteady`; skip reasons are
+    found again), by (column, V, d, N); a CSV of another device or objective is refused."""
     return {(row["column"], int(row["V"]), int(row["d"]), int(row["N"])): row
-            for row in rows if row["status"] == "ok" and not unsteady(row)}
+            for row in earlier_rows(path, device, objective) if row["status"] == "ok" and not unsteady(row)}
 
 
 def run_grid(grid: str, device: str, columns, out: Path, note: str = "", objective: str = "pacs",
@@ -232,6 +245,80 @@ def run_grid(grid: str, device: str, columns, out: Path, note: str = "", objecti
               f"{row.get('median_ms', '')} {row.get('note', '')}", flush=True)
         write(rows, grid, out, note, objective)  # after every case: a run cut short keeps what it measured
     return rows
+
+
+PAIRED_ROUNDS = 3  # rounds of the paired check (measure.measure_pair_in_process)
+PAIRED_COLUMNS = ["date", "device", "device_name", "objective", "V", "d", "N", "against", "auto_ms", "against_ms",
+                  "ratio", "rounds", "threads", "cpu_util", "loadavg", "status", "note"]
+
+
+def paired_path(out: Path, grid: str, objective: str = "pacs") -> Path:
+    return out / f"{stem_name(grid, objective)}_paired.csv"
+
+
+def paired_rows(out: Path, grid: str, objective: str = "pacs") -> dict[tuple, dict]:
+    """The paired check's rows in ``out`` (none where it has not run), by (V, d, N)."""
+    path = paired_path(out, grid, objective)
+    if not path.exists():
+        return {}
+    return {(int(r["V"]), int(r["d"]), int(r["N"])): r for r in report.read_csv(path)}
+
+
+def run_paired(grid: str, device: str, out: Path, note: str = "", objective: str = "pacs",
+               time_budget: float | None = None) -> list[dict]:
+    """``--paired``: at every point of ``out``'s grid CSV where ``auto`` and one of our paths were measured,
+    auto against the faster of our paths timed in alternation in one worker (measure.measure_pair: the median
+    of PAIRED_ROUNDS per-round ratios on the same inputs), cheapest point first; points already paired are
+    kept. Writes OUT/loss_grid_<grid>[_<objective>]_paired.csv and rebuilds the grid's table and plot."""
+    grid_csv = out / f"{stem_name(grid, objective)}.csv"
+    rows = earlier_rows(grid_csv, device, objective, flag="--paired")
+    if not rows:
+        raise FileNotFoundError(f"--paired: no grid results in {grid_csv}; run the grid first")
+    spec = GRIDS[grid]
+    timing = dict(TIMING["cuda" if device == "cuda" else "cpu"])
+    date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    name = device_name(device)
+    kept = {key: row for key, row in paired_rows(out, grid, objective).items() if row["status"] == "ok"}
+    done = list(kept.values())
+    started = time.perf_counter()
+    for (v, d, n), cells in sorted(points(rows).items(), key=lambda item: item[0][0] * item[0][1] * item[0][2]):
+        ours = {c: _ms(cells[c]) for c in OUR_PATHS if c in cells and _ms(cells[c]) is not None}
+        if (v, d, n) in kept or not ours or "auto" not in cells or _ms(cells["auto"]) is None:
+            continue
+        against = min(ours, key=ours.get)
+        row = dict(date=date, device=device, device_name=name, objective=objective, V=v, d=d, N=n, against=against)
+        if time_budget is not None and time.perf_counter() - started > time_budget:
+            row.update(status="budget", note=f"not started: the run's time budget ({time_budget:g}s) was spent")
+        else:
+            auto_case, _ = column_case("auto", objective, (v, d, n), spec["dtype"], device)
+            other_case, _ = column_case(against, objective, (v, d, n), spec["dtype"], device)
+            result = measure_pair(auto_case, other_case, rounds=PAIRED_ROUNDS, timeout_s=1800.0,
+                                  max_seconds=timing["max_seconds"])
+            row.update(status=result["status"], note=result.get("note", ""))
+            if result["status"] == "ok":
+                row.update(auto_ms=statistics.median(result["first_ms"]), against_ms=statistics.median(
+                    result["second_ms"]), **{k: result.get(k) for k in ("ratio", "rounds", "threads", "cpu_util",
+                                                                         "loadavg")})
+        done.append(row)
+        print(f"[paired] V={v} d={d} N={n} auto vs {against}: {row['status']} {row.get('ratio', '')} "
+              f"{row.get('note', '')}", flush=True)
+        report.write_csv_and_markdown(paired_path(out, grid, objective).with_suffix(""),
+                                      [{k: report._fmt(r.get(k)) for k in PAIRED_COLUMNS} for r in done],
+                                      PAIRED_COLUMNS, paired_markdown(done))
+        write(rows, grid, out, note, objective)
+    return done
+
+
+def paired_markdown(rows: list[dict]) -> list[str]:
+    lines = ["auto against the faster of our paths, timed in alternation in one worker (loss_grid.py --paired)", "",
+             "| V | d | N | against | auto ms | against ms | ratio | rounds | status |",
+             "|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        ratio = report._num(r.get("ratio"))
+        lines.append(f"| {r['V']} | {r['d']} | {r['N']} | {r['against']} | {report._fmt(r.get('auto_ms'))} | "
+                     f"{report._fmt(r.get('against_ms'))} | {'' if ratio is None else f'{ratio:.3f}'} | "
+                     f"{report._fmt(r.get('rounds'))} | {r['status']} |")
+    return lines
 
 
 def stem_name(grid: str, objective: str = "pacs") -> str:
@@ -292,8 +379,15 @@ def write(rows: list[dict], grid: str, out: Path, note: str = "", objective: str
              "`auto / fastest`: auto over the faster of single_pass and two_pass (target: at most 1.05). " + what, ""]
     if note:
         lines += [note, ""]
-    lines += ["| V | d | N | " + " | ".join(columns) + " | auto / fastest |",
-              "|---:|---:|---:|" + "---:|" * (len(columns) + 1)]
+    paired = {key: report._num(r.get("ratio")) for key, r in paired_rows(out, grid, objective).items()
+              if r["status"] == "ok"}
+    if paired:
+        lines += [f"`paired`: auto over the faster of our paths, the two timed in alternation in one worker "
+                  f"({PAIRED_ROUNDS} rounds on the same inputs, the median of the per-round ratios; `--paired`, "
+                  f"`{paired_path(out, grid, objective).name}`): separate runs of the same work differ by more than "
+                  "5% on a shared machine.", ""]
+    lines += ["| V | d | N | " + " | ".join(columns) + " | auto / fastest |" + (" paired |" if paired else ""),
+              "|---:|---:|---:|" + "---:|" * (len(columns) + 1 + bool(paired))]
     skipped, shaky = {}, []
     for (v, d, n), cells in sorted(by_point.items()):
         shown = []
@@ -315,7 +409,15 @@ def write(rows: list[dict], grid: str, out: Path, note: str = "", objective: str
         ratio = auto_over_fastest(cells)
         mixed = len({cells[c].get("date") for c in ("auto", *OUR_PATHS) if c in cells}) > 1
         shown_ratio = "" if ratio is None else f"{ratio:.2f}" + ("*" if mixed else "")
-        lines.append(f"| {v} | {d} | {n} | " + " | ".join(shown) + f" | {shown_ratio} |")
+        lines.append(f"| {v} | {d} | {n} | " + " | ".join(shown) + f" | {shown_ratio} |"
+                     + (f" {paired[(v, d, n)]:.2f} |" if (v, d, n) in paired else " |" if paired else ""))
+    ratios = [r for r in (auto_over_fastest(cells) for cells in by_point.values()) if r is not None]
+    if ratios:
+        lines += ["", f"auto / fastest of ours, separate runs: median {statistics.median(ratios):.2f}, worst "
+                  f"{max(ratios):.2f}, within 1.05 at {sum(r <= 1.05 for r in ratios)} of {len(ratios)} points"
+                  + (f"; paired: median {statistics.median(paired.values()):.2f}, worst {max(paired.values()):.2f}, "
+                     f"within 1.05 at {sum(r <= 1.05 for r in paired.values())} of {len(paired)} points"
+                     if paired else "") + "."]
     if shaky:
         lines += ["", "Unsteady (marked †; `--resume` times them again):", ""] + [f"- {line}" for line in shaky]
     if skipped:
@@ -324,14 +426,14 @@ def write(rows: list[dict], grid: str, out: Path, note: str = "", objective: str
     stem = report.write_csv_and_markdown(out / stem_name(grid, objective), [
         {k: report._fmt(r.get(k)) for k in CSV_COLUMNS} for r in rows], CSV_COLUMNS, lines)
     plot(by_point, columns, stem.with_suffix(".png"), title=f"{label} loss grid {grid}: "
-         f"{first.get('device_name', '')}, {', '.join(dates)}")
+         f"{first.get('device_name', '')}, {', '.join(dates)}", paired=paired)
     return stem
 
 
-def plot(by_point: dict, columns: list[str], path: Path, title: str) -> None:
+def plot(by_point: dict, columns: list[str], path: Path, title: str, paired: dict | None = None) -> None:
     """Two panels: each column's time relative to naive, in bars per point (points where naive did not run
-    are left out); below, auto over the fastest of our paths at every point that has both, with the
-    target (1.05)."""
+    are left out); below, auto over the fastest of our paths at every point that has both (bars: separate
+    runs; dots: ``paired``, timed in alternation), with the target (1.05)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -360,7 +462,10 @@ def plot(by_point: dict, columns: list[str], path: Path, title: str) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, ncol=3)
     ax.set_title(title, fontsize=9)
-    below.bar(range(len(ratios)), [r for _, r in ratios], color="tab:gray")
+    below.bar(range(len(ratios)), [r for _, r in ratios], color="tab:gray", label="separate runs")
+    dots = [(i, paired[key]) for i, (key, _) in enumerate(ratios) if paired and key in paired]
+    if dots:
+        below.plot([i for i, _ in dots], [r for _, r in dots], "o", color="black", markersize=4, label="paired")
     below.axhline(1.0, color="black", linewidth=0.8)
     below.axhline(1.05, color="tab:red", linewidth=0.8, linestyle="--", label="target 1.05")
     below.set_xticks(range(len(ratios)))
@@ -368,7 +473,8 @@ def plot(by_point: dict, columns: list[str], path: Path, title: str) -> None:
     below.set_ylabel("auto / fastest of ours")
     below.set_xlabel("V (k), d, N", fontsize=7)
     if ratios:
-        below.set_ylim(min(0.9, min(r for _, r in ratios) - 0.02), max(1.15, max(r for _, r in ratios) + 0.02))
+        shown_ratios = [r for _, r in ratios] + [r for _, r in dots]
+        below.set_ylim(min(0.9, min(shown_ratios) - 0.02), max(1.15, max(shown_ratios) + 0.02))
         below.legend(fontsize=7)
     below.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
@@ -388,6 +494,9 @@ def parse_args(argv):
                         help="seconds: cases not started by then are recorded as 'budget' (the table stays whole)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the cases OUT's CSV of this grid already measured (ok and steady), time the rest")
+    parser.add_argument("--paired", action="store_true",
+                        help="time auto against the faster of our paths in alternation at every point of OUT's CSV "
+                             "(after the grid; points already paired are kept)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--estimate", action="store_true", help="print how long the run would take, run nothing")
     parser.add_argument("--gflops", type=float, default=None,
@@ -411,6 +520,12 @@ def main(argv=None) -> int:
               f"(GEMMs at {rate / 1e9:.0f} GFLOP/s{'' if args.gflops else ', calibrated'})")
         return 0
     started = time.perf_counter()
+    if args.paired:
+        done = run_paired(args.grid, device, args.out, args.note, args.objective, args.time_budget)
+        ratios = [float(r["ratio"]) for r in done if r["status"] == "ok"]
+        print(f"[paired] {len(done)} points in {time.perf_counter() - started:.0f}s; auto / fastest of ours, "
+              "paired: " + (f"median {statistics.median(ratios):.2f}, worst {max(ratios):.2f}" if ratios else "n/a"))
+        return 0 if all(r["status"] in ("ok", "budget") for r in done) else 1
     rows = run_grid(args.grid, device, columns, args.out, args.note, args.objective, args.time_budget, args.resume)
     ratios = [r for r in (auto_over_fastest(cells) for cells in points(rows).values()) if r is not None]
     print(f"[grid] {args.objective}: {len(rows)} cases in {time.perf_counter() - started:.0f}s; auto / fastest of "

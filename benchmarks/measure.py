@@ -165,12 +165,63 @@ def measure_in_process(case: Case, *, warmup: int, repeats: int, max_seconds: fl
     return result
 
 
+def measure_pair_in_process(first: Case, second: Case, *, rounds: int, max_seconds: float | None = None) -> dict:
+    """Time two cases in alternation, in this process: one warm-up run of each, then ``rounds`` rounds of one run
+    of each on the same fresh inputs, the first case first in even rounds and second in odd ones.
+
+    Separate runs of two cases on a shared machine differ by more than the few percent being compared (the
+    CPU loss grid timed ``auto`` 8% slower than ``single_pass`` where both ran the same chunks); the median of
+    the per-round ratios cancels what drifts slower than a round. ``max_seconds``: no round starts once the
+    timed runs add up to more than that (at least one round is made)."""
+    runs = (runner(first), runner(second))
+    seed = first.seed * 1_000_003
+    for run, case in zip(runs, (first, second)):
+        inputs = make_inputs(case, seed)
+        _release(inputs, run(inputs))
+    times_ms: tuple[list, list] = ([], [])
+    utils = []
+    for i in range(max(rounds, 1)):
+        if times_ms[0] and max_seconds is not None and (sum(times_ms[0]) + sum(times_ms[1])) / 1e3 > max_seconds:
+            break
+        for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+            case = (first, second)[which]
+            inputs = make_inputs(case, seed + 1000 + i)
+            gc.collect()
+            _sync(case.device)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            produced = runs[which](inputs)
+            _sync(case.device)
+            wall = time.perf_counter() - start
+            times_ms[which].append(wall * 1e3)
+            utils.append((time.process_time() - cpu_start) / max(wall, 1e-9))
+            _release(inputs, produced)
+    ratios = [a / b for a, b in zip(*times_ms)]
+    result = {"first_ms": times_ms[0], "second_ms": times_ms[1], "ratio": statistics.median(ratios),
+              "rounds": len(ratios), "status": "ok", "threads": torch.get_num_threads()}
+    if first.device == "cpu":
+        result.update(cpu_util=statistics.median(utils), loadavg=os.getloadavg()[0])
+    return result
+
+
+def measure_pair(first: Case, second: Case, *, rounds: int, timeout_s: float, max_seconds: float | None = None,
+                 threads: int | None = None) -> dict:
+    """``measure_pair_in_process`` in a fresh Python process (a failure comes back as a status, as in
+    :func:`measure_in_subprocess`)."""
+    return _in_worker({"case": asdict(first), "pair": asdict(second), "rounds": rounds, "max_seconds": max_seconds,
+                       "threads": threads}, timeout_s)
+
+
 def measure_in_subprocess(case: Case, *, warmup: int, repeats: int, timeout_s: float,
                           max_seconds: float | None = None, threads: int | None = None,
                           long_run_s: float | None = None) -> dict:
     """Run ``measure_in_process`` in a fresh Python process (the CPU memory method)."""
-    payload = json.dumps({"case": asdict(case), "warmup": warmup, "repeats": repeats,
-                          "max_seconds": max_seconds, "threads": threads, "long_run_s": long_run_s})
+    return _in_worker({"case": asdict(case), "warmup": warmup, "repeats": repeats, "max_seconds": max_seconds,
+                       "threads": threads, "long_run_s": long_run_s}, timeout_s)
+
+
+def _in_worker(request: dict, timeout_s: float) -> dict:
+    """Run the worker (``python -m benchmarks.measure REQUEST_JSON``) and return its result line."""
+    payload = json.dumps(request)
     env = dict(os.environ)
     env.update(WORKER_ENV)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
@@ -216,13 +267,17 @@ def error_line(exc: BaseException, limit: int = 200) -> str:
 
 
 def _worker(argv: list[str]) -> None:
-    """Subprocess entry: measure the case given as JSON and print the result as one JSON line."""
+    """Subprocess entry: measure the case (or the pair) given as JSON and print the result as one JSON line."""
     request = json.loads(argv[0])
     if request.get("threads"):
         torch.set_num_threads(int(request["threads"]))
     case = Case(**request["case"])
-    result = measure_in_process(case, warmup=request["warmup"], repeats=request["repeats"],
-                                max_seconds=request.get("max_seconds"), long_run_s=request.get("long_run_s"))
+    if "pair" in request:
+        result = measure_pair_in_process(case, Case(**request["pair"]), rounds=request["rounds"],
+                                         max_seconds=request.get("max_seconds"))
+    else:
+        result = measure_in_process(case, warmup=request["warmup"], repeats=request["repeats"],
+                                    max_seconds=request.get("max_seconds"), long_run_s=request.get("long_run_s"))
     print(json.dumps(result), flush=True)
 
 

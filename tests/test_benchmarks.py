@@ -703,3 +703,46 @@ def test_gpu_correctness_check_of_the_objectives_fails_a_wrong_loss(monkeypatch)
     r = logp - check_gpu_correctness.off_policy_old_logp(pacs_kernels.GSPO(), logp, mask, gen)
     torch.testing.assert_close(r.mean(-1), torch.tensor(check_gpu_correctness.GSPO_LOG_RATIOS * 2), atol=1e-6,
                                rtol=0)
+
+
+def test_measure_pair_alternates_two_cases_on_the_same_inputs_in_a_worker():
+    """measure.measure_pair: one worker, the two cases in alternation, the ratio the median of per-round ratios;
+    max_seconds stops after the first round; a failing case comes back as a status."""
+    from benchmarks.measure import measure_pair, measure_pair_in_process
+
+    auto = Case("pacs_loss_fwd_bwd", "auto", 64, 32, 512, "float32", "cpu")
+    single = Case("pacs_loss_fwd_bwd", "single_pass", 64, 32, 512, "float32", "cpu")
+    pair = measure_pair(auto, single, rounds=3, timeout_s=300.0)
+    assert pair["status"] == "ok" and pair["rounds"] == 3 and len(pair["first_ms"]) == len(pair["second_ms"]) == 3
+    ratios = sorted(a / b for a, b in zip(pair["first_ms"], pair["second_ms"]))
+    assert pair["ratio"] == pytest.approx(ratios[1]) and pair["cpu_util"] > 0
+    assert measure_pair_in_process(auto, single, rounds=3, max_seconds=0.0)["rounds"] == 1
+    bad = Case("pacs_loss_fwd_bwd", "single_pass", 63, 32, 512, "float32", "cpu")  # N not a multiple of 16
+    failed = measure_pair(auto, bad, rounds=1, timeout_s=300.0)
+    assert failed["status"] == "error" and "multiple of 16" in failed["note"]
+
+
+def test_loss_grid_paired_times_auto_against_our_faster_path_and_keeps_what_it_paired(tmp_path, monkeypatch):
+    from benchmarks import loss_grid
+
+    with pytest.raises(FileNotFoundError, match="--paired: no grid results"):
+        loss_grid.run_paired("dry", "cpu", tmp_path)
+    base = dict(date="2026-01-01 00:00 UTC", device="cpu", device_name="test CPU", objective="pacs",
+                dtype="float32", op="x", impl="x", V=512, d=32, N=64, repeats=3, cpu_util=1.98, threads=2)
+    loss_grid.write([dict(base, column="naive", median_ms=10.0, status="ok"),
+                     dict(base, column="single_pass", median_ms=6.0, status="ok"),
+                     dict(base, column="two_pass", median_ms=5.0, status="ok"),
+                     dict(base, column="auto", median_ms=5.5, status="ok")], "dry", tmp_path)
+    pairs = []
+    monkeypatch.setattr(loss_grid, "measure_pair", lambda first, second, **kw: pairs.append(
+        (first.impl, second.impl)) or dict(first_ms=[5.0, 5.2, 5.1], second_ms=[5.0, 5.0, 5.0], ratio=1.02,
+                                           rounds=3, status="ok", threads=2, cpu_util=1.9, loadavg=2.0))
+    done = loss_grid.run_paired("dry", "cpu", tmp_path)
+    assert pairs == [("auto", "torch")]  # two_pass (torch on the CPU) measured faster than single_pass
+    assert done[0]["against"] == "two_pass" and done[0]["auto_ms"] == pytest.approx(5.1)
+    table = (tmp_path / "loss_grid_dry.md").read_text()
+    assert "| auto / fastest | paired |" in table and "| 1.10 | 1.02 |" in table
+    assert "paired: median 1.02, worst 1.02, within 1.05 at 1 of 1 points" in table
+    assert "within 1.05 at 0 of 1 points" in table  # the separate runs: 5.5 / 5.0
+    assert loss_grid.run_paired("dry", "cpu", tmp_path) and len(pairs) == 1  # kept, not timed again
+    assert loss_grid.main(["--grid", "dry", "--paired", "--out", str(tmp_path)]) == 0 and len(pairs) == 1
