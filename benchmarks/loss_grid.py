@@ -25,7 +25,8 @@ which materializes them too on the CPU) would not fit in memory is skipped for t
 Peers that are not importable are skipped with the reason (ops.impl_unavailable_reason).
 
 ``--paired`` (after the grid, on OUT's CSV): at every point, auto against the faster of single_pass / two_pass,
-the two timed in alternation in one worker (measure.measure_pair: the median of per-round ratios), into
+the two timed in alternation in one worker (measure.measure_pair: the median of 3 to 9 per-round ratios, as many
+rounds as fit in a minute of timed runs on the CPU, and their range), into
 OUT/loss_grid_<grid>_paired.csv and a ``paired`` column of the table: separate runs of the same work differ by
 more than the 5% the target allows on a shared machine. ``--note`` is not kept by ``--resume`` and
 ``--paired``: give it again.
@@ -247,9 +248,13 @@ def run_grid(grid: str, device: str, columns, out: Path, note: str = "", objecti
     return rows
 
 
-PAIRED_ROUNDS = 3  # rounds of the paired check (measure.measure_pair_in_process)
+# rounds of the paired check (measure.measure_pair_in_process): at least PAIRED_MIN_ROUNDS, at most PAIRED_ROUNDS,
+# none past the minimum started once the timed runs add up to PAIRED_SECONDS (a run on a shared 2-core CPU
+# moves by up to 20% from one round to the next: a median of 3 can follow one disturbed round)
+PAIRED_ROUNDS, PAIRED_MIN_ROUNDS = 9, 3
+PAIRED_SECONDS = {"cpu": 60.0, "cuda": 10.0}
 PAIRED_COLUMNS = ["date", "device", "device_name", "objective", "V", "d", "N", "against", "auto_ms", "against_ms",
-                  "ratio", "rounds", "threads", "cpu_util", "loadavg", "status", "note"]
+                  "ratio", "ratio_min", "ratio_max", "rounds", "threads", "cpu_util", "loadavg", "status", "note"]
 
 
 def paired_path(out: Path, grid: str, objective: str = "pacs") -> Path:
@@ -268,14 +273,13 @@ def run_paired(grid: str, device: str, out: Path, note: str = "", objective: str
                time_budget: float | None = None) -> list[dict]:
     """``--paired``: at every point of ``out``'s grid CSV where ``auto`` and one of our paths were measured,
     auto against the faster of our paths timed in alternation in one worker (measure.measure_pair: the median
-    of PAIRED_ROUNDS per-round ratios on the same inputs), cheapest point first; points already paired are
+    of 3 to 9 per-round ratios on the same inputs), cheapest point first; points already paired are
     kept. Writes OUT/loss_grid_<grid>[_<objective>]_paired.csv and rebuilds the grid's table and plot."""
     grid_csv = out / f"{stem_name(grid, objective)}.csv"
     rows = earlier_rows(grid_csv, device, objective, flag="--paired")
     if not rows:
         raise FileNotFoundError(f"--paired: no grid results in {grid_csv}; run the grid first")
     spec = GRIDS[grid]
-    timing = dict(TIMING["cuda" if device == "cuda" else "cpu"])
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     name = device_name(device)
     kept = {key: row for key, row in paired_rows(out, grid, objective).items() if row["status"] == "ok"}
@@ -292,13 +296,13 @@ def run_paired(grid: str, device: str, out: Path, note: str = "", objective: str
         else:
             auto_case, _ = column_case("auto", objective, (v, d, n), spec["dtype"], device)
             other_case, _ = column_case(against, objective, (v, d, n), spec["dtype"], device)
-            result = measure_pair(auto_case, other_case, rounds=PAIRED_ROUNDS, timeout_s=1800.0,
-                                  max_seconds=timing["max_seconds"])
+            result = measure_pair(auto_case, other_case, rounds=PAIRED_ROUNDS, min_rounds=PAIRED_MIN_ROUNDS,
+                                  timeout_s=3600.0, max_seconds=PAIRED_SECONDS["cuda" if device == "cuda" else "cpu"])
             row.update(status=result["status"], note=result.get("note", ""))
             if result["status"] == "ok":
                 row.update(auto_ms=statistics.median(result["first_ms"]), against_ms=statistics.median(
-                    result["second_ms"]), **{k: result.get(k) for k in ("ratio", "rounds", "threads", "cpu_util",
-                                                                         "loadavg")})
+                    result["second_ms"]), **{k: result.get(k) for k in ("ratio", "ratio_min", "ratio_max", "rounds",
+                                                                         "threads", "cpu_util", "loadavg")})
         done.append(row)
         print(f"[paired] V={v} d={d} N={n} auto vs {against}: {row['status']} {row.get('ratio', '')} "
               f"{row.get('note', '')}", flush=True)
@@ -311,13 +315,14 @@ def run_paired(grid: str, device: str, out: Path, note: str = "", objective: str
 
 def paired_markdown(rows: list[dict]) -> list[str]:
     lines = ["auto against the faster of our paths, timed in alternation in one worker (loss_grid.py --paired)", "",
-             "| V | d | N | against | auto ms | against ms | ratio | rounds | status |",
-             "|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+             "| V | d | N | against | auto ms | against ms | ratio | per-round range | rounds | status |",
+             "|---:|---:|---:|---|---:|---:|---:|---|---:|---|"]
     for r in rows:
-        ratio = report._num(r.get("ratio"))
+        ratio, low, high = (report._num(r.get(k)) for k in ("ratio", "ratio_min", "ratio_max"))
+        spread = "" if low is None or high is None else f"{low:.2f}-{high:.2f}"
         lines.append(f"| {r['V']} | {r['d']} | {r['N']} | {r['against']} | {report._fmt(r.get('auto_ms'))} | "
                      f"{report._fmt(r.get('against_ms'))} | {'' if ratio is None else f'{ratio:.3f}'} | "
-                     f"{report._fmt(r.get('rounds'))} | {r['status']} |")
+                     f"{spread} | {report._fmt(r.get('rounds'))} | {r['status']} |")
     return lines
 
 
@@ -383,9 +388,9 @@ def write(rows: list[dict], grid: str, out: Path, note: str = "", objective: str
               if r["status"] == "ok"}
     if paired:
         lines += [f"`paired`: auto over the faster of our paths, the two timed in alternation in one worker "
-                  f"({PAIRED_ROUNDS} rounds on the same inputs, the median of the per-round ratios; `--paired`, "
-                  f"`{paired_path(out, grid, objective).name}`): separate runs of the same work differ by more than "
-                  "5% on a shared machine.", ""]
+                  f"({PAIRED_MIN_ROUNDS} to {PAIRED_ROUNDS} rounds on the same inputs, the median of the per-round "
+                  f"ratios; `--paired`, `{paired_path(out, grid, objective).name}`): separate runs of the same work "
+                  "differ by more than 5% on a shared machine.", ""]
     lines += ["| V | d | N | " + " | ".join(columns) + " | auto / fastest |" + (" paired |" if paired else ""),
               "|---:|---:|---:|" + "---:|" * (len(columns) + 1 + bool(paired))]
     skipped, shaky = {}, []

@@ -165,14 +165,16 @@ def measure_in_process(case: Case, *, warmup: int, repeats: int, max_seconds: fl
     return result
 
 
-def measure_pair_in_process(first: Case, second: Case, *, rounds: int, max_seconds: float | None = None) -> dict:
-    """Time two cases in alternation, in this process: one warm-up run of each, then ``rounds`` rounds of one run
-    of each on the same fresh inputs, the first case first in even rounds and second in odd ones.
+def measure_pair_in_process(first: Case, second: Case, *, rounds: int, max_seconds: float | None = None,
+                            min_rounds: int = 1) -> dict:
+    """Time two cases in alternation, in this process: one warm-up run of each, then up to ``rounds`` rounds of
+    one run of each on the same fresh inputs, the first case first in even rounds and second in odd ones.
 
     Separate runs of two cases on a shared machine differ by more than the few percent being compared (the
     CPU loss grid timed ``auto`` 8% slower than ``single_pass`` where both ran the same chunks); the median of
-    the per-round ratios cancels what drifts slower than a round. ``max_seconds``: no round starts once the
-    timed runs add up to more than that (at least one round is made)."""
+    the per-round ratios cancels what drifts slower than a round, and more rounds outvote a disturbed one.
+    ``max_seconds``: no round past the first ``min_rounds`` starts once the timed runs add up to more than
+    that. Returns both cases' times, the median ratio and the lowest and highest per-round ratio."""
     runs = (runner(first), runner(second))
     seed = first.seed * 1_000_003
     for run, case in zip(runs, (first, second)):
@@ -181,7 +183,8 @@ def measure_pair_in_process(first: Case, second: Case, *, rounds: int, max_secon
     times_ms: tuple[list, list] = ([], [])
     utils = []
     for i in range(max(rounds, 1)):
-        if times_ms[0] and max_seconds is not None and (sum(times_ms[0]) + sum(times_ms[1])) / 1e3 > max_seconds:
+        if i >= max(min_rounds, 1) and max_seconds is not None and \
+                (sum(times_ms[0]) + sum(times_ms[1])) / 1e3 > max_seconds:
             break
         for which in ((0, 1) if i % 2 == 0 else (1, 0)):
             case = (first, second)[which]
@@ -197,18 +200,19 @@ def measure_pair_in_process(first: Case, second: Case, *, rounds: int, max_secon
             _release(inputs, produced)
     ratios = [a / b for a, b in zip(*times_ms)]
     result = {"first_ms": times_ms[0], "second_ms": times_ms[1], "ratio": statistics.median(ratios),
-              "rounds": len(ratios), "status": "ok", "threads": torch.get_num_threads()}
+              "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": len(ratios), "status": "ok",
+              "threads": torch.get_num_threads()}
     if first.device == "cpu":
         result.update(cpu_util=statistics.median(utils), loadavg=os.getloadavg()[0])
     return result
 
 
 def measure_pair(first: Case, second: Case, *, rounds: int, timeout_s: float, max_seconds: float | None = None,
-                 threads: int | None = None) -> dict:
+                 min_rounds: int = 1, threads: int | None = None) -> dict:
     """``measure_pair_in_process`` in a fresh Python process (a failure comes back as a status, as in
     :func:`measure_in_subprocess`)."""
     return _in_worker({"case": asdict(first), "pair": asdict(second), "rounds": rounds, "max_seconds": max_seconds,
-                       "threads": threads}, timeout_s)
+                       "min_rounds": min_rounds, "threads": threads}, timeout_s)
 
 
 def measure_in_subprocess(case: Case, *, warmup: int, repeats: int, timeout_s: float,
@@ -274,7 +278,8 @@ def _worker(argv: list[str]) -> None:
     case = Case(**request["case"])
     if "pair" in request:
         result = measure_pair_in_process(case, Case(**request["pair"]), rounds=request["rounds"],
-                                         max_seconds=request.get("max_seconds"))
+                                         max_seconds=request.get("max_seconds"),
+                                         min_rounds=request.get("min_rounds", 1))
     else:
         result = measure_in_process(case, warmup=request["warmup"], repeats=request["repeats"],
                                     max_seconds=request.get("max_seconds"), long_run_s=request.get("long_run_s"))

@@ -19,7 +19,7 @@ passes than any single pass, so the constants only matter against the Triton two
 no budget (``chunk_budget_mib=None``) on the CPU, the budget may be raised from the device's default
 to hold the largest group (or all the tokens; ties go to the smaller budget), up to
 :data:`RAISED_BUDGET_SHARE` of the machine's memory: a group held whole is never built twice (3 GEMMs
-instead of 3 + r). On CUDA the default
+instead of 3 + r); a group larger than that share gets the share, which rebuilds the least. On CUDA the default
 budget stands (GPU memory belongs to the model) and the committed GPU table (dispatch.py) is the
 calibration where it has an entry: its measured choice (two passes, or the rebuilding single pass)
 overrides the model. A group larger than the budget goes to the Triton two passes where those run,
@@ -173,7 +173,8 @@ def measured_rebuild_faster(device: torch.device, n_tokens: int, d: int, vocab: 
 
 def candidate_budgets(query: PathQuery) -> list[float | None]:
     """The single pass's budgets worth modelling: the caller's; or, with none given, the device's default
-    and, on the CPU, budgets holding the largest group and all tokens, up to :func:`raised_budget_cap_mib`."""
+    and, on the CPU, budgets holding the largest group and all tokens, up to :func:`raised_budget_cap_mib`
+    (the cap itself where the largest group needs more: its tiles then rebuild the least)."""
     if query.budget_mib is not None:
         return [query.budget_mib]
 
@@ -185,6 +186,8 @@ def candidate_budgets(query: PathQuery) -> list[float | None]:
                                     row_kernels=query.row_kernels)
         if default < mib <= cap and mib not in budgets:
             budgets.append(mib)
+        elif mib > cap > default and cap not in budgets:
+            budgets.append(cap)  # the group does not fit under the cap: the cap rebuilds the least of it
     return budgets
 
 

@@ -716,7 +716,9 @@ def test_measure_pair_alternates_two_cases_on_the_same_inputs_in_a_worker():
     assert pair["status"] == "ok" and pair["rounds"] == 3 and len(pair["first_ms"]) == len(pair["second_ms"]) == 3
     ratios = sorted(a / b for a, b in zip(pair["first_ms"], pair["second_ms"]))
     assert pair["ratio"] == pytest.approx(ratios[1]) and pair["cpu_util"] > 0
+    assert (pair["ratio_min"], pair["ratio_max"]) == (pytest.approx(ratios[0]), pytest.approx(ratios[2]))
     assert measure_pair_in_process(auto, single, rounds=3, max_seconds=0.0)["rounds"] == 1
+    assert measure_pair_in_process(auto, single, rounds=5, max_seconds=0.0, min_rounds=2)["rounds"] == 2
     bad = Case("pacs_loss_fwd_bwd", "single_pass", 63, 32, 512, "float32", "cpu")  # N not a multiple of 16
     failed = measure_pair(auto, bad, rounds=1, timeout_s=300.0)
     assert failed["status"] == "error" and "multiple of 16" in failed["note"]
@@ -735,10 +737,13 @@ def test_loss_grid_paired_times_auto_against_our_faster_path_and_keeps_what_it_p
                      dict(base, column="auto", median_ms=5.5, status="ok")], "dry", tmp_path)
     pairs = []
     monkeypatch.setattr(loss_grid, "measure_pair", lambda first, second, **kw: pairs.append(
-        (first.impl, second.impl)) or dict(first_ms=[5.0, 5.2, 5.1], second_ms=[5.0, 5.0, 5.0], ratio=1.02,
-                                           rounds=3, status="ok", threads=2, cpu_util=1.9, loadavg=2.0))
+        (first.impl, second.impl, kw["rounds"], kw["min_rounds"])) or dict(
+        first_ms=[5.0, 5.2, 5.1], second_ms=[5.0, 5.0, 5.0], ratio=1.02, ratio_min=1.0, ratio_max=1.04, rounds=3,
+        status="ok", threads=2, cpu_util=1.9, loadavg=2.0))
     done = loss_grid.run_paired("dry", "cpu", tmp_path)
-    assert pairs == [("auto", "torch")]  # two_pass (torch on the CPU) measured faster than single_pass
+    # two_pass (torch on the CPU) measured faster than single_pass; 3 to 9 rounds
+    assert pairs == [("auto", "torch", loss_grid.PAIRED_ROUNDS, loss_grid.PAIRED_MIN_ROUNDS)]
+    assert "| 1.020 | 1.00-1.04 | 3 | ok |" in (tmp_path / "loss_grid_dry_paired.md").read_text()
     assert done[0]["against"] == "two_pass" and done[0]["auto_ms"] == pytest.approx(5.1)
     table = (tmp_path / "loss_grid_dry.md").read_text()
     assert "| auto / fastest | paired |" in table and "| 1.10 | 1.02 |" in table

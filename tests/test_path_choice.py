@@ -42,6 +42,18 @@ def test_a_budget_the_caller_set_is_kept_and_no_raise_past_the_cap(monkeypatch):
     assert choose_path(query(), CPU_COSTS).budget_mib is None  # the default: nothing larger allowed
 
 
+def test_a_group_larger_than_the_cap_gets_the_cap_which_rebuilds_the_least(monkeypatch):
+    """V = 128k, 16 responses of up to 1,024 tokens (the CPU grid's N = 16,384): a group of about 7,200
+    tokens needs about 3.5 GiB; under a 3 GiB cap the default 256 MiB would rebuild over 9/10 of it."""
+    counts = tuple(1024 - 512 * i // 15 for i in range(16))
+    group = budget_mib_for_tokens(sum(counts[:8]), 128256, CPU, torch.float32)
+    monkeypatch.setattr(path_choice, "raised_budget_cap_mib", lambda device: 3072.0)
+    assert group > 3072.0
+    choice = choose_path(query(vocab=128256, d=512, counts=counts), CPU_COSTS)
+    assert (choice.path, choice.budget_mib) == ("single_pass", 3072.0)
+    assert choice.modelled_s["single_pass@3072MiB"] < choice.modelled_s["single_pass@default"]
+
+
 def test_groups_too_big_for_the_budget_go_to_the_triton_two_passes_where_they_run():
     small = budget_mib_for_tokens(300, 151936, CPU, torch.float32)
     assert choose_path(query(budget_mib=small, triton_two_pass=True), CPU_COSTS).path == "two_pass"
