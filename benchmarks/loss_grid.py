@@ -4,6 +4,7 @@
     python benchmarks/loss_grid.py --grid cpu --estimate       # how long the full CPU grid would take
     python benchmarks/loss_grid.py --grid cpu --resume         # time only what the CSV lacks (a cut run, a column)
     python benchmarks/loss_grid.py --grid cpu --paired         # then auto vs our fastest path, in alternation
+    python benchmarks/loss_grid.py --grid cpu-quick --paired --against ours cce naive   # and vs CCE, naive
     python benchmarks/loss_grid.py --grid gpu --device cuda    # GPU shapes (benchmarks/gpu.sh)
     python benchmarks/loss_grid.py --grid dry                  # tiny shapes: the plumbing (tests, gpu.sh dry run)
     python benchmarks/loss_grid.py --grid gpu-quick --objective dapo   # a GRPO-family objective instead of PACS
@@ -26,7 +27,8 @@ Peers that are not importable are skipped with the reason (ops.impl_unavailable_
 
 ``--paired`` (after the grid, on OUT's CSV): at every point, auto against the faster of single_pass / two_pass,
 the two timed in alternation in one worker (measure.measure_pair: the median of 3 to 9 per-round ratios, as many
-rounds as fit in a minute of timed runs on the CPU, and their range), into
+rounds as fit in a minute of timed runs on the CPU, and their range; ``--against cce naive``: against those
+columns too, e.g. for the targets at V=151,936), into
 OUT/loss_grid_<grid>_paired.csv and a ``paired`` column of the table: separate runs of the same work differ by
 more than the 5% the target allows on a shared machine. ``--note`` is not kept by ``--resume`` and
 ``--paired``: give it again.
@@ -44,6 +46,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
+import math
 import os
 import statistics
 import sys
@@ -261,20 +264,30 @@ def paired_path(out: Path, grid: str, objective: str = "pacs") -> Path:
     return out / f"{stem_name(grid, objective)}_paired.csv"
 
 
-def paired_rows(out: Path, grid: str, objective: str = "pacs") -> dict[tuple, dict]:
-    """The paired check's rows in ``out`` (none where it has not run), by (V, d, N)."""
+OURS = "ours"  # --against's default: the faster of OUR_PATHS at the point (as the grid measured them)
+
+
+def paired_rows(out: Path, grid: str, objective: str = "pacs", against: str = OURS) -> dict[tuple, dict]:
+    """The paired check's rows in ``out`` (none where it has not run) of auto against ``against`` (OURS: the
+    faster of our paths; or a column), by (V, d, N)."""
     path = paired_path(out, grid, objective)
     if not path.exists():
         return {}
-    return {(int(r["V"]), int(r["d"]), int(r["N"])): r for r in report.read_csv(path)}
+    return {(int(r["V"]), int(r["d"]), int(r["N"])): r for r in report.read_csv(path)
+            if paired_kind(r["against"]) == against}
+
+
+def paired_kind(column: str) -> str:
+    return OURS if column in OUR_PATHS else column
 
 
 def run_paired(grid: str, device: str, out: Path, note: str = "", objective: str = "pacs",
-               time_budget: float | None = None) -> list[dict]:
+               time_budget: float | None = None, against: tuple[str, ...] = (OURS,)) -> list[dict]:
     """``--paired``: at every point of ``out``'s grid CSV where ``auto`` and one of our paths were measured,
-    auto against the faster of our paths timed in alternation in one worker (measure.measure_pair: the median
-    of 3 to 9 per-round ratios on the same inputs), cheapest point first; points already paired are
-    kept. Writes OUT/loss_grid_<grid>[_<objective>]_paired.csv and rebuilds the grid's table and plot."""
+    auto against the faster of our paths (``against``: OURS, and/or columns such as cce or naive, where the
+    grid measured them) timed in alternation in one worker (measure.measure_pair: the median of 3 to 9
+    per-round ratios on the same inputs), cheapest point first; pairs already measured are kept. Writes
+    OUT/loss_grid_<grid>[_<objective>]_paired.csv and rebuilds the grid's table and plot."""
     grid_csv = out / f"{stem_name(grid, objective)}.csv"
     rows = earlier_rows(grid_csv, device, objective, flag="--paired")
     if not rows:
@@ -282,20 +295,24 @@ def run_paired(grid: str, device: str, out: Path, note: str = "", objective: str
     spec = GRIDS[grid]
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     name = device_name(device)
-    kept = {key: row for key, row in paired_rows(out, grid, objective).items() if row["status"] == "ok"}
-    done = list(kept.values())
+    path = paired_path(out, grid, objective)
+    done = [r for r in (report.read_csv(path) if path.exists() else []) if r["status"] == "ok"]
+    kept = {(int(r["V"]), int(r["d"]), int(r["N"]), paired_kind(r["against"])) for r in done}
     started = time.perf_counter()
-    for (v, d, n), cells in sorted(points(rows).items(), key=lambda item: item[0][0] * item[0][1] * item[0][2]):
+    pairs = [(point, cells, kind) for point, cells in sorted(points(rows).items(), key=lambda item: math.prod(item[0]))
+             for kind in against]
+    for (v, d, n), cells, kind in pairs:
         ours = {c: _ms(cells[c]) for c in OUR_PATHS if c in cells and _ms(cells[c]) is not None}
-        if (v, d, n) in kept or not ours or "auto" not in cells or _ms(cells["auto"]) is None:
+        other = min(ours, key=ours.get) if kind == OURS and ours else kind
+        if (v, d, n, kind) in kept or not ours or _ms(cells.get("auto", {})) is None \
+                or _ms(cells.get(other, {})) is None:
             continue
-        against = min(ours, key=ours.get)
-        row = dict(date=date, device=device, device_name=name, objective=objective, V=v, d=d, N=n, against=against)
+        row = dict(date=date, device=device, device_name=name, objective=objective, V=v, d=d, N=n, against=other)
         if time_budget is not None and time.perf_counter() - started > time_budget:
             row.update(status="budget", note=f"not started: the run's time budget ({time_budget:g}s) was spent")
         else:
             auto_case, _ = column_case("auto", objective, (v, d, n), spec["dtype"], device)
-            other_case, _ = column_case(against, objective, (v, d, n), spec["dtype"], device)
+            other_case, _ = column_case(other, objective, (v, d, n), spec["dtype"], device)
             result = measure_pair(auto_case, other_case, rounds=PAIRED_ROUNDS, min_rounds=PAIRED_MIN_ROUNDS,
                                   timeout_s=3600.0, max_seconds=PAIRED_SECONDS["cuda" if device == "cuda" else "cpu"])
             row.update(status=result["status"], note=result.get("note", ""))
@@ -304,9 +321,9 @@ def run_paired(grid: str, device: str, out: Path, note: str = "", objective: str
                     result["second_ms"]), **{k: result.get(k) for k in ("ratio", "ratio_min", "ratio_max", "rounds",
                                                                          "threads", "cpu_util", "loadavg")})
         done.append(row)
-        print(f"[paired] V={v} d={d} N={n} auto vs {against}: {row['status']} {row.get('ratio', '')} "
+        print(f"[paired] V={v} d={d} N={n} auto vs {other}: {row['status']} {row.get('ratio', '')} "
               f"{row.get('note', '')}", flush=True)
-        report.write_csv_and_markdown(paired_path(out, grid, objective).with_suffix(""),
+        report.write_csv_and_markdown(path.with_suffix(""),
                                       [{k: report._fmt(r.get(k)) for k in PAIRED_COLUMNS} for r in done],
                                       PAIRED_COLUMNS, paired_markdown(done))
         write(rows, grid, out, note, objective)
@@ -314,7 +331,8 @@ def run_paired(grid: str, device: str, out: Path, note: str = "", objective: str
 
 
 def paired_markdown(rows: list[dict]) -> list[str]:
-    lines = ["auto against the faster of our paths, timed in alternation in one worker (loss_grid.py --paired)", "",
+    lines = ["auto against the faster of our paths (or the column asked with --against), timed in alternation in "
+             "one worker (loss_grid.py --paired)", "",
              "| V | d | N | against | auto ms | against ms | ratio | per-round range | rounds | status |",
              "|---:|---:|---:|---|---:|---:|---:|---|---:|---|"]
     for r in rows:
@@ -423,6 +441,13 @@ def write(rows: list[dict], grid: str, out: Path, note: str = "", objective: str
                   + (f"; paired: median {statistics.median(paired.values()):.2f}, worst {max(paired.values()):.2f}, "
                      f"within 1.05 at {sum(r <= 1.05 for r in paired.values())} of {len(paired)} points"
                      if paired else "") + "."]
+    path = paired_path(out, grid, objective)
+    others = [r for r in (report.read_csv(path) if path.exists() else [])
+              if r["status"] == "ok" and paired_kind(r["against"]) != OURS]
+    for column in dict.fromkeys(r["against"] for r in others):
+        found = [float(r["ratio"]) for r in others if r["against"] == column]
+        lines += ["", f"auto / {column}, paired: median {statistics.median(found):.2f}, worst {max(found):.2f}, "
+                  f"best {min(found):.2f} at {len(found)} points ({path.name})."]
     if shaky:
         lines += ["", "Unsteady (marked †; `--resume` times them again):", ""] + [f"- {line}" for line in shaky]
     if skipped:
@@ -502,6 +527,10 @@ def parse_args(argv):
     parser.add_argument("--paired", action="store_true",
                         help="time auto against the faster of our paths in alternation at every point of OUT's CSV "
                              "(after the grid; points already paired are kept)")
+    parser.add_argument("--against", nargs="+", default=[OURS], choices=[OURS, *dict.fromkeys([*COLUMNS,
+                                                                                              *OBJECTIVE_COLUMNS])],
+                        help="with --paired: what auto is timed against (default: ours, the faster of our paths; "
+                             "or columns the grid measured, e.g. cce naive)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--estimate", action="store_true", help="print how long the run would take, run nothing")
     parser.add_argument("--gflops", type=float, default=None,
@@ -526,10 +555,13 @@ def main(argv=None) -> int:
         return 0
     started = time.perf_counter()
     if args.paired:
-        done = run_paired(args.grid, device, args.out, args.note, args.objective, args.time_budget)
-        ratios = [float(r["ratio"]) for r in done if r["status"] == "ok"]
-        print(f"[paired] {len(done)} points in {time.perf_counter() - started:.0f}s; auto / fastest of ours, "
-              "paired: " + (f"median {statistics.median(ratios):.2f}, worst {max(ratios):.2f}" if ratios else "n/a"))
+        done = run_paired(args.grid, device, args.out, args.note, args.objective, args.time_budget,
+                          tuple(args.against))
+        for kind in args.against:
+            ratios = [float(r["ratio"]) for r in done if r["status"] == "ok" and paired_kind(r["against"]) == kind]
+            print(f"[paired] auto / {'fastest of ours' if kind == OURS else kind}: " + (
+                f"{len(ratios)} points, median {statistics.median(ratios):.2f}, worst {max(ratios):.2f}"
+                if ratios else "n/a") + f" ({time.perf_counter() - started:.0f}s)")
         return 0 if all(r["status"] in ("ok", "budget") for r in done) else 1
     rows = run_grid(args.grid, device, columns, args.out, args.note, args.objective, args.time_budget, args.resume)
     ratios = [r for r in (auto_over_fastest(cells) for cells in points(rows).values()) if r is not None]

@@ -751,3 +751,12 @@ def test_loss_grid_paired_times_auto_against_our_faster_path_and_keeps_what_it_p
     assert "within 1.05 at 0 of 1 points" in table  # the separate runs: 5.5 / 5.0
     assert loss_grid.run_paired("dry", "cpu", tmp_path) and len(pairs) == 1  # kept, not timed again
     assert loss_grid.main(["--grid", "dry", "--paired", "--out", str(tmp_path)]) == 0 and len(pairs) == 1
+    # against a column the grid measured (naive), kept apart from the ours pair; one it did not (cce): nothing
+    assert loss_grid.main(["--grid", "dry", "--paired", "--against", "naive", "cce", "--out", str(tmp_path)]) == 0
+    assert pairs[1:] == [("auto", "naive", loss_grid.PAIRED_ROUNDS, loss_grid.PAIRED_MIN_ROUNDS)]
+    table = (tmp_path / "loss_grid_dry.md").read_text()
+    assert "| 1.10 | 1.02 |" in table  # the paired column stays auto against ours
+    assert "auto / naive, paired: median 1.02, worst 1.02, best 1.02 at 1 points" in table
+    from benchmarks.report import read_csv
+
+    assert [r["against"] for r in read_csv(tmp_path / "loss_grid_dry_paired.csv")] == ["two_pass", "naive"]
