@@ -267,14 +267,10 @@ def paired_path(out: Path, grid: str, objective: str = "pacs") -> Path:
 OURS = "ours"  # --against's default: the faster of OUR_PATHS at the point (as the grid measured them)
 
 
-def paired_rows(out: Path, grid: str, objective: str = "pacs", against: str = OURS) -> dict[tuple, dict]:
-    """The paired check's rows in ``out`` (none where it has not run) of auto against ``against`` (OURS: the
-    faster of our paths; or a column), by (V, d, N)."""
+def measured_pairs(out: Path, grid: str, objective: str = "pacs") -> list[dict]:
+    """The paired check's measured (status ok) rows in ``out``, every ``against``; none where it has not run."""
     path = paired_path(out, grid, objective)
-    if not path.exists():
-        return {}
-    return {(int(r["V"]), int(r["d"]), int(r["N"])): r for r in report.read_csv(path)
-            if paired_kind(r["against"]) == against}
+    return [r for r in report.read_csv(path) if r["status"] == "ok"] if path.exists() else []
 
 
 def paired_kind(column: str) -> str:
@@ -296,7 +292,7 @@ def run_paired(grid: str, device: str, out: Path, note: str = "", objective: str
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     name = device_name(device)
     path = paired_path(out, grid, objective)
-    done = [r for r in (report.read_csv(path) if path.exists() else []) if r["status"] == "ok"]
+    done = measured_pairs(out, grid, objective)
     kept = {(int(r["V"]), int(r["d"]), int(r["N"]), paired_kind(r["against"])) for r in done}
     started = time.perf_counter()
     pairs = [(point, cells, kind) for point, cells in sorted(points(rows).items(), key=lambda item: math.prod(item[0]))
@@ -402,8 +398,9 @@ def write(rows: list[dict], grid: str, out: Path, note: str = "", objective: str
              "`auto / fastest`: auto over the faster of single_pass and two_pass (target: at most 1.05). " + what, ""]
     if note:
         lines += [note, ""]
-    paired = {key: report._num(r.get("ratio")) for key, r in paired_rows(out, grid, objective).items()
-              if r["status"] == "ok"}
+    pairs = measured_pairs(out, grid, objective)
+    paired = {(int(r["V"]), int(r["d"]), int(r["N"])): report._num(r.get("ratio")) for r in pairs
+              if paired_kind(r["against"]) == OURS}
     if paired:
         lines += [f"`paired`: auto over the faster of our paths, the two timed in alternation in one worker "
                   f"({PAIRED_MIN_ROUNDS} to {PAIRED_ROUNDS} rounds on the same inputs, the median of the per-round "
@@ -441,13 +438,11 @@ def write(rows: list[dict], grid: str, out: Path, note: str = "", objective: str
                   + (f"; paired: median {statistics.median(paired.values()):.2f}, worst {max(paired.values()):.2f}, "
                      f"within 1.05 at {sum(r <= 1.05 for r in paired.values())} of {len(paired)} points"
                      if paired else "") + "."]
-    path = paired_path(out, grid, objective)
-    others = [r for r in (report.read_csv(path) if path.exists() else [])
-              if r["status"] == "ok" and paired_kind(r["against"]) != OURS]
+    others = [r for r in pairs if paired_kind(r["against"]) != OURS]
     for column in dict.fromkeys(r["against"] for r in others):
         found = [float(r["ratio"]) for r in others if r["against"] == column]
         lines += ["", f"auto / {column}, paired: median {statistics.median(found):.2f}, worst {max(found):.2f}, "
-                  f"best {min(found):.2f} at {len(found)} points ({path.name})."]
+                  f"best {min(found):.2f} at {len(found)} points ({paired_path(out, grid, objective).name})."]
     if shaky:
         lines += ["", "Unsteady (marked †; `--resume` times them again):", ""] + [f"- {line}" for line in shaky]
     if skipped:

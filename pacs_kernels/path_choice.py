@@ -182,12 +182,11 @@ def candidate_budgets(query: PathQuery) -> list[float | None]:
     cap = raised_budget_cap_mib(query.device)
     budgets: list[float | None] = [None]
     for tokens in (largest_group_tokens(query.counts, query.group_size), query.n_tokens):
-        mib = budget_mib_for_tokens(tokens, query.vocab, query.device, query.dtype, softcap=query.softcap,
-                                    row_kernels=query.row_kernels)
-        if default < mib <= cap and mib not in budgets:
+        # past the cap, the cap: the largest budget allowed rebuilds the least of what it cannot hold
+        mib = min(cap, budget_mib_for_tokens(tokens, query.vocab, query.device, query.dtype, softcap=query.softcap,
+                                             row_kernels=query.row_kernels))
+        if mib > default and mib not in budgets:
             budgets.append(mib)
-        elif mib > cap > default and cap not in budgets:
-            budgets.append(cap)  # the group does not fit under the cap: the cap rebuilds the least of it
     return budgets
 
 
