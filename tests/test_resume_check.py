@@ -104,7 +104,12 @@ def test_accepted_and_named_changes_are_recorded_and_the_printed_command_continu
     assert history[1]["changed"] == {"optim.lr": [0.0002, 0.001]} and history[1]["config"]["optim"]["lr"] == 0.001
     rows = read_metrics(str(out / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
-    assert rows[4]["lr"] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 4 / 5)))  # cosine at the new rate
+    # each row's lr is the rate its update ran at: update k of a cosine over max_steps updates
+    cosine = lambda k, total: 0.5 * (1 + math.cos(math.pi * k / total))  # noqa: E731
+    assert rows[1]["lr"] == pytest.approx(2e-4) and rows[2]["lr"] == pytest.approx(2e-4 * cosine(1, 2))
+    # the longer run re-plans the schedule from its first update (not the old schedule's final rate, 0)
+    assert rows[3]["lr"] == pytest.approx(2e-4 * cosine(2, 3))
+    assert rows[4]["lr"] == pytest.approx(1e-3 * cosine(3, 5))  # cosine at the new rate
     # the command the trainer prints continues with the settings in effect, and the same lr again is no change
     command = resume_command(str(out))
     assert command == (f"pacs train --config {out}/config.yaml --resume --change optim.lr=0.001 max_steps=5 "

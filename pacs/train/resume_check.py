@@ -138,7 +138,9 @@ def record_resume(output_dir: str, plan: ResumePlan, step: int, say=print) -> No
 def apply_optimizer_settings(cfg: Config, optimizer, scheduler) -> None:
     """After a checkpoint's optimizer and scheduler states were loaded (they carry the run's old learning
     rate, betas and weight decay): put this config's in their place, the current learning rate recomputed
-    from the schedule at the step reached. Called when a resume changed an ``optim.`` setting."""
+    from this run's schedule at the step reached. Called on every resume: besides an ``optim.`` setting
+    named with --change, a longer run (``max_steps``) re-plans the schedule, and the optimizer's stored rate
+    (at the end of a cosine schedule, 0) would otherwise drive the first update after the resume."""
     o = cfg.optim
     for group in optimizer.param_groups:
         group.update(initial_lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)

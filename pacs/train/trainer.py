@@ -303,6 +303,7 @@ class UpdateResult:
     skipped_losses: list[float] = dataclasses.field(default_factory=list)  # their loss values, one per group
     # per applied update: the share of (sampled) weights with a gradient that the step changed (weight_updates.py)
     update_nonzero_fracs: list[float] = dataclasses.field(default_factory=list)
+    lr: float = math.nan  # the learning rate the step's first update ran at
 
     def mean_loss(self) -> float:
         """The step's loss: the mean over groups (each micro-batch's loss weighs the groups it held)."""
@@ -508,7 +509,7 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
     data = UpdateData(batch, old_logp, old_lse, rollout_logp, groups_run, packed)
     o, group, rows_per_mini = cfg.optim, cfg.rollout.group_size, mini_batch_rows(cfg, dist_info)
     skipped = None if groups_run is None else rows_per_mini // group * o.mini_batches_per_step - sum(groups_run)
-    update = UpdateResult([], [], [], {}, float("nan"), skipped_groups=skipped)
+    update = UpdateResult([], [], [], {}, float("nan"), skipped_groups=skipped, lr=optimizer.param_groups[0]["lr"])
     statistics, at_zero = LossStatistics(), losses_at_zero(cfg, batch, groups_run)
     # weights that a step leaves where they are, though they have a gradient: updates that rounded away
     monitor = UpdateMonitor(policy.parameters(), distributed=dist_info.world_size > 1)
@@ -538,7 +539,7 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
 
 
 def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: float, update: UpdateResult,
-                 scheduler, state: dict, times: dict[str, float], dist_info: DistInfo,
+                 state: dict, times: dict[str, float], dist_info: DistInfo,
                  extra: dict[str, float] | None = None, group_size: int = 1) -> dict:
     """One rollout step's metrics row: the per-rank statistics averaged over ranks (``extra``: the
     task's reward counters, e.g. math-verify timeouts, each scored 0), then the optimizer's, the
@@ -560,7 +561,7 @@ def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: f
         # over the updates with a gradient (an update whose groups were all skipped has none)
         "update_nonzero_frac": weighted_mean([f for f in update.update_nonzero_fracs if math.isfinite(f)],
                                              [1.0 for f in update.update_nonzero_fracs if math.isfinite(f)]),
-        "lr": scheduler.get_last_lr()[0], "skipped_updates": state["skipped_updates"],
+        "lr": update.lr, "skipped_updates": state["skipped_updates"],
         "tokens_per_s": response_tokens * dist_info.dp_size / times["step_time"], **times,
         "peak_memory_mib": peak_memory_mib(dist_info.device), "prompts_seen": state["data_position"],
     })
@@ -727,8 +728,8 @@ def set_up_training(cfg: Config, dist_info: DistInfo, say, run: Run, resume, res
     state = {"step": 0, "data_position": 0, "consecutive_nan": 0, "skipped_updates": 0}
     if resume is not None:
         state.update(load_checkpoint(resume.path, policy, optimizer, scheduler, dist_info))
-        if resume_plan is not None and any(key.startswith("optim.") for key in resume_plan.changed):
-            apply_optimizer_settings(cfg, optimizer, scheduler)  # the checkpoint's lr / betas / decay replaced
+        # this run's lr / betas / decay and its schedule's current rate (a longer run re-plans the schedule)
+        apply_optimizer_settings(cfg, optimizer, scheduler)
         if resume_plan is not None and dist_info.is_main:  # the checkpoint fits the model: the resume is recorded
             record_resume(run_dir.path, resume_plan, resume.step, say)
     # PACS's reference, when it is kept for optim.ref_reset_every > 1 rollout steps (pacs/model/reference_policy.py)
@@ -860,7 +861,7 @@ def log_step(t: Training, step: int, batch: Batch, responses: list, entropy: flo
     extra = t.run.task.reward_metrics()
     if t.reference is not None:  # rollout steps since the reference was reset (0: this step)
         extra["ref_age"] = float(step - t.reference.step)
-    row = step_metrics(step, batch, responses, entropy, update, t.scheduler, t.state, times, dist_info,
+    row = step_metrics(step, batch, responses, entropy, update, t.state, times, dist_info,
                        extra=extra, group_size=cfg.rollout.group_size)
     # every rank, every step: the same answer on all of them (a stop signal, the wall-clock limit)
     stop_signal, out_of_time, checkpoint_due = stop_signals.agreed(
