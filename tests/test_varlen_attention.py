@@ -331,3 +331,51 @@ def test_a_layer_that_is_not_causal_cannot_be_packed(kernel):
         one_rank = type("OneRank", (), {"size": 1})()
         with pytest.raises(ValueError, match="sequence parallelism keeps every packed sequence causal"):
             _ulysses_attention(layer, q, k, v, None, cu_seq_lens_q=cu, **{sp_module.SEQUENCE_PARALLEL_KWARG: one_rank})
+
+
+def test_under_autocast_a_float32_query_and_key_take_the_kernel_in_16_bit(kernel):
+    """bfloat16 autocast over float32 weights (the trainer's default on a GPU): Hugging Face's RoPE multiplies the
+    16-bit query and key by float32 cos/sin, so they reach the attention in float32 beside a 16-bit value. Autocast
+    casts an SDPA call's inputs to its dtype; the kernel's caller does the same, instead of refusing float32 and
+    running the per-sequence loop (what the GPU run's trainer reported before)."""
+    fake = kernel("2.13")
+    bounds = [0, 5, 12]
+    q, k, v, cu = packed_qkv(bounds, head_dim=16)
+    q32, k32 = (x.detach().float().requires_grad_() for x in (q, k))
+    v16 = v.detach().bfloat16().requires_grad_()
+    assert va.varlen_causal_attention(q32, k32, v16, cu, bounds) is None and not fake.calls  # no autocast: refused
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = va.varlen_causal_attention(q32, k32, v16, cu, bounds)
+        ref = va.loop_causal_attention(q32, k32, v16, bounds)
+    assert out is not None and out.dtype == ref.dtype == torch.bfloat16 and len(fake.calls) == 2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=3e-2, atol=3e-2)
+    grads = torch.autograd.grad(out.float().sum(), (q32, k32, v16))
+    assert [g.dtype for g in grads] == [torch.float32, torch.float32, torch.bfloat16]
+    assert all(bool(g.abs().sum() > 0) for g in grads)
+
+
+def test_a_mixed_precision_policy_runs_its_packed_rows_through_the_kernel(kernel):
+    """The policy as the trainer builds it on a GPU (float32 parameters, bfloat16 autocast): the packed forward
+    reaches the kernel in bfloat16 in every layer, and the report says bfloat16."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from pacs.model.mixed_precision import Precision
+    from pacs.model.packed_attention import packed_call
+    from pacs.model.packing import enable_packed_attention, packed_backbone_kwargs
+    from pacs.model.policy import Policy
+
+    fake = kernel("2.13")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    enable_packed_attention(model, torch.device("cpu"))
+    policy = Policy(model, Precision(torch.bfloat16, torch.float32), autocast=True)
+    bounds = [0, 5, 12]
+    ids = torch.randint(0, 64, (1, 12))
+    positions = torch.cat([torch.arange(5), torch.arange(7)])[None]
+    with packed_call(bounds):
+        hidden, _, _ = policy(ids, None, **packed_backbone_kwargs(positions, torch.tensor(bounds), 7))
+    hidden.float().sum().backward()
+    assert len(fake.calls) == 1 + 2  # the self-check, then one per layer
+    assert va.new_decisions("cpu") == "bfloat16, 4 heads / 2 key-value heads of 16: one flash varlen call per layer"
+    assert all(p.grad is not None and p.dtype == torch.float32 for p in policy.backbone.parameters())

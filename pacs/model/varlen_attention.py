@@ -12,9 +12,10 @@ The same mathematics either way: for each sequence [s, e) and head h, out[t] = s
 scale) v_j over j in [s, t]; the kernel's backward is its own (flash's recomputation, no (N, N) scores).
 
 When it runs (:func:`varlen_unavailable` says why not, otherwise):
-  * on CUDA, fp16/bf16, no dropout, head_dim <= 256 and a multiple of 8, query heads a multiple of the
-    key/value heads, none of the extras the loop's SDPA call would handle (a position bias, attention
-    sinks, soft-capping);
+  * on CUDA, fp16/bf16 (under autocast, the inputs cast to its dtype first, as autocast casts SDPA's: with
+    float32 master weights Hugging Face's RoPE hands over a float32 query and key), no dropout, head_dim
+    <= 256 and a multiple of 8, query heads a multiple of the key/value heads, none of the extras the loop's
+    SDPA call would handle (a position bias, attention sinks, soft-capping);
   * the installed PyTorch's ``varlen_attn`` takes causality (``is_causal=`` in 2.10, ``window_size=(-1, 0)``
     later), the scale where it is not the default 1/sqrt(D) (``scale=``), and grouped key/value heads
     (``enable_gqa=`` where the signature has it, else natively, as flash does);
@@ -224,6 +225,17 @@ def decision(query, key, scaling: float | None = None) -> str | None:
     return _decisions.get(_configuration(query, key, scaling))
 
 
+def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The attention's inputs in autocast's 16-bit dtype where autocast is on for their device, as autocast casts
+    an SDPA call's: under bfloat16 autocast over float32 weights, Hugging Face's RoPE multiplies the 16-bit query
+    and key by float32 cos/sin, so they arrive in float32 beside a 16-bit value, which the kernel would refuse."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+
+
 def varlen_causal_attention(query, key, value, cu_seqlens: torch.Tensor, bounds: list[int], *,
                             scaling: float | None = None, dropout: float = 0.0,
                             extras: dict | None = None) -> torch.Tensor | None:
@@ -234,6 +246,7 @@ def varlen_causal_attention(query, key, value, cu_seqlens: torch.Tensor, bounds:
     engine = requested_engine()
     if engine == "loop":
         return None
+    query, key, value = autocast_inputs(query, key, value)
     why = varlen_unavailable(query, key, scaling=scaling, dropout=dropout, extras=extras)
     config = _configuration(query, key, scaling)
     if why is None and config not in _self_checks and _inside_backward():
