@@ -184,3 +184,23 @@ def test_groups_larger_than_the_budget_go_two_pass_only_onto_triton_log_prob_ker
     # a soft-cap never runs on the Triton log-prob kernels: the single pass's row kernels take such groups
     assert not two_pass_runs_triton("auto", cuda, torch.bfloat16, softcap=True)
     assert not two_pass_runs_triton("triton", cpu, torch.float32, softcap=True)
+
+
+def test_the_committed_gpu_table_is_the_h200_run_and_ships_with_the_package():
+    """pacs_kernels/gpu_dispatch.json: benchmarks/gpu.sh's table from the H200 run (benchmarks/results/gpu/), in the
+    wheel's package data; at Qwen2.5-7B's head in bfloat16 it keeps the single pass, rebuilds groups larger than the
+    budget rather than run two passes, and gives the Triton backward's gradient GEMMs to cuBLAS (all measured)."""
+    data = json.loads(dispatch.PACKAGED_TABLE.read_text())
+    assert data["device_name"] == "NVIDIA H200"
+    dispatch._load.cache_clear()
+    try:
+        assert dispatch.table_entries()  # read from the package directory when no table is named
+        assert not dispatch.prefer_two_pass(12295, 3584, 152064, "bfloat16")
+        assert dispatch.prefer_rebuild(12295, 3584, 152064, "bfloat16")
+        assert dispatch.logprob_backend(8192, 3584, 152064, "bfloat16") == "triton"
+        assert dispatch.grad_gemms(32768, 3584, 152064, "bfloat16", "cuda") == "torch"
+        assert not dispatch.prefer_two_pass(12295, 896, 151936, "bfloat16")  # another shape: no entry, defaults
+    finally:
+        dispatch._load.cache_clear()
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert 'pacs_kernels = ["gpu_dispatch.json"]' in pyproject
