@@ -58,6 +58,11 @@ class _NoOptimizerStep:
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
 
+    @property
+    def param_groups(self) -> list[dict]:
+        """The optimizer's, read (the update reports its learning rate), never stepped."""
+        return self.optimizer.param_groups
+
     def step(self) -> None:
         pass
 
