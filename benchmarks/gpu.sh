@@ -184,9 +184,17 @@ if [ "$part" = "long" ] || [ "$part" = "all" ]; then
            train.tiled_mlp=true model.gradient_checkpointing=true train.max_tokens_per_micro_batch=64)
     # (the first call compiles every Triton kernel it meets at this model's shapes: the generous first limit)
     stamp "5/8 the trainer on this device: ${smoke_steps[0]} steps, then resumed to ${smoke_steps[1]} (limit 145s)"
-    timeout 100 "$py" -m pacs train "${smoke[@]}" --max-steps "${smoke_steps[0]}" \
-        && timeout 45 "$py" -m pacs train "${smoke[@]}" --max-steps "${smoke_steps[1]}" --resume \
-        || { echo "!!! the trainer's smoke run exited with $?"; status=1; }
+    smoke_log=/tmp/pacs-train-smoke.log
+    { timeout 100 "$py" -m pacs train "${smoke[@]}" --max-steps "${smoke_steps[0]}" \
+        && timeout 45 "$py" -m pacs train "${smoke[@]}" --max-steps "${smoke_steps[1]}" --resume; } 2>&1 \
+        | tee "$smoke_log" || { echo "!!! the trainer's smoke run exited with $?"; status=1; }
+    # bf16 autocast over float32 weights: every packed configuration must run PyTorch's flash varlen kernel (the CPU
+    # has none: nothing reported there)
+    if [ "${PACS_GPU_DRY_RUN:-0}" != "1" ]; then
+        grep -q "packed attention: .*one flash varlen call" "$smoke_log" \
+            && ! grep -q "packed attention: .*SDPA once per sequence" "$smoke_log" \
+            || { echo "!!! the trainer's packed attention did not run the flash varlen kernel (see its line above)"; status=1; }
+    fi
     cp /tmp/pacs-train-smoke/metrics.jsonl "$out/train_smoke_metrics.jsonl" 2>/dev/null  # not the model
     # model.dtype auto on a GPU: bfloat16 compute over float32 master weights; every update must move the weights
     "$py" - /tmp/pacs-train-smoke/metrics.jsonl <<'PY' || { echo "!!! the smoke run's weights did not move"; status=1; }
