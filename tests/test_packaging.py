@@ -36,7 +36,8 @@ def test_pyproject_metadata():
     assert "triton>=3.0; platform_system == 'Linux'" in project["dependencies"]
     assert "pyyaml>=6" in project["dependencies"]  # the pacs command reads YAML configs
     assert project["scripts"] == {"pacs": "pacs.cli:main"}
-    assert "package-data" not in pyproject()["tool"]["setuptools"]
+    # the one data file shipped: what "auto" picks on CUDA, measured by benchmarks/gpu.sh (pacs_kernels/dispatch.py)
+    assert pyproject()["tool"]["setuptools"]["package-data"] == {"pacs_kernels": ["gpu_dispatch.json"]}
     assert not os.path.exists(os.path.join(repo_root(), "setup.py"))
 
 
@@ -71,6 +72,7 @@ def test_wheel_holds_the_two_packages_only(tmp_path):
     assert top == {"pacs", "pacs_kernels", dist_info}, top
     assert not any(n.startswith("benchmarks/") for n in names)
     assert "pacs/integrations/trl.py" in names and "pacs_kernels/fused.py" in names
+    assert "pacs_kernels/gpu_dispatch.json" in names  # the GPU dispatch table, read from the package directory
     assert metadata["Name"] == "pacs-rl" and metadata["Version"] == pacs_kernels.__version__
     assert metadata["Requires-Python"] == ">=3.10"
     requires = metadata.get_all("Requires-Dist")
