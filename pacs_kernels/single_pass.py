@@ -21,9 +21,10 @@ scales them by the upstream gradient. Losses that are per response (GRPO) can us
 that keeps responses whole; their chunk loss only needs the global normaliser, known up front.
 
 A group bigger than the budget (long responses) cannot hold all its logits at once. It is cut
-into n tiles within the budget; the last tile's logits are kept, the others keep only their row
-statistics and are built again once g is known: 3 + (n - 1) / n matmuls, never more than the 4 of
-two passes, with memory bounded by the budget whatever the group size.
+into ceil(C / budget) tiles within the budget; the last one holds the full budget and its logits are
+kept, the others keep only their row statistics and are built again once g is known: 3 + (C - budget) / C
+matmuls for a group of C tokens, never more than the 4 of two passes, with memory bounded by the budget
+whatever the group size.
 
 Entropy (optional, for statistics): H = lse - sum_v p_v z_v, computed with the log-sum-exp.
 
@@ -185,17 +186,22 @@ ChunkLoss = Callable[[torch.Tensor, Chunk], "tuple[torch.Tensor, Any]"]
 
 def plan_tiles(tok0: int, tok1: int, budget_tokens: int | None) -> list[tuple[int, int, bool]]:
     """Tiles (t0, t1, keep) of a chunk's tokens. A chunk within ``budget_tokens`` is one kept tile.
-    A longer one (a group bigger than the budget) is cut into n = ceil(C / budget) tiles of nearly
-    equal size, each within the budget: the last one's logits are kept for the gradient, the others
-    keep only their row statistics and are built again (one more logits GEMM for (n - 1) / n of the
-    tokens). Few, large tiles: every tile's GEMMs stream all of W and the float32 dW once, so many
-    small tiles would turn the pass memory-bound."""
+    A longer one (a group bigger than the budget) ends in a kept tile of the full budget, whose logits are
+    held for the gradient; the C - budget tokens before it are cut into the fewest tiles within the budget,
+    of nearly equal size, which keep only their row statistics and are built again: one more logits GEMM
+    for (C - budget) / C of the tokens (a group 20% over the budget rebuilds a sixth of its tokens, where n
+    equal tiles would rebuild (n - 1) / n, half). Still ceil(C / budget) tiles, as few as the budget
+    allows: every tile's GEMMs stream all of W and the float32 dW once, so many small tiles would turn the
+    pass memory-bound."""
     count = tok1 - tok0
     if budget_tokens is None or count <= budget_tokens:
         return [(tok0, tok1, True)]
-    n = -(-count // max(1, budget_tokens))
-    bounds = [tok0 + count * i // n for i in range(n + 1)]
-    return [(bounds[i], bounds[i + 1], i == n - 1) for i in range(n)]
+    budget = max(1, budget_tokens)
+    kept_from = tok1 - budget
+    rebuilt = kept_from - tok0
+    n = -(-rebuilt // budget)
+    bounds = [tok0 + rebuilt * i // n for i in range(n + 1)]
+    return [(bounds[i], bounds[i + 1], False) for i in range(n)] + [(kept_from, tok1, True)]
 
 
 def recomputed_fraction(chunks: list[Chunk], budget_tokens: int | None) -> float:

@@ -127,20 +127,25 @@ def test_single_pass_equals_two_pass_and_packed(score_function_term):
     torch.testing.assert_close(results["packed"][0], results["single_pass"][0], rtol=1e-12, atol=1e-14)
 
 
-def test_plan_tiles_keeps_the_last_tile_and_rebuilds_the_others():
+def test_plan_tiles_keeps_a_last_tile_of_the_full_budget_and_rebuilds_the_rest():
     assert plan_tiles(3, 10, None) == [(3, 10, True)]
     assert plan_tiles(3, 10, 7) == [(3, 10, True)]  # within the budget: one kept tile
-    # 12 tokens, budget 5: 3 tiles of 4, the last one kept
-    assert plan_tiles(0, 12, 5) == [(0, 4, False), (4, 8, False), (8, 12, True)]
-    assert plan_tiles(2, 9, 4) == [(2, 5, False), (5, 9, True)]  # 7 tokens: tiles of 3 and 4
+    # 12 tokens, budget 5: the last 5 kept, the 7 before them in 2 rebuilt tiles of 3 and 4
+    assert plan_tiles(0, 12, 5) == [(0, 3, False), (3, 7, False), (7, 12, True)]
+    assert plan_tiles(2, 9, 4) == [(2, 5, False), (5, 9, True)]  # 7 tokens: 3 rebuilt, 4 kept
+    # a group 20% over the budget rebuilds a sixth of its tokens (equal tiles would rebuild half)
+    assert plan_tiles(0, 6000, 5000) == [(0, 1000, False), (1000, 6000, True)]
     for count, budget in itertools.product(range(1, 40), range(1, 12)):
         tiles = plan_tiles(5, 5 + count, budget)
         assert [t[0] for t in tiles[1:]] == [t[1] for t in tiles[:-1]]  # consecutive
         assert tiles[0][0] == 5 and tiles[-1][1] == 5 + count  # covering the chunk
         assert all(0 < t1 - t0 <= budget for t0, t1, _ in tiles) or count <= budget
         assert [keep for *_, keep in tiles] == [False] * (len(tiles) - 1) + [True]
+        assert len(tiles) == max(1, -(-count // budget))  # as few tiles as the budget allows
+        rebuilt = sum(t1 - t0 for t0, t1, keep in tiles if not keep)
+        assert rebuilt == max(0, count - budget)  # only what does not fit the kept tile
     chunks = [Chunk(0, 2, 0, 12), Chunk(2, 4, 12, 16)]
-    assert recomputed_fraction(chunks, 5) == pytest.approx(8 / 16)
+    assert recomputed_fraction(chunks, 5) == pytest.approx(7 / 16)
     assert recomputed_fraction(chunks, None) == 0.0
     assert plan_group_chunks([3, 4, 5, 1, 2, 2, 9, 0], 2, 8, oversized_alone=True) == [
         Chunk(0, 2, 0, 7), Chunk(2, 4, 7, 13), Chunk(4, 6, 13, 17), Chunk(6, 8, 17, 26)]
