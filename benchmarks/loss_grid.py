@@ -19,6 +19,8 @@ N/16 tokens, groups of 8, float32 on the CPU, bf16 on a GPU) for
     auto           fused_linear_pacs_loss's defaults: the path and budget path_choice.py picks
     cce            Cut Cross-Entropy's log-probs + pacs_loss (its torch_compile impl on the CPU)
     liger_chunked  Liger-Kernel's chunked log-prob step + pacs_loss
+    matmul_floor   a bound, not a loss: the 3 GEMMs of the response tokens alone, one group per GEMM
+                   (ops.py), what any exact 3-matmul implementation at that chunking at least takes here
 
 and writes OUT/loss_grid_<grid>.csv, .md (times relative to naive, and ``auto`` against the fastest of
 single_pass / two_pass) and .png, with the device and the date. A point where naive's logits (and CCE's,
@@ -30,8 +32,9 @@ the two timed in alternation in one worker (measure.measure_pair: the median of 
 rounds as fit in a minute of timed runs on the CPU, and their range; ``--against cce naive``: against those
 columns too, e.g. for the targets at V=151,936), into
 OUT/loss_grid_<grid>_paired.csv and a ``paired`` column of the table: separate runs of the same work differ by
-more than the 5% the target allows on a shared machine. ``--note`` is not kept by ``--resume`` and
-``--paired``: give it again.
+more than the 5% the target allows on a shared machine. Points already paired are kept; ``--again V,d,N ...``
+times those points again (the new pair replaces the old, whose ratio its note keeps) and ``--paired-seconds``
+allows more rounds where a run is long. ``--note`` is not kept by ``--resume`` and ``--paired``: give it again.
 
 ``--objective`` grpo | dapo | dr_grpo | gspo | cispo races that objective at its defaults instead (ops.py's
 ``objective_loss_fwd_bwd``, benchmarks/grpo_family.py), on the same inputs, into
@@ -72,6 +75,7 @@ COLUMNS = {
     "auto": ("pacs_loss_fwd_bwd", "auto", "auto"),
     "cce": ("pacs_loss_fwd_bwd", "cce", "cce"),
     "liger_chunked": ("pacs_loss_fwd_bwd", "liger_chunked", "liger_chunked"),
+    "matmul_floor": ("pacs_loss_fwd_bwd", "matmul_floor", "matmul_floor"),
 }
 # a GRPO-family objective (--objective): column -> (op, impl on the CPU, impl on CUDA), or None: not for it
 OBJECTIVE_COLUMNS = {
@@ -82,6 +86,7 @@ OBJECTIVE_COLUMNS = {
     "auto": (OBJECTIVE_OP, "auto", "auto"),
     "cce": (OBJECTIVE_OP, "cce", "cce"),
     "liger_fused": (OBJECTIVE_OP, "liger_fused", "liger_fused"),
+    "matmul_floor": (OBJECTIVE_OP, "matmul_floor", "matmul_floor"),
 }
 NOT_FOR_OBJECTIVES = {
     "one_sweep": "the one-sweep first step (old_lse) is PACS's own: fused_linear_objective_loss has none",
@@ -117,7 +122,7 @@ TIMING = {"cpu": dict(warmup=1, repeats=3, max_seconds=15.0, long_run_s=60.0),
           "cuda": dict(warmup=1, repeats=5, max_seconds=2.0)}
 # time of each column over the 3-matmul floor, roughly (for the estimate only; CPU, measured on 2 cores)
 ESTIMATE_FACTOR = {"naive": 2.0, "single_pass": 1.1, "two_pass": 1.5, "one_sweep": 1.4, "auto": 1.1,
-                   "cce": 1.6, "liger_chunked": 3.5, "liger_fused": 3.5}
+                   "cce": 1.6, "liger_chunked": 3.5, "liger_fused": 3.5, "matmul_floor": 1.0}
 RUN_OVERHEAD_S = 4.0  # a fresh worker process, its imports and inputs
 
 
@@ -278,12 +283,15 @@ def paired_kind(column: str) -> str:
 
 
 def run_paired(grid: str, device: str, out: Path, note: str = "", objective: str = "pacs",
-               time_budget: float | None = None, against: tuple[str, ...] = (OURS,)) -> list[dict]:
+               time_budget: float | None = None, against: tuple[str, ...] = (OURS,),
+               seconds: float | None = None, again: tuple[tuple[int, int, int], ...] = ()) -> list[dict]:
     """``--paired``: at every point of ``out``'s grid CSV where ``auto`` and one of our paths were measured,
     auto against the faster of our paths (``against``: OURS, and/or columns such as cce or naive, where the
     grid measured them) timed in alternation in one worker (measure.measure_pair: the median of 3 to 9
-    per-round ratios on the same inputs), cheapest point first; pairs already measured are kept. Writes
-    OUT/loss_grid_<grid>[_<objective>]_paired.csv and rebuilds the grid's table and plot."""
+    per-round ratios on the same inputs; no round past the third starts once the timed runs add up to
+    ``seconds``, default PAIRED_SECONDS), cheapest point first; pairs already measured are kept, except at the
+    (V, d, N) points of ``again``: timed anew, the new row replaces the old and its note keeps the old ratio.
+    Writes OUT/loss_grid_<grid>[_<objective>]_paired.csv and rebuilds the grid's table and plot."""
     grid_csv = out / f"{stem_name(grid, objective)}.csv"
     rows = earlier_rows(grid_csv, device, objective, flag="--paired")
     if not rows:
@@ -292,7 +300,17 @@ def run_paired(grid: str, device: str, out: Path, note: str = "", objective: str
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     name = device_name(device)
     path = paired_path(out, grid, objective)
-    done = measured_pairs(out, grid, objective)
+    if seconds is not None and not (isinstance(seconds, (int, float)) and seconds >= 0):
+        raise ValueError(f"--paired-seconds must be a number of seconds >= 0, got {seconds!r}")
+    seconds = PAIRED_SECONDS["cuda" if device == "cuda" else "cpu"] if seconds is None else seconds
+    again = {tuple(int(x) for x in point) for point in again}
+    done, replaced, failed_again = [], {}, []
+    for r in measured_pairs(out, grid, objective):
+        key = (int(r["V"]), int(r["d"]), int(r["N"]), paired_kind(r["against"]))
+        if key[:3] in again:
+            replaced[key] = r
+        else:
+            done.append(r)
     kept = {(int(r["V"]), int(r["d"]), int(r["N"]), paired_kind(r["against"])) for r in done}
     started = time.perf_counter()
     pairs = [(point, cells, kind) for point, cells in sorted(points(rows).items(), key=lambda item: math.prod(item[0]))
@@ -310,20 +328,46 @@ def run_paired(grid: str, device: str, out: Path, note: str = "", objective: str
             auto_case, _ = column_case("auto", objective, (v, d, n), spec["dtype"], device)
             other_case, _ = column_case(other, objective, (v, d, n), spec["dtype"], device)
             result = measure_pair(auto_case, other_case, rounds=PAIRED_ROUNDS, min_rounds=PAIRED_MIN_ROUNDS,
-                                  timeout_s=3600.0, max_seconds=PAIRED_SECONDS["cuda" if device == "cuda" else "cpu"])
+                                  timeout_s=3600.0, max_seconds=seconds)
             row.update(status=result["status"], note=result.get("note", ""))
             if result["status"] == "ok":
                 row.update(auto_ms=statistics.median(result["first_ms"]), against_ms=statistics.median(
                     result["second_ms"]), **{k: result.get(k) for k in ("ratio", "ratio_min", "ratio_max", "rounds",
                                                                          "threads", "cpu_util", "loadavg")})
-        done.append(row)
+        earlier = replaced.get((v, d, n, kind))
+        if earlier is not None and row["status"] == "ok":  # timed again: the new pair replaces the old
+            del replaced[(v, d, n, kind)]
+            row["note"] = "; ".join(filter(None, [row["note"], earlier_pair_note(earlier)]))
+        if earlier is None or row["status"] == "ok":
+            done.append(row)
+        else:  # not timed again: the old row stays in the CSV; the run still reports the failure
+            failed_again.append(row)
         print(f"[paired] V={v} d={d} N={n} auto vs {other}: {row['status']} {row.get('ratio', '')} "
               f"{row.get('note', '')}", flush=True)
         report.write_csv_and_markdown(path.with_suffix(""),
-                                      [{k: report._fmt(r.get(k)) for k in PAIRED_COLUMNS} for r in done],
-                                      PAIRED_COLUMNS, paired_markdown(done))
+                                      [{k: report._fmt(r.get(k)) for k in PAIRED_COLUMNS}
+                                       for r in [*done, *replaced.values()]],
+                                      PAIRED_COLUMNS, paired_markdown([*done, *replaced.values()]))
         write(rows, grid, out, note, objective)
-    return done
+    return [*done, *replaced.values(), *failed_again]
+
+
+def earlier_pair_note(row: dict) -> str:
+    """What a pair timed again keeps of the row it replaces: its ratio, range, rounds and date."""
+    ratio, low, high = (report._num(row.get(k)) for k in ("ratio", "ratio_min", "ratio_max"))
+    text = f"timed again ({row.get('date', '')}: {ratio:.2f}" if ratio is not None else "timed again ("
+    if low is not None and high is not None:
+        text += f", {low:.2f}-{high:.2f}"
+    return text + f", {row.get('rounds', '?')} rounds)"
+
+
+def parse_point(text: str) -> tuple[int, int, int]:
+    """``V,d,N`` (argparse type for --again)."""
+    try:
+        v, d, n = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a point as V,d,N (three integers), got {text!r}") from None
+    return v, d, n
 
 
 def paired_markdown(rows: list[dict]) -> list[str]:
@@ -388,6 +432,9 @@ def write(rows: list[dict], grid: str, out: Path, note: str = "", objective: str
                 "defaults (old log-probs: the current ones plus N(0, 0.05) noise; 0/1 rewards); naive materializes "
                 "the logits; cce gives log-probs, followed by the objective; "
                 + grpo_family.liger_note(objective) + ".")
+    if "matmul_floor" in columns:
+        what += (" matmul_floor is a bound, not a loss: the 3 GEMMs of the response tokens alone (logits, dh, dW), "
+                 "one group per GEMM, no softmax, no loss.")
     lines = [f"## {label} loss grid `{grid}`", "",
              f"Device: {first.get('device_name', '?')} ({first.get('device', '?')}); "
              + (f"date: {dates[0]}." if len(dates) == 1 else
@@ -526,13 +573,23 @@ def parse_args(argv):
                                                                                               *OBJECTIVE_COLUMNS])],
                         help="with --paired: what auto is timed against (default: ours, the faster of our paths; "
                              "or columns the grid measured, e.g. cce naive)")
+    parser.add_argument("--paired-seconds", type=float, default=None,
+                        help="with --paired: no round past the third starts once a pair's timed runs add up to this "
+                             f"(default {PAIRED_SECONDS['cpu']:g} s on the CPU, {PAIRED_SECONDS['cuda']:g} s on CUDA; "
+                             f"at most {PAIRED_ROUNDS} rounds)")
+    parser.add_argument("--again", nargs="+", type=parse_point, default=[], metavar="V,d,N",
+                        help="with --paired: time these points again (the new pair replaces the old; its note keeps "
+                             "the old ratio)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--estimate", action="store_true", help="print how long the run would take, run nothing")
     parser.add_argument("--gflops", type=float, default=None,
                         help="with --estimate: the GEMM rate to assume (default: path_choice's calibration, measured "
                              "on small GEMMs, so low; 2 quiet Xeon cores reach about 150 on the grid's shapes)")
     parser.add_argument("--note", default="", help="a line for the Markdown (e.g. how quiet the machine was)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not args.paired and (args.again or args.paired_seconds is not None):
+        parser.error("--again and --paired-seconds go with --paired")
+    return args
 
 
 def main(argv=None) -> int:
@@ -551,7 +608,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     if args.paired:
         done = run_paired(args.grid, device, args.out, args.note, args.objective, args.time_budget,
-                          tuple(args.against))
+                          tuple(args.against), args.paired_seconds, tuple(args.again))
         for kind in args.against:
             ratios = [float(r["ratio"]) for r in done if r["status"] == "ok" and paired_kind(r["against"]) == kind]
             print(f"[paired] auto / {'fastest of ours' if kind == OURS else kind}: " + (

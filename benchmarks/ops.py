@@ -48,6 +48,10 @@ Implementations ("impls"):
     liger_chunked  Liger-Kernel's chunked GRPO/PPO log-prob step,
                    LigerFusedLinearPPOBase.chunk_forward (sequence x vocabulary chunks in
                    PyTorch, custom backward that recomputes the logits)
+    matmul_floor   loss ops only, a bound rather than a loss: the 3 GEMMs of the masked-in tokens alone
+                   (logits, then dh and the dW accumulation from them as if they were dz), one group per
+                   GEMM as the single pass runs them, with no softmax, no loss and no autograd: what any
+                   exact 3-matmul implementation at that chunking at least takes on this device
     liger_fused    objective op only: Liger-Kernel's whole fused linear GRPO loss
                    (LigerFusedLinearGRPOLoss: the loss_type and importance-sampling level that
                    compute the objective, grpo_family.liger_settings; its loss math under
@@ -79,7 +83,8 @@ OUR_IMPLS = ("naive", "torch", "triton", "single_pass", "single_pass_lowmem", "a
 SINGLE_PASS_BUDGET_GROUPS = {"single_pass": 1.0, "single_pass_lowmem": 1 / 3}  # chunk budget, in groups
 PEER_IMPLS = ("cce", "cce_exact", "liger_flce", "liger_chunked")  # log-prob peers
 LOSS_PEER_IMPLS = ("liger_fused",)  # a peer's whole loss
-IMPLS = OUR_IMPLS + PEER_IMPLS + LOSS_PEER_IMPLS
+MATMUL_FLOOR = "matmul_floor"  # the loss ops' 3 GEMMs alone: a lower bound, not an implementation
+IMPLS = OUR_IMPLS + PEER_IMPLS + LOSS_PEER_IMPLS + (MATMUL_FLOOR,)
 
 LOSS_RESPONSES = 16  # B: responses per micro-batch in the loss op (two groups)
 LOSS_GROUP_SIZE = 8  # G, as in the PACS paper's runs
@@ -131,6 +136,8 @@ def impl_unavailable_reason(op: str, impl: str, device: str, objective: str | No
 
         if objective not in OBJECTIVES:
             return f"{OBJECTIVE_OP} needs an objective of {OBJECTIVES} (loss_grid.py --objective), got {objective!r}"
+    if impl == MATMUL_FLOOR and op not in LOSS_OPS:
+        return f"{MATMUL_FLOOR} is the loss ops' 3 GEMMs alone ({', '.join(LOSS_OPS)})"
     if impl in LOSS_PEER_IMPLS:
         if op != OBJECTIVE_OP:
             return (f"{impl} is Liger's whole GRPO-family loss ({OBJECTIVE_OP} only); PACS couples a group's "
@@ -317,6 +324,10 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
     """A function that runs the case once on its inputs and returns what it produced."""
     if case.op == "grad_gemms":
         return _grad_gemms_runner(case.impl)
+    if case.impl == MATMUL_FLOOR:
+        if case.op not in LOSS_OPS:
+            raise ValueError(impl_unavailable_reason(case.op, case.impl, case.device))
+        return _matmul_floor_runner
     gives_logprobs = case.op not in LOSS_OPS or case.impl not in OUR_IMPLS + LOSS_PEER_IMPLS
     logp_fn = logprob_function(case.impl) if gives_logprobs else None
 
@@ -362,6 +373,22 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
         loss.backward()
         return loss.detach()
     return run
+
+
+def _matmul_floor_runner(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 3 GEMMs of the loss ops' masked-in tokens, one group at a time: z = h W^T, then z W and
+    dW += z^T h (z standing in for dz: its values do not change a GEMM's time); returns (dh, dW)."""
+    mask, hidden, weight = inputs["mask"], inputs["hidden"].detach(), inputs["weight"].detach()
+    with torch.no_grad():
+        d_weight = torch.zeros_like(weight)
+        d_hidden = []
+        for g0 in range(0, mask.shape[0], LOSS_GROUP_SIZE):
+            rows = hidden[g0:g0 + LOSS_GROUP_SIZE][mask[g0:g0 + LOSS_GROUP_SIZE]]
+            z = rows @ weight.T
+            d_hidden.append(z @ weight)
+            d_weight.addmm_(z.T, rows)
+            del z
+        return torch.cat(d_hidden), d_weight
 
 
 def fused_loss_options(case: Case):

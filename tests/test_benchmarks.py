@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 
 import pytest
 import torch
@@ -484,6 +485,29 @@ def test_loss_grid_dry_run_writes_csv_markdown_and_plot(tmp_path):
     assert (tmp_path / "loss_grid_dry.png").stat().st_size > 5000
 
 
+def test_matmul_floor_runs_the_three_gemms_of_each_group_and_nothing_else():
+    """The floor column's work, checked in float64: per group of 8 responses, z = h W^T of its masked-in rows,
+    then z W (returned, in order) and sum_groups z^T h; a bound for the loss ops only."""
+    from benchmarks.ops import LOSS_GROUP_SIZE, MATMUL_FLOOR, runner
+
+    case = Case("pacs_loss_fwd_bwd", MATMUL_FLOOR, 64, 24, 37, "float64", "cpu")
+    inputs = make_inputs(case, 5)
+    h, w, mask = inputs["hidden"].detach(), inputs["weight"].detach(), inputs["mask"]
+    d_hidden, d_weight = [], torch.zeros_like(w)
+    for g0 in range(0, mask.shape[0], LOSS_GROUP_SIZE):
+        rows = h[g0:g0 + LOSS_GROUP_SIZE][mask[g0:g0 + LOSS_GROUP_SIZE]]
+        d_hidden.append((rows @ w.T) @ w)
+        d_weight += (rows @ w.T).T @ rows
+    produced_dh, produced_dw = runner(case)(inputs)
+    torch.testing.assert_close(produced_dh, torch.cat(d_hidden))
+    torch.testing.assert_close(produced_dw, d_weight)
+    assert produced_dh.shape == (int(mask.sum()), 24) and inputs["weight"].grad is None
+    assert "3 GEMMs" in impl_unavailable_reason("logprobs_fwd_bwd", MATMUL_FLOOR, "cpu")
+    assert impl_unavailable_reason("objective_loss_fwd_bwd", MATMUL_FLOOR, "cpu", "dapo") is None
+    with pytest.raises(ValueError, match="loss ops"):
+        runner(Case("logprobs_fwd_bwd", MATMUL_FLOOR, 16, 8, 32, "float32", "cpu"))
+
+
 def test_loss_grid_table_skips_and_ratios(tmp_path):
     """The grid's table from given rows (no timing): times relative to naive, auto over the fastest of our
     paths, the skipped impls listed with their reason; the grids hold issue 29's points."""
@@ -646,7 +670,7 @@ def test_loss_grid_columns_per_objective_and_the_time_budget(tmp_path):
 
     assert loss_grid.default_columns("pacs") == list(loss_grid.COLUMNS)
     assert loss_grid.default_columns("gspo") == ["naive", "single_pass", "two_pass", "one_sweep", "auto", "cce",
-                                                 "liger_fused"]
+                                                 "liger_fused", "matmul_floor"]
     case, reason = loss_grid.column_case("two_pass", "cispo", (512, 32, 64), "bfloat16", "cuda")
     assert (case.op, case.impl, case.objective, reason) == ("objective_loss_fwd_bwd", "triton", "cispo", None)
     assert "PACS" in loss_grid.column_case("liger_fused", "pacs", (512, 32, 64), "float32", "cpu")[1]
@@ -760,3 +784,38 @@ def test_loss_grid_paired_times_auto_against_our_faster_path_and_keeps_what_it_p
     from benchmarks.report import read_csv
 
     assert [r["against"] for r in read_csv(tmp_path / "loss_grid_dry_paired.csv")] == ["two_pass", "naive"]
+
+
+def test_loss_grid_paired_again_replaces_a_pair_only_when_timed_anew_and_keeps_its_old_ratio(tmp_path, monkeypatch):
+    from benchmarks import loss_grid
+    from benchmarks.report import read_csv
+
+    base = dict(date="2026-01-01 00:00 UTC", device="cpu", device_name="test CPU", objective="pacs",
+                dtype="float32", op="x", impl="x", V=512, d=32, N=64, repeats=3, cpu_util=1.98, threads=2)
+    loss_grid.write([dict(base, column="single_pass", median_ms=5.0, status="ok"),
+                     dict(base, column="auto", median_ms=5.5, status="ok")], "dry", tmp_path)
+    calls, results = [], [dict(first_ms=[5.4] * 3, second_ms=[5.0] * 3, ratio=1.08, ratio_min=1.06, ratio_max=1.1,
+                               rounds=3, status="ok", threads=2, cpu_util=1.9, loadavg=2.0),
+                          dict(status="timeout", note="over 3600s"),
+                          dict(first_ms=[5.0] * 9, second_ms=[5.0] * 9, ratio=0.99, ratio_min=0.97, ratio_max=1.02,
+                               rounds=9, status="ok", threads=2, cpu_util=1.9, loadavg=2.0)]
+    monkeypatch.setattr(loss_grid, "measure_pair", lambda first, second, **kw: calls.append(kw["max_seconds"])
+                        or results[len(calls) - 1])
+    loss_grid.run_paired("dry", "cpu", tmp_path)
+    assert calls == [loss_grid.PAIRED_SECONDS["cpu"]]
+    # timed again but it failed: the old pair stays, untouched
+    assert loss_grid.main(["--grid", "dry", "--paired", "--again", "512,32,64", "--paired-seconds", "300",
+                           "--out", str(tmp_path)]) == 1
+    assert calls[1] == 300.0
+    assert [(r["ratio"], r["note"]) for r in read_csv(tmp_path / "loss_grid_dry_paired.csv")] == [("1.08", "")]
+    # timed again and measured: the new pair replaces the old, and its note keeps the old ratio
+    assert loss_grid.main(["--grid", "dry", "--paired", "--again", "512,32,64", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "loss_grid_dry_paired.csv")
+    assert len(rows) == 1 and rows[0]["ratio"] == "0.99" and rows[0]["rounds"] == "9"
+    assert re.fullmatch(r"timed again \(\d{4}-\d\d-\d\d \d\d:\d\d UTC: 1\.08, 1\.06-1\.10, 3 rounds\)", rows[0]["note"])
+    assert "| 1.10 | 0.99 |" in (tmp_path / "loss_grid_dry.md").read_text()
+    for bad in (["--again", "512,32"], ["--again", "a,b,c"]):
+        with pytest.raises(SystemExit):
+            loss_grid.main(["--grid", "dry", "--paired", *bad, "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):  # --again without --paired
+        loss_grid.main(["--grid", "dry", "--again", "512,32,64", "--out", str(tmp_path)])
