@@ -225,17 +225,21 @@ def measured_rows(path: Path, device: str, objective: str) -> dict[tuple, dict]:
 def run_grid(grid: str, device: str, columns, out: Path, note: str = "", objective: str = "pacs",
              time_budget: float | None = None, resume: bool = False) -> list[dict]:
     """Time every (point, column); cases not started within ``time_budget`` seconds get status "budget".
-    ``resume``: cases the CSV in ``out`` already holds as measured (ok, steady) are kept, with their run's date."""
+    ``resume``: cases the CSV in ``out`` already holds as measured (ok, steady) are kept, with their run's date;
+    the CSV's cases of columns this run does not time are kept as they are (skipped, timed out or budget too)."""
     timing = dict(TIMING["cuda" if device == "cuda" else "cpu"])
     if grid == "dry":
         timing.update(repeats=1, max_seconds=1.0)
     memory = memory_bytes(device)
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     name = device_name(device)
-    kept = measured_rows(out / f"{stem_name(grid, objective)}.csv", device, objective) if resume else {}
+    csv_path = out / f"{stem_name(grid, objective)}.csv"
+    kept = measured_rows(csv_path, device, objective) if resume else {}
     todo = cases(grid, device, columns, objective)
     planned = {(column, case.v, case.d, case.n) for column, case, _ in todo}
-    rows = [row for key, row in kept.items() if key not in planned]  # other columns of the earlier run(s)
+    # the cases of other columns (or points) that this run does not time stay as they were, whatever their status
+    rows = [row for row in (earlier_rows(csv_path, device, objective) if resume else [])
+            if (row["column"], int(row["V"]), int(row["d"]), int(row["N"])) not in planned]
     started = time.perf_counter()
     for column, case, fixed in todo:
         row = dict(date=date, device=device, device_name=name, objective=objective, column=column, impl=case.impl,

@@ -570,7 +570,8 @@ def test_loss_grid_resume_keeps_measured_cases_and_times_only_the_rest(tmp_path,
                dict(base, **dict(steady, cpu_util=1.2), column="two_pass", median_ms=8.0, status="ok"),  # busy
                dict(base, **dict(steady, min_ms=5.0), column="auto", median_ms=9.0, status="ok"),  # runs spread
                dict(base, column="one_sweep", status="timeout", note="over 900s"),
-               dict(base, **steady, column="cce", median_ms=7.0, status="ok")]
+               dict(base, **steady, column="cce", median_ms=7.0, status="ok"),
+               dict(base, column="liger_chunked", status="skipped", note="liger-kernel is not installed")]
     loss_grid.write(earlier, "dry", tmp_path)
     table = (tmp_path / "loss_grid_dry.md").read_text()
     assert "- two_pass at V=512 d=32 N=64: a busy machine (CPU use 1.20 of 2 threads)" in table
@@ -582,7 +583,9 @@ def test_loss_grid_resume_keeps_measured_cases_and_times_only_the_rest(tmp_path,
                               resume=True)
     assert timed == ["torch", "torch", "auto"]  # two_pass and auto (unsteady), one_sweep (timed out) again
     by_column = {r["column"]: r for r in rows}
-    assert set(by_column) == {"naive", "single_pass", "two_pass", "one_sweep", "auto", "cce"}  # cce: not in this run
+    # cce and liger_chunked: not in this run, kept as they were (the skipped one too)
+    assert set(by_column) == {"naive", "single_pass", "two_pass", "one_sweep", "auto", "cce", "liger_chunked"}
+    assert by_column["liger_chunked"]["status"] == "skipped" and "not installed" in by_column["liger_chunked"]["note"]
     assert by_column["naive"]["date"] == base["date"] and by_column["auto"]["date"] != base["date"]
     table = (tmp_path / "loss_grid_dry.md").read_text()
     assert "runs of 2026-01-01 00:00 UTC, " in table and "| 1.20* |" in table  # auto 6 over single_pass 5
