@@ -19,8 +19,8 @@ N/16 tokens, groups of 8, float32 on the CPU, bf16 on a GPU) for
     auto           fused_linear_pacs_loss's defaults: the path and budget path_choice.py picks
     cce            Cut Cross-Entropy's log-probs + pacs_loss (its torch_compile impl on the CPU)
     liger_chunked  Liger-Kernel's chunked log-prob step + pacs_loss
-    matmul_floor   a bound, not a loss: the 3 GEMMs of the response tokens alone, one group per GEMM
-                   (ops.py), what any exact 3-matmul implementation at that chunking at least takes here
+    matmul_floor   a bound, not a loss: the 3 GEMMs of the response tokens alone, all tokens in each (ops.py):
+                   about what any exact 3-matmul implementation at least takes here
 
 and writes OUT/loss_grid_<grid>.csv, .md (times relative to naive, and ``auto`` against the fastest of
 single_pass / two_pass) and .png, with the device and the date. A point where naive's logits (and CCE's,
@@ -96,8 +96,8 @@ NOT_FOR_PACS = {"liger_fused": "Liger's GRPO-family loss; PACS couples a group's
                                "which its per-chunk reduction cannot hold (see liger_chunked)"}
 OBJECTIVES = ("pacs",) + grpo_family.OBJECTIVES
 OUR_PATHS = ("single_pass", "two_pass")  # what auto chooses among for this op (one_sweep needs old_lse)
-MATERIALIZING = ("naive", "cce")  # hold the N x V float32 logits (CCE on the CPU: its torch_compile impl)
-LOGIT_COPIES = 4  # logits, log-softmax, its gradient, a temporary: float32 each
+MATERIALIZING = ("naive", "cce", "matmul_floor")  # hold the N x V logits (CCE on the CPU: its torch_compile impl)
+LOGIT_COPIES = {"naive": 4, "cce": 4, "matmul_floor": 1}  # naive: logits, log-softmax, its gradient, a temporary
 MEMORY_SHARE = 0.6  # of the machine's memory (CPU) or the GPU's, for the materializing impls
 
 FULL_V = (32768, 128256, 151936)
@@ -137,8 +137,8 @@ def skip_reason(column: str, case: Case, memory: int) -> str | None:
     reason = impl_unavailable_reason(case.op, case.impl, case.device, case.objective)
     if reason:
         return reason
-    if column in MATERIALIZING and (column == "naive" or case.device != "cuda"):
-        need = LOGIT_COPIES * 4 * selected_tokens(case) * case.v
+    if column in MATERIALIZING and (column != "cce" or case.device != "cuda"):
+        need = LOGIT_COPIES[column] * 4 * selected_tokens(case) * case.v
         if need > MEMORY_SHARE * memory:
             return (f"its N x V float32 logits need about {need / 2 ** 30:.0f} GiB, over {MEMORY_SHARE:.0%} of "
                     f"the {memory / 2 ** 30:.0f} GiB here")
@@ -438,7 +438,7 @@ def write(rows: list[dict], grid: str, out: Path, note: str = "", objective: str
                 + grpo_family.liger_note(objective) + ".")
     if "matmul_floor" in columns:
         what += (" matmul_floor is a bound, not a loss: the 3 GEMMs of the response tokens alone (logits, dh, dW), "
-                 "one group per GEMM, no softmax, no loss.")
+                 "all tokens in each, no softmax, no loss.")
     lines = [f"## {label} loss grid `{grid}`", "",
              f"Device: {first.get('device_name', '?')} ({first.get('device', '?')}); "
              + (f"date: {dates[0]}." if len(dates) == 1 else

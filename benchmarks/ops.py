@@ -48,10 +48,11 @@ Implementations ("impls"):
     liger_chunked  Liger-Kernel's chunked GRPO/PPO log-prob step,
                    LigerFusedLinearPPOBase.chunk_forward (sequence x vocabulary chunks in
                    PyTorch, custom backward that recomputes the logits)
-    matmul_floor   loss ops only, a bound rather than a loss: the 3 GEMMs of the masked-in tokens alone
-                   (logits, then dh and the dW accumulation from them as if they were dz), one group per
-                   GEMM as the single pass runs them, with no softmax, no loss and no autograd: what any
-                   exact 3-matmul implementation at that chunking at least takes on this device
+    matmul_floor   loss ops only, a bound rather than a loss: the 3 GEMMs of the masked-in tokens alone,
+                   all of them in one GEMM each as naive runs them (logits, then dh and dW from them as if
+                   they were dz), with no softmax, no loss and no autograd. On a CPU a GEMM of more rows runs
+                   at a higher rate, so this is about what any exact 3-matmul implementation at least takes
+                   on the device (a chunked one runs its GEMMs on fewer rows at a time)
     liger_fused    objective op only: Liger-Kernel's whole fused linear GRPO loss
                    (LigerFusedLinearGRPOLoss: the loss_type and importance-sampling level that
                    compute the objective, grpo_family.liger_settings; its loss math under
@@ -376,19 +377,13 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
 
 
 def _matmul_floor_runner(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 3 GEMMs of the loss ops' masked-in tokens, one group at a time: z = h W^T, then z W and
-    dW += z^T h (z standing in for dz: its values do not change a GEMM's time); returns (dh, dW)."""
+    """The 3 GEMMs of the loss ops' masked-in tokens, all at once: z = h W^T, then z W and z^T h (z standing
+    in for dz: its values do not change a GEMM's time); returns (dh, dW)."""
     mask, hidden, weight = inputs["mask"], inputs["hidden"].detach(), inputs["weight"].detach()
     with torch.no_grad():
-        d_weight = torch.zeros_like(weight)
-        d_hidden = []
-        for g0 in range(0, mask.shape[0], LOSS_GROUP_SIZE):
-            rows = hidden[g0:g0 + LOSS_GROUP_SIZE][mask[g0:g0 + LOSS_GROUP_SIZE]]
-            z = rows @ weight.T
-            d_hidden.append(z @ weight)
-            d_weight.addmm_(z.T, rows)
-            del z
-        return torch.cat(d_hidden), d_weight
+        rows = hidden[mask]
+        z = rows @ weight.T
+        return z @ weight, z.T @ rows
 
 
 def fused_loss_options(case: Case):

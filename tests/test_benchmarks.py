@@ -485,21 +485,18 @@ def test_loss_grid_dry_run_writes_csv_markdown_and_plot(tmp_path):
     assert (tmp_path / "loss_grid_dry.png").stat().st_size > 5000
 
 
-def test_matmul_floor_runs_the_three_gemms_of_each_group_and_nothing_else():
-    """The floor column's work, checked in float64: per group of 8 responses, z = h W^T of its masked-in rows,
-    then z W (returned, in order) and sum_groups z^T h; a bound for the loss ops only."""
-    from benchmarks.ops import LOSS_GROUP_SIZE, MATMUL_FLOOR, runner
+def test_matmul_floor_runs_the_three_gemms_of_the_response_tokens_and_nothing_else():
+    """The floor column's work, checked in float64: z = h W^T of the masked-in rows, then z W and z^T h; a bound
+    for the loss ops only."""
+    from benchmarks.ops import MATMUL_FLOOR, runner
 
     case = Case("pacs_loss_fwd_bwd", MATMUL_FLOOR, 64, 24, 37, "float64", "cpu")
     inputs = make_inputs(case, 5)
     h, w, mask = inputs["hidden"].detach(), inputs["weight"].detach(), inputs["mask"]
-    d_hidden, d_weight = [], torch.zeros_like(w)
-    for g0 in range(0, mask.shape[0], LOSS_GROUP_SIZE):
-        rows = h[g0:g0 + LOSS_GROUP_SIZE][mask[g0:g0 + LOSS_GROUP_SIZE]]
-        d_hidden.append((rows @ w.T) @ w)
-        d_weight += (rows @ w.T).T @ rows
+    rows = h[mask]
+    d_hidden, d_weight = (rows @ w.T) @ w, (rows @ w.T).T @ rows
     produced_dh, produced_dw = runner(case)(inputs)
-    torch.testing.assert_close(produced_dh, torch.cat(d_hidden))
+    torch.testing.assert_close(produced_dh, d_hidden)
     torch.testing.assert_close(produced_dw, d_weight)
     assert produced_dh.shape == (int(mask.sum()), 24) and inputs["weight"].grad is None
     assert "3 GEMMs" in impl_unavailable_reason("logprobs_fwd_bwd", MATMUL_FLOOR, "cpu")
@@ -517,6 +514,9 @@ def test_loss_grid_table_skips_and_ratios(tmp_path):
     assert (151936, 896, 2048) in loss_grid.GRIDS["cpu-quick"]["points"]
     big = Case("pacs_loss_fwd_bwd", "naive", 16384, 896, 151936, "float32", "cpu")
     assert "GiB" in loss_grid.skip_reason("naive", big, memory=24 * 2 ** 30)
+    floor = Case("pacs_loss_fwd_bwd", "matmul_floor", 16384, 896, 151936, "float32", "cpu")  # one copy: 7 GiB
+    assert loss_grid.skip_reason("matmul_floor", floor, memory=24 * 2 ** 30) is None
+    assert "GiB" in loss_grid.skip_reason("matmul_floor", floor, memory=8 * 2 ** 30)
     assert loss_grid.skip_reason("single_pass", Case("pacs_loss_fwd_bwd", "single_pass", 16384, 896, 151936,
                                                      "float32", "cpu"), memory=24 * 2 ** 30) is None
     base = dict(date="2026-01-01 00:00 UTC", device="cpu", device_name="test CPU", dtype="float32", op="x", impl="x")
