@@ -25,9 +25,10 @@
 #      fits 24 GiB, padded naive vs packed fused, the memory levers (tiled MLP included); 80 GiB
 #      would share the same 100 s (every search cut short): run it by hand when there is time
 # PACS_GPU_PART=grid runs instead, in a call of its own (limit 150s): the loss grid (benchmarks/loss_grid.py) at
-# GPU shapes, naive, every path, auto, the peers and the 3 GEMMs alone (matmul_floor), first for PACS (budget 60s,
-# limit 75s), then for DAPO (--objective dapo: naive, single_pass, two_pass, auto, CCE + the objective, Liger's fused
-# linear GRPO loss with loss_type="dapo", matmul_floor; budget 60s, limit 75s); cases not started within a budget are listed as "budget". PACS_GRID
+# GPU shapes, naive, every path, auto, the peers and naive's 3 GEMMs alone (naive_gemms), first for PACS (budget
+# 60s, limit 75s), then for DAPO (--objective dapo: naive, single_pass, two_pass, auto, CCE + the objective, Liger's
+# fused linear GRPO loss with loss_type="dapo", naive_gemms; budget 60s, limit 75s); cases not started within a
+# budget are listed as "budget". PACS_GRID
 # picks the grid (gpu-quick | gpu, default gpu-quick: 3 points; the full gpu grid, 27 points, needs up to 10 minutes
 # per objective: run loss_grid.py by hand for it). Files: log.txt, loss_grid_<grid>{,_dapo}.{csv,md,png} (7 of 8).
 # (PACS_GPU_PART=all runs all three, for the CPU dry run.)

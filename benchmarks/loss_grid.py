@@ -19,8 +19,8 @@ N/16 tokens, groups of 8, float32 on the CPU, bf16 on a GPU) for
     auto           fused_linear_pacs_loss's defaults: the path and budget path_choice.py picks
     cce            Cut Cross-Entropy's log-probs + pacs_loss (its torch_compile impl on the CPU)
     liger_chunked  Liger-Kernel's chunked log-prob step + pacs_loss
-    matmul_floor   a bound, not a loss: the 3 GEMMs of the response tokens alone, all tokens in each (ops.py):
-                   about what any exact 3-matmul implementation at least takes here
+    naive_gemms    not a loss: naive's 3 GEMMs alone (all response tokens in each, ops.py); naive less this
+                   is the elementwise work and autograd a fused path can save
 
 and writes OUT/loss_grid_<grid>.csv, .md (times relative to naive, and ``auto`` against the fastest of
 single_pass / two_pass) and .png, with the device and the date. A point where naive's logits (and CCE's,
@@ -75,7 +75,7 @@ COLUMNS = {
     "auto": ("pacs_loss_fwd_bwd", "auto", "auto"),
     "cce": ("pacs_loss_fwd_bwd", "cce", "cce"),
     "liger_chunked": ("pacs_loss_fwd_bwd", "liger_chunked", "liger_chunked"),
-    "matmul_floor": ("pacs_loss_fwd_bwd", "matmul_floor", "matmul_floor"),
+    "naive_gemms": ("pacs_loss_fwd_bwd", "naive_gemms", "naive_gemms"),  # a reference point, not a loss
 }
 # a GRPO-family objective (--objective): column -> (op, impl on the CPU, impl on CUDA), or None: not for it
 OBJECTIVE_COLUMNS = {
@@ -86,7 +86,7 @@ OBJECTIVE_COLUMNS = {
     "auto": (OBJECTIVE_OP, "auto", "auto"),
     "cce": (OBJECTIVE_OP, "cce", "cce"),
     "liger_fused": (OBJECTIVE_OP, "liger_fused", "liger_fused"),
-    "matmul_floor": (OBJECTIVE_OP, "matmul_floor", "matmul_floor"),
+    "naive_gemms": (OBJECTIVE_OP, "naive_gemms", "naive_gemms"),
 }
 NOT_FOR_OBJECTIVES = {
     "one_sweep": "the one-sweep first step (old_lse) is PACS's own: fused_linear_objective_loss has none",
@@ -96,8 +96,8 @@ NOT_FOR_PACS = {"liger_fused": "Liger's GRPO-family loss; PACS couples a group's
                                "which its per-chunk reduction cannot hold (see liger_chunked)"}
 OBJECTIVES = ("pacs",) + grpo_family.OBJECTIVES
 OUR_PATHS = ("single_pass", "two_pass")  # what auto chooses among for this op (one_sweep needs old_lse)
-MATERIALIZING = ("naive", "cce", "matmul_floor")  # hold the N x V logits (CCE on the CPU: its torch_compile impl)
-LOGIT_COPIES = {"naive": 4, "cce": 4, "matmul_floor": 1}  # naive: logits, log-softmax, its gradient, a temporary
+MATERIALIZING = ("naive", "cce", "naive_gemms")  # hold the N x V logits (CCE on the CPU: its torch_compile impl)
+LOGIT_COPIES = {"naive": 4, "cce": 4, "naive_gemms": 1}  # naive: logits, log-softmax, its gradient, a temporary
 MEMORY_SHARE = 0.6  # of the machine's memory (CPU) or the GPU's, for the materializing impls
 
 FULL_V = (32768, 128256, 151936)
@@ -122,7 +122,7 @@ TIMING = {"cpu": dict(warmup=1, repeats=3, max_seconds=15.0, long_run_s=60.0),
           "cuda": dict(warmup=1, repeats=5, max_seconds=2.0)}
 # time of each column over the 3-matmul floor, roughly (for the estimate only; CPU, measured on 2 cores)
 ESTIMATE_FACTOR = {"naive": 2.0, "single_pass": 1.1, "two_pass": 1.5, "one_sweep": 1.4, "auto": 1.1,
-                   "cce": 1.6, "liger_chunked": 3.5, "liger_fused": 3.5, "matmul_floor": 1.0}
+                   "cce": 1.6, "liger_chunked": 3.5, "liger_fused": 3.5, "naive_gemms": 1.0}
 RUN_OVERHEAD_S = 4.0  # a fresh worker process, its imports and inputs
 
 
@@ -436,9 +436,9 @@ def write(rows: list[dict], grid: str, out: Path, note: str = "", objective: str
                 "defaults (old log-probs: the current ones plus N(0, 0.05) noise; 0/1 rewards); naive materializes "
                 "the logits; cce gives log-probs, followed by the objective; "
                 + grpo_family.liger_note(objective) + ".")
-    if "matmul_floor" in columns:
-        what += (" matmul_floor is a bound, not a loss: the 3 GEMMs of the response tokens alone (logits, dh, dW), "
-                 "all tokens in each, no softmax, no loss.")
+    if "naive_gemms" in columns:
+        what += (" naive_gemms is not a loss: naive's 3 GEMMs alone (logits, dh, dW of all response tokens at "
+                 "once), no softmax, no loss; naive less it is what a fused path can save.")
     lines = [f"## {label} loss grid `{grid}`", "",
              f"Device: {first.get('device_name', '?')} ({first.get('device', '?')}); "
              + (f"date: {dates[0]}." if len(dates) == 1 else

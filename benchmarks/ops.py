@@ -48,11 +48,11 @@ Implementations ("impls"):
     liger_chunked  Liger-Kernel's chunked GRPO/PPO log-prob step,
                    LigerFusedLinearPPOBase.chunk_forward (sequence x vocabulary chunks in
                    PyTorch, custom backward that recomputes the logits)
-    matmul_floor   loss ops only, a bound rather than a loss: the 3 GEMMs of the masked-in tokens alone,
-                   all of them in one GEMM each as naive runs them (logits, then dh and dW from them as if
-                   they were dz), with no softmax, no loss and no autograd. On a CPU a GEMM of more rows runs
-                   at a higher rate, so this is about what any exact 3-matmul implementation at least takes
-                   on the device (a chunked one runs its GEMMs on fewer rows at a time)
+    naive_gemms    loss ops only, not a loss: naive's 3 GEMMs alone (the logits of all masked-in tokens
+                   in one GEMM, then dh and dW from them as if they were dz), with no softmax, no loss and
+                   no autograd. Naive's time less this is what its elementwise work and autograd cost,
+                   the part a fused path can save; how fast a chunked path's GEMMs run depends on their
+                   rows (on a CPU, more or fewer can be faster)
     liger_fused    objective op only: Liger-Kernel's whole fused linear GRPO loss
                    (LigerFusedLinearGRPOLoss: the loss_type and importance-sampling level that
                    compute the objective, grpo_family.liger_settings; its loss math under
@@ -84,8 +84,8 @@ OUR_IMPLS = ("naive", "torch", "triton", "single_pass", "single_pass_lowmem", "a
 SINGLE_PASS_BUDGET_GROUPS = {"single_pass": 1.0, "single_pass_lowmem": 1 / 3}  # chunk budget, in groups
 PEER_IMPLS = ("cce", "cce_exact", "liger_flce", "liger_chunked")  # log-prob peers
 LOSS_PEER_IMPLS = ("liger_fused",)  # a peer's whole loss
-MATMUL_FLOOR = "matmul_floor"  # the loss ops' 3 GEMMs alone: a lower bound, not an implementation
-IMPLS = OUR_IMPLS + PEER_IMPLS + LOSS_PEER_IMPLS + (MATMUL_FLOOR,)
+NAIVE_GEMMS = "naive_gemms"  # naive's 3 GEMMs alone: a reference point, not an implementation
+IMPLS = OUR_IMPLS + PEER_IMPLS + LOSS_PEER_IMPLS + (NAIVE_GEMMS,)
 
 LOSS_RESPONSES = 16  # B: responses per micro-batch in the loss op (two groups)
 LOSS_GROUP_SIZE = 8  # G, as in the PACS paper's runs
@@ -137,8 +137,8 @@ def impl_unavailable_reason(op: str, impl: str, device: str, objective: str | No
 
         if objective not in OBJECTIVES:
             return f"{OBJECTIVE_OP} needs an objective of {OBJECTIVES} (loss_grid.py --objective), got {objective!r}"
-    if impl == MATMUL_FLOOR and op not in LOSS_OPS:
-        return f"{MATMUL_FLOOR} is the loss ops' 3 GEMMs alone ({', '.join(LOSS_OPS)})"
+    if impl == NAIVE_GEMMS and op not in LOSS_OPS:
+        return f"{NAIVE_GEMMS} is naive's 3 GEMMs alone, for the loss ops ({', '.join(LOSS_OPS)})"
     if impl in LOSS_PEER_IMPLS:
         if op != OBJECTIVE_OP:
             return (f"{impl} is Liger's whole GRPO-family loss ({OBJECTIVE_OP} only); PACS couples a group's "
@@ -325,10 +325,10 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
     """A function that runs the case once on its inputs and returns what it produced."""
     if case.op == "grad_gemms":
         return _grad_gemms_runner(case.impl)
-    if case.impl == MATMUL_FLOOR:
+    if case.impl == NAIVE_GEMMS:
         if case.op not in LOSS_OPS:
             raise ValueError(impl_unavailable_reason(case.op, case.impl, case.device))
-        return _matmul_floor_runner
+        return _naive_gemms_runner
     gives_logprobs = case.op not in LOSS_OPS or case.impl not in OUR_IMPLS + LOSS_PEER_IMPLS
     logp_fn = logprob_function(case.impl) if gives_logprobs else None
 
@@ -376,8 +376,8 @@ def runner(case: Case) -> Callable[[dict], torch.Tensor]:
     return run
 
 
-def _matmul_floor_runner(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 3 GEMMs of the loss ops' masked-in tokens, all at once: z = h W^T, then z W and z^T h (z standing
+def _naive_gemms_runner(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Naive's 3 GEMMs of the loss ops' masked-in tokens, all at once: z = h W^T, then z W and z^T h (z standing
     in for dz: its values do not change a GEMM's time); returns (dh, dW)."""
     mask, hidden, weight = inputs["mask"], inputs["hidden"].detach(), inputs["weight"].detach()
     with torch.no_grad():

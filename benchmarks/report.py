@@ -11,7 +11,7 @@ COLUMNS = ("date", "device", "device_name", "op", "impl", "N", "d", "V", "dtype"
            "threads", "cpu_util", "loadavg", "status", "note")
 
 IMPL_ORDER = ("naive", "torch", "single_pass", "single_pass_lowmem", "triton", "cce", "cce_exact", "liger_flce",
-              "liger_chunked", "matmul_floor")
+              "liger_chunked", "naive_gemms")
 CONTENDED = 0.75  # a CPU row whose cpu_util is below this fraction of its threads ran on a busy machine
 
 

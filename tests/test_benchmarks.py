@@ -485,12 +485,12 @@ def test_loss_grid_dry_run_writes_csv_markdown_and_plot(tmp_path):
     assert (tmp_path / "loss_grid_dry.png").stat().st_size > 5000
 
 
-def test_matmul_floor_runs_the_three_gemms_of_the_response_tokens_and_nothing_else():
-    """The floor column's work, checked in float64: z = h W^T of the masked-in rows, then z W and z^T h; a bound
+def test_naive_gemms_runs_naives_three_gemms_of_the_response_tokens_and_nothing_else():
+    """The naive_gemms column's work, checked in float64: z = h W^T of the masked-in rows, then z W and z^T h;
     for the loss ops only."""
-    from benchmarks.ops import MATMUL_FLOOR, runner
+    from benchmarks.ops import NAIVE_GEMMS, runner
 
-    case = Case("pacs_loss_fwd_bwd", MATMUL_FLOOR, 64, 24, 37, "float64", "cpu")
+    case = Case("pacs_loss_fwd_bwd", NAIVE_GEMMS, 64, 24, 37, "float64", "cpu")
     inputs = make_inputs(case, 5)
     h, w, mask = inputs["hidden"].detach(), inputs["weight"].detach(), inputs["mask"]
     rows = h[mask]
@@ -499,10 +499,10 @@ def test_matmul_floor_runs_the_three_gemms_of_the_response_tokens_and_nothing_el
     torch.testing.assert_close(produced_dh, d_hidden)
     torch.testing.assert_close(produced_dw, d_weight)
     assert produced_dh.shape == (int(mask.sum()), 24) and inputs["weight"].grad is None
-    assert "3 GEMMs" in impl_unavailable_reason("logprobs_fwd_bwd", MATMUL_FLOOR, "cpu")
-    assert impl_unavailable_reason("objective_loss_fwd_bwd", MATMUL_FLOOR, "cpu", "dapo") is None
+    assert "naive's 3 GEMMs alone" in impl_unavailable_reason("logprobs_fwd_bwd", NAIVE_GEMMS, "cpu")
+    assert impl_unavailable_reason("objective_loss_fwd_bwd", NAIVE_GEMMS, "cpu", "dapo") is None
     with pytest.raises(ValueError, match="loss ops"):
-        runner(Case("logprobs_fwd_bwd", MATMUL_FLOOR, 16, 8, 32, "float32", "cpu"))
+        runner(Case("logprobs_fwd_bwd", NAIVE_GEMMS, 16, 8, 32, "float32", "cpu"))
 
 
 def test_loss_grid_table_skips_and_ratios(tmp_path):
@@ -514,9 +514,9 @@ def test_loss_grid_table_skips_and_ratios(tmp_path):
     assert (151936, 896, 2048) in loss_grid.GRIDS["cpu-quick"]["points"]
     big = Case("pacs_loss_fwd_bwd", "naive", 16384, 896, 151936, "float32", "cpu")
     assert "GiB" in loss_grid.skip_reason("naive", big, memory=24 * 2 ** 30)
-    floor = Case("pacs_loss_fwd_bwd", "matmul_floor", 16384, 896, 151936, "float32", "cpu")  # one copy: 7 GiB
-    assert loss_grid.skip_reason("matmul_floor", floor, memory=24 * 2 ** 30) is None
-    assert "GiB" in loss_grid.skip_reason("matmul_floor", floor, memory=8 * 2 ** 30)
+    gemms = Case("pacs_loss_fwd_bwd", "naive_gemms", 16384, 896, 151936, "float32", "cpu")  # one copy: 7 GiB
+    assert loss_grid.skip_reason("naive_gemms", gemms, memory=24 * 2 ** 30) is None
+    assert "GiB" in loss_grid.skip_reason("naive_gemms", gemms, memory=8 * 2 ** 30)
     assert loss_grid.skip_reason("single_pass", Case("pacs_loss_fwd_bwd", "single_pass", 16384, 896, 151936,
                                                      "float32", "cpu"), memory=24 * 2 ** 30) is None
     base = dict(date="2026-01-01 00:00 UTC", device="cpu", device_name="test CPU", dtype="float32", op="x", impl="x")
@@ -673,7 +673,7 @@ def test_loss_grid_columns_per_objective_and_the_time_budget(tmp_path):
 
     assert loss_grid.default_columns("pacs") == list(loss_grid.COLUMNS)
     assert loss_grid.default_columns("gspo") == ["naive", "single_pass", "two_pass", "one_sweep", "auto", "cce",
-                                                 "liger_fused", "matmul_floor"]
+                                                 "liger_fused", "naive_gemms"]
     case, reason = loss_grid.column_case("two_pass", "cispo", (512, 32, 64), "bfloat16", "cuda")
     assert (case.op, case.impl, case.objective, reason) == ("objective_loss_fwd_bwd", "triton", "cispo", None)
     assert "PACS" in loss_grid.column_case("liger_fused", "pacs", (512, 32, 64), "float32", "cpu")[1]
