@@ -822,3 +822,20 @@ def test_loss_grid_paired_again_replaces_a_pair_only_when_timed_anew_and_keeps_i
             loss_grid.main(["--grid", "dry", "--paired", *bad, "--out", str(tmp_path)])
     with pytest.raises(SystemExit):  # --again without --paired
         loss_grid.main(["--grid", "dry", "--again", "512,32,64", "--out", str(tmp_path)])
+
+
+def test_gemm_rows_times_the_three_lm_head_gemms_per_row_count_and_refuses_bad_sizes(tmp_path):
+    from benchmarks import gemm_rows
+    from benchmarks.report import read_csv
+
+    assert gemm_rows.main(["--vocab", "67", "--d", "9", "--rows", "8", "3", "8", "--repeats", "1",
+                           "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "gemm_rows_cpu.csv")
+    assert [r["rows"] for r in rows] == ["3", "8"] and all(r["V"] == "67" and r["d"] == "9" for r in rows)
+    assert all(float(r[f"{g}_gflops"]) > 0 for r in rows for g in gemm_rows.GEMMS) and rows[0]["date"]
+    table = (tmp_path / "gemm_rows_cpu.md").read_text()
+    assert "V=67, d=9, float32" in table and "| 3 |" in table and "| 8 |" in table
+    assert " 1.00 |" in table  # the fastest row count, over itself
+    for bad in (["--rows", "0"], ["--vocab", "0"], ["--repeats", "0"]):
+        with pytest.raises(SystemExit):
+            gemm_rows.main([*bad, "--out", str(tmp_path)])
