@@ -593,6 +593,8 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if not args.paired and (args.again or args.paired_seconds is not None):
         parser.error("--again and --paired-seconds go with --paired")
+    if args.paired_seconds is not None and not args.paired_seconds >= 0:
+        parser.error(f"--paired-seconds must be a number of seconds >= 0, got {args.paired_seconds}")
     return args
 
 

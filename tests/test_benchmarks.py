@@ -817,7 +817,7 @@ def test_loss_grid_paired_again_replaces_a_pair_only_when_timed_anew_and_keeps_i
     assert len(rows) == 1 and rows[0]["ratio"] == "0.99" and rows[0]["rounds"] == "9"
     assert re.fullmatch(r"timed again \(\d{4}-\d\d-\d\d \d\d:\d\d UTC: 1\.08, 1\.06-1\.10, 3 rounds\)", rows[0]["note"])
     assert "| 1.10 | 0.99 |" in (tmp_path / "loss_grid_dry.md").read_text()
-    for bad in (["--again", "512,32"], ["--again", "a,b,c"]):
+    for bad in (["--again", "512,32"], ["--again", "a,b,c"], ["--paired-seconds", "-1"], ["--paired-seconds", "nan"]):
         with pytest.raises(SystemExit):
             loss_grid.main(["--grid", "dry", "--paired", *bad, "--out", str(tmp_path)])
     with pytest.raises(SystemExit):  # --again without --paired
