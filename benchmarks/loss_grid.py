@@ -286,6 +286,11 @@ def paired_kind(column: str) -> str:
     return OURS if column in OUR_PATHS else column
 
 
+def pair_key(row: dict) -> tuple[int, int, int, str]:
+    """(V, d, N, kind) of a paired row: one pair per point and kind (OURS or a column)."""
+    return int(row["V"]), int(row["d"]), int(row["N"]), paired_kind(row["against"])
+
+
 def run_paired(grid: str, device: str, out: Path, note: str = "", objective: str = "pacs",
                time_budget: float | None = None, against: tuple[str, ...] = (OURS,),
                seconds: float | None = None, again: tuple[tuple[int, int, int], ...] = ()) -> list[dict]:
@@ -310,12 +315,11 @@ def run_paired(grid: str, device: str, out: Path, note: str = "", objective: str
     again = {tuple(int(x) for x in point) for point in again}
     done, replaced, failed_again = [], {}, []
     for r in measured_pairs(out, grid, objective):
-        key = (int(r["V"]), int(r["d"]), int(r["N"]), paired_kind(r["against"]))
-        if key[:3] in again:
-            replaced[key] = r
+        if pair_key(r)[:3] in again:
+            replaced[pair_key(r)] = r
         else:
             done.append(r)
-    kept = {(int(r["V"]), int(r["d"]), int(r["N"]), paired_kind(r["against"])) for r in done}
+    kept = {pair_key(r) for r in done}
     started = time.perf_counter()
     pairs = [(point, cells, kind) for point, cells in sorted(points(rows).items(), key=lambda item: math.prod(item[0]))
              for kind in against]
