@@ -471,9 +471,8 @@ def write(rows: list[dict], grid: str, out: Path, note: str = "", objective: str
             if row is None:
                 shown.append("")
             elif _ms(row) is None:
-                label = row.get("status", "?")
                 skipped.setdefault((column, row.get("note", "")), []).append(f"V={v} d={d} N={n}")
-                shown.append(label)
+                shown.append(row.get("status", "?"))
             else:
                 ratio = row.get("x_naive")
                 why = unsteady(row)
@@ -526,6 +525,7 @@ def plot(by_point: dict, columns: list[str], path: Path, title: str, paired: dic
     width_in = max(6.0, 1.2 * len(labels) * max(1, len(shown)) / 4, 0.45 * len(ratios))
     fig, (ax, below) = plt.subplots(2, 1, figsize=(width_in, 6.6), height_ratios=(3, 2))
     width = 0.8 / max(1, len(shown))
+    order = list(dict.fromkeys([*COLUMNS, *OBJECTIVE_COLUMNS]))
     for i, column in enumerate(shown):
         xs, ys = [], []
         for j, key in enumerate(labels):
@@ -533,7 +533,8 @@ def plot(by_point: dict, columns: list[str], path: Path, title: str, paired: dic
             if row is not None and row.get("x_naive") is not None:
                 xs.append(j + i * width)
                 ys.append(row["x_naive"])
-        ax.bar(xs, ys, width=width, label=column)
+        if xs:  # a column never timed against naive has no bar and no legend entry; each column keeps its colour
+            ax.bar(xs, ys, width=width, label=column, color=f"C{order.index(column) % 10}")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))])
     ax.set_xticklabels([f"V={v}\nd={d}\nN={n}" for v, d, n in labels], fontsize=7)
@@ -549,9 +550,9 @@ def plot(by_point: dict, columns: list[str], path: Path, title: str, paired: dic
     below.axhline(1.0, color="black", linewidth=0.8)
     below.axhline(1.05, color="tab:red", linewidth=0.8, linestyle="--", label="target 1.05")
     below.set_xticks(range(len(ratios)))
-    below.set_xticklabels([f"{v // 1024}k\n{d}\n{n}" for (v, d, n), _ in ratios], fontsize=6)
+    below.set_xticklabels([f"{v}\n{d}\n{n}" for (v, d, n), _ in ratios], fontsize=6)
     below.set_ylabel("auto / fastest of ours")
-    below.set_xlabel("V (k), d, N", fontsize=7)
+    below.set_xlabel("V, d, N", fontsize=7)
     if ratios:
         shown_ratios = [r for _, r in ratios] + [r for _, r in dots]
         below.set_ylim(min(0.9, min(shown_ratios) - 0.02), max(1.15, max(shown_ratios) + 0.02))

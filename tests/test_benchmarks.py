@@ -505,10 +505,14 @@ def test_naive_gemms_runs_naives_three_gemms_of_the_response_tokens_and_nothing_
         runner(Case("logprobs_fwd_bwd", NAIVE_GEMMS, 16, 8, 32, "float32", "cpu"))
 
 
-def test_loss_grid_table_skips_and_ratios(tmp_path):
+def test_loss_grid_table_skips_and_ratios(tmp_path, monkeypatch):
     """The grid's table from given rows (no timing): times relative to naive, auto over the fastest of our
-    paths, the skipped impls listed with their reason; the grids hold issue 29's points."""
+    paths, the skipped impls listed with their reason; the grids hold issue 29's points; the plot's title
+    names the objective (a skipped cell's status once took its place)."""
     from benchmarks import loss_grid
+
+    titles = []
+    monkeypatch.setattr(loss_grid, "plot", lambda by_point, columns, path, title, paired=None: titles.append(title))
 
     assert len(loss_grid.GRIDS["cpu"]["points"]) == 27
     assert (151936, 896, 2048) in loss_grid.GRIDS["cpu-quick"]["points"]
@@ -529,6 +533,7 @@ def test_loss_grid_table_skips_and_ratios(tmp_path):
     assert "| 1024 | 64 | 256 | 100 (1.00) | 50 (0.50) | 80 (0.80) | 52 (0.52) | 1.04 |" in table
     assert "| 4096 | 64 | 256 | skipped |  |  | 10 |  |" in table
     assert "- naive at V=4096 d=64 N=256: too big" in table
+    assert titles == ["PACS loss grid t: test CPU, 2026-01-01 00:00 UTC"]
     assert loss_grid.estimate_seconds("cpu-quick", "cpu", list(loss_grid.COLUMNS), 150e9) > 60
 
 
