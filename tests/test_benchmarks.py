@@ -537,6 +537,33 @@ def test_loss_grid_table_skips_and_ratios(tmp_path, monkeypatch):
     assert loss_grid.estimate_seconds("cpu-quick", "cpu", list(loss_grid.COLUMNS), 150e9) > 60
 
 
+def test_loss_grid_plot_gives_each_column_one_colour_and_no_legend_to_a_column_without_bars(tmp_path, monkeypatch):
+    """A column never timed against naive (one_sweep under an objective: skipped) draws no bar and takes no
+    legend entry; every column has its own colour, the same in every grid's plot."""
+    import matplotlib.axes
+
+    from benchmarks import loss_grid
+
+    drawn = []
+    real_bar = matplotlib.axes.Axes.bar
+
+    def bar(self, xs, ys, *args, **kwargs):
+        if "label" in kwargs and kwargs["label"] != "separate runs":
+            drawn.append((kwargs["label"], kwargs.get("color")))
+        return real_bar(self, xs, ys, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", bar)
+    base = dict(date="2026-01-01 00:00 UTC", device="cpu", device_name="test CPU", dtype="float32", op="x", impl="x",
+                V=1024, d=64, N=256)
+    rows = [dict(base, column=c, median_ms=ms, status="ok")
+            for c, ms in (("naive", 100.0), ("single_pass", 50.0), ("two_pass", 80.0), ("auto", 52.0))]
+    rows.append(dict(base, column="one_sweep", status="skipped", note="not for this objective"))
+    loss_grid.write(rows, "t", tmp_path)
+    assert (tmp_path / "loss_grid_t.png").stat().st_size > 0
+    order = list(dict.fromkeys([*loss_grid.COLUMNS, *loss_grid.OBJECTIVE_COLUMNS]))
+    assert drawn == [(c, f"C{order.index(c)}") for c in ("single_pass", "two_pass", "auto")]
+
+
 def test_loss_grid_runs_the_cheapest_point_first_and_estimates_one_run_for_long_cases(monkeypatch):
     from benchmarks import loss_grid
 
