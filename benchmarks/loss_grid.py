@@ -36,6 +36,10 @@ more than the 5% the target allows on a shared machine. Points already paired ar
 times those points again (the new pair replaces the old, whose ratio its note keeps) and ``--paired-seconds``
 allows more rounds where a run is long. ``--note`` is not kept by ``--resume`` and ``--paired``: give it again.
 
+``--resume`` first times the cheapest case the CSV kept again: where that run is off by more than DRIFT
+(either way) the machine is not the one that timed the kept cases (another host, a busy neighbour), cells
+timed now would not compare with them, and the run stops, unless ``--accept-drift`` (the Markdown then says so).
+
 ``--objective`` grpo | dapo | dr_grpo | gspo | cispo races that objective at its defaults instead (ops.py's
 ``objective_loss_fwd_bwd``, benchmarks/grpo_family.py), on the same inputs, into
 OUT/loss_grid_<grid>_<objective>.*: naive (materialized logits + the objective), single_pass, two_pass and
@@ -222,11 +226,32 @@ def measured_rows(path: Path, device: str, objective: str) -> dict[tuple, dict]:
             for row in earlier_rows(path, device, objective) if row["status"] == "ok" and not unsteady(row)}
 
 
+DRIFT = 1.25  # --resume: the kept case timed again off by more than this factor, either way: another machine
+
+
+def drift_check(kept: dict[tuple, dict], grid: str, device: str, objective: str, timing: dict) -> dict | None:
+    """``--resume``'s guard: the cheapest case ``kept`` holds (first in column order at a tie) timed again now.
+    Returns its column, point, kept and new median (ms) and their ratio; None where nothing is kept or the new
+    run failed."""
+    if not kept:
+        return None
+    order = list(dict.fromkeys([*COLUMNS, *OBJECTIVE_COLUMNS]))
+    column, v, d, n = min(kept, key=lambda key: (key[1] * key[2] * key[3], order.index(key[0])))
+    case, _ = column_case(column, objective, (v, d, n), GRIDS[grid]["dtype"], device)
+    now = measure_case(case, timeout_s=900.0, **timing)
+    then, again = _ms(kept[(column, v, d, n)]), _ms(now)
+    if then is None or again is None:
+        return None
+    return dict(column=column, V=v, d=d, N=n, kept_ms=then, now_ms=again, ratio=again / then)
+
+
 def run_grid(grid: str, device: str, columns, out: Path, note: str = "", objective: str = "pacs",
-             time_budget: float | None = None, resume: bool = False) -> list[dict]:
+             time_budget: float | None = None, resume: bool = False, accept_drift: bool = False) -> list[dict]:
     """Time every (point, column); cases not started within ``time_budget`` seconds get status "budget".
     ``resume``: cases the CSV in ``out`` already holds as measured (ok, steady) are kept, with their run's date;
-    the CSV's cases of columns this run does not time are kept as they are (skipped, timed out or budget too)."""
+    the CSV's cases of columns this run does not time are kept as they are (skipped, timed out or budget too).
+    Where there is something to time, :func:`drift_check` first: a kept case off by more than DRIFT stops the
+    run (RuntimeError) unless ``accept_drift``, which puts the drift in the Markdown's note."""
     timing = dict(TIMING["cuda" if device == "cuda" else "cpu"])
     if grid == "dry":
         timing.update(repeats=1, max_seconds=1.0)
@@ -237,6 +262,17 @@ def run_grid(grid: str, device: str, columns, out: Path, note: str = "", objecti
     kept = measured_rows(csv_path, device, objective) if resume else {}
     todo = cases(grid, device, columns, objective)
     planned = {(column, case.v, case.d, case.n) for column, case, _ in todo}
+    to_time = [case for column, case, fixed in todo
+               if (column, case.v, case.d, case.n) not in kept and not (fixed or skip_reason(column, case, memory))]
+    drift = drift_check(kept, grid, device, objective, timing) if to_time else None
+    if drift and not 1 / DRIFT <= drift["ratio"] <= DRIFT:
+        seen = (f"{drift['column']} at V={drift['V']} d={drift['d']} N={drift['N']} ran {drift['now_ms']:.0f} ms "
+                f"against the kept {drift['kept_ms']:.0f} ms ({drift['ratio']:.2f}x)")
+        if not accept_drift:
+            raise RuntimeError(f"--resume: {seen}: this machine is not in the state that timed the kept cases, and "
+                               "cells timed now would not compare with them; time the grid anew into another --out, "
+                               "or give --accept-drift (the Markdown then says so)")
+        note = " ".join(filter(None, [note, f"--accept-drift: timed again before this run, {seen}."]))
     # the cases of other columns (or points) that this run does not time stay as they were, whatever their status
     rows = [row for row in (earlier_rows(csv_path, device, objective) if resume else [])
             if (row["column"], int(row["V"]), int(row["d"]), int(row["N"])) not in planned]
@@ -575,6 +611,9 @@ def parse_args(argv):
                         help="seconds: cases not started by then are recorded as 'budget' (the table stays whole)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the cases OUT's CSV of this grid already measured (ok and steady), time the rest")
+    parser.add_argument("--accept-drift", action="store_true",
+                        help=f"with --resume: go on where the kept case timed again is off by more than {DRIFT:g}x "
+                             "(the Markdown says so)")
     parser.add_argument("--paired", action="store_true",
                         help="time auto against the faster of our paths in alternation at every point of OUT's CSV "
                              "(after the grid; points already paired are kept)")
@@ -596,6 +635,8 @@ def parse_args(argv):
                              "on small GEMMs, so low; 2 quiet Xeon cores reach about 150 on the grid's shapes)")
     parser.add_argument("--note", default="", help="a line for the Markdown (e.g. how quiet the machine was)")
     args = parser.parse_args(argv)
+    if args.accept_drift and not args.resume:
+        parser.error("--accept-drift goes with --resume")
     if not args.paired and (args.again or args.paired_seconds is not None):
         parser.error("--again and --paired-seconds go with --paired")
     if args.paired_seconds is not None and not args.paired_seconds >= 0:
@@ -626,7 +667,8 @@ def main(argv=None) -> int:
                 f"{len(ratios)} points, median {statistics.median(ratios):.2f}, worst {max(ratios):.2f}"
                 if ratios else "n/a") + f" ({time.perf_counter() - started:.0f}s)")
         return 0 if all(r["status"] in ("ok", "budget") for r in done) else 1
-    rows = run_grid(args.grid, device, columns, args.out, args.note, args.objective, args.time_budget, args.resume)
+    rows = run_grid(args.grid, device, columns, args.out, args.note, args.objective, args.time_budget, args.resume,
+                    args.accept_drift)
     ratios = [r for r in (auto_over_fastest(cells) for cells in points(rows).values()) if r is not None]
     print(f"[grid] {args.objective}: {len(rows)} cases in {time.perf_counter() - started:.0f}s; auto / fastest of "
           "ours: " + (f"median {statistics.median(ratios):.2f}, worst {max(ratios):.2f}" if ratios else "n/a")

@@ -610,10 +610,12 @@ def test_loss_grid_resume_keeps_measured_cases_and_times_only_the_rest(tmp_path,
     assert "- auto at V=512 d=32 N=64: runs spread from 5 to a median of 9 ms" in table and "9 (0.90)†" in table
     timed = []
     monkeypatch.setattr(loss_grid, "measure_case", lambda case, **kw: timed.append(case.impl) or
-                        dict(median_ms=6.0, min_ms=6.0, repeats=1, status="ok"))
+                        dict(median_ms=10.5 if case.impl == "naive" else 6.0, min_ms=6.0, repeats=1, status="ok"))
     rows = loss_grid.run_grid("dry", "cpu", ["naive", "single_pass", "two_pass", "one_sweep", "auto"], tmp_path,
                               resume=True)
-    assert timed == ["torch", "torch", "auto"]  # two_pass and auto (unsteady), one_sweep (timed out) again
+    # naive (the cheapest kept case, timed again: 10.5 ms against 10, the same machine), then two_pass and auto
+    # (unsteady), one_sweep (timed out) again
+    assert timed == ["naive", "torch", "torch", "auto"]
     by_column = {r["column"]: r for r in rows}
     # cce and liger_chunked: not in this run, kept as they were (the skipped one too)
     assert set(by_column) == {"naive", "single_pass", "two_pass", "one_sweep", "auto", "cce", "liger_chunked"}
@@ -627,6 +629,37 @@ def test_loss_grid_resume_keeps_measured_cases_and_times_only_the_rest(tmp_path,
     loss_grid.write([dict(r, objective="dapo") for r in earlier], "dry", tmp_path)
     with pytest.raises(ValueError, match="holds dapo rows"):
         loss_grid.run_grid("dry", "cpu", ["naive"], tmp_path, resume=True)
+
+
+def test_loss_grid_resume_stops_where_the_machine_changed_unless_told_to_go_on(tmp_path, monkeypatch):
+    """--resume times the cheapest kept case again first: off by more than DRIFT (another host, a busy
+    neighbour) the run stops before timing anything, naming the case and both times; --accept-drift goes on
+    and the Markdown says so; with nothing left to time there is no check."""
+    from benchmarks import loss_grid
+
+    base = dict(date="2026-01-01 00:00 UTC", device="cpu", device_name="test CPU", objective="pacs",
+                dtype="float32", op="x", impl="x", d=32, N=64, repeats=3, cpu_util=1.98, threads=2, status="ok")
+    earlier = [dict(base, column="naive", V=1024, median_ms=20.0), dict(base, column="naive", V=512, median_ms=10.0)]
+    loss_grid.write(earlier, "dry", tmp_path)
+    timed = []
+    monkeypatch.setattr(loss_grid, "measure_case", lambda case, **kw: timed.append((case.impl, case.v)) or
+                        dict(median_ms=13.0, repeats=1, status="ok"))
+    with pytest.raises(RuntimeError, match=r"naive at V=512 d=32 N=64 ran 13 ms against the kept 10 ms \(1.30x\)"):
+        loss_grid.run_grid("dry", "cpu", ["naive", "auto"], tmp_path, resume=True)
+    assert timed == [("naive", 512)]  # the cheapest kept case, and nothing else
+    assert [r["column"] for r in loss_grid.earlier_rows(tmp_path / "loss_grid_dry.csv", "cpu", "pacs")] == \
+        ["naive", "naive"]  # the CSV as it was
+    timed.clear()
+    rows = loss_grid.run_grid("dry", "cpu", ["naive", "auto"], tmp_path, resume=True, accept_drift=True)
+    assert timed == [("naive", 512), ("auto", 512)]
+    assert {r["column"] for r in rows} == {"naive", "auto"}
+    assert "--accept-drift: timed again before this run, naive at V=512 d=32 N=64 ran 13 ms against the kept " \
+        "10 ms (1.30x)." in (tmp_path / "loss_grid_dry.md").read_text()
+    timed.clear()
+    loss_grid.run_grid("dry", "cpu", ["naive", "auto"], tmp_path, resume=True)  # nothing left to time: no check
+    assert timed == []
+    with pytest.raises(SystemExit):
+        loss_grid.parse_args(["--accept-drift"])
 
 
 def test_auto_is_a_loss_path_only():
