@@ -99,6 +99,7 @@ NOT_FOR_OBJECTIVES = {
 NOT_FOR_PACS = {"liger_fused": "Liger's GRPO-family loss; PACS couples a group's responses before any gradient, "
                                "which its per-chunk reduction cannot hold (see liger_chunked)"}
 OBJECTIVES = ("pacs",) + grpo_family.OBJECTIVES
+ALL_COLUMNS = tuple(dict.fromkeys([*COLUMNS, *OBJECTIVE_COLUMNS]))  # every column, in table (and colour) order
 OUR_PATHS = ("single_pass", "two_pass")  # what auto chooses among for this op (one_sweep needs old_lse)
 MATERIALIZING = ("naive", "cce", "naive_gemms")  # hold the N x V logits (CCE on the CPU: its torch_compile impl)
 LOGIT_COPIES = {"naive": 4, "cce": 4, "naive_gemms": 1}  # naive: logits, log-softmax, its gradient, a temporary
@@ -235,8 +236,7 @@ def drift_check(kept: dict[tuple, dict], grid: str, device: str, objective: str,
     run failed."""
     if not kept:
         return None
-    order = list(dict.fromkeys([*COLUMNS, *OBJECTIVE_COLUMNS]))
-    column, v, d, n = min(kept, key=lambda key: (key[1] * key[2] * key[3], order.index(key[0])))
+    column, v, d, n = min(kept, key=lambda key: (key[1] * key[2] * key[3], ALL_COLUMNS.index(key[0])))
     case, _ = column_case(column, objective, (v, d, n), GRIDS[grid]["dtype"], device)
     now = measure_case(case, timeout_s=900.0, **timing)
     then, again = _ms(kept[(column, v, d, n)]), _ms(now)
@@ -262,9 +262,9 @@ def run_grid(grid: str, device: str, columns, out: Path, note: str = "", objecti
     kept = measured_rows(csv_path, device, objective) if resume else {}
     todo = cases(grid, device, columns, objective)
     planned = {(column, case.v, case.d, case.n) for column, case, _ in todo}
-    to_time = [case for column, case, fixed in todo
-               if (column, case.v, case.d, case.n) not in kept and not (fixed or skip_reason(column, case, memory))]
-    drift = drift_check(kept, grid, device, objective, timing) if to_time else None
+    anything_to_time = any((column, case.v, case.d, case.n) not in kept
+                           and not (fixed or skip_reason(column, case, memory)) for column, case, fixed in todo)
+    drift = drift_check(kept, grid, device, objective, timing) if anything_to_time else None
     if drift and not 1 / DRIFT <= drift["ratio"] <= DRIFT:
         seen = (f"{drift['column']} at V={drift['V']} d={drift['d']} N={drift['N']} ran {drift['now_ms']:.0f} ms "
                 f"against the kept {drift['kept_ms']:.0f} ms ({drift['ratio']:.2f}x)")
@@ -463,8 +463,7 @@ def write(rows: list[dict], grid: str, out: Path, note: str = "", objective: str
         for row in cells.values():
             ms = _ms(row)
             row["x_naive"] = None if naive is None or ms is None else ms / naive
-    order = list(COLUMNS) + [c for c in OBJECTIVE_COLUMNS if c not in COLUMNS]
-    columns = [c for c in order if any(r["column"] == c for r in rows)]
+    columns = [c for c in ALL_COLUMNS if any(r["column"] == c for r in rows)]
     first = rows[0] if rows else {}
     dates = sorted({r.get("date", "?") for r in rows}) or ["?"]
     label = "PACS" if objective == "pacs" else objective
@@ -561,7 +560,6 @@ def plot(by_point: dict, columns: list[str], path: Path, title: str, paired: dic
     width_in = max(6.0, 1.2 * len(labels) * max(1, len(shown)) / 4, 0.45 * len(ratios))
     fig, (ax, below) = plt.subplots(2, 1, figsize=(width_in, 6.6), height_ratios=(3, 2))
     width = 0.8 / max(1, len(shown))
-    order = list(dict.fromkeys([*COLUMNS, *OBJECTIVE_COLUMNS]))
     for i, column in enumerate(shown):
         xs, ys = [], []
         for j, key in enumerate(labels):
@@ -570,7 +568,7 @@ def plot(by_point: dict, columns: list[str], path: Path, title: str, paired: dic
                 xs.append(j + i * width)
                 ys.append(row["x_naive"])
         if xs:  # a column never timed against naive has no bar and no legend entry; each column keeps its colour
-            ax.bar(xs, ys, width=width, label=column, color=f"C{order.index(column) % 10}")
+            ax.bar(xs, ys, width=width, label=column, color=f"C{ALL_COLUMNS.index(column) % 10}")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))])
     ax.set_xticklabels([f"V={v}\nd={d}\nN={n}" for v, d, n in labels], fontsize=7)
@@ -605,7 +603,7 @@ def parse_args(argv):
     parser.add_argument("--objective", choices=OBJECTIVES, default="pacs",
                         help="the loss raced (default pacs; the others at their defaults: benchmarks/grpo_family.py)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: the grid's")
-    parser.add_argument("--columns", nargs="+", choices=list(dict.fromkeys([*COLUMNS, *OBJECTIVE_COLUMNS])),
+    parser.add_argument("--columns", nargs="+", choices=list(ALL_COLUMNS),
                         default=None, help="default: the objective's (a column not for it is listed, skipped)")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds: cases not started by then are recorded as 'budget' (the table stays whole)")
@@ -617,8 +615,7 @@ def parse_args(argv):
     parser.add_argument("--paired", action="store_true",
                         help="time auto against the faster of our paths in alternation at every point of OUT's CSV "
                              "(after the grid; points already paired are kept)")
-    parser.add_argument("--against", nargs="+", default=[OURS], choices=[OURS, *dict.fromkeys([*COLUMNS,
-                                                                                              *OBJECTIVE_COLUMNS])],
+    parser.add_argument("--against", nargs="+", default=[OURS], choices=[OURS, *ALL_COLUMNS],
                         help="with --paired: what auto is timed against (default: ours, the faster of our paths; "
                              "or columns the grid measured, e.g. cce naive)")
     parser.add_argument("--paired-seconds", type=float, default=None,
