@@ -226,12 +226,13 @@ class _SinglePass(torch.autograd.Function):
         entropy_all = torch.empty_like(logp_all) if with_entropy else None
         lse_all = torch.empty_like(logp_all)  # kept for the tiles that are rebuilt
         loss = torch.zeros((), dtype=cdt, device=device)
+        max_rows = max((b - a for c in chunks for a, b, _ in plan_tiles(c.tok0, c.tok1, budget_tokens)), default=0)
         engine_args = (hidden, weight_op, bias, targets, temperature, softcap, (logp_all, entropy_all, lse_all), d_bias)
         if row_kernels == "triton":
             rows = TritonRows(*engine_args, tile_dtype=tile_dtype or tile_dtype_for(device, hidden.dtype, "triton"),
                               strip_rows=strip_rows or MAX_STRIP_ROWS)
         else:
-            rows = EagerRows(*engine_args)
+            rows = EagerRows(*engine_args, max_rows=max_rows)
 
         def gemms(t0: int, t1: int, dz: torch.Tensor) -> None:
             """dh = dz @ W and dW += dz^T @ h for tokens t0:t1 (dz in the GEMM operands' dtype)."""
@@ -247,6 +248,8 @@ class _SinglePass(torch.autograd.Function):
             # each tile's logits once: a kept tile is held for its gradient, the others only leave
             # their log-sum-exp (lse_all) and are built again below (the last chunk's tiles are let
             # go first: a chunk without gradients keeps its tile until here)
+            for tile in tiles:
+                rows.release(tile[2] if tile is not None else None)
             tiles.clear()
             tiles = [(a, b, rows.kept(a, b, hold=keep))
                      for a, b, keep in (plan_tiles(t0, t1, budget_tokens) if t1 > t0 else [])]
@@ -269,6 +272,7 @@ class _SinglePass(torch.autograd.Function):
                 dz = rows.dz(held, ga) if held is not None else rows.rebuilt_dz(a, b, ga)
                 del held
                 gemms(a, b, dz)
+                rows.release(dz)
                 del dz
         if needs_w and not d_weight_written[0]:  # no token had a gradient
             d_weight.zero_()

@@ -17,7 +17,8 @@ Two engines:
 
 * ``EagerRows``: eager PyTorch, in place over a float32 (float64) logits buffer: exp(z - max) and
   its row sum are held; a low-precision copy of dz is made for the GEMMs on a GPU. Bytes per
-  logit: 4 (+ 4 for the soft-cap's slope, + 2 for the bf16 dz copy on a GPU).
+  logit: 4 (+ 4 for the soft-cap's slope, + 2 for the bf16 dz copy on a GPU). On the CPU the
+  tiles of one call take turns in one buffer (:class:`TileBuffer`).
 * ``TritonRows``: the row kernels of triton/softmax_rows.py. Where the GEMMs run in 16 bits (a
   GPU), the tile is held as bf16/fp16 probabilities relative to each vocabulary slice's max
   (float32 GEMM output only for a strip of ``strip_rows`` rows at a time), and dz is written over
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .matmul import compute_dtype, mm_f32, operand
+from .matmul import compute_dtype, mm_f32, mm_into, operand
 from .torch_chunked import apply_softcap_, softcap_slope
 
 ENTROPY_ROWS = 64  # rows per slice of the eager entropy pass (bounds its temporary)
@@ -43,6 +44,37 @@ def _entropy_rows(shifted: torch.Tensor) -> torch.Tensor:
         total = e.sum(1)
         out[r0:r0 + ENTROPY_ROWS] = total.log() - (e * rows).sum(1) / total
     return out
+
+
+class TileBuffer:
+    """One (rows, V) logits buffer that the tiles of one call take in turn, on the CPU.
+
+    PyTorch's CPU allocator hands a freed block this large back to the OS, so every new tile's GEMM
+    faults its pages in again: about 150 ms per 470 MB tile (770 tokens x 151,936) on a 2-core VM,
+    a tenth of that tile's logits GEMM. (The CUDA caching allocator already reuses its blocks: there a
+    tile is a plain allocation.) A tile is lent until :meth:`give_back`; asked for while one is lent,
+    the buffer hands out a fresh allocation instead, so two live tiles never share memory. Allocated at
+    the first tile, with ``max_rows`` rows: no more than the largest tile would have taken.
+    """
+
+    def __init__(self, vocab: int, dtype: torch.dtype, device: torch.device, max_rows: int):
+        self.vocab, self.dtype, self.device, self.max_rows = vocab, dtype, device, max_rows
+        self.buffer: torch.Tensor | None = None
+        self.lent = False
+
+    def take(self, rows: int) -> torch.Tensor:
+        """An uninitialised (rows, V) tile: a view of the buffer where it is free and large enough."""
+        if self.device.type != "cpu" or self.lent or rows > self.max_rows:
+            return torch.empty(rows, self.vocab, dtype=self.dtype, device=self.device)
+        if self.buffer is None:
+            self.buffer = torch.empty(self.max_rows, self.vocab, dtype=self.dtype, device=self.device)
+        self.lent = True
+        return self.buffer[:rows]
+
+    def give_back(self, tile: torch.Tensor | None) -> None:
+        """The caller is done with ``tile`` (its memory may be written by the next :meth:`take`)."""
+        if tile is not None and self.buffer is not None and tile.data_ptr() == self.buffer.data_ptr():
+            self.lent = False
 
 
 class _RowEngine:
@@ -61,6 +93,9 @@ class _RowEngine:
         """h[t0:t1] @ W^T: one GEMM in the operands' dtype, float32 (float64) result (t1 - t0, V)."""
         return mm_f32(operand(self.hidden[t0:t1]), self.weight_op.T)
 
+    def release(self, held) -> None:
+        """The caller is done with what :meth:`kept` held (or None), or with a dz: its memory may be reused."""
+
     def for_gemm(self, dz: torch.Tensor) -> torch.Tensor:
         """dz in the GEMM operands' dtype (a copy only where they differ)."""
         return dz if dz.dtype == self.weight_op.dtype else dz.to(self.weight_op.dtype)
@@ -73,9 +108,26 @@ class _RowEngine:
 class EagerRows(_RowEngine):
     """Eager PyTorch over the float32 (float64) logits tile, in place."""
 
+    def __init__(self, *args, max_rows: int):
+        super().__init__(*args)
+        self.tiles = TileBuffer(self.vocab, self.cdt, self.device, max_rows)
+
+    def tile_logits(self, t0: int, t1: int) -> torch.Tensor:
+        """:meth:`raw_logits` written into a tile of :attr:`tiles` (handed back by :meth:`release`)."""
+        a = operand(self.hidden[t0:t1])
+        if a.dtype != self.cdt:  # a 16-bit GEMM (CUDA): its float32 result is a fresh tensor anyway
+            return mm_f32(a, self.weight_op.T)
+        out = self.tiles.take(t1 - t0)
+        mm_into(out, a, self.weight_op.T)
+        return out
+
+    def release(self, held) -> None:
+        if held is not None:
+            self.tiles.give_back(held if isinstance(held, torch.Tensor) else held[2])
+
     def _tempered(self, t0, t1):
         """(soft-capped (z + b)) / tau in place over one GEMM's result, and the cap's slope or None."""
-        z = self.raw_logits(t0, t1)
+        z = self.tile_logits(t0, t1)
         if self.bias is not None:
             z.add_(self.bias.to(self.cdt))
         if self.softcap is not None:  # c * tanh(z / c), before the temperature
@@ -99,7 +151,10 @@ class EagerRows(_RowEngine):
         lse = row_max.squeeze(1) + row_sum.squeeze(1).log()
         self.logp[t0:t1] = target_logit - lse
         self.lse[t0:t1] = lse
-        return (t0, t1, z, row_sum, slope) if hold else None
+        if not hold:
+            self.tiles.give_back(z)
+            return None
+        return t0, t1, z, row_sum, slope
 
     def dz(self, tile, g: torch.Tensor) -> torch.Tensor:
         """dz = g * (onehot(y) - p) / tau, in place over the held buffer."""

@@ -544,3 +544,50 @@ def test_a_table_that_measured_two_passes_faster_does_not_send_a_softcap_there(m
     _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4,
                                       options=LossOptions(backend="triton", logit_softcap=2.0), return_stats=True)
     assert stats.path == "single_pass"
+
+
+def test_tile_buffer_lends_one_tile_at_a_time():
+    from pacs_kernels.single_pass_rows import TileBuffer
+
+    tiles = TileBuffer(vocab=7, dtype=torch.float32, device=torch.device("cpu"), max_rows=5)
+    first = tiles.take(3)
+    assert first.shape == (3, 7) and tiles.lent
+    second = tiles.take(2)  # the first is still lent: fresh memory, never the same rows
+    assert second.data_ptr() != first.data_ptr()
+    tiles.give_back(second)  # not the buffer's: changes nothing
+    assert tiles.lent
+    tiles.give_back(first)
+    again = tiles.take(5)
+    assert again.data_ptr() == first.data_ptr() and again.shape == (5, 7)
+    tiles.give_back(again)
+    assert tiles.take(6).data_ptr() != first.data_ptr()  # more rows than the buffer holds: fresh
+
+
+@pytest.mark.parametrize("tokens", [30, 3])  # one group per chunk; tiles rebuilt within each group
+def test_cpu_single_pass_tiles_reuse_one_buffer(monkeypatch, tokens):
+    """Every tile of a CPU single pass (held, let go, rebuilt) is built in one buffer, and the loss and
+    gradients are bitwise those of fresh tiles."""
+    import pacs_kernels.single_pass_rows as rows_module
+
+    hidden, weight, _, targets, mask, old, rewards = make_batch(n_groups=3, seed=11)
+    options = LossOptions(path="single_pass", backend="torch", chunk_budget_mib=tokens_mib(tokens))
+
+    def run():
+        return grads_of(lambda h, w: fused_linear_pacs_loss(h, w, targets, mask, old, rewards, group_size=4,
+                                                            options=options), (hidden, weight))
+
+    taken = []
+    take = rows_module.TileBuffer.take
+    monkeypatch.setattr(rows_module.TileBuffer, "take", lambda self, n: taken.append(take(self, n)) or taken[-1])
+    loss, grads = run()
+    assert len(taken) >= (3 if tokens == 30 else 6)
+    assert len({t.data_ptr() for t in taken}) == 1
+
+    def fresh(self, n):
+        return torch.empty(n, self.vocab, dtype=self.dtype, device=self.device)
+
+    monkeypatch.setattr(rows_module.TileBuffer, "take", fresh)
+    expected, e_grads = run()
+    assert torch.equal(loss, expected)
+    for g, e in zip(grads, e_grads):
+        assert torch.equal(g, e)
