@@ -161,6 +161,44 @@ def test_zero_gradient_groups_benchmark_runs_both_settings_and_writes_its_table(
     assert "| addition | 0 |" in table and "rollout.engine=hf" in table
 
 
+def test_tile_buffer_benchmark_pairs_shared_and_fresh_tiles(tmp_path, capsys):
+    """benchmarks/tile_buffer.py at a tiny point: both sides timed each round, the table written, and
+    TileBuffer.take as it was afterwards; a malformed point is refused by name."""
+    from benchmarks import tile_buffer
+    from pacs_kernels.single_pass_rows import TileBuffer
+
+    take = TileBuffer.take
+    tile_buffer.main(["--points", "4096,64,256", "--rounds", "2", "--out", str(tmp_path)])
+    assert TileBuffer.take is take
+    with open(tmp_path / "tile_buffer_cpu.csv", newline="") as handle:
+        (row,) = list(csv.DictReader(handle))
+    assert (row["V"], row["d"], row["N"], row["rounds"]) == ("4096", "64", "256", "2")
+    assert int(row["tiles"]) >= 1 and float(row["shared_ms"]) > 0 and float(row["fresh_ms"]) > 0
+    assert float(row["ratio_min"]) <= float(row["ratio"]) <= float(row["ratio_max"])
+    assert "| 4096 | 64 | 256 |" in (tmp_path / "tile_buffer_cpu.md").read_text()
+    with pytest.raises(SystemExit):
+        tile_buffer.main(["--points", "4096,64", "--out", str(tmp_path)])
+    assert "--points: each point is V,d,N" in capsys.readouterr().err
+
+
+def test_tile_buffer_benchmark_fresh_side_allocates_every_tile():
+    """The benchmark's fresh side hands out new memory for each tile; the shared side the buffer's."""
+    from benchmarks.tile_buffer import tiles_counted
+    from pacs_kernels.single_pass_rows import TileBuffer
+
+    buffer, counted = TileBuffer(vocab=5, dtype=torch.float32, device=torch.device("cpu"), max_rows=4), []
+    with tiles_counted(False, counted):
+        first = buffer.take(3)
+        buffer.give_back(first)
+        assert buffer.take(4).data_ptr() == first.data_ptr()
+    buffer = TileBuffer(vocab=5, dtype=torch.float32, device=torch.device("cpu"), max_rows=4)
+    with tiles_counted(True, counted):
+        first = buffer.take(3)
+        buffer.give_back(first)
+        assert buffer.take(4).data_ptr() != first.data_ptr() and buffer.buffer is None
+    assert counted == [3, 4, 3, 4]
+
+
 @pytest.mark.slow
 def test_sequence_parallel_memory_benchmark_compares_one_process_with_two_ranks(tmp_path):
     """benchmarks/sequence_parallel_memory.py at two short lengths: one process and 2 ranks (torchrun, gloo)

@@ -1,0 +1,120 @@
+"""The CPU single pass with its shared tile buffer against fresh tiles, timed in alternation.
+
+    python benchmarks/tile_buffer.py [--points V,d,N ...] [--rounds R] [--out DIR]
+
+On the CPU the single pass builds every logits tile of a call in one buffer
+(``pacs_kernels.single_pass_rows.TileBuffer``). This times the PACS loss, forward + backward, with
+``path="auto"`` (the loss grid's ``auto`` case), once as it is and once with every tile allocated
+afresh, in alternation (the order flips each round, both on the same fresh inputs), and reports the
+median of the per-round ratios. Writes DIR/tile_buffer_cpu.csv and .md with the device and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import datetime as dt
+import gc
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.ops import Case, make_inputs, runner
+from benchmarks.run import device_name
+from pacs_kernels.single_pass_rows import TileBuffer
+
+POINTS = ((151936, 896, 2048), (151936, 896, 4096))
+COLUMNS = ["date", "device", "V", "d", "N", "tiles", "shared_ms", "fresh_ms", "ratio", "ratio_min", "ratio_max",
+           "rounds"]
+
+
+@contextlib.contextmanager
+def tiles_counted(fresh: bool, counter: list):
+    """TileBuffer.take, counting the tiles taken; with ``fresh``, each tile a new allocation."""
+    take = TileBuffer.take
+
+    def counted(self, rows):
+        counter.append(rows)
+        if fresh:
+            return torch.empty(rows, self.vocab, dtype=self.dtype, device=self.device)
+        return take(self, rows)
+
+    TileBuffer.take = counted
+    try:
+        yield
+    finally:
+        TileBuffer.take = take
+
+
+def pair(v: int, d: int, n: int, rounds: int) -> dict:
+    """One point: a warm-up of each side, then ``rounds`` rounds of one run each."""
+    case = Case("pacs_loss_fwd_bwd", "auto", n, d, v, "float32", "cpu")
+    run = runner(case)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    tiles: list = []
+    for fresh in (False, True):
+        with tiles_counted(fresh, tiles if not fresh else []):
+            run(make_inputs(case, 1))
+    for i in range(rounds):
+        for fresh in ((False, True) if i % 2 == 0 else (True, False)):
+            inputs = make_inputs(case, 100 + i)
+            gc.collect()
+            with tiles_counted(fresh, []):
+                start = time.perf_counter()
+                run(inputs)
+                times[fresh].append((time.perf_counter() - start) * 1e3)
+            del inputs
+    ratios = [a / b for a, b in zip(times[False], times[True])]
+    return dict(V=v, d=d, N=n, tiles=len(tiles), shared_ms=round(statistics.median(times[False]), 1),
+                fresh_ms=round(statistics.median(times[True]), 1), ratio=round(statistics.median(ratios), 3),
+                ratio_min=round(min(ratios), 3), ratio_max=round(max(ratios), 3), rounds=rounds)
+
+
+def write(rows: list[dict], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "tile_buffer_cpu.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["The CPU single pass (`path=\"auto\"`, PACS loss forward + backward, float32) with one shared tile "
+             "buffer against a fresh allocation per tile, timed in alternation (benchmarks/tile_buffer.py)", "",
+             "| V | d | N | tiles | shared ms | fresh ms | shared / fresh | per-round range | rounds |",
+             "|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    lines += [f"| {r['V']} | {r['d']} | {r['N']} | {r['tiles']} | {r['shared_ms']} | {r['fresh_ms']} | {r['ratio']} | "
+              f"{r['ratio_min']}-{r['ratio_max']} | {r['rounds']} |" for r in rows]
+    lines += ["", f"{rows[0]['device']}, {rows[0]['date']}" if rows else ""]
+    (out / "tile_buffer_cpu.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--points", nargs="+", default=[",".join(map(str, p)) for p in POINTS],
+                        help="V,d,N points (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=7, help="rounds per point (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+    points = []
+    for text in args.points:
+        try:
+            v, d, n = (int(x) for x in text.split(","))
+        except ValueError:
+            parser.error(f"--points: each point is V,d,N (three integers), got {text!r}")
+        points.append((v, d, n))
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    rows = []
+    for v, d, n in points:
+        row = dict(date=date, device=device_name("cpu"), **pair(v, d, n, args.rounds))
+        rows.append(row)
+        print(f"[tile_buffer] V={v} d={d} N={n}: tiles {row['tiles']}, shared / fresh {row['ratio']} "
+              f"({row['ratio_min']}-{row['ratio_max']}, {row['rounds']} rounds)", flush=True)
+        write(rows, args.out)
+    print(f"wrote {args.out / 'tile_buffer_cpu.csv'} and .md")
+
+
+if __name__ == "__main__":
+    main()
