@@ -226,13 +226,13 @@ class _SinglePass(torch.autograd.Function):
         entropy_all = torch.empty_like(logp_all) if with_entropy else None
         lse_all = torch.empty_like(logp_all)  # kept for the tiles that are rebuilt
         loss = torch.zeros((), dtype=cdt, device=device)
-        max_rows = max((b - a for c in chunks for a, b, _ in plan_tiles(c.tok0, c.tok1, budget_tokens)), default=0)
+        plans = [plan_tiles(c.tok0, c.tok1, budget_tokens) if c.tok1 > c.tok0 else [] for c in chunks]
         engine_args = (hidden, weight_op, bias, targets, temperature, softcap, (logp_all, entropy_all, lse_all), d_bias)
         if row_kernels == "triton":
             rows = TritonRows(*engine_args, tile_dtype=tile_dtype or tile_dtype_for(device, hidden.dtype, "triton"),
                               strip_rows=strip_rows or MAX_STRIP_ROWS)
         else:
-            rows = EagerRows(*engine_args, max_rows=max_rows)
+            rows = EagerRows(*engine_args, max_rows=max((b - a for plan in plans for a, b, _ in plan), default=0))
 
         def gemms(t0: int, t1: int, dz: torch.Tensor) -> None:
             """dh = dz @ W and dW += dz^T @ h for tokens t0:t1 (dz in the GEMM operands' dtype)."""
@@ -243,7 +243,7 @@ class _SinglePass(torch.autograd.Function):
                 d_weight_written[0] = True
 
         tiles: list = []
-        for chunk in chunks:
+        for chunk, plan in zip(chunks, plans):
             t0, t1 = chunk.tok0, chunk.tok1
             # each tile's logits once: a kept tile is held for its gradient, the others only leave
             # their log-sum-exp (lse_all) and are built again below (the last chunk's tiles are let
@@ -251,8 +251,7 @@ class _SinglePass(torch.autograd.Function):
             for tile in tiles:
                 rows.release(tile[2] if tile is not None else None)
             tiles.clear()
-            tiles = [(a, b, rows.kept(a, b, hold=keep))
-                     for a, b, keep in (plan_tiles(t0, t1, budget_tokens) if t1 > t0 else [])]
+            tiles = [(a, b, rows.kept(a, b, hold=keep)) for a, b, keep in plan]
             with torch.enable_grad():
                 logp = logp_all[t0:t1].detach().requires_grad_(True)
                 share, extra = chunk_loss(logp, chunk)
