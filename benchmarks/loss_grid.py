@@ -38,7 +38,8 @@ allows more rounds where a run is long. ``--note`` is not kept by ``--resume`` a
 
 ``--resume`` first times the cheapest case the CSV kept again: where that run is off by more than DRIFT
 (either way) the machine is not the one that timed the kept cases (another host, a busy neighbour), cells
-timed now would not compare with them, and the run stops, unless ``--accept-drift`` (the Markdown then says so).
+timed now would not compare with them, and the run stops, unless ``--accept-drift``. The Markdown's note gives
+the case timed again, both times and their ratio, within DRIFT too: a ratio across runs is only as good as that.
 
 ``--objective`` grpo | dapo | dr_grpo | gspo | cispo races that objective at its defaults instead (ops.py's
 ``objective_loss_fwd_bwd``, benchmarks/grpo_family.py), on the same inputs, into
@@ -265,14 +266,17 @@ def run_grid(grid: str, device: str, columns, out: Path, note: str = "", objecti
     anything_to_time = any((column, case.v, case.d, case.n) not in kept
                            and not (fixed or skip_reason(column, case, memory)) for column, case, fixed in todo)
     drift = drift_check(kept, grid, device, objective, timing) if anything_to_time else None
-    if drift and not 1 / DRIFT <= drift["ratio"] <= DRIFT:
+    if drift:
         seen = (f"{drift['column']} at V={drift['V']} d={drift['d']} N={drift['N']} ran {drift['now_ms']:.0f} ms "
                 f"against the kept {drift['kept_ms']:.0f} ms ({drift['ratio']:.2f}x)")
-        if not accept_drift:
+        over = not 1 / DRIFT <= drift["ratio"] <= DRIFT
+        if over and not accept_drift:
             raise RuntimeError(f"--resume: {seen}: this machine is not in the state that timed the kept cases, and "
                                "cells timed now would not compare with them; time the grid anew into another --out, "
                                "or give --accept-drift (the Markdown then says so)")
-        note = " ".join(filter(None, [note, f"--accept-drift: timed again before this run, {seen}."]))
+        # within DRIFT too: a ratio across runs is only as good as this agreement, so the Markdown keeps it
+        note = " ".join(filter(None, [note, f"{'--accept-drift' if over else '--resume'}: timed again before "
+                                            f"this run ({date}), {seen}."]))
     # the cases of other columns (or points) that this run does not time stay as they were, whatever their status
     rows = [row for row in (earlier_rows(csv_path, device, objective) if resume else [])
             if (row["column"], int(row["V"]), int(row["d"]), int(row["N"])) not in planned]

@@ -165,21 +165,14 @@ def measure_in_process(case: Case, *, warmup: int, repeats: int, max_seconds: fl
     return result
 
 
-def measure_pair_in_process(first: Case, second: Case, *, rounds: int, max_seconds: float | None = None,
-                            min_rounds: int = 1) -> dict:
-    """Time two cases in alternation, in this process: one warm-up run of each, then up to ``rounds`` rounds of
-    one run of each on the same fresh inputs, the first case first in even rounds and second in odd ones.
-
-    Separate runs of two cases on a shared machine differ by more than the few percent being compared (the
-    CPU loss grid timed ``auto`` 8% slower than ``single_pass`` where both ran the same chunks); the median of
-    the per-round ratios cancels what drifts slower than a round, and more rounds outvote a disturbed one.
-    ``max_seconds``: no round past the first ``min_rounds`` starts once the timed runs add up to more than
-    that. Returns both cases' times, the median ratio and the lowest and highest per-round ratio."""
-    runs = (runner(first), runner(second))
-    seed = first.seed * 1_000_003
-    for run, case in zip(runs, (first, second)):
-        inputs = make_inputs(case, seed)
-        _release(inputs, run(inputs))
+def alternate(runs: tuple, make_inputs_for, *, rounds: int, device: str, max_seconds: float | None = None,
+              min_rounds: int = 1) -> dict:
+    """Time two runs in alternation: up to ``rounds`` rounds of one call of each on fresh inputs
+    (``make_inputs_for(round, which)``, ``which`` 0 or 1, made outside the timed region), the first run first in
+    even rounds and second in odd ones. ``max_seconds``: no round past the first ``min_rounds`` starts once the
+    timed runs add up to more than that. Returns both runs' times (ms), the median of the per-round ratios
+    (first / second) and the lowest and highest; on the CPU also the median CPU use and the load average.
+    Warm-ups are the caller's."""
     times_ms: tuple[list, list] = ([], [])
     utils = []
     for i in range(max(rounds, 1)):
@@ -187,13 +180,12 @@ def measure_pair_in_process(first: Case, second: Case, *, rounds: int, max_secon
                 (sum(times_ms[0]) + sum(times_ms[1])) / 1e3 > max_seconds:
             break
         for which in ((0, 1) if i % 2 == 0 else (1, 0)):
-            case = (first, second)[which]
-            inputs = make_inputs(case, seed + 1000 + i)
+            inputs = make_inputs_for(i, which)
             gc.collect()
-            _sync(case.device)
+            _sync(device)
             start, cpu_start = time.perf_counter(), time.process_time()
             produced = runs[which](inputs)
-            _sync(case.device)
+            _sync(device)
             wall = time.perf_counter() - start
             times_ms[which].append(wall * 1e3)
             utils.append((time.process_time() - cpu_start) / max(wall, 1e-9))
@@ -202,9 +194,26 @@ def measure_pair_in_process(first: Case, second: Case, *, rounds: int, max_secon
     result = {"first_ms": times_ms[0], "second_ms": times_ms[1], "ratio": statistics.median(ratios),
               "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": len(ratios), "status": "ok",
               "threads": torch.get_num_threads()}
-    if first.device == "cpu":
+    if device == "cpu":
         result.update(cpu_util=statistics.median(utils), loadavg=os.getloadavg()[0])
     return result
+
+
+def measure_pair_in_process(first: Case, second: Case, *, rounds: int, max_seconds: float | None = None,
+                            min_rounds: int = 1) -> dict:
+    """Time two cases in alternation, in this process: one warm-up run of each, then :func:`alternate`, each
+    case on its inputs from the same seed in a round.
+
+    Separate runs of two cases on a shared machine differ by more than the few percent being compared (the
+    CPU loss grid timed ``auto`` 8% slower than ``single_pass`` where both ran the same chunks); the median of
+    the per-round ratios cancels what drifts slower than a round, and more rounds outvote a disturbed one."""
+    runs = (runner(first), runner(second))
+    seed = first.seed * 1_000_003
+    for run, case in zip(runs, (first, second)):
+        inputs = make_inputs(case, seed)
+        _release(inputs, run(inputs))
+    return alternate(runs, lambda i, which: make_inputs((first, second)[which], seed + 1000 + i), rounds=rounds,
+                     device=first.device, max_seconds=max_seconds, min_rounds=min_rounds)
 
 
 def measure_pair(first: Case, second: Case, *, rounds: int, timeout_s: float, max_seconds: float | None = None,

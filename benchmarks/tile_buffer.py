@@ -15,13 +15,12 @@ import argparse
 import contextlib
 import csv
 import datetime as dt
-import gc
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.measure import alternate
 from benchmarks.ops import Case, make_inputs, runner
 from benchmarks.run import device_name
 from pacs_kernels.single_pass_rows import TileBuffer
@@ -50,27 +49,26 @@ def tiles_counted(fresh: bool, counter: list):
 
 
 def pair(v: int, d: int, n: int, rounds: int) -> dict:
-    """One point: a warm-up of each side, then ``rounds`` rounds of one run each."""
+    """One point: a warm-up of each side, then ``rounds`` rounds of one run each (:func:`measure.alternate`)."""
     case = Case("pacs_loss_fwd_bwd", "auto", n, d, v, "float32", "cpu")
     run = runner(case)
-    times: dict[bool, list[float]] = {False: [], True: []}
     tiles: list = []
-    for fresh in (False, True):
-        with tiles_counted(fresh, tiles if not fresh else []):
-            run(make_inputs(case, 1))
-    for i in range(rounds):
-        for fresh in ((False, True) if i % 2 == 0 else (True, False)):
-            inputs = make_inputs(case, 100 + i)
-            gc.collect()
-            with tiles_counted(fresh, []):
-                start = time.perf_counter()
-                run(inputs)
-                times[fresh].append((time.perf_counter() - start) * 1e3)
-            del inputs
-    ratios = [a / b for a, b in zip(times[False], times[True])]
-    return dict(V=v, d=d, N=n, tiles=len(tiles), shared_ms=round(statistics.median(times[False]), 1),
-                fresh_ms=round(statistics.median(times[True]), 1), ratio=round(statistics.median(ratios), 3),
-                ratio_min=round(min(ratios), 3), ratio_max=round(max(ratios), 3), rounds=rounds)
+
+    def side(fresh: bool, counter: list):
+        def timed(inputs):
+            with tiles_counted(fresh, counter):
+                return run(inputs)
+        return timed
+
+    shared, fresh = side(False, tiles), side(True, [])
+    for warm_up in (shared, fresh):
+        warm_up(make_inputs(case, 1))
+    counted = len(tiles)  # the tiles of one call
+    timed = alternate((shared, fresh), lambda i, which: make_inputs(case, 100 + i), rounds=rounds, device="cpu")
+    return dict(V=v, d=d, N=n, tiles=counted, shared_ms=round(statistics.median(timed["first_ms"]), 1),
+                fresh_ms=round(statistics.median(timed["second_ms"]), 1), ratio=round(timed["ratio"], 3),
+                ratio_min=round(timed["ratio_min"], 3), ratio_max=round(timed["ratio_max"], 3),
+                rounds=timed["rounds"])
 
 
 def write(rows: list[dict], out: Path) -> None:

@@ -691,11 +691,19 @@ def test_loss_grid_resume_stops_where_the_machine_changed_unless_told_to_go_on(t
     rows = loss_grid.run_grid("dry", "cpu", ["naive", "auto"], tmp_path, resume=True, accept_drift=True)
     assert timed == [("naive", 512), ("auto", 512)]
     assert {r["column"] for r in rows} == {"naive", "auto"}
-    assert "--accept-drift: timed again before this run, naive at V=512 d=32 N=64 ran 13 ms against the kept " \
-        "10 ms (1.30x)." in (tmp_path / "loss_grid_dry.md").read_text()
+    assert re.search(r"--accept-drift: timed again before this run \(\d{4}-\d\d-\d\d \d\d:\d\d UTC\), naive at "
+                     r"V=512 d=32 N=64 ran 13 ms against the kept 10 ms \(1\.30x\)\.",
+                     (tmp_path / "loss_grid_dry.md").read_text())
     timed.clear()
     loss_grid.run_grid("dry", "cpu", ["naive", "auto"], tmp_path, resume=True)  # nothing left to time: no check
     assert timed == []
+    # within DRIFT the run goes on, and the Markdown still gives the agreement its cross-run ratios rest on
+    monkeypatch.setattr(loss_grid, "measure_case", lambda case, **kw: timed.append((case.impl, case.v)) or
+                        dict(median_ms=11.0, repeats=1, status="ok"))
+    loss_grid.run_grid("dry", "cpu", ["naive", "auto", "two_pass"], tmp_path, resume=True)
+    assert timed[0] == ("naive", 512) and ("two_pass", 512) in timed
+    assert "--resume: timed again before this run" in (tmp_path / "loss_grid_dry.md").read_text()
+    assert "ran 11 ms against the kept 10 ms (1.10x)." in (tmp_path / "loss_grid_dry.md").read_text()
     with pytest.raises(SystemExit):
         loss_grid.parse_args(["--accept-drift"])
 
@@ -852,6 +860,32 @@ def test_measure_pair_alternates_two_cases_on_the_same_inputs_in_a_worker():
     bad = Case("pacs_loss_fwd_bwd", "single_pass", 63, 32, 512, "float32", "cpu")  # N not a multiple of 16
     failed = measure_pair(auto, bad, rounds=1, timeout_s=300.0)
     assert failed["status"] == "error" and "multiple of 16" in failed["note"]
+
+
+def test_alternate_flips_the_order_each_round_and_gives_each_run_its_own_inputs():
+    """measure.alternate: the first run first in even rounds and second in odd ones, each on the inputs made
+    for its (round, side); one ratio per round; max_seconds stops after min_rounds."""
+    from benchmarks.measure import alternate
+
+    calls, made = [], []
+
+    def make(i, which):
+        made.append((i, which))
+        return {"round": i, "side": which}
+
+    def side(name):
+        def run(inputs):
+            calls.append((name, inputs["round"], inputs["side"]))
+        return run
+
+    result = alternate((side("a"), side("b")), make, rounds=3, device="cpu")
+    assert calls == [("a", 0, 0), ("b", 0, 1), ("b", 1, 1), ("a", 1, 0), ("a", 2, 0), ("b", 2, 1)]
+    assert made == [(0, 0), (0, 1), (1, 1), (1, 0), (2, 0), (2, 1)]
+    assert result["rounds"] == 3 and len(result["first_ms"]) == len(result["second_ms"]) == 3
+    assert result["ratio_min"] <= result["ratio"] <= result["ratio_max"] and "cpu_util" in result
+    calls.clear()
+    assert alternate((side("a"), side("b")), make, rounds=9, device="cpu", max_seconds=0.0, min_rounds=2)[
+        "rounds"] == 2 and len(calls) == 4
 
 
 def test_loss_grid_paired_times_auto_against_our_faster_path_and_keeps_what_it_paired(tmp_path, monkeypatch):
