@@ -6,7 +6,7 @@ import re
 
 from trainer_helpers import repo_root
 
-# about 1.74 MB in use: the raw runs of the seed sweeps (science*/runs.jsonl) and the first GPU run (gpu/, 0.24 MB)
+# about 1.78 MB in use: the raw runs of the seed sweeps (science*/runs.jsonl) and the first GPU run (gpu/, 0.24 MB)
 BUDGET_BYTES = 1_800_000
 KINDS = (".md", ".csv", ".png", ".txt", ".jsonl", ".log")
 
