@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import datetime as dt
 import statistics
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 
 from benchmarks.measure import alternate
 from benchmarks.ops import Case, make_inputs, runner
+from benchmarks.report import write_csv_and_markdown
 from benchmarks.run import device_name
 from pacs_kernels.single_pass_rows import TileBuffer
 
@@ -72,11 +72,6 @@ def pair(v: int, d: int, n: int, rounds: int) -> dict:
 
 
 def write(rows: list[dict], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "tile_buffer_cpu.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
     lines = ["The CPU single pass (`path=\"auto\"`, PACS loss forward + backward, float32) with one shared tile "
              "buffer against a fresh allocation per tile, timed in alternation (benchmarks/tile_buffer.py)", "",
              "| V | d | N | tiles | shared ms | fresh ms | shared / fresh | per-round range | rounds |",
@@ -84,7 +79,7 @@ def write(rows: list[dict], out: Path) -> None:
     lines += [f"| {r['V']} | {r['d']} | {r['N']} | {r['tiles']} | {r['shared_ms']} | {r['fresh_ms']} | {r['ratio']} | "
               f"{r['ratio_min']}-{r['ratio_max']} | {r['rounds']} |" for r in rows]
     lines += ["", f"{rows[0]['device']}, {rows[0]['date']}" if rows else ""]
-    (out / "tile_buffer_cpu.md").write_text("\n".join(lines) + "\n")
+    write_csv_and_markdown(out / "tile_buffer_cpu", rows, COLUMNS, lines)
 
 
 def main(argv=None) -> None:
