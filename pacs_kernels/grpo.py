@@ -80,10 +80,22 @@ def check_grpo_options(group_size, n_responses, clip_eps, clip_eps_high, kl_coef
     return low, high, kl_coef
 
 
-def group_normalized_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(B,) (R - group mean) / (group std, unbiased + 1e-6)."""
+def group_centred_rewards(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(B / group_size, group_size): R - group mean R, exactly 0 in a group whose rewards are all equal.
+
+    The float32 mean of equal rewards that are not dyadic (0.7, 1/3) can be 1 ulp off; that ulp over the
+    group's std (also about 1 ulp) + 1e-6 would give every response of the group an advantage near 0.06,
+    all of one sign, where the group carries no signal."""
     grouped = rewards.reshape(-1, group_size)
     centred = grouped - grouped.mean(1, keepdim=True)
+    all_equal = grouped.amax(1, keepdim=True) == grouped.amin(1, keepdim=True)
+    return torch.where(all_equal, torch.zeros_like(centred), centred)
+
+
+def group_normalized_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(B,) (R - group mean) / (group std, unbiased + 1e-6); 0 in a group of equal rewards."""
+    grouped = rewards.reshape(-1, group_size)
+    centred = group_centred_rewards(rewards, group_size)
     return (centred / (grouped.std(1, keepdim=True) + GRPO_STD_EPS)).reshape(-1)
 
 

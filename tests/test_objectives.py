@@ -86,6 +86,29 @@ def test_dr_grpo_ignores_the_std_and_the_response_length():
         float(dapo(logp, None, rewards, mask, group_size=G)[0]), rel=1e-6)
 
 
+@pytest.mark.parametrize("objective", [GRPO(), GRPO(aggregation="seq_mean"), DAPO(), DrGRPO(max_completion_length=T),
+                                       GSPO(), CISPO()], ids=["grpo_token", "grpo_seq", "dapo", "dr_grpo", "gspo",
+                                                              "cispo"])
+@pytest.mark.parametrize("group_size", [8, 7])
+def test_a_group_of_equal_rewards_gets_no_gradient_in_float32(objective, group_size):
+    """Equal rewards that float32 cannot hold exactly (0.7, 0.3): with 7 or 8 of them the group's float32 mean
+    is 1 ulp off, and that ulp over std (about 1 ulp) + 1e-6 gave each response an advantage near 0.06, all
+    of one sign (the float64 references cannot see it)."""
+    gen = torch.Generator().manual_seed(stable_seed("equal rewards", group_size))
+    n = 3 * group_size
+    mask = torch.rand(n, T, generator=gen) > 0.35
+    mask[:, 0] = True
+    logp = torch.randn(n, T, generator=gen) * 0.5 - 2.0
+    old = logp + 0.3 * torch.randn(n, T, generator=gen)
+    rewards = torch.rand(n, generator=gen)
+    rewards[:group_size], rewards[group_size:2 * group_size] = 0.7, 0.3  # two groups with nothing to learn
+    for old_logp in (old, None):
+        lp = logp.clone().requires_grad_()
+        objective(lp, old_logp, rewards, mask, group_size=group_size)[0].backward()
+        assert bool((lp.grad[:2 * group_size] == 0).all()), lp.grad[:2 * group_size].abs().max()
+        assert lp.grad[2 * group_size:].abs().sum() > 0
+
+
 def test_cispo_keeps_a_gradient_on_clipped_tokens():
     """PPO-style clipping zeroes the gradient of a clipped token; CISPO only clips its weight."""
     logp, old, _, _, rewards, mask = make_inputs(9, False)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..grpo import grpo_token_terms
+from ..grpo import group_centred_rewards, grpo_token_terms
 from .regularizers import (
     ClippedRatioObjective,
     add_regularizers,
@@ -29,9 +29,8 @@ from .regularizers import (
 
 
 def group_centred_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(B,) R - group mean R (no std division)."""
-    grouped = rewards.reshape(-1, group_size)
-    return (grouped - grouped.mean(1, keepdim=True)).reshape(-1)
+    """(B,) R - group mean R (no std division); 0 in a group of equal rewards."""
+    return group_centred_rewards(rewards, group_size).reshape(-1)
 
 
 @dataclass(frozen=True, kw_only=True)
