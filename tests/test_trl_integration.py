@@ -229,10 +229,10 @@ def test_the_packed_attention_kernel_is_reported_once_and_keeps_the_loss(tmp_pat
 @pytest.mark.slow
 @pytest.mark.parametrize("padding_free", [None, False])
 def test_multi_iteration_uses_trl_old_logprobs(tmp_path, padding_free, monkeypatch):
-    """num_iterations=2: TRL computes old log-probs at generation (padding-free: through the loss's own forward
-    and fused log-probs, otherwise TRL's pass): they are the generating weights' (naive float32 log-probs), so
-    psi = 0 before the weights move; after they move, the loss and gradients equal pacs_loss(logp, TRL's
-    old_logp, ...) (temperature 0.7, float32)."""
+    """num_iterations=2: TRL computes old log-probs at generation, through the loss's own forward (packed or
+    padded) and fused log-probs: they are the generating weights' (naive float32 log-probs), so psi = 0 before
+    the weights move; after they move, the loss and gradients equal pacs_loss(logp, TRL's old_logp, ...)
+    (temperature 0.7, float32)."""
     trainer = helpers.trainer(tmp_path, num_iterations=2, temperature=0.7, varied_prompts=True,
                               pacs_padding_free=padding_free)
     assert trainer.pacs_padding_free is (padding_free is None)
@@ -249,7 +249,7 @@ def test_multi_iteration_uses_trl_old_logprobs(tmp_path, padding_free, monkeypat
     inputs = first_micro_batch(trainer)
     old = inputs["old_per_token_logps"]
     model, mask = trainer.model, inputs["completion_mask"]
-    assert len(requests) == (2 if padding_free is None else 0)  # fused passes (16 rows in 8s) or TRL's
+    assert len(requests) == 2  # fused passes (16 rows in 8s), not TRL's
     real = mask.bool()
     with torch.no_grad():
         torch.testing.assert_close(old[real], helpers.naive_logp(model, inputs, 0.7)[real], rtol=1e-5, atol=1e-5)
@@ -318,6 +318,23 @@ def test_masked_truncated_completions_do_not_count(tmp_path):
 
     loss, grads = loss_and_grads(model, lambda: trainer.compute_loss(model, inputs))
     assert_same(loss, grads, *loss_and_grads(model, reference))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("padding_free", [None, False])
+def test_multi_iteration_in_bf16_starts_from_psi_zero(tmp_path, padding_free):
+    """num_iterations=2 under bf16 autocast: the old log-probs come from the loss's own forward and kernels, so
+    psi is exactly 0 before the weights move (TRL's own pass rounds its logits to bf16: psi_std 0.01 and the
+    loss 8e-4 off ln 2 / 2 on this model, padded, where it was used before)."""
+    tok = helpers.tokenizer()
+    model = helpers.tiny_model(len(tok)).to(torch.bfloat16)
+    trainer = helpers.trainer(tmp_path, model=model, bf16=True, num_iterations=2, varied_prompts=True,
+                              pacs_padding_free=padding_free)
+    inputs = first_micro_batch(trainer)
+    assert inputs["old_per_token_logps"] is not None
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, inputs).item()
+    assert loss == pytest.approx(math.log(2.0) / 2, abs=1e-6)  # psi = 0: the loss of each group is ln 2 / 2
 
 
 @pytest.mark.slow

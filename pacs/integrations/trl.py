@@ -448,11 +448,11 @@ class PACSTrainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
         """TRL's no-grad log-prob pass (the old log-probs, with ``num_iterations > 1`` or generation not aligned
-        with optimizer steps). With padding-free forwards: the loss's own forward (the packed real tokens, the
-        fused log-probs; no (B, C, V) logits), so that psi starts from log-probs of the layout and kernels the
-        loss uses; otherwise, and for entropies, the MoE loss or images, TRL's."""
-        if (not self.pacs_padding_free or compute_entropy or compute_aux_loss
-                or any(value is not None for value in multimodal.values())):
+        with optimizer steps): the loss's own forward (packed real tokens with padding-free forwards, padded rows
+        otherwise) and fused log-probs (no (B, C, V) logits), so that psi starts from log-probs of the layout and
+        kernels the loss uses. TRL's own pass (for entropies, the MoE loss or images) rounds its logits to the
+        autocast dtype: under bf16, psi would start from that rounding's noise (0.01-0.5), not 0."""
+        if compute_entropy or compute_aux_loss or any(value is not None for value in multimodal.values()):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **multimodal)
