@@ -17,7 +17,7 @@ import sys
 
 from pacs.config import ADVANCED_KEYS, BUILTIN_TASK_SETTINGS, Config, apply_dict, config_keys, load_config, user_key
 from pacs.train.console import quiet_third_party
-from pacs.train.run_dir import RunDir
+from pacs.train.run_dir import RunDir, run_of_config_file
 
 DEFAULTS = Config()
 
@@ -76,6 +76,15 @@ def build_config(args: argparse.Namespace) -> Config:
         cfg.optim.algo = args.algo
     if getattr(args, "resume", False):
         cfg.resume = True
+        own = run_of_config_file(args.config)
+        named = args.output_dir is not None or any(a.split("=", 1)[0].strip() == "output_dir" for a in args.overrides)
+        if own is not None and not named and os.path.abspath(cfg.output_dir) != own:
+            # its recorded output_dir is relative to where the run started, or the run was moved since
+            if _is_main_rank():
+                print(f"[resume] --config {args.config} is the run in {own}: resuming it there (its recorded "
+                      f"output_dir {cfg.output_dir!r} is {os.path.abspath(cfg.output_dir)} from here; "
+                      "--output-dir chooses another)", flush=True)
+            cfg.output_dir = own
     if getattr(args, "overwrite", False):
         cfg.overwrite = True
     return cfg

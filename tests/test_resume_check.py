@@ -135,3 +135,39 @@ def test_another_model_is_refused_in_one_line_before_any_write(run_of_2_steps, c
     assert _snapshot(out) == before
     # and the resume command the trainer printed still works
     assert main(["train", "--config", str(out / "config.yaml"), "--resume", "--max-steps", "3"]) == 0
+
+
+@pytest.mark.slow
+def test_a_runs_config_resumes_that_run_from_any_directory(tmp_path, capsys, models, monkeypatch):
+    """A run started with a relative --output-dir records it as typed; `--config THAT_RUN/config.yaml --resume`
+    from another directory resumes that run (it started a new one there, silently, before)."""
+    first, elsewhere = tmp_path / "first", tmp_path / "elsewhere"
+    first.mkdir(), elsewhere.mkdir()
+    monkeypatch.chdir(first)
+    assert main(["train", "--model", models[0], "--output-dir", "runs/x", "--max-steps", "2", *TINY_RUN]) == 0
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert main(["train", "--config", str(first / "runs/x/config.yaml"), "--resume", "--max-steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert (f"[resume] --config {first}/runs/x/config.yaml is the run in {first}/runs/x: resuming it there (its "
+            f"recorded output_dir 'runs/x' is {elsewhere}/runs/x from here; --output-dir chooses another)") in out
+    assert [r["step"] for r in read_metrics(str(first / "runs/x/metrics.jsonl"))] == [0, 1, 2, 3]
+    assert not (elsewhere / "runs").exists()
+
+
+def test_a_resume_recorded_after_a_torn_line_takes_effect(tmp_path):
+    """A crash mid-append leaves config_history.jsonl without its last newline; the next resume's record must
+    not be glued onto that line (it would not parse, and the run would silently go back to older settings)."""
+    from pacs.config import save_config, to_user_dict
+    from pacs.train.resume_check import ResumePlan, record_resume, settings_in_effect
+
+    out = tmp_path / "run"
+    out.mkdir()
+    save_config(Config(), str(out / "config.yaml"))
+    (out / HISTORY_NAME).write_text('{"time": "2026-01-01T00:00:00+00:00", "resumed_from_st')
+    changed = Config()
+    changed.optim.lr = 1e-5
+    record_resume(str(out), ResumePlan({"optim.lr": [Config().optim.lr, 1e-5]}, {}, to_user_dict(changed)), 3,
+                  say=lambda line: None)
+    assert settings_in_effect(str(out)).optim.lr == 1e-5
+    assert (out / HISTORY_NAME).read_text().splitlines()[1].startswith('{"time"')

@@ -136,3 +136,26 @@ def test_checkpoints_that_do_not_fit_are_refused_before_training(tmp_path, capsy
     assert code == 2
     assert f"pacs train: error: --output-dir '{out}' has 1000 B free, but the checkpoints this run keeps" in err
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+
+
+def test_the_disk_estimate_counts_what_checkpoints_and_the_export_hold():
+    """A LoRA checkpoint holds the adapters and their AdamW moments, not the frozen base; the export holds the
+    base with the adapters merged, in the compute dtype (a LoRA run on a big model was refused for disk space
+    its checkpoints would never take)."""
+    import torch
+    from torch import nn
+
+    from pacs.model.mixed_precision import Precision
+
+    class Adapted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(100, 50, bias=False).requires_grad_(False)  # the frozen base: 5,000 weights
+            self.proj.lora_A = nn.ModuleDict({"default": nn.Linear(100, 4, bias=False)})  # 400
+            self.proj.lora_B = nn.ModuleDict({"default": nn.Linear(4, 50, bias=False)})  # 200
+            self.precision = Precision(compute=torch.bfloat16, master=torch.float32)
+
+    policy = Adapted()
+    assert disk_space.checkpoint_bytes(policy, reference_kept=False) == 600 * 4 * 3
+    assert disk_space.checkpoint_bytes(policy, reference_kept=True) == 600 * 4 * 4
+    assert disk_space.final_model_bytes(policy) == 5000 * 2

@@ -16,6 +16,8 @@ import shutil
 
 import torch
 
+from pacs.model.lora import is_adapter_weight
+
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -68,10 +70,24 @@ def no_space_message(what: str, path: str, needed: int | None) -> str:
 
 
 def checkpoint_bytes(policy: torch.nn.Module, reference_kept: bool) -> int:
-    """About what one checkpoint of ``policy`` takes: the weights, AdamW's two moments (the weights' dtype),
-    and the reference weights when the run keeps them (a few KiB of RNG and scheduler state aside)."""
-    weights = sum(p.numel() * p.element_size() for p in policy.parameters())
+    """About what one checkpoint of ``policy`` takes: the trainable weights (a LoRA run's adapters alone: the
+    frozen base stays the model directory's), AdamW's two moments of them (their dtype), and the reference's
+    copy of them when the run keeps one (a few KiB of RNG and scheduler state aside)."""
+    weights = sum(p.numel() * p.element_size() for p in policy.parameters() if p.requires_grad)
     return weights * (4 if reference_kept else 3)
+
+
+def final_model_bytes(policy: torch.nn.Module) -> int:
+    """About what the exported model takes: every weight but LoRA's adapters (merged into the weights they
+    adapt), floating-point ones in the compute dtype (``policy.precision.compute``, where the policy has one)."""
+    precision = getattr(policy, "precision", None)
+    total = 0
+    for name, p in policy.named_parameters():
+        if is_adapter_weight(name):
+            continue
+        size = precision.compute.itemsize if precision is not None and p.is_floating_point() else p.element_size()
+        total += p.numel() * size
+    return total
 
 
 def check_checkpoint_space(output_dir: str, policy: torch.nn.Module, *, keep: int, existing: int,
@@ -80,7 +96,7 @@ def check_checkpoint_space(output_dir: str, policy: torch.nn.Module, *, keep: in
     ``existing`` already there) and its final model take, and refuse (ValueError) when that is more than
     is free under ``output_dir``."""
     each = checkpoint_bytes(policy, reference_kept)
-    model = sum(p.numel() * p.element_size() for p in policy.parameters())
+    model = final_model_bytes(policy)
     count = keep + 1
     needed = max(0, count - existing) * each + model
     free = free_bytes(output_dir)

@@ -125,14 +125,23 @@ def record_resume(output_dir: str, plan: ResumePlan, step: int, say=print) -> No
     entry = {"time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "resumed_from_step": step,
              "takes_effect_at_step": step + 1, "changed": plan.changed, "accepted": plan.accepted,
              "config": plan.config}
-    with open(RunDir(output_dir).config_history, "a") as fh:
-        fh.write(json.dumps(entry) + "\n")
+    path = RunDir(output_dir).config_history
+    torn = os.path.isfile(path) and os.path.getsize(path) > 0 and not _ends_with_newline(path)
+    with open(path, "a") as fh:
+        # after a torn last line (a crash mid-append), a new line first: glued onto it, this entry would not parse
+        fh.write(("\n" if torn else "") + json.dumps(entry) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
     for kind, settings in (("changed (--change)", plan.changed), ("accepted", plan.accepted)):
         if settings:
             listed = ", ".join(f"{key} {_show(old)} -> {_show(new)}" for key, (old, new) in settings.items())
             say(f"[resume] from step {step + 1} on, {kind}: {listed} (recorded in {HISTORY_NAME})")
+
+
+def _ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as fh:
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1) == b"\n"
 
 
 def apply_optimizer_settings(cfg: Config, optimizer, scheduler) -> None:

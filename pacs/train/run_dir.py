@@ -39,6 +39,15 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
+def run_of_config_file(config_path: str | None) -> str | None:
+    """The run directory (absolute) whose own ``config.yaml`` ``config_path`` is, or None: the file is named
+    config.yaml and sits beside the run's ``metrics.jsonl`` or ``checkpoints/``."""
+    if config_path is None or os.path.basename(config_path) != CONFIG_NAME or not os.path.isfile(config_path):
+        return None
+    run = RunDir(os.path.dirname(os.path.abspath(config_path)))
+    return run.path if os.path.isfile(run.metrics) or os.path.isdir(run.checkpoints) else None
+
+
 @dataclass(frozen=True)
 class RunDir:
     """One run's output directory (``path``): where each of its files is, and the checks before a run
