@@ -93,6 +93,24 @@ def test_resume_refuses_a_run_whose_checkpoints_all_fail(tmp_path, capsys, tiny_
     assert (out / "metrics.jsonl").read_text() == '{"step": 0}\n'
 
 
+def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_it_again(tmp_path, capsys, tiny_model):
+    """A run killed (kill -9, out of memory) before its first checkpoint left its config and metrics: --resume,
+    the command a scheduler's requeue repeats, moves that run aside and starts again (it refused, every time)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    (out / "checkpoints" / "step_000001.tmp").mkdir(parents=True)  # killed while writing the first one
+    code, out_text, err = run_cli(capsys, "train", "--model", tiny_model, "--output-dir", str(out), "--resume",
+                                  "--max-steps", "1", *TINY_RUN)
+    assert code == 0, err
+    assert (f"[resume] no checkpoint under {out}/checkpoints: starting from scratch (the run there wrote none: "
+            "metrics.jsonl, checkpoints moved aside)") in out_text
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
+    assert len(aside) == 1 and (aside[0] / "metrics.jsonl").read_text() == '{"step": 0}\n'  # kept, not deleted
+    assert f"[train] --resume: moved the previous run in {out} to {aside[0]}" in out_text
+    assert [row["step"] for row in read_metrics(str(out / "metrics.jsonl"))] == [0, 1]
+
+
 def test_model_directory_without_weights(tmp_path, capsys, tiny_model):
     no_weights = tmp_path / "config_only"
     no_weights.mkdir()

@@ -583,6 +583,7 @@ def start_run(cfg: Config, dist_info: DistInfo, say=print,
     on_main_rank(lambda: lock_run_directory(run_dir.path), dist_info)
     run_dir.check_free_for_run(resume=cfg.resume, overwrite=cfg.overwrite)
     choice = plan = None
+    start_over = False  # --resume of a run killed before its first checkpoint: nothing to continue
     if cfg.resume:
         plan = on_main_rank(lambda: plan_resume(cfg, run_dir.path, change), dist_info)
         choice = find_checkpoint(run_dir.path) if dist_info.is_main else None
@@ -594,21 +595,26 @@ def start_run(cfg: Config, dist_info: DistInfo, say=print,
             say(line)
         if choice.path is None:
             found = run_dir.contents()
-            if found:
+            if found and choice.skipped:
                 raise ValueError(
                     f"--resume: {run_dir.path!r} holds a run ({', '.join(found)}) but no checkpoint that "
                     "verifies (reasons above); pass --overwrite instead of --resume to move it aside and "
                     "start afresh")
-            say(f"[resume] no checkpoint under {run_dir.checkpoints}: starting from scratch")
+            # killed before its first checkpoint (a scheduler's requeue resumes with the same command): the run
+            # is moved aside, nothing deleted, and starts again
+            start_over = bool(found)
+            say(f"[resume] no checkpoint under {run_dir.checkpoints}: starting from scratch"
+                + (f" (the run there wrote none: {', '.join(found)} moved aside)" if found else ""))
             choice = plan = None
     if dist_info.world_size > 1:  # every rank has checked the directory before rank 0 changes it
         dist.barrier()
     if dist_info.is_main:
-        if cfg.overwrite:
+        if cfg.overwrite or start_over:
             moved = run_dir.move_aside()
             if moved:
                 lock_run_directory(run_dir.path)  # the lock file went aside with the old run: lock the new one
-                say(f"[train] --overwrite: moved the previous run in {run_dir.path} to {moved}")
+                say(f"[train] {'--overwrite' if cfg.overwrite else '--resume'}: moved the previous run in "
+                    f"{run_dir.path} to {moved}")
         # the saved config resumes this run: `pacs train --config OUTPUT_DIR/config.yaml --resume`; written once,
         # when the run starts (a resume's settings go to config_history.jsonl)
         if choice is None or not os.path.isfile(run_dir.config):
