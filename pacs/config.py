@@ -163,7 +163,7 @@ class Config:
     seed: int = 0                   # the seed of data order, sampling and the built-in model's initialization
     output_dir: str = "runs/embedded"  # the run directory: config, metrics, checkpoints, final_model/
     max_steps: int = 600            # rollout steps
-    max_minutes: float | None = None  # stop (and checkpoint) after this wall time
+    max_minutes: float | None = None  # end the run (checkpoint, eval, export) past this wall time (per process)
     checkpoint_every: int = 50      # rollout steps between checkpoints (0: by checkpoint_minutes and at the end)
     checkpoint_minutes: float | None = 30.0  # also checkpoint once this long has passed since the last one
                                              # (or the start), at a step's end: a crash loses at most this

@@ -90,6 +90,27 @@ def test_a_full_disk_mid_checkpoint_removes_the_unfinished_one_and_keeps_the_las
     assert ck.find_checkpoint(str(tmp_path)).step == 1
 
 
+def test_a_full_disk_at_the_latest_pointer_keeps_the_published_checkpoint_and_rotates(tmp_path, monkeypatch):
+    """The disk fills after the checkpoint's rename, writing the `latest` pointer: the checkpoint is complete
+    (resume scans the step directories), so the write succeeds without the pointer and rotation makes room
+    (it raised, saying the checkpoint had been removed, and kept every old one)."""
+    root = str(tmp_path / "checkpoints")
+    for step in (1, 2):
+        ck.write_checkpoint_files(root, step, _write_files(None), keep=2)
+    real = ck._write_durably
+
+    def full_at_the_pointer(path, write):
+        if path.endswith("latest.tmp"):
+            open(path, "wb").close()
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real(path, write)
+
+    monkeypatch.setattr(ck, "_write_durably", full_at_the_pointer)
+    assert ck.write_checkpoint_files(root, 3, _write_files(None), keep=2) == os.path.join(root, "step_000003")
+    assert sorted(os.listdir(root)) == ["step_000002", "step_000003"]  # no stale pointer to step 2
+    assert ck.find_checkpoint(str(tmp_path)).step == 3
+
+
 @pytest.mark.slow
 def test_pacs_train_on_a_full_disk_says_one_line_then_resumes(tmp_path, capsys, monkeypatch, tiny_model):
     out = tmp_path / "run"

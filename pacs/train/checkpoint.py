@@ -247,10 +247,17 @@ def _write_checkpoint_files(root: str, step: int, write_files, dist_info: DistIn
             os.rename(tmp, final)
         fsync_dir(root)
         pointer = os.path.join(root, "latest")
-        _write_durably(pointer + ".tmp", lambda fh: fh.write(name.encode()))
-        os.replace(pointer + ".tmp", pointer)
+        try:
+            _write_durably(pointer + ".tmp", lambda fh: fh.write(name.encode()))
+            os.replace(pointer + ".tmp", pointer)
+        except Exception as exc:  # the checkpoint is published (resume scans the step directories): only
+            if not is_disk_full(exc):  # the pointer for people failed; a stale one would name an older step
+                raise
+            for stale in (pointer + ".tmp", pointer):
+                if os.path.exists(stale):
+                    os.remove(stale)
         fsync_dir(root)
-        rotate(root, step, keep)
+        rotate(root, step, keep)  # on a full disk too: what it deletes makes room
     _barrier(dist_info)
     return final
 
