@@ -133,6 +133,23 @@ def test_hf_engine_sampling_frequencies_follow_softmax(tiny_model_dir):
     assert (counts - probs).abs().max() < 0.04
 
 
+def test_hf_engine_ignores_the_generation_configs_processors(tiny_model_dir, tmp_path):
+    """A model directory whose generation_config.json sets a repetition penalty and a minimum length (instruct
+    models ship such settings): the engine samples the policy itself, as the trainer scores it (before, the
+    penalty reshaped every step's distribution and the minimum length forbade the stop token)."""
+    import json
+    import shutil
+
+    penalized = tmp_path / "penalized"
+    shutil.copytree(tiny_model_dir, penalized)
+    (penalized / "generation_config.json").write_text(json.dumps(
+        {"repetition_penalty": 3.0, "no_repeat_ngram_size": 1, "min_new_tokens": 6}))
+    prompts = [[1, 5, 13, 6, 16], [1, 7, 8, 13, 9, 16]]
+    opts = dict(temperature=1.0, top_p=1.0, max_new_tokens=6, stop_token_ids=[2], seed=5)
+    plain = HFGenerateEngine(tiny_model_dir, max_model_len=32).generate(prompts, 8, **opts)
+    assert HFGenerateEngine(str(penalized), max_model_len=32).generate(prompts, 8, **opts) == plain
+
+
 def test_hf_engine_sync_weights(tiny_model_dir):
     engine = HFGenerateEngine(tiny_model_dir, max_model_len=32)
     policy = load_policy(tiny_model_dir)

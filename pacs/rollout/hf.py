@@ -64,13 +64,16 @@ class HFGenerateEngine:
 
     def __init__(self, model_dir: str, *, max_model_len: int, seed: int = 0, dtype: str = "auto",
                  device: str | torch.device | None = None, **_unused):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=resolve_dtype(dtype, self.device)).to(self.device).eval()
+        # responses are samples of the policy the trainer scores: none of generation_config.json's logits
+        # processors (an instruct model's repetition_penalty, no_repeat_ngram_size, min_new_tokens) applies
+        self.model.generation_config = GenerationConfig()
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_token_id = pad if pad is not None else 0

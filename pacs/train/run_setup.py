@@ -22,6 +22,7 @@ from pacs.model.policy import DistInfo, check_model_path, max_positions, resolve
 from pacs.model.sequence_parallel import ULYSSES_ATTENTION, check_model_splits
 from pacs.model.varlen_attention import check_requested_engine, requested_engine
 from pacs.rollout import check_vllm_available
+from pacs.rollout.stop_tokens import stop_token_ids
 from pacs.tasks import Task, make_task
 from pacs.tasks.embedded import build_tokenizer, prepare_embedded_model
 from pacs.tasks.embedded import model_config as embedded_config
@@ -32,7 +33,8 @@ from pacs.train.prompt_lengths import fit_prompt_length
 class Run:
     """A checked run: the model directory (built when ``embedded``), the task and the tokenizer.
 
-    pad_id: the tokenizer's pad token (its eos when it has none); stop_ids: generation stops there.
+    pad_id: the tokenizer's pad token (its eos when it has none); stop_ids: generation stops there
+    (pacs/rollout/stop_tokens.py).
     """
 
     cfg: Config
@@ -108,7 +110,12 @@ def prepare_run(cfg: Config, dist_info: DistInfo | None = None, log=print) -> Ru
         check_lengths(cfg, max_positions(check_model_path(model_dir, cfg.model.trust_remote_code)))
         validate_train(cfg, dist_info.world_size)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return Run(cfg, model_dir, task, tokenizer, pad_id, [tokenizer.eos_token_id])
+    stop_ids = stop_token_ids(tokenizer, model_dir, chat_template=cfg.task.use_chat_template,
+                              trust_remote_code=cfg.model.trust_remote_code)
+    if dist_info.is_main and stop_ids != [tokenizer.eos_token_id]:
+        log("[rollout] responses end at " + ", ".join(f"{tokenizer.convert_ids_to_tokens(i)} ({i})" for i in stop_ids)
+            + " (the tokenizer's eos, the model's config and generation config, the chat template's end of turn)")
+    return Run(cfg, model_dir, task, tokenizer, pad_id, stop_ids)
 
 
 def engine_options(cfg: Config, model_dir: str, seed: int, log=print) -> dict:
