@@ -60,8 +60,11 @@ def build_config(args: argparse.Namespace) -> Config:
     changes = list(getattr(args, "change", None) or [])
     data = getattr(args, "data", None)  # pacs eval --data: every row of this file is a problem to evaluate
     from_data = ["task.name=math", f"task.data_path={data}", f"task.eval_path={data}"] if data is not None else []
-    cfg = load_config(args.config, preset_overrides(getattr(args, "preset", None)) + list(args.overrides) + from_data
-                      + changes)
+    # --data: every row (a config file's eval.num_problems, e.g. a run's 200, does not cut it; KEY=VALUE and
+    # --num-problems do)
+    every_row = ["eval.num_problems=1000000"] if data is not None else []
+    cfg = load_config(args.config, preset_overrides(getattr(args, "preset", None)) + every_row + list(args.overrides)
+                      + from_data + changes)
     if args.model is not None:
         cfg.model.path = args.model
     if args.output_dir is not None:
@@ -198,6 +201,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         engine.close()
     paths = write_eval_outputs(report, out_dir, info=info, plot=cfg.plot)
     journal.finish()
+    unscored = {key: int(report.metrics.get(f"reward_{key}", 0)) for key in ("timeouts", "errors")}
+    if any(unscored.values()):
+        print(f"pacs eval: {unscored['timeouts']} rewards timed out and {unscored['errors']} failed (math-verify "
+              f"could not read the response or the reference answer) of {len(problems) * e.n_samples}; each "
+              f"scored 0 (per problem: reward_timeouts, reward_errors in {paths['problems']})", file=sys.stderr)
     print(json.dumps({"model": model_dir, **report.metrics, **{f"{kind}_path": p for kind, p in paths.items()}}))
     return 0
 

@@ -75,3 +75,29 @@ def test_evaluate_counts_and_pass_at_k():
     with pytest.raises(ValueError, match="greedy"):
         evaluate(engine, task, tok, problems, n_samples=2, temperature=0.0, max_new_tokens=5,
                  stop_token_ids=[2])
+
+
+def test_rewards_without_a_verdict_are_counted_per_problem_and_in_the_metrics():
+    """A reference math-verify cannot read scores every sample 0; that is an error of the data, counted (it
+    passed as a wrong answer, status ok, so the report never showed it). A GSM8K-style "... #### 72" reads as
+    72 (it scored 0, status ok, whatever the answer)."""
+    pytest.importorskip("math_verify")
+    from pacs.tasks.base import Problem
+    from pacs.tasks.embedded import build_tokenizer
+    from pacs.tasks.math_data import MathTask
+    from pacs.tasks.rewards import math_reward, math_verify_check
+
+    assert math_verify_check("so \\boxed{72}", "She sold 48 + 24 = 72 clips. #### 72", 10) == (1.0, "ok")
+    assert math_verify_check("so \\boxed{72}", "???", 10) == (0.0, "error")
+    assert math_verify_check("so \\boxed{73}", "72", 10) == (0.0, "ok")  # a wrong answer is no error
+
+    class Rows(MathTask):
+        def __init__(self, problems):
+            self._eval, self.reward_fn = problems, math_reward
+
+    tok = build_tokenizer()
+    problems = [Problem(prompt="1", answer="72"), Problem(prompt="2", answer="???")]
+    engine = OracleEngine(tok, [Problem(prompt="1", answer="72"), Problem(prompt="2", answer="72")], [2, 2])
+    result = evaluate(engine, Rows(problems), tok, problems, n_samples=2, temperature=1.0, max_new_tokens=5,
+                      stop_token_ids=[tok.eos_token_id])
+    assert (result["accuracy"], result["reward_errors"], result["reward_timeouts"]) == (0.5, 2.0, 0.0)

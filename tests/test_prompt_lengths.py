@@ -47,13 +47,21 @@ def test_the_real_model_config_loads_and_validates():
     assert cfg.rollout.max_prompt_len is None and cfg.rollout.gpu_memory_utilization == 0.5
 
 
-def test_eval_data_flag_gives_a_data_run_its_defaults():
+def test_eval_data_flag_gives_a_data_run_its_defaults(tmp_path):
     from pacs.cli import build_config, build_parser
 
     args = build_parser().parse_args(["eval", "--data", "rows.jsonl", "--model", "m"])
     cfg = build_config(args)
     assert (cfg.task.name, cfg.task.data_path, cfg.task.eval_path) == ("math", "rows.jsonl", "rows.jsonl")
     assert cfg.rollout.max_prompt_len is None and cfg.optim.lr == 1e-6
+    # every row of the file (the default 200, or a run's config.yaml saying 200, cut MATH500 to 200 problems)
+    assert cfg.eval.num_problems >= 10 ** 6
+    saved = tmp_path / "config.yaml"
+    saved.write_text("eval:\n  num_problems: 200\n")
+    assert build_config(build_parser().parse_args(["eval", "--config", str(saved), "--data", "rows.jsonl"])
+                        ).eval.num_problems >= 10 ** 6
+    asked = build_parser().parse_args(["eval", "--data", "rows.jsonl", "eval.num_problems=50"])
+    assert build_config(asked).eval.num_problems == 50
 
 
 def test_unset_limit_becomes_the_longest_prompt_with_the_chat_template(tmp_path):

@@ -123,6 +123,12 @@ def test_math_loader_parquet(tmp_path):
     path = tmp_path / "d.parquet"
     pd.DataFrame({"problem": ["1+1?", "2+2?"], "answer": ["2", "4"]}).to_parquet(path)
     assert [p.answer for p in load_problems(str(path))] == ["2", "4"]
+    # chat-style prompts and a missing answer read as the same rows in .jsonl do (pandas gave the prompt the
+    # text of a numpy array and the answer "nan")
+    chat = tmp_path / "chat.parquet"
+    pd.DataFrame({"prompt": [[{"role": "user", "content": "What is 2+3?"}]] * 2, "answer": ["5", None],
+                  "solution": ["\\boxed{5}", "so \\boxed{7}"]}).to_parquet(chat)
+    assert [(p.prompt, p.answer) for p in load_problems(str(chat))] == [("What is 2+3?", "5"), ("What is 2+3?", "7")]
 
 
 def test_rewards():

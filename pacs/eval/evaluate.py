@@ -135,16 +135,22 @@ def run_eval(engine, task: Task, tokenizer, problems: list[Problem], *, n_sample
                "response_length": sum(sum(r["lengths"]) for r in records) / (len(records) * n_samples)}
     for k in ks:
         metrics[f"pass@{k}"] = mean_pass_at_k(counts, n_samples, k)
+    for key in ("reward_timeouts", "reward_errors"):  # scored 0 without a verdict (math-verify rewards)
+        if any(key in r for r in records):
+            metrics[key] = float(sum(r.get(key, 0) for r in records))
     return EvalReport(metrics=metrics, records=records)
 
 
 def _score(task: Task, tokenizer, index: int, problem: Problem, responses, n_samples: int, ks) -> dict:
     """The record of one problem: its responses decoded, each rewarded, pass@k."""
     texts = [decode_response(tokenizer, r) for r in responses]
+    counts = getattr(task, "reward_metrics", dict)  # a task without them (not a pacs.tasks.Task): none
+    counts()  # the reward's timeout and error counts start from here: these samples' own
     rewards = [float(task.reward(t, problem)) for t in texts]
+    failed = {key: int(value) for key, value in counts().items()}
     correct = int(sum(rewards))
     return {"index": index, "prompt": problem.prompt, "answer": problem.answer, "n": n_samples, "correct": correct,
-            **{f"pass@{k}": pass_at_k(n_samples, correct, k) for k in ks}, "rewards": rewards,
+            **{f"pass@{k}": pass_at_k(n_samples, correct, k) for k in ks}, "rewards": rewards, **failed,
             "lengths": [len(r) for r in responses], "responses": texts}
 
 

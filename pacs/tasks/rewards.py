@@ -115,7 +115,8 @@ def math_verify_check(response: str, answer: str, timeout_s: int) -> tuple[float
     The gold answer is wrapped in ``\\boxed{}`` and read as LaTeX; the response's last
     ``\\boxed{}`` is read as LaTeX, and a response without one as a plain expression or LaTeX (the
     public PACS code's settings). status is "ok", "timeout" (parse
-    or comparison ran past ``timeout_s`` seconds) or "error" (math-verify raised).
+    or comparison ran past ``timeout_s`` seconds) or "error" (math-verify raised, or could not read the
+    reference answer).
     """
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
     from math_verify.errors import TimeoutException
@@ -125,7 +126,8 @@ def math_verify_check(response: str, answer: str, timeout_s: int) -> tuple[float
         _warm_up_math_verify()
         gold = parse(gold_text, extraction_config=(LatexExtractionConfig(),), parsing_timeout=timeout_s,
                      raise_on_error=True)
-        if not gold:  # an unreadable reference: try it as a plain expression
+        if len(gold) < 2:  # no expression read, only the text: try it as a plain expression (GSM8K's
+            # "... #### 72" reads as 72)
             gold = parse(answer, extraction_config=(ExprExtractionConfig(),), parsing_timeout=timeout_s,
                          raise_on_error=True)
         last_box = extract_boxed(response)
@@ -136,7 +138,9 @@ def math_verify_check(response: str, answer: str, timeout_s: int) -> tuple[float
         else:
             guess = parse(response, extraction_config=(ExprExtractionConfig(), LatexExtractionConfig()),
                           parsing_timeout=timeout_s, raise_on_error=True)
-        if not gold or not guess:
+        if not gold:  # a reference math-verify cannot read (e.g. "... #### 72"): the data's fault, counted
+            return 0.0, "error"
+        if not guess:
             return 0.0, "ok"
         return float(bool(verify(gold, guess, timeout_seconds=timeout_s, raise_on_error=True))), "ok"
     except TimeoutException:

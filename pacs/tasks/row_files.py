@@ -13,10 +13,12 @@ def read_rows(path: str) -> list[dict]:
         raise ValueError(f"task.data_path: no such file {path!r}")
     if path.endswith(".parquet"):
         try:
-            import pandas as pd
+            import pyarrow.parquet as pq
         except ImportError as exc:
-            raise ValueError(f"reading {path!r} needs pandas and pyarrow (pip install pandas pyarrow)") from exc
-        return pd.read_parquet(path).to_dict("records")
+            raise ValueError(f"reading {path!r} needs pyarrow (pip install pyarrow)") from exc
+        # plain Python values, as a .jsonl row's: a chat-style list stays a list (pandas gives a numpy array,
+        # whose text became the prompt) and a missing value is None (pandas: NaN, read as the answer "nan")
+        return pq.read_table(path).to_pylist()
     if path.endswith((".jsonl", ".json")):
         rows = []
         with open(path, "rb") as fh:
