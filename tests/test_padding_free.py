@@ -143,6 +143,19 @@ def test_packing_obstacles_of_real_model_configs():
     hybrid = transformers.Qwen3NextConfig()
     assert "not attention (linear_attention; Qwen3NextConfig.layer_types)" in packing_obstacle(
         hybrid, "flash_attention_2")
+    # RecurrentGemma lists its recurrent blocks in block_types (they were missed: packed with flash attention,
+    # each sequence's convolution state leaked into the next)
+    assert "not attention (recurrent;" in packing_obstacle(transformers.RecurrentGemmaConfig(), "flash_attention_2")
+    # Phi-3's long/short rotary factors and dynamic NTK follow the call's largest position, which a left-padded
+    # batch counts from its padding (TRL's layout: hidden states 1e-2 apart); right-padded rows share it
+    phi3_long = transformers.Phi3Config(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 48,
+                                                      "long_factor": [2.0] * 48, "factor": 32.0,
+                                                      "original_max_position_embeddings": 4096},
+                                        max_position_embeddings=131072, sliding_window=None)
+    assert "rope_type='longrope'" in packing_obstacle(phi3_long, PACKED_ATTENTION, left_padded=True)
+    assert packing_obstacle(phi3_long, PACKED_ATTENTION) is None
+    dynamic = transformers.LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    assert "rope_type='dynamic'" in packing_obstacle(dynamic, "flash_attention_2", left_padded=True)
 
 
 def test_padding_free_none_is_off_where_packing_cannot_be_exact_and_true_is_refused():
@@ -286,3 +299,25 @@ def test_pacs_train_refuses_packing_a_sliding_window_model_before_any_work(tmp_p
         check_config(load_config(None, [*base, "train.packing=true"]))
     with pytest.raises(ValueError, match="sequence_parallel_size=2 splits packed micro-batches, which cannot be exact"):
         check_config(load_config(None, [*base, "train.sequence_parallel_size=2"]), world_size=2)
+
+
+def test_a_model_whose_layers_drop_the_sequence_bounds_is_refused_not_attended_across(monkeypatch):
+    """Nemotron's decoder layer calls its attention without the keyword arguments, so a packed row's sequence
+    bounds never arrive: plain SDPA over the row let every sequence attend to the ones before it (hidden states
+    off by their own size, silently). It is not packed (padding_free=None: padded rows); a model like it that
+    the list misses stops at its first packed forward, naming the setting that turns packing off."""
+    model = tiny(transformers.NemotronConfig, transformers.NemotronForCausalLM, vocab_size=V, hidden_size=32,
+                 intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=8, partial_rotary_factor=0.5, pad_token_id=0)
+    assert "decoder layers do not pass a packed row's sequence bounds" in packing_obstacle(model.config,
+                                                                                           PACKED_ATTENTION)
+    assert add_pacs_forward(model, PACSLoss(group_size=G), temperature=1.0, padding_free=None) is False
+    # a model the list does not know: the attention itself refuses what never reached it
+    from pacs.model import packing
+
+    input_ids, attention_mask, batch = left_right_padded(4)
+    monkeypatch.setattr(packing, "BOUNDS_NOT_PASSED_ON", ())
+    add_pacs_forward(model, PACSLoss(group_size=G, options=TORCH_BACKEND), temperature=1.0, padding_free=True)
+    with pytest.raises(ValueError, match=r"NemotronAttention: a packed row's sequence bounds \(cu_seq_lens_q\) did "
+                                         r"not reach this attention layer.*set train.packing=false"):
+        model(input_ids=input_ids, attention_mask=attention_mask, pacs_batch=batch)

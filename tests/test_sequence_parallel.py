@@ -229,6 +229,12 @@ def test_models_that_cannot_split_are_refused_before_any_work():
         check_model_splits(hybrid, 2)
     check_model_splits(SimpleNamespace(num_attention_heads=8, num_key_value_heads=2,
                                        layer_types=["sliding_attention", "full_attention"]), 4)
+    # rotary frequencies from the largest position a rank sees: one sequence's halves would rotate differently
+    # (Phi-3's long factors on rank 1, its short ones on rank 0)
+    long_rope = SimpleNamespace(num_attention_heads=8, num_key_value_heads=2,
+                                rope_parameters={"rope_type": "longrope", "factor": 32.0})
+    with pytest.raises(ValueError, match=r"rope_type='longrope'\) follow the largest position each rank sees"):
+        check_model_splits(long_rope, 2)
 
 
 def test_a_model_whose_heads_do_not_split_over_the_ranks_is_refused():

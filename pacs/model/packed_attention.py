@@ -78,6 +78,11 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
     if cu is not None and attention_mask is not None and _PACKED_CALL.get() is not None:
         raise ValueError(f"{type(module).__name__}: the model built an attention mask for a packed row, which "
                          "pacs_packed_sdpa cannot combine with the row's sequence bounds; this model cannot be packed")
+    if cu is None and _PACKED_CALL.get() is not None:  # plain SDPA here would attend across the row's sequences
+        raise ValueError(f"{type(module).__name__}: a packed row's sequence bounds (cu_seq_lens_q) did not reach "
+                         "this attention layer (its decoder layer does not pass its keyword arguments on, as "
+                         "Nemotron's): this model cannot be packed; set train.packing=false (PACSTrainer: "
+                         "pacs_padding_free=False)")
     if cu is None or attention_mask is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)

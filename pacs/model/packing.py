@@ -253,7 +253,14 @@ def fixed_micro_batches(n_rows: int, rows_per_micro: int) -> list[tuple[int, int
 # ----------------------------------------------------------------------------- which models can be packed
 
 
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # Hugging Face layer_types that attend
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "attention")  # the layer kinds that attend
+LAYER_KIND_FIELDS = ("layer_types", "block_types", "layers_block_type")  # where configs list their layers' kinds
+# rotary frequencies computed from the call's largest position (dynamic NTK, Phi-3's long/short factors)
+POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
+# classes whose decoder layers call their attention without the forward's keyword arguments, so a packed row's
+# sequence bounds never reach it (transformers 5.19; pacs_packed_sdpa also stops any other such model at its
+# first packed forward)
+BOUNDS_NOT_PASSED_ON = ("NemotronForCausalLM",)
 
 
 def _text_config(model_config):
@@ -262,9 +269,21 @@ def _text_config(model_config):
 
 def non_attention_layer_types(model_config) -> list[str]:
     """The model's layer types that mix tokens other than by attention (state-space, linear attention,
-    convolution: ``layer_types`` of hybrid models), sorted; [] for a plain transformer."""
-    types = getattr(_text_config(model_config), "layer_types", None) or ()
+    recurrence, convolution: hybrid models' ``layer_types``, RecurrentGemma's ``block_types``, Zamba's
+    ``layers_block_type``), sorted; [] for a plain transformer."""
+    text = _text_config(model_config)
+    types = [t for field in LAYER_KIND_FIELDS for t in (getattr(text, field, None) or ()) if isinstance(t, str)]
     return sorted({t for t in types if t not in ATTENTION_LAYER_TYPES})
+
+
+def position_dependent_rope(model_config) -> str | None:
+    """The rope_type whose frequencies depend on the largest position of the call (``dynamic``, ``longrope``),
+    or None; a config's per-layer-type rope parameters are each looked at."""
+    params = getattr(_text_config(model_config), "rope_parameters", None) or {}
+    for entry in [params, *(v for v in params.values() if isinstance(v, dict))]:
+        if entry.get("rope_type") in POSITION_DEPENDENT_ROPE:
+            return entry["rope_type"]
+    return None
 
 
 def sliding_window_of(model_config) -> int | None:
@@ -313,10 +332,17 @@ def packing_obstacle(model_config, attention: str, model_class=None, left_padded
     if not getattr(model_class, "_supports_attention_backend", False):
         return (f"{model_class.__name__} attends by code of its own, not through transformers' attention "
                 "interface, so a packed row's sequences would attend to each other")
+    if model_class.__name__ in BOUNDS_NOT_PASSED_ON:
+        return (f"{model_class.__name__}'s decoder layers do not pass a packed row's sequence bounds on to their "
+                "attention, so its sequences would attend to each other")
     text = _text_config(model_config)
     if left_padded and getattr(text, "rope_parameters", None) is None:
         return (f"{model_class.__name__} has no rotary position embeddings: a left-padded row counts positions "
                 "from its padding, a packed row from its first token")
+    rope = position_dependent_rope(model_config)
+    if left_padded and rope is not None:
+        return (f"its rotary frequencies (rope_type={rope!r}) follow the largest position of the call: a "
+                "left-padded batch's counts its padding, a packed row's does not")
     if "flash" in attention:
         return None
     window = sliding_window_of(model_config)

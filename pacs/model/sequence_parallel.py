@@ -45,7 +45,7 @@ from pacs.model.packed_attention import (
     require_causal,
     sequence_bounds,
 )
-from pacs.model.packing import PackedMicroBatch, non_attention_layer_types, pack_rows
+from pacs.model.packing import PackedMicroBatch, non_attention_layer_types, pack_rows, position_dependent_rope
 from pacs.model.varlen_attention import loop_causal_attention, varlen_causal_attention
 
 ULYSSES_ATTENTION = "pacs_ulysses_sdpa"
@@ -277,6 +277,12 @@ def check_model_splits(model_config, size: int) -> None:
         raise ValueError(
             f"train.sequence_parallel_size={size}: the model has layers that are not attention ({', '.join(other)}; "
             f"{name}.layer_types), which would see only this rank's tokens; set train.sequence_parallel_size=1")
+    rope = position_dependent_rope(model_config)
+    if rope is not None:
+        raise ValueError(
+            f"train.sequence_parallel_size={size}: the model's rotary frequencies (rope_type={rope!r}) follow the "
+            "largest position each rank sees, so one sequence's halves would rotate by different frequencies; "
+            "set train.sequence_parallel_size=1")
 
 
 def enable_sequence_parallel_attention(causal_lm, size: int) -> str:
