@@ -77,6 +77,9 @@ def test_lora_settings_are_checked(model_dir):
         load_policy(model_dir, lora=lora(target_modules="embed_tokens"))
     with pytest.raises(ValueError, match=r"model.lora.target_modules='nothing_here'"):
         load_policy(model_dir, lora=lora(target_modules="nothing_here"))
+    # the fused loss reads the head's weight: an adapter on it never trained, silently
+    with pytest.raises(ValueError, match=r"target_modules='q_proj,lm_head' adapts the LM head"):
+        load_policy(model_dir, lora=lora(target_modules="q_proj,lm_head"))
     with pytest.raises(ValueError, match=r"model.lora.rank"):
         validate(load_config(None, ["model.lora.rank=-1"]))
     with pytest.raises(ValueError, match=r"model.lora.alpha"):

@@ -84,6 +84,11 @@ def test_precision_settings_are_checked():
     cfg = load_config(None, ["model.dtype=bfloat16"])
     validate(cfg)
     assert cfg.optim.master_dtype == "float32"
+    # float16 compute without a loss scale: a gradient of 1e-8 is 0 in float16, so small gradients vanished
+    assert torch.tensor(1e-8).to(torch.float16) == 0
+    for master in ("float32", "float16"):
+        with pytest.raises(ValueError, match=r"model.dtype='float16': training in float16 needs loss scaling"):
+            resolve_precision(torch.float16, master)
 
 
 # ---------------------------------------------------------------- update_nonzero_frac

@@ -53,6 +53,10 @@ def add_lora(causal_lm: nn.Module, rank: int, alpha: float, target_modules: str,
                          f"{others[:4]}; name linear layers only (e.g. q_proj,k_proj,v_proj,o_proj)")
     if not adapted:
         raise ValueError(f"model.lora.target_modules={target_modules!r} matched no layer of the model")
+    if hasattr(causal_lm.get_output_embeddings(), "lora_A"):  # the fused loss reads the head's weight alone
+        raise ValueError(f"model.lora.target_modules={target_modules!r} adapts the LM head, whose adapter the "
+                         "fused loss would never train (it reads the head's weight); leave the head out "
+                         "(all-linear does)")
     for name, param in causal_lm.named_parameters():
         param.requires_grad = is_adapter_weight(name)
         if param.requires_grad:

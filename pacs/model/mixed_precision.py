@@ -55,10 +55,14 @@ def resolve_precision(compute: torch.dtype, master_dtype: str) -> Precision:
     """The run's precision from the resolved compute dtype and ``optim.master_dtype``'s name.
 
     The master weights are float32, or the compute dtype itself (16-bit stepping); anything else (16-bit
-    master weights under float32 compute, or bfloat16 under float16) is refused."""
+    master weights under float32 compute) is refused, and so is float16 compute (no loss scaling here)."""
     if master_dtype not in DTYPE_NAMES:
         raise ValueError(f"optim.master_dtype must be one of {', '.join(map(repr, DTYPE_NAMES))}; "
                          f"got {master_dtype!r}")
+    if compute == torch.float16:  # its 5 exponent bits: small gradients flush to 0 without a loss scale
+        raise ValueError("model.dtype='float16': training in float16 needs loss scaling, which pacs train does "
+                         "not do (gradients below float16's range would become 0, silently); use bfloat16 (GPUs "
+                         "from Ampere on) or float32. pacs eval runs a float16 model as it is")
     master = DTYPE_NAMES[master_dtype]
     if master != torch.float32 and master != compute:
         raise ValueError(f"optim.master_dtype={master_dtype!r} needs model.dtype={master_dtype!r} (16-bit weights "
