@@ -102,7 +102,8 @@ def test_off_the_main_thread_a_helper_process_checks_and_times_out():
 def test_fallback_without_math_verify(monkeypatch):
     monkeypatch.setattr(rewards, "math_verify_available", lambda: False)
     reward = MathVerifyReward()
-    assert reward("so \\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}") == 1.0
+    with pytest.warns(UserWarning, match="math-verify is not installed"):
+        assert reward("so \\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}") == 1.0
     assert reward("the result is 3.0", "3") == 1.0
     assert reward("no answer here", "3") == 0.0
     assert fallback_math_check("\\boxed{4} not \\boxed{3}", "3") == 1.0  # last box
@@ -164,3 +165,19 @@ def test_the_warm_up_without_a_timeout_prints_nothing():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["1.0"]
     assert "Timeout is disabled" not in out.stderr + out.stdout
+
+
+def test_without_math_verify_the_text_comparison_says_so_once(monkeypatch):
+    """The fallback compares normalized text and plain numbers (\\frac{1}{2} against 0.5 scores 0): a run
+    without math-verify installed learns against a weaker reward, and now it is told, once."""
+    import warnings
+
+    import pacs.tasks.rewards as rewards
+
+    monkeypatch.setattr(rewards, "math_verify_available", lambda: False)
+    reward = rewards.MathVerifyReward()
+    with pytest.warns(UserWarning, match="math-verify is not installed"):
+        assert reward("so \\boxed{2}", "2") == 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert reward("so \\boxed{\\frac{1}{2}}", "0.5") == 0.0

@@ -135,6 +135,10 @@ def test_rewards():
     assert exact_match(" 42 ", "42") == 1.0 and exact_match("420", "42") == 0.0
     assert extract_boxed("a \\boxed{\\frac{1}{2}} b \\boxed{3}") == "3"
     assert extract_boxed("\\boxed{x^{2}}") == "x^{2}"
+    # the last box whatever its spelling (a bare \boxed 3 after a braced one was passed over for it)
+    assert extract_boxed("\\boxed{4} then, finally, \\boxed 3") == "3"
+    assert extract_boxed("\\boxed {5}") == "5" and extract_boxed("\\fbox{5}") == "5"
+    assert extract_boxed("\\boxed 7 and then \\boxed{8}") == "8" and extract_boxed("no box") is None
     assert extract_answer("so 3 then 12.5") == "12.5"
     assert math_reward("thus \\boxed{0.5}", "0.5") == 1.0
     assert math_reward("thus \\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}") == 1.0

@@ -20,6 +20,7 @@ import logging
 import multiprocessing
 import re
 import threading
+import warnings
 from collections import OrderedDict
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
@@ -30,12 +31,19 @@ def exact_match(response: str, answer: str) -> float:
     return float(response.strip() == str(answer).strip())
 
 
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")  # \boxed{, \boxed {, \fbox{
+_BARE_BOX = re.compile(r"\\boxed[ \t]+([^\s${}]+)")  # \boxed 5 (LaTeX takes the next token)
+
+
 def extract_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` in ``text`` (braces balanced), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
+    """Content of the last box in ``text``, or None: ``\\boxed{...}`` (braces balanced; also ``\\boxed {``
+    and ``\\fbox{``) or a bare ``\\boxed 5``, whichever comes last."""
+    braced, bare = list(_BOX.finditer(text)), list(_BARE_BOX.finditer(text))
+    if bare and (not braced or bare[-1].start() > braced[-1].start()):
+        return bare[-1].group(1)
+    if not braced:
         return None
-    depth, i = 0, start + len("\\boxed{") - 1
+    depth, i = 0, braced[-1].end() - 1
     for j in range(i, len(text)):
         if text[j] == "{":
             depth += 1
@@ -232,9 +240,15 @@ class MathVerifyReward:
         self._counts = {"calls": 0, "timeouts": 0, "errors": 0}
         self._lock = threading.Lock()
         self._helper: _HelperProcess | None = None
+        self._warned_fallback = False
 
     def _compute(self, response: str, answer: str) -> tuple[float, str]:
         if not math_verify_available():
+            if not self._warned_fallback:
+                self._warned_fallback = True
+                warnings.warn("math-verify is not installed: math answers are compared as normalized text and "
+                              "plain numbers (\\frac{1}{2} against 0.5 scores 0); pip install math-verify",
+                              stacklevel=3)
             return fallback_math_check(response, answer), "ok"
         if threading.current_thread() is threading.main_thread():
             return math_verify_check(response, answer, self.timeout_s)
