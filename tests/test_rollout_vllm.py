@@ -200,6 +200,20 @@ def test_sync_weights_changes_the_policy(tied):
     assert vllm_greedy(engine, PROMPTS, 10) == [[r] for r in old_responses]
 
 
+def test_a_prefix_cache_vllm_keeps_after_a_sync_stops_the_engine(tied, monkeypatch):
+    """vLLM answers False (blocks still in use) instead of dropping the prompt KV of the old weights: the sync
+    raises and the engine refuses to generate until a sync succeeds (the answer was ignored)."""
+    engine, old_model, _ = tied
+    monkeypatch.setattr(engine._llm, "reset_prefix_cache", lambda **kwargs: False)
+    with pytest.raises(RuntimeError, match="kept its cached prompt keys and values after the weight sync"):
+        engine.sync_weights(old_model.named_parameters())
+    with pytest.raises(RuntimeError, match="failed half-way"):
+        vllm_greedy(engine, PROMPTS, 10)
+    monkeypatch.undo()
+    engine.sync_weights(old_model.named_parameters())
+    assert vllm_greedy(engine, PROMPTS, 10) == [[r] for r in hf_greedy(old_model, PROMPTS, 10)]
+
+
 def test_llama_untied_second_engine_sync_and_close(tied, tmp_path):
     engine_a, model_a, _ = tied
     model = tiny_llama(seed=2)

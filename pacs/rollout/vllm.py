@@ -323,9 +323,14 @@ class VLLMRolloutEngine:
         self._llm.collective_rpc(vllm_compat.refresh_tied_lm_head)
         if not self.on_gpu:
             self._llm.collective_rpc(vllm_compat.prepack_reloaded_cpu_experts)
+        # cached prompt KV blocks were computed with the old weights (requests still holding blocks, left by a
+        # generation that raised, are dropped: nothing waits for them)
+        if not self._llm.reset_prefix_cache(reset_running_requests=True):
+            self._weights_stale = True
+            raise RuntimeError("VLLMRolloutEngine: vLLM kept its cached prompt keys and values after the weight "
+                               "sync (blocks still in use), and the next generation would reuse those of the old "
+                               "weights; sync again, or start a new engine")
         self._weights_stale = False
-        # cached prompt KV blocks were computed with the old weights
-        self._llm.reset_prefix_cache()
 
     def close(self) -> None:
         """Free the engine (model, KV cache). Safe to call twice; new engines can be created
