@@ -150,6 +150,22 @@ def test_hf_engine_ignores_the_generation_configs_processors(tiny_model_dir, tmp
     assert HFGenerateEngine(str(penalized), max_model_len=32).generate(prompts, 8, **opts) == plain
 
 
+def test_the_policy_drops_no_attention_weights(tmp_path):
+    """A config's attention_dropout (applied by Hugging Face attention in training mode) is off in the policy:
+    two passes over the same tokens agree, so the old log-probs and the loss's start from psi = 0."""
+    import transformers
+
+    config = transformers.Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.5)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    policy = load_policy(str(tmp_path))
+    assert policy.training
+    ids = torch.randint(0, 32, (2, 9))
+    first, _, _ = policy(ids, torch.ones_like(ids))
+    second, _, _ = policy(ids, torch.ones_like(ids))
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+
+
 def test_hf_engine_sync_weights(tiny_model_dir):
     engine = HFGenerateEngine(tiny_model_dir, max_model_len=32)
     policy = load_policy(tiny_model_dir)

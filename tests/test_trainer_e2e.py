@@ -14,7 +14,7 @@ from trainer_helpers import comparable, repo_root, tiny_config
 import pacs.train.trainer as trainer
 from pacs.train.checkpoint import checkpoint_steps, latest_checkpoint
 from pacs.train.metrics import read_metrics
-from pacs.train.trainer import TrainingStopped, train
+from pacs.train.trainer import TrainingStopped, lr_lambda, train
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +187,9 @@ def test_nan_step_is_skipped_and_repeated_nans_stop(tmp_path, cache_dir, monkeyp
     rows = read_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"))
     assert rows[1]["skipped_updates"] == 1 and rows[2]["skipped_updates"] == 1
     assert math.isfinite(rows[1]["grad_norm"]) and math.isfinite(rows[2]["loss"])
+    # the skipped update still takes its place in the schedule: step 2's first update is update 2 of 4 (it
+    # was update 1, and the cosine never reached its end)
+    assert rows[2]["lr"] == pytest.approx(cfg.optim.lr * lr_lambda(cfg, 4)(2))
     assert all(torch.isfinite(p).all() for p in result.policy.parameters())
 
     # from step 2 on every loss is NaN: 3 skipped updates in a row stop the run

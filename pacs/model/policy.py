@@ -227,9 +227,15 @@ def load_policy(path: str, *, dtype: str = "auto", gradient_checkpointing: bool 
         os.path.expanduser(path), dtype=precision.compute if with_lora else precision.master,
         trust_remote_code=trust_remote_code)
     causal_lm.config.use_cache = False
+    # no dropout anywhere: the old-log-prob pass and the loss's pass must compute the same function (psi = 0
+    # before an update); attention layers read their dropout from the config into a float of their own
+    if isinstance(getattr(causal_lm.config, "attention_dropout", None), float):
+        causal_lm.config.attention_dropout = 0.0
     for module in causal_lm.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
     if with_lora:
         add_lora(causal_lm, lora.rank, lora.alpha, lora.target_modules, precision.master)
     if gradient_checkpointing:

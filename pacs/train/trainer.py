@@ -531,6 +531,7 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
                                          update.loss_groups[here] + [1.0] * len(mini.skipped_losses))
         grad_norm = clipped_grad_norm(policy, o.max_grad_norm)
         if skip_non_finite(cfg, optimizer, state, update.losses[here], grad_norm, dist_info, step, say):
+            scheduler.step()  # the schedule counts planned updates: a skipped one leaves it where it would be
             continue
         update.grad_norms.append(float(grad_norm))
         update.update_nonzero_fracs.append(optimizer_step(optimizer, scheduler, monitor))
