@@ -66,6 +66,18 @@ def check_targets_in_range(targets: torch.Tensor, vocab_size: int, name: str = "
         )
 
 
+def check_no_inf_where(name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+    """No +-inf in ``values`` where the bool ``mask`` (same shape) is set: an infinite log-prob of a loss token
+    gives a ratio of 0 or inf, which some losses turn into a silently zero gradient (NaN is left to show in the
+    loss). One reduction (a device sync on GPU)."""
+    bad = mask & torch.isinf(values)
+    if bool(bad.any()):
+        where = tuple(bad.nonzero()[0].tolist())
+        raise ValueError(f"{name} must be finite on every token the mask selects (mask == 1), got "
+                         f"{float(values[where])} at {where} ({int(bad.sum())} such tokens); a sampler's -inf for a "
+                         "token outside its top-k/top-p, or padding left in the mask?")
+
+
 def check_not_sharded(**tensors) -> None:
     """A DTensor (e.g. an FSDP2-sharded LM head read outside its module's forward) holds only this
     rank's shard: the kernels need the whole tensor, so refuse it with the fix rather than fail deep."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import path_choice
-from .checks import FLOAT_DTYPES, check_linear_inputs, check_targets_in_range, check_tensor
+from .checks import FLOAT_DTYPES, check_linear_inputs, check_no_inf_where, check_targets_in_range, check_tensor
 from .grpo import GRPOStats, check_grpo_options, group_normalized_advantages, grpo_token_terms
 from .known_grad import linear_logprobs_known_grad
 from .logprobs import linear_logprobs, resolve_backend
@@ -361,6 +361,8 @@ def run_grpo(batch: LossBatch, settings: dict, options: LossOptions, *, ref_logp
     else:
         token_coef = (1.0 / (counts.to(cdt) * n))[segment]
     ref_sel = None if ref_logp is None else pick(ref_logp.reshape(-1), batch.index)
+    if ref_sel is not None:  # the selected tokens: every one counts
+        check_no_inf_where("ref_logp", ref_sel, torch.ones_like(ref_sel, dtype=torch.bool))
 
     def share(logp, t0, t1):
         old = logp.detach() if batch.old_logp is None else batch.old_logp[t0:t1].detach().to(cdt)

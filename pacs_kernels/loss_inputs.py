@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import FLOAT_DTYPES, INT_DTYPES, check_choice, check_same_device, check_tensor
+from .checks import FLOAT_DTYPES, INT_DTYPES, check_choice, check_no_inf_where, check_same_device, check_tensor
 
 SCORES = ("log_ratio", "mean_logp")
 ADVANTAGES = ("rloo", "grpo", "naive")
@@ -225,7 +225,9 @@ def check_token_tensors(logp, old_logp, mask, cu_seqlens) -> tuple[torch.Tensor,
         logp, old_logp, mask = logp.reshape(-1), old_logp.reshape(-1), mask.reshape(-1)
         cu, max_len = check_cu_seqlens(cu_seqlens, logp.shape[0])
         layout = ResponseLayout(cu.shape[0] - 1, None, cu, max_len)
-    return logp, old_logp, check_mask_values(mask), layout
+    mask = check_mask_values(mask)
+    check_no_inf_where("old_logp", old_logp, mask)
+    return logp, old_logp, mask, layout
 
 
 def response_token_counts(mask: torch.Tensor, layout: ResponseLayout) -> torch.Tensor:

@@ -29,12 +29,13 @@ from typing import Callable
 
 import torch
 
-from .checks import FLOAT_DTYPES, check_linear_inputs, check_tensor
+from .checks import FLOAT_DTYPES, check_linear_inputs, check_same_device, check_tensor
 from .engine import logprob_drift, stale_lse_tolerance
 from .grpo import grpo_loss
 from .known_grad import linear_logprobs_known_grad
 from .logprobs import linear_logprobs
 from .loss import pacs_loss
+from .loss_inputs import MASK_DTYPES, check_mask_values
 from .objectives.grpo import GRPO
 from .objectives.pacs import PACS
 from .options import LossOptions
@@ -114,12 +115,13 @@ def run_piece(hidden, weight, targets, mask, piece, objective, options: LossOpti
         raise TypeError(f"piece must be a KnownGradient or a GatheredLogprobs, got {type(piece).__name__}")
     if not isinstance(options, LossOptions):
         raise TypeError(f"options must be a LossOptions, got {type(options).__name__}")
-    check_tensor("mask", mask)
+    check_tensor("mask", mask, dtypes=MASK_DTYPES)
     hidden = match_head_dtype(hidden, weight)
     if tuple(mask.shape) != tuple(hidden.shape[:-1]) or tuple(targets.shape) != tuple(mask.shape):
         raise ValueError(f"mask and targets must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, got "
                          f"{tuple(mask.shape)} and {tuple(targets.shape)}")
-    selected = mask.bool()
+    check_same_device(hidden=hidden, targets=targets, mask=mask)
+    selected = check_mask_values(mask)  # 0/1 only, as on every other route (0.5 was read as 1)
     tokens_h, tokens_y = hidden[selected], targets[selected]
     check_linear_inputs(tokens_h, weight, tokens_y, bias)
     # no token here: the torch backend's empty call still connects the loss to hidden (its backward runs)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import FLOAT_DTYPES, INT_DTYPES, check_same_device, check_tensor
+from .checks import FLOAT_DTYPES, INT_DTYPES, check_no_inf_where, check_same_device, check_tensor
 from .loss_inputs import MASK_DTYPES, ResponseLayout, check_cu_seqlens, check_mask_values
 
 
@@ -77,6 +77,8 @@ def check_response_tokens(hidden, targets, mask, old_logp, cu_seqlens) -> Respon
             raise ValueError(f"{name} must have shape hidden.shape[:-1] = {token_shape}, got {tuple(value.shape)}")
     check_same_device(hidden=hidden, targets=targets, mask=mask, old_logp=old_logp, cu_seqlens=cu_seqlens)
     mask = check_mask_values(mask)
+    if old_logp is not None:
+        check_no_inf_where("old_logp", old_logp, mask)
     width = hidden.shape[-1]
     if cu_seqlens is None:
         counts = mask.sum(-1)

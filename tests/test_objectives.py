@@ -174,3 +174,66 @@ def test_gspo_needs_tokens_in_every_response():
     mask[3] = False
     with pytest.raises(ValueError, match="responses \\[3\\]"):
         GSPO()(logp, old, rewards, mask, group_size=G)
+
+
+def test_an_infinite_old_or_reference_log_prob_on_a_loss_token_is_refused():
+    """An old_logp of +-inf on a mask == 1 token (a sampler's -inf for a token outside its top-p) made the ratio
+    0 or inf: a silently zero gradient for that token, or NaN on one path and a number on the other. On a
+    masked-out token it is ignored, as before."""
+    from pacs_kernels import LossOptions, fused_linear_grpo_loss, fused_linear_pacs_loss, pacs_loss
+    from pacs_kernels.objectives import fused_linear_objective_loss
+
+    gen = torch.Generator().manual_seed(5)
+    b, t, d, v = 4, 3, 8, 20
+    hidden, weight = torch.randn(b, t, d, generator=gen), torch.randn(v, d, generator=gen)
+    targets, mask = torch.randint(0, v, (b, t), generator=gen), torch.ones(b, t, dtype=torch.bool)
+    mask[1, 2] = False
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    old = -torch.rand(b, t, generator=gen) - 0.5
+    logp = old + 0.1
+    masked_inf = old.clone()
+    masked_inf[1, 2] = float("-inf")
+    assert torch.isfinite(pacs_loss(logp, masked_inf, rewards, mask, group_size=2))  # outside the mask: ignored
+    for value in (float("inf"), float("-inf")):
+        bad = old.clone()
+        bad[0, 0] = value
+        match = r"old_logp must be finite on every token the mask selects \(mask == 1\), got -?inf at \(0, 0\)"
+        with pytest.raises(ValueError, match=match):
+            pacs_loss(logp, bad, rewards, mask, group_size=2)
+        with pytest.raises(ValueError, match=match):
+            fused_linear_pacs_loss(hidden, weight, targets, mask, bad, rewards, group_size=2)
+        with pytest.raises(ValueError, match=match):
+            fused_linear_grpo_loss(hidden, weight, targets, mask, bad, rewards, group_size=2)
+        for path in ("single_pass", "two_pass"):
+            with pytest.raises(ValueError, match=match):
+                fused_linear_objective_loss(hidden, weight, targets, mask, rewards, GRPO(), group_size=2,
+                                            old_logp=bad, options=LossOptions(path=path))
+        with pytest.raises(ValueError, match=match):
+            CISPO()(logp, bad, rewards, mask, group_size=2)
+        with pytest.raises(ValueError, match=r"ref_logp must be finite on every token the mask selects"):
+            DAPO(kl_coef=0.1)(logp, old, rewards, mask, group_size=2, ref_logp=bad)
+        with pytest.raises(ValueError, match=r"ref_logp must be finite on every token the mask selects"):
+            fused_linear_grpo_loss(hidden, weight, targets, mask, old, rewards, group_size=2,
+                                   objective=GRPO(kl_coef=0.1), ref_logp=bad)
+
+
+def test_pacs_with_the_naive_score_takes_groups_of_one_on_every_route():
+    """advantage='naive' compares no response with another, so pacs_loss takes group_size=1; the PACS objective
+    refused it, naming advantage='grpo' (not its own)."""
+    from pacs_kernels import pacs_loss
+    from pacs_kernels.objectives import fused_linear_objective_loss
+
+    gen = torch.Generator().manual_seed(6)
+    logp, old = -torch.rand(4, 3, generator=gen, dtype=torch.float64), -torch.rand(4, 3, generator=gen,
+                                                                                 dtype=torch.float64)
+    mask, rewards = torch.ones(4, 3, dtype=torch.bool), torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
+    naive = PACS(advantage="naive", backend="torch")
+    loss = naive(logp, old, rewards, mask, group_size=1)[0]
+    torch.testing.assert_close(loss, pacs_loss(logp, old, rewards, mask, group_size=1, advantage="naive",
+                                               backend="torch"))
+    hidden, weight = torch.randn(4, 3, 8, generator=gen), torch.randn(20, 8, generator=gen)
+    targets = torch.randint(0, 20, (4, 3), generator=gen)
+    assert torch.isfinite(fused_linear_objective_loss(hidden, weight, targets, mask, rewards.float(), naive,
+                                                      group_size=1, old_logp=old.float())[0])
+    with pytest.raises(ValueError, match=r"group_size must be >= 2 for advantage='rloo'"):
+        PACS()(logp, old, rewards, mask, group_size=1)

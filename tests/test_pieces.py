@@ -160,9 +160,13 @@ def test_a_piece_without_tokens_still_reaches_hidden():
     (dict(cu_seqlens=torch.tensor([0, 6])), ValueError, "cu_seqlens= cannot go with piece="),
     (dict(old_lse=torch.zeros(B, T)), ValueError, "old_lse= cannot go with piece="),
     (dict(bad_grad=True), ValueError, r"piece.grad_logp must be laid out like targets"),
+    (dict(mask_scale=0.5), ValueError, r"mask must hold only 0 and 1"),  # it ran, 0.5 read as 1
+    (dict(mask_scale=2.0), ValueError, r"mask must hold only 0 and 1"),
 ])
 def test_bad_pieces_are_named(change, error, match):
     hidden, weight, targets, mask, old_logp, rewards = inputs(6)
+    if "mask_scale" in change:
+        mask = mask.double() * change.pop("mask_scale")
     grad = torch.zeros(B, T - 1 if change.pop("bad_grad", False) else T, dtype=torch.float64)
     piece = change.pop("piece", KnownGradient(grad, torch.zeros(B, T, dtype=torch.float64), 0.0, {}))
     with pytest.raises(error, match=match):

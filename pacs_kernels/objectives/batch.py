@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import FLOAT_DTYPES, check_tensor
+from ..checks import FLOAT_DTYPES, check_no_inf_where, check_tensor
 from ..loss_inputs import check_group_size, check_token_tensors
 
 
@@ -57,8 +57,9 @@ def _check_like(name: str, value, like: torch.Tensor) -> None:
 
 
 def check_group_batch(logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None,
-                      kl_coef: float = 0.0, entropy_coef: float = 0.0) -> GroupBatch:
-    """Check an objective's inputs (padded layout) -> GroupBatch; rewards may be any finite reals."""
+                      kl_coef: float = 0.0, entropy_coef: float = 0.0, advantage: str = "grpo") -> GroupBatch:
+    """Check an objective's inputs (padded layout) -> GroupBatch; rewards may be any finite reals.
+    ``advantage``: the objective's group estimator, which sets the smallest group ("naive": 1)."""
     check_tensor("logp", logp, dtypes=FLOAT_DTYPES)
     if logp.dim() != 2:
         raise ValueError(f"logp must be (B, T) padded rows, got shape {tuple(logp.shape)}")
@@ -72,7 +73,7 @@ def check_group_batch(logp, old_logp, rewards, mask, *, group_size, ref_logp=Non
         raise ValueError(f"rewards must have shape (B,) = ({n},), one per response, got {tuple(rewards.shape)}")
     if rewards.device != logp.device:
         raise ValueError(f"rewards must be on the device of logp ({logp.device}), got {rewards.device}")
-    check_group_size(group_size, n, "grpo")
+    check_group_size(group_size, n, advantage)
     if n == 0:
         raise ValueError("the batch must hold at least one group of responses, got B = 0")
     cdt = torch.float64 if logp.dtype == torch.float64 else torch.float32
@@ -84,6 +85,7 @@ def check_group_batch(logp, old_logp, rewards, mask, *, group_size, ref_logp=Non
         raise ValueError("mask must select at least one response token")
     if ref_logp is not None:
         _check_like("ref_logp", ref_logp, logp)
+        check_no_inf_where("ref_logp", ref_logp, mask)
         ref_logp = ref_logp.detach().to(cdt)
     elif kl_coef > 0:
         raise ValueError(f"kl_coef = {kl_coef} > 0 needs ref_logp (the reference model's log-probs)")

@@ -52,7 +52,7 @@ def fused_linear_objective_loss(hidden, weight, targets, mask, rewards, objectiv
     batch = engine.LossBatch.build(hidden, weight, targets, mask, given.get("old_logp"), rewards,
                                    group_size=group_size, cu_seqlens=given.get("cu_seqlens"), bias=given.get("bias"))
     check_response_rewards(rewards, batch.n_responses, batch.hidden.device)
-    check_group_size(group_size, batch.n_responses, "grpo")
+    check_group_size(group_size, batch.n_responses, getattr(objective, "advantage", "grpo"))
     if batch.n_responses == 0 or batch.n_selected == 0:
         raise ValueError("mask must select at least one response token")
     return engine.run_objective(batch, objective, options, ref_logp=batch.select("ref_logp", given.get("ref_logp")))

@@ -96,7 +96,8 @@ class RegularizedObjective:
 
     def checked(self, logp, old_logp, rewards, mask, group_size, ref_logp, entropy) -> GroupBatch:
         return check_group_batch(logp, old_logp, rewards, mask, group_size=group_size, ref_logp=ref_logp,
-                                 entropy=entropy, kl_coef=self.kl_coef, entropy_coef=self.entropy_coef)
+                                 entropy=entropy, kl_coef=self.kl_coef, entropy_coef=self.entropy_coef,
+                                 advantage=getattr(self, "advantage", "grpo"))
 
 
 @dataclass(frozen=True, kw_only=True)
