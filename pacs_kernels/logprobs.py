@@ -151,6 +151,17 @@ class _LinearLogprobs(torch.autograd.Function):
         return d_hidden, d_weight, d_bias, None, None, None, None, None
 
 
+def check_logprob_knobs(filter_eps, chunk_elements, vocab_splits) -> None:
+    """``linear_logprobs``' tuning knobs (each None or): filter_eps a finite number >= 0, chunk_elements and
+    vocab_splits positive ints (a bool is not one); checked by ``LossOptions`` too, whatever path runs."""
+    number = isinstance(filter_eps, (int, float)) and not isinstance(filter_eps, bool)
+    if filter_eps is not None and not (number and 0 <= filter_eps < float("inf")):
+        raise ValueError(f"filter_eps must be None or a finite number >= 0, got {filter_eps!r}")
+    for name, value in (("chunk_elements", chunk_elements), ("vocab_splits", vocab_splits)):
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 def linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -207,12 +218,7 @@ def linear_logprobs(
     """
     check_linear_inputs(hidden, weight, targets, bias)
     temperature = check_temperature(temperature)
-    if filter_eps is not None and not (isinstance(filter_eps, (int, float)) and filter_eps >= 0):
-        raise ValueError(f"filter_eps must be None or a number >= 0, got {filter_eps!r}")
-    if chunk_elements is not None and not (isinstance(chunk_elements, int) and chunk_elements > 0):
-        raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
-    if vocab_splits is not None and not (isinstance(vocab_splits, int) and vocab_splits > 0):
-        raise ValueError(f"vocab_splits must be a positive int, got {vocab_splits!r}")
+    check_logprob_knobs(filter_eps, chunk_elements, vocab_splits)
     if grad_gemms is not None:
         check_choice("grad_gemms", grad_gemms, dispatch.GRAD_GEMMS)
     vocab, width = weight.shape

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from .checks import check_choice, check_temperature
-from .logprobs import check_softcap
+from .logprobs import check_logprob_knobs, check_softcap
 
 FUSED_BACKENDS = ("auto", "triton", "torch", "naive")
 PATHS = ("auto", "single_pass", "two_pass")
@@ -71,6 +71,7 @@ class LossOptions:
         object.__setattr__(self, "chunk_budget_mib", check_chunk_budget(self.chunk_budget_mib))
         object.__setattr__(self, "temperature", check_temperature(self.temperature))
         object.__setattr__(self, "logit_softcap", check_softcap(self.logit_softcap))
+        check_logprob_knobs(self.filter_eps, self.chunk_elements, self.vocab_splits)  # whatever path runs
         if self.dispatch_table is not None and not isinstance(self.dispatch_table, str):
             raise TypeError(f"dispatch_table must be None or a file path (str), got {self.dispatch_table!r}")
         if self.grad_gemms is not None:

@@ -29,7 +29,11 @@ def test_options_are_frozen_and_checked():
         options.path = "single_pass"
     for bad, match in [(dict(path="fast"), "path"), (dict(backend="cuda"), "backend"),
                        (dict(chunk_budget_mib=0), "chunk_budget_mib"), (dict(temperature=0.0), "temperature"),
-                       (dict(logit_softcap=-1.0), "logit_softcap"), (dict(grad_gemms="cublas"), "grad_gemms")]:
+                       (dict(logit_softcap=-1.0), "logit_softcap"), (dict(grad_gemms="cublas"), "grad_gemms"),
+                       # the two-pass knobs, checked here whatever path runs (the single pass ignored them)
+                       (dict(chunk_elements=0), "chunk_elements"), (dict(chunk_elements=True), "chunk_elements"),
+                       (dict(vocab_splits=-1), "vocab_splits"), (dict(filter_eps=-1.0), "filter_eps"),
+                       (dict(filter_eps=float("nan")), "filter_eps"), (dict(filter_eps=True), "filter_eps")]:
         with pytest.raises(ValueError, match=match):
             LossOptions(**bad)
 
