@@ -191,3 +191,21 @@ def test_lora_on_two_fsdp2_ranks_matches_one_process(tmp_path):
     for pushed_two, pushed_one in zip(ranks[0]["pushes"], one["pushes"]):
         assert close(pushed_two, pushed_one)
     assert close(ranks[0]["final"], one["final"])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_lora_run_over_a_16_bit_base_says_rollouts_lag_by_the_merge_rounding(model_dir, dtype):
+    """The engine serves bf16(W + s B A): small adapter changes round away there while the trainer's forward
+    keeps them, so the run says so once (docs/mixed-precision.md); a float32 base merges exactly."""
+    from pacs.model.policy import DistInfo
+    from pacs.train.run_setup import Run
+    from pacs.train.trainer import load_training_policy
+
+    cfg = load_config(None, [*LORA, f"model.dtype={dtype}"])
+    cfg.model.path = model_dir
+    lines = []
+    load_training_policy(cfg, Run(cfg, model_dir, None, None, 0, [2]), DistInfo(), lines.append)
+    said = [line for line in lines if "LoRA over a" in line]
+    assert len(said) == (1 if dtype == "bfloat16" else 0)
+    if said:
+        assert said[0].startswith("[train] LoRA over a bfloat16 base: the rollout engine serves the merged weights")
