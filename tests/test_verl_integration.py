@@ -99,6 +99,15 @@ def test_bad_inputs_refused():
                                  rollout_is_weights=torch.ones_like(logp))
     with pytest.raises(ValueError, match="pacs_label"):
         compute_policy_loss_pacs(old, logp, advantages * 0.5, mask, config=actor_config())
+    with pytest.raises(ValueError, match="use_v1=False"):  # the v1 trainer reorders whatever balance_batch says
+        check_whole_groups(["a", "b", "a", "b"])
+    # rejection sampling zeroes a whole response's mask: its label (1 here) would read as 0
+    rejected = mask.clone()
+    rejected[0] = False
+    for call in (lambda: pacs_label_advantage(token_rewards, rejected),
+                 lambda: compute_policy_loss_pacs(old, logp, advantages * rejected, rejected, config=actor_config())):
+        with pytest.raises(ValueError, match=r"responses \[0\] have an all-zero response_mask.*rollout_rs=null"):
+            call()
 
 
 # verl 0.9 imports ray, tensordict, hydra/omegaconf, codetiming and torchdata at package import

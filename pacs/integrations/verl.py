@@ -78,7 +78,9 @@ def check_whole_groups(index: Sequence) -> int:
     if len(set(ids[s] for s in starts)) != len(starts):
         raise ValueError(
             "PACS needs each group's responses contiguous in the batch, but a uid appears in separate runs "
-            "(trainer.balance_batch=True reorders responses across groups: set trainer.balance_batch=False)")
+            "(trainer.balance_batch=True reorders responses across groups: set trainer.balance_batch=False; "
+            "verl's v1 trainer, its default, reorders them whatever balance_batch says: set "
+            "trainer.use_v1=False)")
     if len(set(sizes)) != 1:
         raise ValueError(f"PACS needs groups of equal size, got group sizes {sorted(set(sizes))}")
     return sizes[0]
@@ -99,8 +101,20 @@ def pacs_label_advantage(token_level_rewards: torch.Tensor, response_mask: torch
             f"{sorted(set(labels[bad].tolist()))[:8]}")
     if index is not None:
         check_whole_groups(index)
+    check_no_empty_response(response_mask)
     advantages = labels[:, None] * response_mask.to(labels.dtype)
     return advantages, advantages
+
+
+def check_no_empty_response(response_mask: torch.Tensor) -> None:
+    """Every response keeps a token: its label rides on its tokens, so a response whose mask verl zeroed (the
+    rejection sampling of algorithm.rollout_correction drops whole responses) would read as label 0."""
+    empty = ~response_mask.bool().any(-1)
+    if bool(empty.any()):
+        raise ValueError(
+            f"responses {empty.nonzero().flatten()[:8].tolist()} have an all-zero response_mask (verl's "
+            "algorithm.rollout_correction rejection sampling drops whole responses): their 0/1 labels would be "
+            "lost and read as 0; PACS refuses rollout correction: set algorithm.rollout_correction.rollout_rs=null")
 
 
 def check_actor_config(config) -> int:
@@ -143,6 +157,7 @@ def compute_policy_loss_pacs(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
         raise ValueError("PACS cannot honour rollout importance-sampling weights (no per-token policy-gradient term "
                          "to weight): disable algorithm.rollout_correction")
     group_size = check_actor_config(config)
+    check_no_empty_response(response_mask)
     labels = labels_from_advantages(advantages, response_mask)
     loss, stats = pacs_loss(log_prob, old_log_prob, labels, response_mask, group_size=group_size, return_stats=True,
                             **pacs_options())
