@@ -110,6 +110,29 @@ def test_bad_inputs_refused():
             call()
 
 
+@pytest.mark.parametrize("as_mapping", [False, True])
+def test_bypass_mode_refused(as_mapping):
+    """algorithm.rollout_correction.bypass_mode=True: verl skips the actor's recompute of the old log-probs and
+    hands the loss the rollout engine's sampling log-probs as old_log_probs, so psi would not start at 0; nothing
+    in the batch shows it (no IS weights, no zeroed masks) and the ActorConfig does not carry it, so the advantage
+    estimator refuses it from the AlgoConfig verl's compute_advantage passes (attributes or a DictConfig-like
+    mapping)."""
+    _, _, mask, _, token_rewards = batch()
+
+    def algorithm(bypass_mode):
+        correction = dict(rollout_is=None, rollout_rs=None, bypass_mode=bypass_mode, loss_type="ppo_clip")
+        if as_mapping:
+            return {"adv_estimator": "pacs_label", "rollout_correction": correction}
+        return SimpleNamespace(adv_estimator="pacs_label", rollout_correction=SimpleNamespace(**correction))
+
+    index = np.repeat(np.arange(3), G)
+    with pytest.raises(ValueError, match=r"algorithm\.rollout_correction\.bypass_mode=True.*bypass_mode=false"):
+        pacs_label_advantage(token_rewards, mask, index=index, config=algorithm(True))
+    for config in (algorithm(False), None, SimpleNamespace(rollout_correction=None), {"rollout_correction": None}):
+        advantages, _ = pacs_label_advantage(token_rewards, mask, index=index, config=config)
+        assert advantages.shape == mask.shape
+
+
 # verl 0.9 imports ray, tensordict, hydra/omegaconf, codetiming and torchdata at package import
 VERL_MODULES = ("verl", "ray", "tensordict", "omegaconf", "hydra", "codetiming", "torchdata")
 verl_missing = any(importlib.util.find_spec(name) is None for name in VERL_MODULES)
@@ -120,7 +143,8 @@ verl_missing = any(importlib.util.find_spec(name) is None for name in VERL_MODUL
 def test_through_verl_hook_and_registries():
     """A fresh process with VERL_USE_EXTERNAL_MODULES=pacs.integrations.verl: verl imports the plugin;
     verl's registries return "pacs_label" (called with the arguments verl's compute_advantage passes,
-    uids from a DataProto) and "pacs" (called with a real ActorConfig); the loss equals the reference."""
+    uids from a DataProto; verl's AlgoConfig with bypass mode refused) and "pacs" (called with a real
+    ActorConfig); the loss equals the reference."""
     code = r"""
 import numpy as np, torch, verl
 from verl import DataProto
@@ -147,6 +171,20 @@ try:
     raise SystemExit("split groups were not refused")
 except ValueError as error:
     assert "balance_batch" in str(error)
+# bypass mode, in the AlgoConfig verl's compute_advantage passes: the dataclass and the trainer's DictConfig
+from dataclasses import asdict
+from omegaconf import OmegaConf
+from verl.trainer.config import AlgoConfig, RolloutCorrectionConfig
+bypass = AlgoConfig(adv_estimator="pacs_label", rollout_correction=RolloutCorrectionConfig.bypass_ppo_clip())
+for algorithm in (bypass, OmegaConf.create({"rollout_correction": asdict(bypass.rollout_correction)})):
+    try:
+        estimator(token_level_rewards=token_rewards, response_mask=mask, config=algorithm,
+                  index=data.non_tensor_batch["uid"])
+        raise SystemExit("bypass mode was not refused")
+    except ValueError as error:
+        assert "algorithm.rollout_correction.bypass_mode=True" in str(error)
+decoupled = AlgoConfig(adv_estimator="pacs_label", rollout_correction=RolloutCorrectionConfig())
+estimator(token_level_rewards=token_rewards, response_mask=mask, config=decoupled, index=data.non_tensor_batch["uid"])
 print("VERL_OK", verl.__version__)
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo_root(), os.environ.get("PYTHONPATH", "")]),

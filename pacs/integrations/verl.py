@@ -8,8 +8,11 @@ Importing this module registers two functions in verl's registries (``verl.train
 
 - advantage estimator ``"pacs_label"``: carries each response's 0/1 reward (the sum of its
   token-level rewards) to the loss as its "advantage", the same value on every response token;
-  it refuses rewards other than 0/1 and a batch whose groups (same ``uid``) are not whole and
-  contiguous (``trainer.balance_batch=True`` reorders responses and splits groups);
+  it refuses rewards other than 0/1, a batch whose groups (same ``uid``) are not whole and
+  contiguous (``trainer.balance_batch=True`` reorders responses and splits groups), and verl's
+  bypass mode (``algorithm.rollout_correction.bypass_mode=True``: the rollout engine's sampling
+  log-probs as the old log-probs, so the score would not start at 0; the policy loss cannot see
+  that setting, its ActorConfig does not carry it);
 - policy loss ``"pacs"``: ``pacs_kernels.pacs_loss`` on verl's log-probs (current and rollout-time)
   with the labels read back from the advantages; the group size is ``actor.rollout_n``. It refuses
   settings that split groups (dynamic batch sizes, a micro-batch that is not a multiple of the
@@ -99,11 +102,44 @@ def pacs_label_advantage(token_level_rewards: torch.Tensor, response_mask: torch
         raise ValueError(
             "PACS needs 0/1 rewards (a verifier's right/wrong), got response rewards "
             f"{sorted(set(labels[bad].tolist()))[:8]}")
+    if config is not None:
+        check_algorithm_config(config)
     if index is not None:
         check_whole_groups(index)
     check_no_empty_response(response_mask)
     advantages = labels[:, None] * response_mask.to(labels.dtype)
     return advantages, advantages
+
+
+def _setting(config, name: str, default=None):
+    """``config.name`` of a verl config: a dataclass (verl's BaseConfig, which also has ``get``), a DictConfig
+    or a plain mapping."""
+    get = getattr(config, "get", None)
+    if callable(get):
+        return get(name, default)
+    return getattr(config, name, default)
+
+
+def check_algorithm_config(config) -> None:
+    """The verl ``algorithm`` settings (the AlgoConfig verl's ``compute_advantage`` passes the advantage
+    estimator) PACS needs; ValueError otherwise.
+
+    ``algorithm.rollout_correction.bypass_mode=True`` makes verl skip the actor's recompute of the old
+    log-probs and use the rollout engine's sampling log-probs (vLLM/SGLang) as ``old_log_probs`` (verl 0.9.1:
+    ``apply_bypass_mode`` in ``trainer/ppo/rollout_corr_helper.py``, ``_compute_old_log_prob`` of the v1
+    trainer). PACS's score is ``beta * sum(log pi_theta - log pi_old)`` with pi_old the trained policy's own
+    forward at rollout time: with the engine's log-probs it does not start at 0 (different kernels and
+    precision), and nothing in the batch the loss receives shows it, nor does the actor's config, so it is
+    refused here, before the first update.
+    """
+    correction = _setting(config, "rollout_correction")
+    # verl's own test: ``rollout_corr_config and rollout_corr_config.get("bypass_mode", False)``
+    if correction and _setting(correction, "bypass_mode", False):
+        raise ValueError(
+            "PACS needs the old log-probs recomputed by the actor at rollout time (psi = beta * sum(log pi_theta "
+            "- log pi_old) must start at 0), but algorithm.rollout_correction.bypass_mode=True makes verl use the "
+            "rollout engine's sampling log-probs as old_log_probs: set algorithm.rollout_correction.bypass_mode="
+            "false (verl's one-step-off-policy and fully-async recipes set it to true)")
 
 
 def check_no_empty_response(response_mask: torch.Tensor) -> None:
