@@ -200,6 +200,22 @@ def test_sync_weights_changes_the_policy(tied):
     assert vllm_greedy(engine, PROMPTS, 10) == [[r] for r in old_responses]
 
 
+def test_an_incomplete_sync_is_refused_until_a_complete_one(tied):
+    engine, old_model, _ = tied
+    new_model = tiny_qwen2(seed=3, tie_word_embeddings=True)
+    assert hf_greedy(new_model, PROMPTS, 10) != hf_greedy(old_model, PROMPTS, 10)
+    # one layer's k_proj left out: vLLM would serve a q/k/v projection half new, half uninitialised
+    left_out = "model.layers.1.self_attn.k_proj.weight"
+    partial = [(name, p) for name, p in new_model.named_parameters() if name != left_out]
+    with pytest.raises(ValueError, match=r"1 of the model's \d+ weights were not given \(e.g. "
+                                         r"'model.layers.1.self_attn.k_proj.weight'\)"):
+        engine.sync_weights(partial)
+    with pytest.raises(RuntimeError, match="sync_weights failed half-way"):
+        vllm_greedy(engine, PROMPTS, 2)
+    engine.sync_weights(old_model.state_dict().items())  # a complete set: generation again
+    assert vllm_greedy(engine, PROMPTS, 10) == [[r] for r in hf_greedy(old_model, PROMPTS, 10)]
+
+
 def test_a_prefix_cache_vllm_keeps_after_a_sync_stops_the_engine(tied, monkeypatch):
     """vLLM answers False (blocks still in use) instead of dropping the prompt KV of the old weights: the sync
     raises and the engine refuses to generate until a sync succeeds (the answer was ignored)."""

@@ -79,6 +79,23 @@ def _head_dim(config: dict[str, Any]) -> int | None:
     return None
 
 
+def _expected_weight_names(model_dir: str) -> frozenset[str] | None:
+    """The parameter names of the model's Hugging Face class: what a sync must cover.
+
+    Built on the meta device from ``config.json`` (no memory, no weights read). None where
+    transformers cannot build the class (a model only vLLM knows): the sync then trusts its caller.
+    """
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:
+        return None
+    return frozenset(name for name, _ in model.named_parameters())
+
+
 def _strip_wrapper_prefixes(name: str) -> str:
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
@@ -197,6 +214,7 @@ class VLLMRolloutEngine:
         self.vocab_size = int(self._llm.llm_engine.model_config.get_vocab_size())
         # a tied LM head is the embedding: some of vLLM's models (Gemma 2) have no lm_head to load it into
         self._tied_head = bool(getattr(self._llm.llm_engine.model_config.hf_text_config, "tie_word_embeddings", False))
+        self._expected_names = _expected_weight_names(model_dir)
 
     # ------------------------------------------------------------------------------------------
     def generate(
@@ -285,10 +303,14 @@ class VLLMRolloutEngine:
                 dict of an FSDP2 model. Any dtype and device; tensors are copied (converted to
                 the engine's dtype), so the caller may free or change them afterwards. Names
                 may carry torch.compile / checkpointing wrapper prefixes, which are dropped.
-                Tied LM heads may be given or left out.
+                Tied LM heads may be given or left out. Every other parameter of the model must
+                be given: vLLM keeps its old values for layers left out and half-fills a fused
+                layer (q/k/v, gate/up) given in part, so an incomplete set raises ValueError and
+                the engine refuses to generate until a complete set is synced.
         """
         self._check_open()
         last: list[tuple[str, tuple[int, ...]]] = []  # the tensor vLLM was loading when it failed
+        given: set[str] = set()
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in named_tensors:
@@ -301,6 +323,7 @@ class VLLMRolloutEngine:
                 if self._tied_head and name == "lm_head.weight":
                     continue  # the embedding, loaded under its own name
                 last[:] = [(name, tuple(tensor.shape))]
+                given.add(name)
                 yield name, tensor.detach()
 
         try:
@@ -320,6 +343,16 @@ class VLLMRolloutEngine:
                 f"model ({type(error).__name__}: {error}); are these the Hugging Face names and "
                 f"shapes of the model the engine serves?"
             ) from error
+        tied_head = {"lm_head.weight"} if self._tied_head else set()
+        missing = sorted((self._expected_names or frozenset()) - given - tied_head)
+        if missing:
+            self._weights_stale = True
+            raise ValueError(
+                f"named_tensors: {len(missing)} of the model's {len(self._expected_names)} weights were not "
+                f"given (e.g. {', '.join(map(repr, missing[:3]))}); vLLM kept old values for the layers left out "
+                f"and half-filled fused layers given in part, so the engine refuses to generate until a complete "
+                f"set is synced (every parameter, e.g. the model's state_dict().items())"
+            )
         self._llm.collective_rpc(vllm_compat.refresh_tied_lm_head)
         if not self.on_gpu:
             self._llm.collective_rpc(vllm_compat.prepack_reloaded_cpu_experts)
