@@ -285,19 +285,25 @@ def full_named_tensors(policy: Policy) -> Iterator[tuple[str, torch.Tensor]]:
 def export_hf(policy: Policy, tokenizer, out_dir: str, dist_info: DistInfo | None = None) -> None:
     """Save the policy in Hugging Face format (config, safetensors, tokenizer); rank 0 writes.
 
-    Written to a temporary directory and renamed, so that a reader never sees half an export. Float32
-    master weights are written in the compute dtype (``model.dtype``), the dtype the model came in and
-    was served in.
+    Written to ``out_dir.tmp``, every file fsynced, then renamed into place (pacs/train/durable.py
+    ``replace_dir``: an existing export is moved aside to ``out_dir.replaced.tmp`` first and deleted after),
+    so that a reader never sees half an export and a kill at any moment leaves one at ``out_dir`` or, killed
+    between the two renames, one that the next export puts back first. Float32 master weights are written
+    in the compute dtype (``model.dtype``), the dtype the model came in and was served in.
     """
     import json
     import shutil
+
+    from pacs.train.durable import fsync_tree, recover_replaced, replace_dir
 
     dist_info = dist_info or DistInfo()
     dtype = policy.precision.compute
     state = {name: (t.to(dtype) if t.is_floating_point() else t).cpu() for name, t in full_named_tensors(policy)}
     if not dist_info.is_main:
         return
-    tmp = out_dir.rstrip("/") + ".tmp"
+    out_dir = os.path.normpath(out_dir)
+    tmp = out_dir + ".tmp"
+    recover_replaced(out_dir, _export_complete)  # an export killed between its renames: before tmp is removed
     shutil.rmtree(tmp, ignore_errors=True)
     policy.causal_lm.save_pretrained(tmp, state_dict=state)
     if policy.precision.mixed:  # save_pretrained records the parameters' (float32) dtype in the config
@@ -309,6 +315,23 @@ def export_hf(policy: Policy, tokenizer, out_dir: str, dist_info: DistInfo | Non
             json.dump(config, fh, indent=2, sort_keys=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
-    if os.path.isdir(out_dir):
-        shutil.rmtree(out_dir)
-    os.rename(tmp, out_dir)
+    fsync_tree(tmp)  # save_pretrained does not fsync: a power loss after the rename must not leave empty files
+    replace_dir(tmp, out_dir)
+
+
+def _export_complete(path: str) -> bool:
+    """Whether directory ``path`` holds a whole :func:`export_hf` export: a ``config.json`` and its weights
+    (every shard a ``*.index.json`` names, or one weights file)."""
+    import json
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return False
+    names = os.listdir(path)
+    for index in (name for name in names if name.endswith(".index.json")):
+        try:
+            with open(os.path.join(path, index)) as fh:
+                shards = set(json.load(fh)["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False
+        return all(os.path.isfile(os.path.join(path, shard)) for shard in shards)
+    return any(name.endswith((".safetensors", ".bin")) for name in names)

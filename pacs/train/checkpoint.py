@@ -9,7 +9,12 @@ Layout::
 How a checkpoint is written (:func:`save_checkpoint`): every file goes into ``step_X.tmp`` and is
 fsynced; then ``manifest.json`` (each file's size and SHA-256, and the step) is written and
 fsynced last; then the directory is renamed to ``step_X`` and its parent fsynced. A process killed
-at any moment therefore leaves either no ``step_X`` or one whose manifest verifies.
+at any moment therefore leaves either no ``step_X`` or one whose manifest verifies. A ``step_X`` that
+exists already (a resumed run writing the same step again) is first renamed to ``step_X.replaced.tmp``
+and deleted once the new one is in place (pacs/train/durable.py ``replace_dir``); a process killed
+between those two renames leaves no ``step_X``, and every scan (:func:`checkpoint_steps`) and the next
+write first put one back (:func:`recover_checkpoints`): the new ``step_X.tmp`` when its manifest
+verifies, else the old one. Only then are other ``*.tmp`` directories (unfinished writes) deleted.
 
 How one is chosen (:func:`find_checkpoint`): the ``step_*`` directories are ordered by step number
 (never by name) and the newest one whose manifest verifies wins; each newer one that failed is
@@ -37,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from pacs.model.policy import DistInfo
 from pacs.train.disk_space import NoSpaceLeft, is_disk_full, no_space_message, tensor_bytes
-from pacs.train.durable import fsync_dir
+from pacs.train.durable import REPLACED_SUFFIX, fsync_dir, recover_replaced, replace_dir
 from pacs.train.resume_check import check_model_matches
 from pacs.train.run_dir import CHECKPOINT_DIR, RunDir, checkpoint_name
 
@@ -116,6 +121,12 @@ def verify_checkpoint(path: str, checksums: bool = True) -> str | None:
     ``checksums=False`` skips the SHA-256 (reading every byte: a minute for a 7B model's optimizer
     state): for messages that only name the checkpoint, never for the one a resume loads.
     """
+    match = CHECKPOINT_DIR.fullmatch(os.path.basename(os.path.normpath(path)))
+    return _verify(path, None if match is None else int(match.group(1)), checksums)
+
+
+def _verify(path: str, dir_step: int | None, checksums: bool) -> str | None:
+    """:func:`verify_checkpoint` of a directory that holds step ``dir_step`` (None: not a checkpoint's name)."""
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
         return "no manifest.json (an unfinished or pre-manifest checkpoint)"
@@ -125,8 +136,7 @@ def verify_checkpoint(path: str, checksums: bool = True) -> str | None:
         files, step = manifest["files"], int(manifest["step"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"manifest.json is unreadable ({type(exc).__name__}: {exc})"
-    match = CHECKPOINT_DIR.fullmatch(os.path.basename(os.path.normpath(path)))
-    if match is None or int(match.group(1)) != step:
+    if dir_step != step:
         return f"manifest.json names step {step}, not this directory's"
     for required in ("state.json", "model.pt"):
         if required not in files:
@@ -147,11 +157,32 @@ def verify_checkpoint(path: str, checksums: bool = True) -> str | None:
 # finding checkpoints
 
 
+def recover_checkpoints(root: str) -> list[str]:
+    """Put back each ``step_X`` under ``root`` (a checkpoints directory) that a write killed between its two
+    renames left missing (module docstring): ``step_X.tmp`` when its manifest verifies (checksums too), else the
+    old ``step_X.replaced.tmp``. Returns the checkpoints put back. Any process may call it, several at once
+    (pacs/train/durable.py ``recover_replaced``: the first rename stands)."""
+    if not os.path.isdir(root):
+        return []
+    recovered = []
+    for name in sorted(os.listdir(root)):
+        base = name.removesuffix(REPLACED_SUFFIX)
+        match = CHECKPOINT_DIR.fullmatch(base) if base != name else None
+        if match is None:
+            continue
+        step, final = int(match.group(1)), os.path.join(root, base)
+        if recover_replaced(final, lambda tmp, step=step: _verify(tmp, step, checksums=True) is None):
+            recovered.append(final)
+    return recovered
+
+
 def checkpoint_steps(output_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of every ``step_N`` directory under ``OUTPUT_DIR/checkpoints``, by step number."""
+    """(step, path) of every ``step_N`` directory under ``OUTPUT_DIR/checkpoints``, by step number (after
+    :func:`recover_checkpoints`: a step whose replacement was killed between its renames is there)."""
     root = RunDir(output_dir).checkpoints
     if not os.path.isdir(root):
         return []
+    recover_checkpoints(root)
     found = []
     for name in os.listdir(root):
         match = CHECKPOINT_DIR.fullmatch(name)
@@ -229,7 +260,8 @@ def _write_checkpoint_files(root: str, step: int, write_files, dist_info: DistIn
     final, tmp = os.path.join(root, name), os.path.join(root, name + ".tmp")
     if dist_info.is_main:
         os.makedirs(root, exist_ok=True)
-        for leftover in os.listdir(root):  # unfinished writes of killed runs: never complete
+        recover_checkpoints(root)  # a step whose replacement was killed between its renames: put back first
+        for leftover in os.listdir(root):  # unfinished writes of killed runs, replaced checkpoints: never needed
             if leftover.endswith(".tmp") and os.path.isdir(os.path.join(root, leftover)):
                 shutil.rmtree(os.path.join(root, leftover), ignore_errors=True)
         os.makedirs(tmp)
@@ -238,14 +270,7 @@ def _write_checkpoint_files(root: str, step: int, write_files, dist_info: DistIn
     _barrier(dist_info)
     if dist_info.is_main:
         write_manifest(tmp, step)
-        if os.path.isdir(final):  # same step written before (a resumed run replacing it)
-            replaced = final + ".replaced.tmp"
-            os.rename(final, replaced)
-            os.rename(tmp, final)
-            shutil.rmtree(replaced, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        fsync_dir(root)
+        replace_dir(tmp, final)  # an existing step_X (a resumed run writing it again) moved aside first; fsynced
         pointer = os.path.join(root, "latest")
         try:
             _write_durably(pointer + ".tmp", lambda fh: fh.write(name.encode()))
