@@ -78,6 +78,9 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # vLLM's share of the GPU (the built-in tasks: 0.3)
     kv_cache_gib: float = 1.0       # vLLM on a CPU: the KV cache it reserves up front
     enforce_eager: bool = True      # vLLM without CUDA graphs / torch.compile (faster start, slower decode)
+    # the engine's weights: auto (model.dtype's) | float32 | bfloat16 | float16. float32 under LoRA over a 16-bit
+    # base: the merged weights unrounded, so small adapter changes reach the rollouts (twice the engine's weights)
+    dtype: str = "auto"
 
 
 @dataclass
@@ -193,7 +196,7 @@ ADVANCED_KEYS = (
     "task.digits", "task.reverse", "task.word_steps", "task.cache_dir", "task.hidden_size", "task.num_layers",
     "task.num_heads", "task.intermediate_size", "task.warmup_steps", "task.warmup_target_accuracy",
     "task.warmup_batch_size", "task.warmup_lr",
-    "rollout.top_p", "rollout.kv_cache_gib", "rollout.enforce_eager",
+    "rollout.top_p", "rollout.kv_cache_gib", "rollout.enforce_eager", "rollout.dtype",
     "optim.weight_decay", "optim.betas", "optim.lr_warmup_steps", "optim.micro_batch_responses",
     "optim.max_grad_norm", "optim.score", "optim.advantage", "optim.weighting", "optim.score_function_term",
     "optim.ref_reset_every", "optim.drop_single_label_groups", "optim.clip_eps", "optim.aggregation",
@@ -450,6 +453,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _choice("rollout.engine (--rollout)", r.engine, ("auto", "vllm", "hf"))
     _choice("task.name", t.name, ("embedded", "wordmath", "math"))
     _choice("model.dtype", cfg.model.dtype, ("auto", "float32", "bfloat16", "float16"))
+    _choice("advanced.rollout.dtype", cfg.rollout.dtype, ("auto", "float32", "bfloat16", "float16"))
     _choice("optim.master_dtype", cfg.optim.master_dtype, ("float32", "bfloat16", "float16"))
     _positive("model.lora.rank", cfg.model.lora.rank, allow_zero=True)
     _positive("model.lora.alpha", cfg.model.lora.alpha)

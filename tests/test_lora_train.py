@@ -193,19 +193,47 @@ def test_lora_on_two_fsdp2_ranks_matches_one_process(tmp_path):
     assert close(ranks[0]["final"], one["final"])
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_a_lora_run_over_a_16_bit_base_says_rollouts_lag_by_the_merge_rounding(model_dir, dtype):
+@pytest.mark.parametrize("dtype, rollout_dtype", [("bfloat16", "auto"), ("float32", "auto"), ("bfloat16", "float32")])
+def test_a_lora_run_over_a_16_bit_base_says_rollouts_lag_by_the_merge_rounding(model_dir, dtype, rollout_dtype):
     """The engine serves bf16(W + s B A): small adapter changes round away there while the trainer's forward
-    keeps them, so the run says so once (docs/mixed-precision.md); a float32 base merges exactly."""
+    keeps them, so the run says so once (docs/mixed-precision.md); a float32 base merges exactly, and a float32
+    engine (advanced.rollout.dtype) serves the merge unrounded."""
     from pacs.model.policy import DistInfo
     from pacs.train.run_setup import Run
     from pacs.train.trainer import load_training_policy
 
-    cfg = load_config(None, [*LORA, f"model.dtype={dtype}"])
+    cfg = load_config(None, [*LORA, f"model.dtype={dtype}", f"advanced.rollout.dtype={rollout_dtype}"])
     cfg.model.path = model_dir
     lines = []
     load_training_policy(cfg, Run(cfg, model_dir, None, None, 0, [2]), DistInfo(), lines.append)
     said = [line for line in lines if "LoRA over a" in line]
-    assert len(said) == (1 if dtype == "bfloat16" else 0)
+    assert len(said) == (1 if (dtype, rollout_dtype) == ("bfloat16", "auto") else 0)
     if said:
         assert said[0].startswith("[train] LoRA over a bfloat16 base: the rollout engine serves the merged weights")
+        assert said[0].endswith("advanced.rollout.dtype=float32 serves them unrounded (docs/mixed-precision.md)")
+
+
+def test_a_float32_engine_serves_small_adapter_changes_that_bfloat16_rounds_away(model_dir):
+    from pacs.rollout import make_rollout_engine
+    from pacs.train.run_setup import engine_options
+
+    policy = load_policy(model_dir, dtype="bfloat16", lora=lora())
+    with torch.no_grad():  # a few steps' worth of adapter change, below most of the base's bfloat16 half-ulps
+        for name, p in policy.named_parameters():
+            if ".lora_B." in name:
+                p.fill_(1e-5)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    base = policy.causal_lm.state_dict()["model.layers.0.self_attn.q_proj.base_layer.weight"]
+    merged = dict(full_named_tensors(policy))
+    assert base.dtype == torch.bfloat16 and merged[name].dtype == torch.float32
+    assert (merged[name] != base.float()).float().mean() > 0.99  # the merge moved (nearly) every weight
+    assert (merged[name].to(torch.bfloat16) == base).float().mean() > 0.9  # bfloat16 serving drops most of it
+
+    cfg = load_config(None, [*LORA, "model.dtype=bfloat16", "rollout.engine=hf"])
+    assert engine_options(cfg, model_dir, 0)["dtype"] == "bfloat16"
+    cfg = load_config(None, [*LORA, "model.dtype=bfloat16", "rollout.engine=hf", "advanced.rollout.dtype=float32"])
+    engine = make_rollout_engine(**engine_options(cfg, model_dir, 0))
+    engine.sync_weights(merged.items())
+    assert torch.equal(dict(engine.model.named_parameters())[name], merged[name])  # unrounded
+    with pytest.raises(ValueError, match="advanced.rollout.dtype"):
+        validate(load_config(None, ["advanced.rollout.dtype=fp8"]))

@@ -266,3 +266,21 @@ def load_model_shape_raw(name):
 
     with open(os.path.join(REPO, "configs", "presets", "models", name, "config.json")) as fh:
         return json.load(fh)
+
+
+def test_a_float32_engine_leaves_vllm_less_kv_cache():
+    """advanced.rollout.dtype=float32 (LoRA over a bfloat16 base): vLLM's weights and KV cache take 4 bytes."""
+    from pacs.train.memory_plan import kv_cache_tokens
+
+    inp = PlanInputs(model=load_model_shape("qwen2.5-1.5b"), gpu_gib=80, gpu_memory_utilization=0.3)
+    m, share = inp.model, 0.3 * 80 * GiB
+    per_token = m.layers * 2 * m.kv_heads * m.head_dim
+    assert kv_cache_tokens(inp) == int((share - 2 * m.params) // (2 * per_token))
+    assert kv_cache_tokens(replace(inp, engine_dtype="float32")) == int((share - 4 * m.params) // (4 * per_token))
+    with pytest.raises(ValueError, match="engine_dtype must be None, bfloat16, float16 or float32"):
+        replace(inp, engine_dtype="fp8").check()
+    cfg = load_config(None, ["advanced.rollout.dtype=float32", "model.lora.rank=8"])
+    validate(cfg)
+    from pacs.train.memory_plan import plan_for_config
+
+    assert plan_for_config(cfg, m, gpu_gib=80).inputs.engine_dtype == "float32"

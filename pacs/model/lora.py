@@ -75,7 +75,9 @@ def merged_named_tensors(causal_lm: nn.Module, state: dict[str, torch.Tensor], f
         tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) of the model with its adapters merged, from its ``state`` (a state dict);
     ``full`` turns one state tensor into a full local tensor (an all-gather under FSDP2), called one tensor
-    at a time and by every rank in the same order. Each merged weight keeps the base weight's dtype."""
+    at a time and by every rank in the same order. Each merged weight is at least float32 (a bfloat16 base
+    would round small adapter changes away): the engine converts it to the dtype it serves
+    (``rollout.dtype``), the export to the compute dtype; every other tensor keeps its dtype."""
     scaling = {name: module.scaling[ADAPTER] for name, module in causal_lm.named_modules()
                if hasattr(module, "lora_A")}
     for key, tensor in state.items():
@@ -87,7 +89,8 @@ def merged_named_tensors(causal_lm: nn.Module, state: dict[str, torch.Tensor], f
         layer, _, leaf = key.partition(".base_layer.")
         base = full(tensor)
         if leaf == "weight":
-            a = full(state[f"{layer}.lora_A.{ADAPTER}.weight"]).float()
-            b = full(state[f"{layer}.lora_B.{ADAPTER}.weight"]).float()
-            base = (base.float() + scaling[layer] * (b @ a)).to(base.dtype)
+            a = full(state[f"{layer}.lora_A.{ADAPTER}.weight"])
+            b = full(state[f"{layer}.lora_B.{ADAPTER}.weight"])
+            dtype = torch.promote_types(base.dtype, torch.float32)
+            base = base.to(dtype) + scaling[layer] * (b.to(dtype) @ a.to(dtype))
         yield f"{layer}.{leaf}", base

@@ -183,6 +183,7 @@ class PlanInputs:
     compute_dtype: str = "bfloat16"  # bfloat16 | float32
     master_dtype: str = "float32"
     gpu_memory_utilization: float = 0.3  # vLLM's share, held during training; 0: no colocated engine
+    engine_dtype: str | None = None  # the engine's weights (rollout.dtype); None: the compute dtype
     device: str = "cuda"  # cuda | cpu (the CPU: host memory is device memory; offload moves nothing)
 
     def check(self) -> None:
@@ -196,6 +197,8 @@ class PlanInputs:
             raise ValueError(f"--lora-rank must be a positive integer, got {self.lora_rank}")
         if not 0 <= self.gpu_memory_utilization < 1:
             raise ValueError(f"--gpu-memory-utilization must be in [0, 1), got {self.gpu_memory_utilization}")
+        if self.engine_dtype not in (None, "bfloat16", "float16", "float32"):
+            raise ValueError(f"engine_dtype must be None, bfloat16, float16 or float32, got {self.engine_dtype!r}")
         for name in ("compute_dtype", "master_dtype"):
             if getattr(self, name) not in ("bfloat16", "float32"):
                 raise ValueError(f"--{name.replace('_', '-')} must be bfloat16 or float32, got {getattr(self, name)!r}")
@@ -432,12 +435,12 @@ def what_would_fit(inp: PlanInputs) -> list[str]:
 
 
 def kv_cache_tokens(inp: PlanInputs) -> int | None:
-    """Tokens vLLM's KV cache holds in its share of the GPU after its own copy of the weights (compute
-    dtype); None without a colocated engine."""
+    """Tokens vLLM's KV cache holds in its share of the GPU after its own copy of the weights (its dtype,
+    the compute dtype unless ``engine_dtype``); None without a colocated engine."""
     if inp.device != "cuda" or inp.gpu_memory_utilization <= 0:
         return None
     m = inp.model
-    compute = 2 if inp.compute_dtype == "bfloat16" else 4
+    compute = 4 if (inp.engine_dtype or inp.compute_dtype) == "float32" else 2
     per_token = m.layers * 2 * m.kv_heads * m.head_dim * compute
     free = inp.gpu_memory_utilization * inp.gpu_gib * GiB - m.params * compute
     return max(0, int(free // per_token))
@@ -458,7 +461,8 @@ def plan_for_config(cfg, model: ModelShape, gpu_gib: float, gpus: int = 1, lora_
                      response_len=r.max_new_tokens, group_size=r.group_size, prompts_per_step=r.prompts_per_step,
                      micro_batch_groups=micro_batch_groups(cfg), lora_rank=lora_rank,
                      **({"lora_targets": tuple(lora_targets)} if lora_targets else {}), compute_dtype=compute,
-                     master_dtype=cfg.optim.master_dtype, gpu_memory_utilization=engine_share, device=device)
+                     master_dtype=cfg.optim.master_dtype, gpu_memory_utilization=engine_share, device=device,
+                     engine_dtype=None if r.dtype == "auto" else r.dtype)
     levers = Levers(gradient_checkpointing=cfg.model.gradient_checkpointing, tiled_mlp=tr.tiled_mlp,
                     offload_activations=tr.offload_activations, packing=tr.packing is not False,
                     max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch, loss_chunk_mib=tr.loss_chunk_mib,

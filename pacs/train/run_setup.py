@@ -122,8 +122,9 @@ def engine_options(cfg: Config, model_dir: str, seed: int, log=print) -> dict:
     """Keyword arguments of :func:`pacs.rollout.make_rollout_engine` for this run."""
     r = cfg.rollout
     return dict(kind=r.engine, model_dir=model_dir, max_model_len=r.max_prompt_len + r.max_new_tokens, seed=seed,
-                dtype=cfg.model.dtype, log=log, gpu_memory_utilization=r.gpu_memory_utilization,
-                kv_cache_gib=r.kv_cache_gib, enforce_eager=r.enforce_eager)
+                dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype, log=log,
+                gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gib=r.kv_cache_gib,
+                enforce_eager=r.enforce_eager)
 
 
 def apply_torch_threads(cfg: Config, device: torch.device) -> None:

@@ -721,10 +721,11 @@ def load_training_policy(cfg: Config, run: Run, dist_info: DistInfo, say) -> tup
     if policy.precision.steps_16_bit_weights:  # asked for by name (optim.master_dtype): say what it costs
         say(rounding_warning(share_frozen_by_rounding(policy.parameters(), o.lr), o.lr, policy.precision.master,
                              f"optim.master_dtype={o.master_dtype}"))
-    if cfg.model.lora.rank and policy.precision.compute.itemsize < 4:  # docs/mixed-precision.md
+    if cfg.model.lora.rank and policy.precision.compute.itemsize < 4 and cfg.rollout.dtype != "float32":
         say(f"[train] LoRA over a {str(policy.precision.compute).removeprefix('torch.')} base: the rollout engine "
             "serves the merged weights rounded to it, where small adapter changes round away, so rollouts lag "
-            "the trained policy by that rounding (the loss's log-probs are the trainer's own)")
+            "the trained policy by that rounding (the loss's log-probs are the trainer's own); "
+            "advanced.rollout.dtype=float32 serves them unrounded (docs/mixed-precision.md)")
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=o.lr, betas=tuple(o.betas),
                                   weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, cfg.max_steps * o.mini_batches_per_step))
