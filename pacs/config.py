@@ -112,7 +112,7 @@ class OptimConfig:
     drop_single_label_groups: bool = False
     # GRPO baseline
     clip_eps: float = 0.2           # the ratio is clipped to [1 - clip_eps, 1 + clip_eps]
-    aggregation: str = "token_mean"  # token_mean (per micro-batch, weighed by its rows) | seq_mean (of response means)
+    aggregation: str = "token_mean"  # token_mean (over the mini-batch's tokens) | seq_mean (of response means)
     logprob_backend: str = "auto"   # the log-prob kernels: auto | triton | torch | naive (logits materialized)
     # PACS only: on the first mini-batch after each rollout (weights unchanged since the old-policy
     # pass), get loss and gradients in one vocabulary sweep (fused_linear_pacs_loss(old_lse=...))

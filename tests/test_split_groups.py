@@ -5,7 +5,7 @@ on the first mini-batch after a rollout (log-probs from the old-policy pass) and
 
 import pytest
 import torch
-from test_packing import GROUP, config, random_batch, tiny_policy
+from test_packing import GROUP, config, loss_and_grads, random_batch, tiny_policy
 
 from pacs.model.packing import is_part_of_a_group, plan_micro_batches, split_to_count
 from pacs.model.policy import DistInfo
@@ -92,11 +92,9 @@ def test_a_split_group_trains_like_the_whole_group(algo, packed):
     # a budget of the longest row: every group (3 rows) is cut into parts; two mini-batches, so the
     # second runs after an optimizer step (its parts need the no-grad pass first)
     budget = width if not packed else max(lengths)
-    # PACS's mini-batch loss does not depend on how it is cut into micro-batches; GRPO's token mean is
-    # taken per micro-batch, so its whole-group run has one group per micro-batch, like a split group
-    groups_per_micro = 2 if algo == "pacs" else 1
+    # neither PACS's mini-batch loss nor GRPO's token mean depends on how it is cut into micro-batches
     common = [f"optim.algo={algo}", "rollout.prompts_per_step=4", "optim.mini_batches_per_step=2",
-              f"optim.micro_batch_groups={groups_per_micro}", f"train.packing={str(packed).lower()}",
+              "optim.micro_batch_groups=2", f"train.packing={str(packed).lower()}",
               "rollout.temperature=0.9"]
     whole_policy, whole = one_update(config(*common), batch, packed)
     split_policy, split = one_update(config(*common, f"train.max_tokens_per_micro_batch={budget}"), batch, packed)
@@ -108,6 +106,28 @@ def test_a_split_group_trains_like_the_whole_group(algo, packed):
     assert split.grad_norms[1] == pytest.approx(whole.grad_norms[1], rel=1e-5)
     for (name, a), (_, b) in zip(whole_policy.named_parameters(), split_policy.named_parameters()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_grpo_token_mean_is_one_mean_over_the_mini_batch_however_it_is_cut(packed):
+    """GRPO's token mean (TRL's, DAPO's): the mini-batch's token terms summed over its token count, whatever its
+    micro-batches, token budget or groups in parts: the update is that one loss's gradient."""
+    batch = random_batch(33, n_groups=4)
+    n, width = batch.input_ids.shape
+    common = ["optim.algo=grpo", "rollout.prompts_per_step=4", "optim.mini_batches_per_step=1",
+              f"train.packing={str(packed).lower()}", "advanced.optim.max_grad_norm=1e9", "rollout.temperature=0.9"]
+    policy = tiny_policy(5)
+    old_logp, _, _ = old_policy_logprobs(policy, batch, [(0, n)], 0.9, "torch", packed=packed)
+    _, grads, _ = loss_and_grads(policy, batch, old_logp, packed, config(*common))  # one micro-batch: the reference
+    initial = {name: p.detach().clone() for name, p in policy.named_parameters()}
+    budget = width if not packed else max(batch.attention_mask.sum(1).tolist())
+    for cut in (["optim.micro_batch_groups=1"], ["optim.micro_batch_groups=3"],
+                ["optim.micro_batch_groups=2", f"train.max_tokens_per_micro_batch={budget}"]):
+        trained, update = one_update(config(*common, *cut), batch, packed)
+        assert len(update.losses) > 1
+        for name, p in trained.named_parameters():  # SGD at lr 0.5: the step is half the gradient
+            torch.testing.assert_close((initial[name] - p.detach()) / 0.5, grads[name], rtol=1e-5, atol=1e-6,
+                                       msg=f"{cut}: {name}")
 
 
 @pytest.mark.slow

@@ -57,6 +57,25 @@ def test_two_cpu_ranks_stay_in_sync_and_match_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_grpo_on_two_cpu_ranks_takes_one_token_mean_like_one_process(tmp_path):
+    """GRPO's token mean is over the tokens of every rank's share of the mini-batch (responses of different
+    lengths on the two ranks): 2 ranks train what 1 process does."""
+    cache = tmp_path / "cache"
+    # one micro-batch: all 4 groups in one process, each rank's 2 on two ranks; responses of 3 to 6 tokens
+    grpo = ("optim.algo=grpo", "rollout.max_new_tokens=6")
+    run_worker(tmp_path / "one", cache, 1, *grpo, "optim.micro_batch_groups=4")
+    run_worker(tmp_path / "two", cache, 2, *grpo, "optim.micro_batch_groups=2")
+    one = json.loads((tmp_path / "one" / "sync_rank0.json").read_text())
+    ranks = [json.loads((tmp_path / "two" / f"sync_rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["final"] == ranks[1]["final"] and ranks[0]["pushes"][0] != ranks[0]["pushes"][1]
+    for pushed_two, pushed_one in zip(ranks[0]["pushes"], one["pushes"]):
+        assert close(pushed_two, pushed_one)
+    assert close(ranks[0]["final"], one["final"])
+    assert ranks[0]["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-4)
+    assert one["metrics"]["response_length"] > 3  # the ranks' shares hold different numbers of tokens
+
+
+@pytest.mark.slow
 def test_two_cpu_ranks_resume_from_a_sharded_checkpoint(tmp_path):
     """A 2-rank run checkpointed at step 2 and resumed (2 ranks) to step 3 ends where one
     uninterrupted process does after 3 steps."""

@@ -287,11 +287,11 @@ def evaluate_policy(cfg: Config, engine, run: Run, dist_info: DistInfo, step: in
 @dataclass
 class UpdateResult:
     """What one rollout step's updates produced: every micro-batch loss and how many groups it held
-    (a part of a group: its share), the grad norm of each update that was applied, the mean of each loss
-    statistic over the micro-batches that ran where it is defined, and the last mini-batch's mean loss
-    per group (what the progress bar shows: the first mini-batch after a rollout always reads ln 2 for
-    PACS, as the policy still equals the old one). Groups not run (a gradient of exactly 0) count in the
-    loss at their value, one group each."""
+    (a part of a group: its share; GRPO's token mean: times their tokens per response), the grad norm of
+    each update that was applied, the mean of each loss statistic over the micro-batches that ran where
+    it is defined, and the last mini-batch's mean loss per group (what the progress bar shows: the first
+    mini-batch after a rollout always reads ln 2 for PACS, as the policy still equals the old one). Groups
+    not run (a gradient of exactly 0) count in the loss at their value, one group each."""
 
     losses: list[float]
     loss_groups: list[float]
@@ -346,23 +346,28 @@ class UpdateData:
 class MiniBatch:
     """One mini-batch's plan: its micro-batches (row ranges, the same count on every rank), the log-prob
     gradients of its groups that run in parts (None: no token budget, no parts), the loss values of its groups
-    not run (a gradient of exactly 0), and ``first_step``: PACS on weights still the rollout's (every psi 0)."""
+    not run (a gradient of exactly 0), ``first_step``: PACS on weights still the rollout's (every psi 0), and
+    ``tokens``: the GRPO token mean's denominator, the response tokens of the mini-batch on every data rank
+    (None: the loss is a mean over responses)."""
 
     micro_batches: list[tuple[int, int]]
     split: GroupGradients | None
     skipped_losses: list[float]
     first_step: bool
+    tokens: int | None = None
 
 
 @dataclass
 class MicroBatchLoss:
     """One micro-batch's loss: what its backward runs on (the loss, or a surrogate whose gradient is the loss's),
-    the loss value, the rows its mean is over (a part of a group: the whole group's) and its statistics."""
+    the loss value, the rows its mean is over (a part of a group: the whole group's), their response tokens and
+    its statistics."""
 
     to_backward: torch.Tensor
     value: float
     rows: int
     stats: dict[str, float]
+    tokens: int = 0
 
 
 class LossStatistics:
@@ -424,7 +429,29 @@ def plan_mini_batch(cfg: Config, policy, data: UpdateData, mini: int, dist_info:
         split = split_group_gradients(cfg, policy, data, micro_batches, dist_info, first_mini_batch=mini == 0)
     # one vocabulary sweep needs every psi to be 0 on the first mini-batch: reference = current weights
     first_step = mini == 0 and o.algo == "pacs" and o.one_sweep_first_step and data.rollout_logp is None
-    return MiniBatch(micro_batches, split, skipped, first_step)
+    tokens = None
+    if o.algo == "grpo" and o.aggregation == "token_mean":  # one token mean over the whole mini-batch
+        tokens = mini_batch_tokens(data.batch.mask[first:first + rows_per_mini], dist_info)
+    return MiniBatch(micro_batches, split, skipped, first_step, tokens)
+
+
+def mini_batch_tokens(mask: torch.Tensor, dist_info: DistInfo) -> int:
+    """The response tokens of a mini-batch whose rows on this rank hold ``mask``, on every data rank (the ranks of
+    a sequence-parallel group hold the same rows)."""
+    tokens = torch.tensor([int(mask.sum())], dtype=torch.int64, device=dist_info.device)
+    if dist_info.world_size > 1:
+        dist.all_reduce(tokens)
+    return int(tokens) // dist_info.sp_size
+
+
+def loss_scale(loss: MicroBatchLoss, mini: MiniBatch, rows_per_mini: int, dist_info: DistInfo) -> float:
+    """What a micro-batch's loss is multiplied by before its backward, so that the gradients add up to the
+    mini-batch loss's: a mean over rows weighs its rows' share of the mini-batch; GRPO's token mean its tokens'
+    share of every data rank's (FSDP averages gradients over the ranks: times their number). A
+    sequence-parallel group's ranks each hold a part of a micro-batch: times the group's size."""
+    if mini.tokens is None:
+        return dist_info.sp_size * loss.rows / rows_per_mini
+    return dist_info.world_size * loss.tokens / max(mini.tokens, 1)
 
 
 def mini_batch_rows(cfg: Config, dist_info: DistInfo) -> int:
@@ -441,7 +468,10 @@ def micro_batch_loss(cfg: Config, policy, data: UpdateData, mini: MiniBatch, lo:
     # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
     lse = to_layout(part, lo, data.old_lse) if mini.first_step and piece is None else None
     loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, data.old_logp), lse, piece)
-    return MicroBatchLoss(loss, float(loss.detach()), rows, stats)
+    group = cfg.rollout.group_size
+    first = lo - lo % group if is_part_of_a_group(lo, hi, group) else lo  # a part of a group: the whole group's
+    tokens = int(data.batch.mask[first:first + rows].sum())
+    return MicroBatchLoss(loss, float(loss.detach()), rows, stats, tokens)
 
 
 def losses_at_zero(cfg: Config, batch: Batch, groups_run: list[int] | None) -> list[float] | None:
@@ -520,11 +550,10 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
         for lo, hi in mini.micro_batches:
             with activation_offload(cfg.train.offload_activations, dist_info.device):
                 loss = micro_batch_loss(cfg, policy, data, mini, lo, hi, dist_info.sp)
-                # a mean over its rows, weighed by their share of the mini-batch; FSDP averages over every rank,
-                # but a sequence-parallel group's ranks each hold a part of it: times the group's size
-                (loss.to_backward * (float(dist_info.sp_size) * loss.rows / rows_per_mini)).backward()
+                (loss.to_backward * loss_scale(loss, mini, rows_per_mini, dist_info)).backward()
             update.losses.append(loss.value)
-            update.loss_groups.append((hi - lo) / group)
+            # its weight in the step's loss: the groups it held (a part: its share); a token mean: their tokens
+            update.loss_groups.append((hi - lo) / group * (1.0 if mini.tokens is None else loss.tokens / loss.rows))
             statistics.add(loss.stats)
         here = slice(len(update.losses) - len(mini.micro_batches), None)  # this mini-batch's micro-batches
         update.last_loss = weighted_mean(update.losses[here] + mini.skipped_losses,
