@@ -14,6 +14,7 @@ import signal
 import torch
 
 from pacs.train import checkpoint as ck
+from pacs.train import durable
 from pacs.train.metrics import MetricsLog
 
 SHAPE = (256, 1024)
@@ -23,9 +24,10 @@ KEEP = 2
 def die_on_call(name: str, call: int, when: str) -> None:
     """SIGKILL this process on the ``call``-th call of ``name`` (a pacs.train.checkpoint function, or
     ``os.rename`` / ``os.replace`` / ``rmtree``), ``before`` or ``after`` the call itself."""
-    owner, attr = {"rename": (os, "rename"), "replace": (os, "replace"),
-                   "rmtree": (ck.shutil, "rmtree")}.get(name, (ck, name))
-    original = getattr(owner, attr)
+    owners = {"rename": [(os, "rename")], "replace": [(os, "replace")], "rmtree": [(ck.shutil, "rmtree")],
+              # called by the checkpoint module and by pacs.train.durable's replace_dir: one count over both
+              "fsync_dir": [(ck, "fsync_dir"), (durable, "fsync_dir")]}.get(name, [(ck, name)])
+    original = getattr(*owners[0])
     calls = {"n": 0}
 
     def wrapped(*args, **kwargs):
@@ -37,7 +39,8 @@ def die_on_call(name: str, call: int, when: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return result
 
-    setattr(owner, attr, wrapped)
+    for owner, attr in owners:
+        setattr(owner, attr, wrapped)
 
 
 def run(out: str, steps: int, die_at: tuple[str, int, str] | None = None, ready=None) -> None:
