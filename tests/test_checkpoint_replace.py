@@ -19,7 +19,8 @@ import transformers
 
 import pacs.train.checkpoint as ck
 import pacs.train.durable as durable
-from pacs.model.policy import _export_complete, export_hf, load_policy
+from pacs.model.policy import load_policy
+from pacs.train.export import export_hf, is_complete_export, recover_export
 
 
 class Killed(BaseException):
@@ -202,7 +203,7 @@ def test_a_kill_between_the_renames_of_an_export_is_recovered(tmp_path, monkeypa
             export_hf(policy, None, out)
     # the previous export was moved aside, not deleted; the new one is complete
     assert sorted(os.listdir(tmp_path)) == ["final_model.replaced.tmp", "final_model.tmp", "model"]
-    assert durable.recover_replaced(out, _export_complete)
+    assert durable.recover_replaced(out, is_complete_export)
     torch.testing.assert_close(exported_weight(out), first + 1.0)
 
     # killed again; the new one is damaged this time: the previous export comes back
@@ -211,7 +212,7 @@ def test_a_kill_between_the_renames_of_an_export_is_recovered(tmp_path, monkeypa
         with pytest.raises(Killed):
             export_hf(policy, None, out)
     os.remove(os.path.join(out + ".tmp", "config.json"))
-    assert durable.recover_replaced(out, _export_complete)
+    assert recover_export(out) and not recover_export(out)
     torch.testing.assert_close(exported_weight(out), first + 1.0)
 
     # a kill, then the next export (a resumed run's): it recovers first and leaves one export, nothing aside
@@ -224,6 +225,25 @@ def test_a_kill_between_the_renames_of_an_export_is_recovered(tmp_path, monkeypa
     export_hf(policy, None, out + "/")
     assert sorted(os.listdir(tmp_path)) == ["final_model", "model"]
     torch.testing.assert_close(exported_weight(out), first + 2.0)
+
+
+def test_a_reader_of_an_export_killed_between_its_renames_puts_it_back(tmp_path, monkeypatch, policy):
+    """pacs eval / pacs train --model final_model right after a kill: the export is put back before it is read."""
+    from pacs.config import load_config
+    from pacs.train.run_setup import check_config
+
+    out = str(tmp_path / "final_model")
+    export_hf(policy, None, out)
+    with torch.no_grad():
+        policy.causal_lm.get_input_embeddings().weight.add_(1.0)
+    with monkeypatch.context() as patch:
+        die_at_rename_into(patch, out)
+        with pytest.raises(Killed):
+            export_hf(policy, None, out)
+    assert not os.path.exists(out)
+    check_config(load_config(None, [f"model.path={out}", "rollout.engine=hf", "rollout.max_prompt_len=8",
+                                    "rollout.max_new_tokens=8"]))
+    torch.testing.assert_close(exported_weight(out), policy.causal_lm.get_input_embeddings().weight.detach())
 
 
 def test_every_exported_file_is_fsynced_before_the_export_is_renamed_into_place(tmp_path, monkeypatch, policy):

@@ -13,7 +13,8 @@ from trainer_helpers import repo_root, run_torchrun
 
 from pacs.config import load_config, validate
 from pacs.model.mixed_precision import Precision, half_ulp, resolve_precision, share_frozen_by_rounding
-from pacs.model.policy import export_hf, load_policy
+from pacs.model.policy import load_policy
+from pacs.train.export import export_hf
 from pacs.train.weight_updates import UpdateMonitor
 
 

@@ -26,6 +26,7 @@ from pacs.rollout.stop_tokens import stop_token_ids
 from pacs.tasks import Task, make_task
 from pacs.tasks.embedded import build_tokenizer, prepare_embedded_model
 from pacs.tasks.embedded import model_config as embedded_config
+from pacs.train.export import recover_export
 from pacs.train.prompt_lengths import fit_prompt_length
 
 
@@ -47,11 +48,13 @@ class Run:
 
 def check_config(cfg: Config, world_size: int = 1) -> None:
     """Checks that need no model: settings, vLLM when asked for, the model directory's config and
-    weights and its positions (a local or hub model; the embedded one is checked once built)."""
+    weights and its positions (a local or hub model; the embedded one is checked once built). A model
+    directory that an export killed between its renames left missing is put back first (pacs/train/export.py)."""
     validate(cfg, world_size)
     if cfg.rollout.engine == "vllm":
         check_vllm_available()
     if cfg.model.path != "embedded":
+        recover_export(cfg.model.path)
         model_config = check_model_path(cfg.model.path, cfg.model.trust_remote_code)
     else:  # built later, from the task's settings
         model_config = embedded_config(cfg.task, len(build_tokenizer()))

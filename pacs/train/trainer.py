@@ -42,7 +42,7 @@ from pacs.model.packing import (
     same_count_on_every_rank,
     to_layout,
 )
-from pacs.model.policy import DistInfo, check_model_path, export_hf, full_named_tensors, load_policy, setup_distributed
+from pacs.model.policy import DistInfo, check_model_path, full_named_tensors, load_policy, setup_distributed
 from pacs.model.reference_policy import ReferenceSnapshot, is_reset_step
 from pacs.model.sequence_parallel import (
     SequenceParallel,
@@ -67,6 +67,7 @@ from pacs.train.checkpoint import (
 )
 from pacs.train.console import hide_progress_bars
 from pacs.train.disk_space import NoSpaceLeft, check_checkpoint_space
+from pacs.train.export import export_hf
 from pacs.train.loss_objective import loss_objective
 from pacs.train.metrics import MetricsLog, plot_metrics, read_metrics
 from pacs.train.preflight import TrainerSteps, preflight_enabled, run_preflight
