@@ -317,10 +317,12 @@ def plan_memory(inp: PlanInputs, levers: Levers = Levers(), tokens: int | None =
     host: dict[str, float] = {}
     # parameters: the master copy (LoRA: the frozen base in the compute dtype, the adapters in float32)
     weights = (m.params * compute + trainable * master) if lora else m.params * master
-    label = ("weights (frozen base in the compute dtype, float32 adapters)" if lora
+    label = (f"weights (frozen base in the compute dtype, {inp.master_dtype} adapters)" if lora
              else f"weights (master, {inp.master_dtype})")
+    # torch's AdamW keeps its two moments in the dtype of the parameters it steps (the master dtype)
     states = {label[:-1] + (", sharded)" if shards > 1 else ")"): weights / shards,
-              "gradients": trainable * master / shards, "AdamW state (2 x float32)": 2 * trainable * 4 / shards}
+              "gradients": trainable * master / shards,
+              f"AdamW state (2 x {inp.master_dtype})": 2 * trainable * master / shards}
     for name, value in states.items():
         (host if on_cpu_states else comp)[name] = value
     kind = _saved_kind(inp)
