@@ -69,6 +69,7 @@ from pacs.train.console import hide_progress_bars
 from pacs.train.disk_space import NoSpaceLeft, check_checkpoint_space
 from pacs.train.export import export_hf
 from pacs.train.loss_objective import loss_objective
+from pacs.train.loss_statistics import LossStatistics
 from pacs.train.metrics import MetricsLog, plot_metrics, read_metrics
 from pacs.train.preflight import TrainerSteps, preflight_enabled, run_preflight
 from pacs.train.resume_check import apply_optimizer_settings, plan_resume, record_resume, resume_command
@@ -132,15 +133,19 @@ def lr_lambda(cfg: Config, total_updates: int):
     return factor
 
 
-def all_reduce_mean(values: dict[str, float], dist_info: DistInfo) -> dict[str, float]:
+def all_reduce_mean(values: dict[str, float], dist_info: DistInfo,
+                    weights: dict[str, float] | None = None) -> dict[str, float]:
     """Mean of each value over the ranks, ignoring ranks where it is NaN (undefined there, e.g. a
-    statistic of correct responses on a rank that had none); NaN where no rank has it. Every rank
-    must pass the same keys."""
+    statistic of correct responses on a rank that had none); NaN where no rank has it. ``weights``: what
+    a value is a mean over on this rank (e.g. its tokens), 1 where not given. Every rank must pass the
+    same keys."""
     if dist_info.world_size == 1:
         return values
     keys = sorted(values)
+    weights = weights or {}
     finite = [math.isfinite(float(values[k])) for k in keys]
-    t = torch.tensor([float(values[k]) if ok else 0.0 for k, ok in zip(keys, finite)] + [float(ok) for ok in finite],
+    weight = [float(weights.get(k, 1.0)) if ok else 0.0 for k, ok in zip(keys, finite)]
+    t = torch.tensor([float(values[k]) * w if ok else 0.0 for k, ok, w in zip(keys, finite, weight)] + weight,
                      dtype=torch.float64, device=dist_info.device)
     dist.all_reduce(t)
     sums, counts = t[:len(keys)].tolist(), t[len(keys):].tolist()
@@ -289,10 +294,10 @@ def evaluate_policy(cfg: Config, engine, run: Run, dist_info: DistInfo, step: in
 class UpdateResult:
     """What one rollout step's updates produced: every micro-batch loss and how many groups it held
     (a part of a group: its share; GRPO's token mean: times their tokens per response), the grad norm of
-    each update that was applied, the mean of each loss statistic over the micro-batches that ran where
-    it is defined, and the last mini-batch's mean loss per group (what the progress bar shows: the first
-    mini-batch after a rollout always reads ln 2 for PACS, as the policy still equals the old one). Groups
-    not run (a gradient of exactly 0) count in the loss at their value, one group each."""
+    each update that was applied, each loss statistic over the micro-batches that ran and every rank's
+    (pacs/train/loss_statistics.py), and the last mini-batch's mean loss per group (what the progress bar
+    shows: the first mini-batch after a rollout always reads ln 2 for PACS, as the policy still equals the
+    old one). Groups not run (a gradient of exactly 0) count in the loss at their value, one group each."""
 
     losses: list[float]
     loss_groups: list[float]
@@ -369,23 +374,6 @@ class MicroBatchLoss:
     rows: int
     stats: dict[str, float]
     tokens: int = 0
-
-
-class LossStatistics:
-    """The mean of each loss statistic over the micro-batches where it is defined (NaN: undefined there, e.g.
-    no correct response), NaN where none defines it."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.counts: dict[str, int] = {}
-
-    def add(self, stats: dict[str, float]) -> None:
-        for key, value in stats.items():
-            self.sums[key] = self.sums.get(key, 0.0) + (value if math.isfinite(value) else 0.0)
-            self.counts[key] = self.counts.get(key, 0) + math.isfinite(value)
-
-    def means(self) -> dict[str, float]:
-        return {k: (v / self.counts[k] if self.counts[k] else float("nan")) for k, v in self.sums.items()}
 
 
 def split_group_gradients(cfg: Config, policy, data: UpdateData, micro_batches: list[tuple[int, int]],
@@ -555,7 +543,7 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
             update.losses.append(loss.value)
             # its weight in the step's loss: the groups it held (a part: its share); a token mean: their tokens
             update.loss_groups.append((hi - lo) / group * (1.0 if mini.tokens is None else loss.tokens / loss.rows))
-            statistics.add(loss.stats)
+            statistics.add(loss.stats, loss.rows, loss.tokens)
         here = slice(len(update.losses) - len(mini.micro_batches), None)  # this mini-batch's micro-batches
         update.last_loss = weighted_mean(update.losses[here] + mini.skipped_losses,
                                          update.loss_groups[here] + [1.0] * len(mini.skipped_losses))
@@ -565,14 +553,15 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
             continue
         update.grad_norms.append(float(grad_norm))
         update.update_nonzero_fracs.append(optimizer_step(optimizer, scheduler, monitor))
-    update.stats = statistics.means()
+    update.stats = statistics.means(distributed=dist_info.world_size > 1, device=dist_info.device)
     return update
 
 
 def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: float, update: UpdateResult,
                  state: dict, times: dict[str, float], dist_info: DistInfo,
                  extra: dict[str, float] | None = None, group_size: int = 1) -> dict:
-    """One rollout step's metrics row: the per-rank statistics averaged over ranks (``extra``: the
+    """One rollout step's metrics row: the per-rank statistics, each weighed by what it is a mean over, averaged
+    over ranks (``extra``: the
     task's reward counters, e.g. math-verify timeouts, each scored 0), then the optimizer's, the
     throughput, the timings and the peak memory."""
     response_tokens = sum(len(x) for x in responses)
@@ -586,7 +575,10 @@ def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: f
              "loss": update.mean_loss(),
              "split_groups": float(update.split_groups), **extra,
              **{k: v for k, v in update.stats.items() if k not in ("loss", "reward_mean", *extra)}}
-    row = {"step": step, **all_reduce_mean(local, dist_info)}
+    # the entropy is a mean over this rank's response tokens, the loss over its groups (or tokens: GRPO's token
+    # mean); the loss's statistics are the whole step's already (pacs/train/loss_statistics.py)
+    weights = {"entropy": response_tokens, "loss": sum(update.loss_groups) + len(update.skipped_losses)}
+    row = {"step": step, **all_reduce_mean(local, dist_info, weights)}
     row.update({
         "grad_norm": sum(update.grad_norms) / len(update.grad_norms) if update.grad_norms else float("nan"),
         # over the updates with a gradient (an update whose groups were all skipped has none)
