@@ -9,9 +9,11 @@ using the run directory, a full disk mid-run); 3 training stopped by repeated no
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.util
 import json
 import os
+import re
 import signal
 import sys
 
@@ -26,7 +28,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file (default: none, i.e. the values of configs/default.yaml)")
     parser.add_argument("--model", help="HF model directory or hub id ('embedded': the built-in tiny model) "
                                         f"(default: {DEFAULTS.model.path})")
-    parser.add_argument("--output-dir", help=f"where metrics, checkpoints and the final model go "
+    parser.add_argument("--output-dir", help=f"the run directory (pacs eval writes to OUTPUT_DIR/eval) "
                                              f"(default: {DEFAULTS.output_dir})")
     parser.add_argument("--seed", type=int, help=f"(default: {DEFAULTS.seed})")
     parser.add_argument("--rollout", choices=("auto", "vllm", "hf"),
@@ -54,6 +56,56 @@ def _key_list() -> str:
     return "\n".join(lines)
 
 
+def _known_keys() -> set[str]:
+    """Every dotted key and section a user may write, in both spellings (the config module says which to use)."""
+    known = set()
+    for key, _ in config_keys():
+        for spelling in (key, user_key(key)):
+            parts = spelling.split(".")
+            known.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return known
+
+
+def _closest_key(name: str) -> str | None:
+    """The key a typo'd ``name`` most likely meant (None when nothing is close)."""
+    leaves = [user_key(key) for key, _ in config_keys()]
+    candidates = leaves if "." in name else sorted(_known_keys())
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def check_override_keys(assignments: list[str], command: str) -> None:
+    """A KEY=VALUE whose key is unknown but close to a known one: a ValueError suggesting that one."""
+    known = _known_keys()
+    for assignment in assignments:
+        key = assignment.split("=", 1)[0].strip()
+        if "=" in assignment and key and key not in known:
+            close = _closest_key(key)
+            if close is not None:
+                raise ValueError(f"unknown config key {key!r}; did you mean {close}? "
+                                 f"(every key: pacs {command} --help)")
+
+
+def with_key_suggestion(message: str) -> str:
+    """The config module's "unknown config key 'x'; known: ..." with the closest key named first."""
+    found = re.match(r"unknown config key '([^']+)'; (?!did you mean)", message)
+    close = _closest_key(found.group(1)) if found else None
+    return message if close is None else f"{found.group(0)}did you mean {close}? {message[found.end():]}"
+
+
+def check_model_dir(path: str) -> None:
+    """A local ``--model`` directory without a config.json: a ValueError saying what it is instead (a run
+    directory, whose trained model is its final_model/, or no Hugging Face model)."""
+    local = os.path.expanduser(path)
+    if not os.path.isdir(local) or os.path.isfile(os.path.join(local, "config.json")):
+        return
+    final = RunDir(path).final_model
+    if os.path.isfile(os.path.join(os.path.expanduser(final), "config.json")):
+        raise ValueError(f"--model: {path!r} is a run directory, not a model; its trained model is {final!r}")
+    raise ValueError(f"--model: {path!r} has no config.json (a Hugging Face model directory holds config.json "
+                     "and the weights)")
+
+
 def build_config(args: argparse.Namespace) -> Config:
     from pacs.eval.presets import preset_overrides
 
@@ -63,6 +115,7 @@ def build_config(args: argparse.Namespace) -> Config:
     # --data: every row (a config file's eval.num_problems, e.g. a run's 200, does not cut it; KEY=VALUE and
     # --num-problems do)
     every_row = ["eval.num_problems=1000000"] if data is not None else []
+    check_override_keys(list(args.overrides) + changes, getattr(args, "command", "train"))
     cfg = load_config(args.config, preset_overrides(getattr(args, "preset", None)) + every_row + list(args.overrides)
                       + from_data + changes)
     if args.model is not None:
@@ -90,6 +143,10 @@ def build_config(args: argparse.Namespace) -> Config:
             cfg.output_dir = own
     if getattr(args, "overwrite", False):
         cfg.overwrite = True
+    if cfg.task.data_path and cfg.task.name != "math":  # else the data file would be silently ignored
+        raise ValueError(f"task.data_path is read by task.name=math only (task.name is {cfg.task.name!r}): "
+                         "add task.name=math")
+    check_model_dir(cfg.model.path)
     return cfg
 
 
@@ -153,7 +210,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from pacs.train.run_setup import apply_torch_threads, check_config, engine_options, prepare_run
     from pacs.train.stop_signals import Terminated, sigterm_raises
 
+    if args.data is not None and not args.data.startswith("hf:") and not os.path.isfile(args.data):
+        raise ValueError(f"--data: no such file {args.data!r}")
     cfg = build_config(args)
+    if args.preset is not None and cfg.task.name == "math" and not cfg.task.data_path:
+        raise ValueError(f"--preset {args.preset} evaluates a data file: add --data FILE (.jsonl or .parquet)")
     if args.n_samples is not None:
         cfg.eval.n_samples = args.n_samples
         if not args.k:  # a preset's ks may exceed the new n: keep those that fit
@@ -164,6 +225,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         cfg.eval.top_p = args.top_p
     if args.k:
         cfg.eval.ks = tuple(args.k)
+        for k in args.k:
+            if k > cfg.eval.n_samples:
+                raise ValueError(f"--k {k} is more than the samples per problem ({cfg.eval.n_samples}): pass@k "
+                                 f"needs k <= --n-samples (e.g. --n-samples {k})")
     if args.num_problems is not None:
         cfg.eval.num_problems = args.num_problems
     # one process, no training: a run's multi-process training settings (its config.yaml) do not apply
@@ -321,10 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--eval-dir", help="where eval_problems.jsonl, eval_metrics.json and pass_at_k.png go "
                     "(default OUTPUT_DIR/eval)")
     ev.add_argument("--n-samples", type=int, help="samples per problem")
-    ev.add_argument("--temperature", type=float)
-    ev.add_argument("--top-p", type=float)
-    ev.add_argument("--k", type=int, action="append", help="pass@k to report (repeatable)")
-    ev.add_argument("--num-problems", type=int)
+    ev.add_argument("--temperature", type=float, help="sampling temperature (eval.temperature; 0: greedy)")
+    ev.add_argument("--top-p", type=float, help="nucleus sampling (advanced.eval.top_p)")
+    ev.add_argument("--k", type=int, action="append", help="pass@k to report (repeatable; each <= --n-samples)")
+    ev.add_argument("--num-problems", type=int, help="problems to evaluate (eval.num_problems)")
     plan = sub.add_parser("plan", help="peak GPU memory of a pacs train run by component, and the cheapest "
                           "settings that fit (reads config.json only; docs/plan.md)")
     plan.add_argument("--preset", help="plan a configs/presets/*.yaml as set (its .plan.yaml gives the model "
@@ -370,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(exc, "pacs_during_training", False):  # not a setting: a failure inside a training step
             raise
         if _is_main_rank():
-            print(f"pacs {args.command}: error: {exc}", file=sys.stderr)
+            print(f"pacs {args.command}: error: {with_key_suggestion(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"pacs {args.command}: interrupted", file=sys.stderr)
