@@ -193,21 +193,25 @@ def test_lora_on_two_fsdp2_ranks_matches_one_process(tmp_path):
     assert close(ranks[0]["final"], one["final"])
 
 
-@pytest.mark.parametrize("dtype, rollout_dtype", [("bfloat16", "auto"), ("float32", "auto"), ("bfloat16", "float32")])
-def test_a_lora_run_over_a_16_bit_base_says_rollouts_lag_by_the_merge_rounding(model_dir, dtype, rollout_dtype):
-    """The engine serves bf16(W + s B A): small adapter changes round away there while the trainer's forward
-    keeps them, so the run says so once (docs/mixed-precision.md); a float32 base merges exactly, and a float32
-    engine (advanced.rollout.dtype) serves the merge unrounded."""
+@pytest.mark.parametrize("dtype, rollout_dtype, engine", [("bfloat16", "auto", "vllm"), ("float32", "auto", "vllm"),
+                                                          ("bfloat16", "float32", "vllm"), ("bfloat16", "auto", "hf")])
+def test_a_lora_run_over_a_16_bit_base_says_rollouts_lag_by_the_merge_rounding(model_dir, dtype, rollout_dtype,
+                                                                              engine):
+    """vLLM serves bf16(W + s B A): small adapter changes round away there while the trainer's forward
+    keeps them, so the run says so once (docs/mixed-precision.md); a float32 base merges exactly, a float32
+    engine (advanced.rollout.dtype) serves the merge unrounded, and Hugging Face generate on one process
+    samples the policy itself (nothing merged)."""
     from pacs.model.policy import DistInfo
     from pacs.train.run_setup import Run
     from pacs.train.trainer import load_training_policy
 
-    cfg = load_config(None, [*LORA, f"model.dtype={dtype}", f"advanced.rollout.dtype={rollout_dtype}"])
+    cfg = load_config(None, [*LORA, f"model.dtype={dtype}", f"advanced.rollout.dtype={rollout_dtype}",
+                             f"rollout.engine={engine}"])
     cfg.model.path = model_dir
     lines = []
     load_training_policy(cfg, Run(cfg, model_dir, None, None, 0, [2]), DistInfo(), lines.append)
     said = [line for line in lines if "LoRA over a" in line]
-    assert len(said) == (1 if (dtype, rollout_dtype) == ("bfloat16", "auto") else 0)
+    assert len(said) == (1 if (dtype, rollout_dtype, engine) == ("bfloat16", "auto", "vllm") else 0)
     if said:
         assert said[0].startswith("[train] LoRA over a bfloat16 base: the rollout engine serves the merged weights")
         assert said[0].endswith("advanced.rollout.dtype=float32 serves them unrounded (docs/mixed-precision.md)")

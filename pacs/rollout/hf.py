@@ -6,9 +6,11 @@ decoding), so a row's sample depends only on its seed, not on the batch it share
 
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable
 
 import torch
+from torch import nn
 
 from pacs.model.policy import resolve_dtype
 
@@ -47,7 +49,8 @@ def _row_seeded_sampler(temperature: float, top_p: float, seeds: list[int]):
 
 
 class HFGenerateEngine:
-    """Rollouts with ``transformers``' ``generate`` on a private copy of the policy.
+    """Rollouts with ``transformers``' ``generate`` on a private copy of the policy, or (:meth:`on_model`) on the
+    trainer's policy itself.
 
     Args:
         model_dir: HF-format model directory (or hub id) the copy is loaded from.
@@ -64,7 +67,7 @@ class HFGenerateEngine:
 
     def __init__(self, model_dir: str, *, max_model_len: int, seed: int = 0, dtype: str = "auto",
                  device: str | torch.device | None = None, **_unused):
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import AutoModelForCausalLM, GenerationConfig
 
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -74,6 +77,27 @@ class HFGenerateEngine:
         # responses are samples of the policy the trainer scores: none of generation_config.json's logits
         # processors (an instruct model's repetition_penalty, no_repeat_ngram_size, min_new_tokens) applies
         self.model.generation_config = GenerationConfig()
+        self.shares_model, self.autocast_dtype = False, None
+        self._set_up(model_dir, max_model_len, seed)
+
+    @classmethod
+    def on_model(cls, model: nn.Module, model_dir: str, *, max_model_len: int, seed: int = 0,
+                 autocast_dtype: torch.dtype | None = None) -> "HFGenerateEngine":
+        """An engine that generates with ``model`` itself: the trainer's policy (``Policy.causal_lm``) on one
+        process. No second copy of the weights takes memory, and every change of the weights (LoRA's
+        adapters too, unmerged, unrounded) is in the next samples: :meth:`sync_weights` has nothing to do.
+        ``model_dir``: where its tokenizer is (the pad token); ``autocast_dtype``: the 16-bit dtype a float32
+        model computes in (``Policy.autocast_dtype``). Generation runs in eval mode and no_grad, and puts the
+        model's training mode back."""
+        engine = cls.__new__(cls)
+        engine.model, engine.shares_model, engine.autocast_dtype = model, True, autocast_dtype
+        engine.device = next(model.parameters()).device
+        engine._set_up(model_dir, max_model_len, seed)
+        return engine
+
+    def _set_up(self, model_dir: str, max_model_len: int, seed: int) -> None:
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_token_id = pad if pad is not None else 0
@@ -102,10 +126,21 @@ class HFGenerateEngine:
         processors = None
         if temperature > 0:  # exact sampling as greedy decoding over Gumbel-perturbed logits
             processors = _row_seeded_sampler(temperature, top_p, [seed + k for k in range(len(rows))])
-        out = self.model.generate(
-            input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
-            max_new_tokens=max_new_tokens, eos_token_id=list(stop_token_ids), pad_token_id=self.pad_token_id,
-            do_sample=False, logits_processor=processors)
+        from transformers import GenerationConfig
+
+        training = self.model.training
+        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
+                    else contextlib.nullcontext())
+        try:
+            self.model.eval()  # a shared policy: no checkpointing; generation_config.json's processors never apply
+            with autocast:
+                out = self.model.generate(
+                    input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
+                    generation_config=GenerationConfig(), use_cache=True, max_new_tokens=max_new_tokens,
+                    eos_token_id=list(stop_token_ids), pad_token_id=self.pad_token_id, do_sample=False,
+                    logits_processor=processors)
+        finally:
+            self.model.train(training)
         new_tokens = out[:, longest:].tolist()
         stops = set(stop_token_ids)
         responses = []
@@ -116,6 +151,8 @@ class HFGenerateEngine:
 
     @torch.no_grad()
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.shares_model:  # the policy itself: its weights are the engine's (the iterator is not consumed)
+            return
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
         for name, tensor in named_tensors:

@@ -234,17 +234,20 @@ class MemoryPlan:
 
     @property
     def generation_peak(self) -> float:
-        """Without a colocated vLLM (rollout.engine=hf): the policy generates its rank's rows at once, its
-        KV cache beside the weights and AdamW state (gradients are freed by then); 0 with vLLM."""
+        """Without a colocated vLLM (rollout.engine=hf): each rank generates its rows at once, their KV cache
+        beside the weights and AdamW state (gradients are freed by then); on one GPU with the policy itself
+        (pacs/rollout/hf.py ``HFGenerateEngine.on_model``), on several with a whole copy of the weights of its
+        own (in advanced.rollout.dtype's dtype: the policy's are sharded). 0 with vLLM."""
         inp = self.inputs
         if inp.device != "cuda" or inp.gpu_memory_utilization > 0:
             return 0.0
         m = inp.model
         compute = 2 if inp.compute_dtype == "bfloat16" else 4
+        copy_bytes = 0 if inp.gpus == 1 else (4 if (inp.engine_dtype or inp.compute_dtype) == "float32" else 2)
         rows = max(1, inp.prompts_per_step // inp.gpus) * inp.group_size
-        kv = rows * inp.row_tokens * m.layers * 2 * m.kv_heads * m.head_dim * compute
+        kv = rows * inp.row_tokens * m.layers * 2 * m.kv_heads * m.head_dim * (copy_bytes or compute)
         held = sum(v for k, v in self.components.items() if k.startswith(("weights", "AdamW", "CUDA")))
-        return held + kv
+        return held + m.params * copy_bytes + kv
 
     @property
     def fits(self) -> bool:
@@ -326,13 +329,15 @@ def plan_memory(inp: PlanInputs, levers: Levers = Levers(), tokens: int | None =
     for name, value in states.items():
         (host if on_cpu_states else comp)[name] = value
     kind = _saved_kind(inp)
-    # the 16-bit copies the forward computes with: under autocast (one process, float32 master) every layer's
-    # copy is cached through the forward and saved for the backward; FSDP2 gathers about two layers at a time
-    if compute < master and not lora:
-        layers_held = m.layers if kind == "autocast" else 2
-        comp["weights (compute copy)"] = layers_held * m.layer_params * compute
-    if on_cpu_states:
-        comp["weights (compute copy)"] = 2 * m.layer_params * compute
+    # the copies the forward computes with: under autocast (one process, float32 master) every layer's 16-bit
+    # copy is cached through the forward and saved for the backward; FSDP2 gathers about two layers at a time,
+    # and its root unit (embeddings, final norm, LM head) stays gathered from the forward to the backward
+    # (fully_shard does not reshard the root after its forward)
+    root = m.params - m.layers * m.layer_params
+    if shards > 1:
+        comp["weights (compute copy)"] = (2 * m.layer_params + root) * compute
+    elif kind == "autocast":
+        comp["weights (compute copy)"] = m.layers * m.layer_params * compute
     tokens = micro_batch_tokens(inp, levers) if tokens is None else tokens
     layer = layer_saved_bytes_per_token(m, kind)
     stream = compute if kind == "16-bit" else 4  # the residual stream: float32 under autocast

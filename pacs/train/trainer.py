@@ -54,7 +54,7 @@ from pacs.model.sequence_parallel import (
     whole_micro_batch,
 )
 from pacs.model.varlen_attention import new_decisions as new_attention_decisions
-from pacs.rollout import make_rollout_engine
+from pacs.rollout import engine_kind, make_rollout_engine
 from pacs.train.batch import Batch, build_batch
 from pacs.train.checkpoint import KEEP as CHECKPOINTS_KEPT
 from pacs.train.checkpoint import (
@@ -743,7 +743,8 @@ def load_training_policy(cfg: Config, run: Run, dist_info: DistInfo, say) -> tup
     if policy.precision.steps_16_bit_weights:  # asked for by name (optim.master_dtype): say what it costs
         say(rounding_warning(share_frozen_by_rounding(policy.parameters(), o.lr), o.lr, policy.precision.master,
                              f"optim.master_dtype={o.master_dtype}"))
-    if cfg.model.lora.rank and policy.precision.compute.itemsize < 4 and cfg.rollout.dtype != "float32":
+    if (cfg.model.lora.rank and policy.precision.compute.itemsize < 4 and cfg.rollout.dtype != "float32"
+            and not engine_shares_policy(cfg, dist_info)):
         say(f"[train] LoRA over a {str(policy.precision.compute).removeprefix('torch.')} base: the rollout engine "
             "serves the merged weights rounded to it, where small adapter changes round away, so rollouts lag "
             "the trained policy by that rounding (the loss's log-probs are the trainer's own); "
@@ -752,6 +753,12 @@ def load_training_policy(cfg: Config, run: Run, dist_info: DistInfo, say) -> tup
                                   weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, cfg.max_steps * o.mini_batches_per_step))
     return packed, policy, optimizer, scheduler
+
+
+def engine_shares_policy(cfg: Config, dist_info: DistInfo) -> bool:
+    """Whether the rollouts run on the policy itself: Hugging Face generate on one process (no copy of the
+    weights; under FSDP each rank's engine needs whole weights of its own)."""
+    return engine_kind(cfg.rollout.engine) == "hf" and dist_info.world_size == 1
 
 
 def set_up_training(cfg: Config, dist_info: DistInfo, say, run: Run, resume, resume_plan) -> Training:
@@ -775,7 +782,8 @@ def set_up_training(cfg: Config, dist_info: DistInfo, say, run: Run, resume, res
     # the checkpoints this run keeps and its final model fit on the disk: said, or refused, before any rollout
     check_checkpoint_space(run_dir.path, policy, keep=CHECKPOINTS_KEPT, reference_kept=reference is not None,
                            existing=len(checkpoint_steps(run_dir.path)), say=say)
-    engine = make_rollout_engine(**engine_options(cfg, run.model_dir, cfg.seed + dist_info.rank, log=say))
+    engine = make_rollout_engine(**engine_options(cfg, run.model_dir, cfg.seed + dist_info.rank, log=say),
+                                 policy=policy if engine_shares_policy(cfg, dist_info) else None)
     hide_progress_bars()  # again: a vLLM engine's start turns transformers' back on
     if resume is not None:
         engine.sync_weights(full_named_tensors(policy))
