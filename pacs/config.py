@@ -367,8 +367,11 @@ def apply_dict(cfg: Any, data: dict, prefix: str = "") -> Any:
     fields = {f.name: f for f in dataclasses.fields(cfg)}
     for key, value in data.items():
         name = f"{prefix}{key}"
-        if key not in fields:
-            raise ValueError(f"unknown config key {name!r}; known: {', '.join(sorted(fields))}")
+        if key not in fields:  # a user's keys by their spelling: an advanced one under advanced.
+            full = [f"{prefix}{k}" for k in sorted(fields)]
+            known = ([k for k in full if k not in ADVANCED_KEYS]
+                     + [f"{ADVANCED}.{k}" for k in full if k in ADVANCED_KEYS])
+            raise ValueError(f"unknown config key {name!r}; known: {', '.join(known)}")
         current = getattr(cfg, key)
         if dataclasses.is_dataclass(current):
             apply_dict(current, value, prefix=f"{name}.")

@@ -45,6 +45,10 @@ def test_a_typo_in_a_config_file_suggests_the_key_meant(tmp_path, capsys):
 def test_an_unknown_key_far_from_any_still_lists_the_known_ones(tmp_path, capsys):
     line = error_line(capsys, "train", "--output-dir", str(tmp_path / "o"), "zzz=1")
     assert line.startswith("pacs train: error: unknown config key 'zzz'; known: ") and "did you mean" not in line
+    # each key as it is written: an expert's under advanced.
+    line = error_line(capsys, "train", "--output-dir", str(tmp_path / "o"), "optim.zzzzzzzzz=1")
+    known = line.partition("known: ")[2].split(", ")
+    assert "optim.lr" in known and "advanced.optim.weighting" in known and "weighting" not in known
 
 
 def test_a_data_file_without_the_math_task_is_refused_not_ignored(tmp_path, capsys):
@@ -86,3 +90,11 @@ def test_eval_data_and_preset_mistakes_name_the_flags(tmp_path, capsys):
     line = error_line(capsys, "eval", "--output-dir", str(tmp_path / "o"), "--preset", "math")
     assert line == "pacs eval: error: --preset math evaluates a data file: add --data FILE (.jsonl or .parquet)"
     assert not (tmp_path / "o").exists()
+
+
+def test_a_missing_data_file_is_named_before_any_check_of_lengths(tmp_path, capsys):
+    """The built-in model's 64 positions are too few for a math run's default lengths: the missing file is
+    what the user has to mend first, and it is what the error names."""
+    line = error_line(capsys, "train", "--output-dir", str(tmp_path / "o"), "task.name=math",
+                      f"task.data_path={tmp_path / 'missing.jsonl'}")
+    assert line == f"pacs train: error: task.data_path: no such file {str(tmp_path / 'missing.jsonl')!r}"

@@ -10,6 +10,7 @@ by one function for training and both evaluations: :func:`pacs.eval.evaluate.enc
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ from pacs.model.varlen_attention import check_requested_engine, requested_engine
 from pacs.rollout import check_vllm_available
 from pacs.rollout.stop_tokens import stop_token_ids
 from pacs.tasks import Task, make_task
+from pacs.tasks.datasets import HF_PREFIX
 from pacs.tasks.embedded import build_tokenizer, prepare_embedded_model
 from pacs.tasks.embedded import model_config as embedded_config
 from pacs.train.export import recover_export
@@ -51,6 +53,11 @@ def check_config(cfg: Config, world_size: int = 1) -> None:
     weights and its positions (a local or hub model; the embedded one is checked once built). A model
     directory that an export killed between its renames left missing is put back first (pacs/train/export.py)."""
     validate(cfg, world_size)
+    if cfg.task.name == "math":  # a missing data file first: it is what the user has to mend
+        for key in ("data_path", "eval_path"):
+            path = getattr(cfg.task, key)
+            if path and not path.startswith(HF_PREFIX) and not os.path.isfile(os.path.expanduser(path)):
+                raise ValueError(f"task.{key}: no such file {path!r}")
     if cfg.rollout.engine == "vllm":
         check_vllm_available()
     if cfg.model.path != "embedded":
