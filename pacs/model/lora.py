@@ -3,8 +3,9 @@
 Only the adapters train: each adapted linear layer computes ``W x + (alpha / r) B A x`` with ``W`` frozen
 (in the compute dtype: a 7B base in bfloat16 is 14 GB where full fine-tuning's float32 master weights,
 gradients and AdamW state take 16 bytes a parameter) and ``A`` (r x in), ``B`` (out x r, zero at the start)
-trained in the master dtype (float32). The rollout engines, ``pacs eval`` and the final export see plain
-Hugging Face weights with the adapters merged, ``W + (alpha / r) B A`` (:func:`merged_named_tensors`);
+trained in the master dtype (float32). vLLM (and Hugging Face generate under FSDP), ``pacs eval`` and the final
+export see plain Hugging Face weights with the adapters merged, ``W + (alpha / r) B A``
+(:func:`merged_named_tensors`); Hugging Face generate on one process samples the policy itself;
 checkpoints hold the adapters and their optimizer state only (the frozen base is the model directory's).
 
 Targets: ``all-linear`` (peft's: every linear layer but the LM head) or comma-separated module names (e.g.
