@@ -54,7 +54,10 @@ def step(trainer, micro_batches):
     model.zero_grad(set_to_none=True)
     trainer.current_gradient_accumulation_steps = len(micro_batches)  # as train() sets it for each step
     trainer._prepare_inputs = lambda inputs: inputs  # the micro-batches are given, not generated
-    loss = sum(trainer.training_step(model, inputs, None) for inputs in micro_batches)
+    loss = 0
+    for i, inputs in enumerate(micro_batches):  # train() marks the step's last micro-batch (the optimizer's)
+        trainer.accelerator.gradient_state._set_sync_gradients(i == len(micro_batches) - 1)
+        loss = loss + trainer.training_step(model, inputs, None)
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return loss, grads
@@ -107,7 +110,56 @@ def test_accumulated_step_is_the_mean_over_all_its_responses(tmp_path, setting):
         assert abs(ref_loss.item() - 0.6931) > 1e-3, "psi != 0: the old log-probs really differ"
 
     accumulated = step(trainer, [rows(batch, 0, ROWS), rows(batch, ROWS, 2 * ROWS)])
-    if setting == "on_policy_skipping":
-        assert trainer._metrics["train"]["pacs/skipped_group_frac"][-2:] == [0.5, 0.0], "skipped in one only"
+    if setting == "on_policy_skipping":  # half the first micro-batch's groups, none of the second's: logged once
+        assert trainer._metrics["train"]["pacs/skipped_group_frac"] == [0.25]
     assert_same(*accumulated, ref_loss.detach(), ref_grads)
     assert_same(*step(trainer, [batch]), ref_loss.detach(), ref_grads)
+
+
+def pacs_metrics(trainer):
+    """TRL's PACS metrics so far (``pacs/...`` and ``entropy``), emptied."""
+    metrics = trainer._metrics["train"]
+    return {key: list(metrics.pop(key)) for key in list(metrics) if key.startswith("pacs/") or key == "entropy"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["on_policy_skipping", "old_logprobs"])
+def test_an_accumulated_step_logs_the_statistics_of_its_whole_batch(tmp_path, setting):
+    """The PACS statistics and the entropy are appended to TRL's metrics once per optimizer step, as the
+    statistics of the step's whole batch: those of one micro-batch holding both accumulation micro-batches,
+    which a plain mean of the two micro-batches' values is not (psi's standard deviation, the extremes, the
+    token-mean entropy over micro-batches of different lengths, the means over the groups that ran when the
+    first micro-batch runs half of its)."""
+    trainer = helpers.trainer(tmp_path, **({} if setting == "on_policy_skipping" else dict(num_iterations=2)))
+    batch = generation_batch(trainer)
+    torch.manual_seed(1)
+    with torch.no_grad():  # the random model's next-token distributions are near uniform: peaked here, so
+        trainer.model.lm_head.weight.mul_(8)  # that the entropy differs from token to token
+        if setting == "old_logprobs":  # psi != 0: its standard deviation is not 0
+            for p in trainer.model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+    halves = [rows(batch, 0, ROWS), rows(batch, ROWS, 2 * ROWS)]
+    assert int(halves[0]["completion_mask"].sum()) != int(halves[1]["completion_mask"].sum()), \
+        "micro-batches of different token counts: a token mean weighs them unequally"
+    pacs_metrics(trainer)
+    step(trainer, [batch])  # one micro-batch of the whole step
+    whole = pacs_metrics(trainer)
+    step(trainer, halves)
+    accumulated = pacs_metrics(trainer)
+    separate = []
+    for half in halves:  # each micro-batch its own step
+        step(trainer, [half])
+        separate.append(pacs_metrics(trainer))
+    assert whole.keys() == accumulated.keys() and "entropy" in whole and "pacs/psi_std" in whole
+    for key, values in accumulated.items():
+        assert len(values) == 1 == len(whole[key]), f"{key}: appended once per optimizer step"
+        if key == "pacs/single_label_grad_share":  # a ratio of sums over the batch: LossStatistics weighs each
+            continue  # micro-batch's ratio by its rows, not the step's ratio
+        assert values[0] == pytest.approx(whole[key][0], rel=1e-6, abs=1e-7, nan_ok=True), key
+    # on-policy, the first micro-batch runs half its groups: the ran groups' means weigh its 4 rows against 8
+    telling = ["entropy", "pacs/weight_min"] + (["pacs/reward_mean", "pacs/valid_frac"]
+                                                if setting == "on_policy_skipping" else
+                                                ["pacs/psi_std", "pacs/weight_max"])
+    for key in telling:  # what the per-micro-batch metrics, averaged, would have said
+        plain = sum(part[key][0] for part in separate) / 2
+        assert plain != pytest.approx(whole[key][0], rel=1e-5), f"{key}: the test could not tell"

@@ -554,7 +554,8 @@ def test_two_processes_stay_in_sync(ddp_run):
     seen = [set(sum(rank["micro_batch_group_ids"], [])) for rank in records]
     assert not seen[0] & seen[1], "each rank trains on its own groups"
     # on-policy: groups with a zero gradient were skipped (pacs_skip_zero_gradient_groups), and the ranks agree
-    assert max(f for rank in records for f in rank["skipped_group_frac"]) > 0
+    # (logged once per optimizer step: None where a step's first micro-batch found nothing logged yet)
+    assert max(f for rank in records for f in rank["skipped_group_frac"] if f is not None) > 0
 
 
 @pytest.mark.slow

@@ -28,7 +28,9 @@ what PACS needs differently is done here:
   reward: ``pacs_skip_zero_gradient_groups``, pacs/train/single_label_groups.py), their loss value added, so
   loss and gradients are those of the whole micro-batch;
 - PACS stats (psi, the implicit critic's calibration, class weights) and the entropy go to TRL's
-  metrics as ``pacs/...`` and ``entropy``.
+  metrics as ``pacs/...`` and ``entropy``, once per optimizer step: the statistics of the step's whole
+  batch, over its accumulation micro-batches and every process (pacs/train/loss_statistics.py); in
+  evaluation, each eval batch's over the processes.
 
 TRL options that PACS cannot honour raise a ValueError (KL to a reference ``beta != 0``, vLLM
 importance-sampling correction (off by default in PACSConfig), entropy masking
@@ -55,6 +57,7 @@ from pacs.model.mixed_precision import rounding_warning, share_frozen_by_roundin
 from pacs.model.model_forward import MULTIMODAL_KEYS, LogprobRequest, PACSBatch, add_pacs_forward, check_supported_head
 from pacs.model.tiled_mlp import tile_mlp
 from pacs.model.varlen_attention import new_decisions as new_attention_decisions
+from pacs.train.loss_statistics import LossStatistics
 from pacs.train.run_lock import RunDirectoryLocked, lock_run_directory
 from pacs.train.single_label_groups import (
     group_losses_at_zero,
@@ -307,6 +310,7 @@ class PACSTrainer(GRPOTrainer):
         if args.pacs_tiled_mlp:
             tile_mlp(target, args.pacs_mlp_tile_tokens, setting="pacs_mlp_tile_tokens")
         self._pacs_rewards_per_func = None
+        self._pacs_step_statistics = LossStatistics()  # the optimizer step's micro-batches so far
         # idle unless train() installs the handlers or pacs_checkpoint_minutes is set
         self._stop_on_signal = StopOnSignal(args.pacs_checkpoint_minutes)
         self.add_callback(self._stop_on_signal)
@@ -337,6 +341,7 @@ class PACSTrainer(GRPOTrainer):
         the optimizer step in progress, save a checkpoint and raise :class:`StoppedBySignal` saying how to
         resume (``trainer.train(resume_from_checkpoint=True)``); a second signal acts at once. A signal in the
         last step changes nothing (training ends as usual)."""
+        self._pacs_step_statistics = LossStatistics()  # nothing left over from a train() that raised mid-step
         if not self.args.pacs_checkpoint_on_signal:
             return super().train(*args, **kwargs)
         with StopSignals(notice_prefix="[PACSTrainer]" if self.is_world_process_zero() else None,
@@ -435,12 +440,15 @@ class PACSTrainer(GRPOTrainer):
         attention = new_attention_decisions(input_ids.device) if self.pacs_padding_free else None
         if attention and self.is_world_process_zero():  # what the packed rows' attention ran as, once per kind
             print(f"[PACSTrainer] packed attention: {attention}", flush=True)
+        whole = None  # statistics over all the micro-batch's n_rows responses, not only the groups that ran
         if skipping:  # the whole micro-batch's loss: a mean over its n_rows responses
             loss = loss * (rewards.shape[0] / n_rows) + skipped_sum / n_rows
-            stats["loss"] = float(loss.detach())
-            stats["frac_single_label_groups"] = single_frac
-            stats["skipped_group_frac"] = 1.0 - float(run.double().mean())
-        self._log_pacs_stats(mode, stats)
+            stats.pop("frac_single_label_groups", None)  # the engine's: over the groups that ran
+            whole = {"loss": float(loss.detach()), "frac_single_label_groups": single_frac,
+                     "skipped_group_frac": 1.0 - float(run.double().mean())}
+            stats.pop("loss", None)
+        self._log_pacs_stats(mode, stats, rows=rewards.shape[0], tokens=int(mask.sum()),
+                             whole=whole, whole_rows=n_rows if skipping else 0)
         if mode == "train":  # GRPOTrainer declares the loss already scaled for gradient accumulation
             loss = loss / self.current_gradient_accumulation_steps
         return loss
@@ -472,12 +480,28 @@ class PACSTrainer(GRPOTrainer):
         return (a.pacs_skip_zero_gradient_groups and old_logp is None
                 and zero_gradient_at_psi_zero(a.pacs_score, a.pacs_advantage, a.pacs_score_function_term))
 
-    def _log_pacs_stats(self, mode: str, stats: dict) -> None:
-        """Every rank holds the same keys; each metric is the NaN-aware mean over ranks."""
-        names = sorted(stats)
-        local = torch.tensor([stats[name] for name in names], dtype=torch.float64, device=self.accelerator.device)
-        gathered = self.accelerator.gather(local[None]).reshape(-1, len(names))
-        for name, value in zip(names, gathered.nanmean(dim=0).tolist()):
+    def _log_pacs_stats(self, mode: str, stats: dict, rows: int, tokens: int, whole: dict | None = None,
+                        whole_rows: int = 0) -> None:
+        """Adds a micro-batch's statistics (``stats``: over its ``rows`` responses that ran and their ``tokens``
+        loss tokens; ``whole``: over all its ``whole_rows``) to the optimizer step's; at the step's last
+        micro-batch, appends the step's (pacs/train/loss_statistics.py: each mean weighed by what it is over,
+        extremes as such, psi_std pooled, sums added over the processes; NaN-aware) to TRL's metrics, once.
+
+        The step's end is ``accelerator.sync_gradients``: transformers' training loop sets it before each
+        micro-batch's training_step, True exactly for the one after which the optimizer steps (TRL's own
+        per-step metrics use it too); every process runs the same micro-batches per step, so all reach the
+        all-reduce together. Outside that loop it stays True (each call its own step); in evaluation each
+        eval batch is logged by itself (over the processes)."""
+        statistics = self._pacs_step_statistics if mode == "train" else LossStatistics()
+        statistics.add(stats, rows, tokens)
+        if whole:
+            statistics.add(whole, whole_rows, tokens)
+        if mode == "train" and not self.accelerator.sync_gradients:
+            return
+        if mode == "train":
+            self._pacs_step_statistics = LossStatistics()
+        means = statistics.means(distributed=self.accelerator.num_processes > 1, device=self.accelerator.device)
+        for name, value in sorted(means.items()):
             key = "entropy" if name == "entropy_mean" else f"pacs/{name}"
             self._metrics[mode][key].append(value)
 
