@@ -6,6 +6,8 @@ few tokens as much as one with many. Here each mean weighs what it is a mean ove
 correct or the incorrect responses), minima and maxima combine as such, a standard deviation is pooled, and
 the sums are added over every rank before the division: the step's metrics row is the statistic of the
 step's batch. A statistic undefined in a micro-batch (NaN: no correct response there) weighs nothing.
+``single_label_grad_share`` (a ratio of sums over the micro-batch, whose denominator the loss does not report)
+is combined as a mean over responses: an approximation of the step's share, not the share itself.
 """
 
 from __future__ import annotations
