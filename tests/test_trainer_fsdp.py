@@ -73,6 +73,9 @@ def test_grpo_on_two_cpu_ranks_takes_one_token_mean_like_one_process(tmp_path):
     assert close(ranks[0]["final"], one["final"])
     assert ranks[0]["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-4)
     assert one["metrics"]["response_length"] > 3  # the ranks' shares hold different numbers of tokens
+    for run in (one, ranks[0]):  # the step's tokens, every rank's: 4 groups of 4
+        m = run["metrics"]
+        assert m["tokens_per_s"] * m["step_time"] == pytest.approx(16 * one["metrics"]["response_length"])
     # and so do the metrics that are means over tokens (each rank's weighed by its tokens)
     for key in ("entropy", "clip_frac", "ratio_mean", "loss"):
         assert ranks[0]["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4, abs=1e-7), key

@@ -585,7 +585,8 @@ def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: f
         "update_nonzero_frac": weighted_mean([f for f in update.update_nonzero_fracs if math.isfinite(f)],
                                              [1.0 for f in update.update_nonzero_fracs if math.isfinite(f)]),
         "lr": update.lr, "skipped_updates": state["skipped_updates"],
-        "tokens_per_s": response_tokens * dist_info.dp_size / times["step_time"], **times,
+        # every data rank's responses (as many on each), at the mean length over all of them
+        "tokens_per_s": row["response_length"] * len(responses) * dist_info.dp_size / times["step_time"], **times,
         "peak_memory_mib": peak_memory_mib(dist_info.device), "prompts_seen": state["data_position"],
     })
     return row
