@@ -560,10 +560,9 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_l
 def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: float, update: UpdateResult,
                  state: dict, times: dict[str, float], dist_info: DistInfo,
                  extra: dict[str, float] | None = None, group_size: int = 1) -> dict:
-    """One rollout step's metrics row: the per-rank statistics, each weighed by what it is a mean over, averaged
-    over ranks (``extra``: the
-    task's reward counters, e.g. math-verify timeouts, each scored 0), then the optimizer's, the
-    throughput, the timings and the peak memory."""
+    """One rollout step's metrics row: the per-rank statistics averaged over ranks, each weighed by what it is
+    a mean over (``extra``: the task's reward counters, e.g. math-verify timeouts, each scored 0), then the
+    optimizer's, the throughput, the timings and the peak memory."""
     response_tokens = sum(len(x) for x in responses)
     extra = dict(extra or {})
     if update.skipped_groups is not None:  # the loss's statistics then cover the groups that ran
