@@ -332,3 +332,25 @@ def test_fsdp_counts_the_gathered_root_unit():
     for kw, size in (({}, 2), ({"lora_rank": 16}, 2), ({"compute_dtype": "float32"}, 4)):
         plan = plan_memory(inputs(model=m, gpus=8, **kw))
         assert plan.components["weights (compute copy)"] == size * (2 * m.layer_params + root), kw
+
+
+def test_an_old_policy_pass_in_larger_chunks_than_the_training_micro_batches_is_planned():
+    """advanced.train.old_policy_max_tokens above the micro-batch: the no-grad pass's chunk is its own transient
+    (assumed: a layer's saved bytes, the chunk's hidden states and the log-prob kernels' logits chunk)."""
+    from pacs.train.memory_plan import plan_for_config
+
+    m = load_model_shape("qwen2.5-1.5b")
+    common = ["rollout.max_prompt_len=1024", "rollout.max_new_tokens=8192", "optim.micro_batch_groups=1",
+              "model.gradient_checkpointing=true", "train.tiled_mlp=true", "train.max_tokens_per_micro_batch=9216"]
+    plain = plan_for_config(load_config(None, common), m, gpu_gib=79)
+    assert not any(name.startswith("old-policy") for name in plain.transient)
+    big = plan_for_config(load_config(None, [*common, "advanced.train.old_policy_max_tokens=147456"]), m, gpu_gib=79)
+    old = big.transient["old-policy pass (no grad, assumed)"]
+    assert old > plain.transient["one layer's backward (recomputed)"] and big.phase == "the old-policy pass"
+    assert big.peak > plain.peak and "advanced.train.old_policy_max_tokens=147456" in big.levers.config_lines()
+    # no larger than the rank's rows of a step: 32 prompts x 8 responses of 9216 tokens
+    huge = plan_for_config(load_config(None, [*common, "advanced.train.old_policy_max_tokens=10000000"]), m, gpu_gib=79)
+    assert huge.transient["old-policy pass (no grad, assumed)"] > old
+    from pacs.train.memory_plan import old_policy_tokens
+
+    assert old_policy_tokens(huge.inputs, huge.levers) == 32 * 8 * 9216

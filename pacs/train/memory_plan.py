@@ -140,6 +140,7 @@ class Levers:
     max_tokens_per_micro_batch: int | None = None  # None: one micro-batch = micro_batch_groups whole groups
     loss_chunk_mib: float | None = None  # None: the device's default
     fsdp_cpu_offload: bool = False
+    old_policy_max_tokens: int | None = None  # advanced.train.old_policy_max_tokens; None: the training micro-batches
 
     def describe(self) -> str:
         """A short name of the lever set, e.g. 'checkpointing + tiled MLP + loss chunk 256 MiB'."""
@@ -151,6 +152,8 @@ class Levers:
             names.append(f"{self.max_tokens_per_micro_batch} tokens a micro-batch")
         if self.loss_chunk_mib is not None:
             names.append(f"loss chunk {self.loss_chunk_mib:g} MiB")
+        if self.old_policy_max_tokens is not None:
+            names.append(f"old-policy pass in {self.old_policy_max_tokens} tokens")
         return " + ".join(names) or "none"
 
     def config_lines(self) -> list[str]:
@@ -165,6 +168,8 @@ class Levers:
             lines.append(f"train.loss_chunk_mib={self.loss_chunk_mib:g}")
         if self.fsdp_cpu_offload:
             lines.append("train.fsdp_cpu_offload=true")
+        if self.old_policy_max_tokens is not None:
+            lines.append(f"advanced.train.old_policy_max_tokens={self.old_policy_max_tokens}")
         return lines
 
 
@@ -295,6 +300,15 @@ def micro_batch_tokens(inp: PlanInputs, levers: Levers) -> int:
     return min(group, max(1, levers.max_tokens_per_micro_batch // inp.row_tokens) * inp.row_tokens)
 
 
+def old_policy_tokens(inp: PlanInputs, levers: Levers) -> int:
+    """Tokens of the largest chunk of the no-grad old-policy pass: whole rows within
+    ``advanced.train.old_policy_max_tokens`` (at most the rank's rows of a step); unset, the training micro-batch's."""
+    if levers.old_policy_max_tokens is None:
+        return micro_batch_tokens(inp, levers)
+    rank_rows = max(1, inp.prompts_per_step // inp.gpus) * inp.group_size
+    return min(rank_rows, max(1, levers.old_policy_max_tokens // inp.row_tokens)) * inp.row_tokens
+
+
 def loss_chunk_budget(levers: Levers, inp: PlanInputs) -> float:
     """Bytes the fused loss's logits chunk may take: ``train.loss_chunk_mib`` where set; else the device's
     default, or on the CPU the most ``path="auto"`` may raise it to (:data:`RAISED_LOSS_CHUNK_SHARE`)."""
@@ -362,12 +376,20 @@ def plan_memory(inp: PlanInputs, levers: Levers = Levers(), tokens: int | None =
             + LOSS_HIDDEN_COPIES * tokens * m.hidden * stream)
     transient = {"fused loss (logits chunk, head gradient, hidden states)": loss,
                  "one layer's backward" + (" (recomputed)" if levers.gradient_checkpointing else ""): backward}
+    old_tokens = old_policy_tokens(inp, levers)
+    if old_tokens > tokens:  # the no-grad old-policy pass in larger chunks than the training micro-batches
+        # assumed, not measured: a layer's forward holds at most what it would save for the backward, beside
+        # the chunk's final hidden states and the log-prob kernels' logits chunk
+        old_layer = per_layer * old_tokens + (mlp_saved * min(tile, old_tokens) if levers.tiled_mlp else 0)
+        old_chunk = min(loss_chunk_budget(levers, inp), old_tokens * m.vocab * logit_bytes)
+        transient["old-policy pass (no grad, assumed)"] = old_layer + old_chunk + 2 * old_tokens * m.hidden * stream
     if inp.device == "cuda":
         comp["CUDA context, workspaces (assumed)"] = CUDA_RESERVE_GIB * GiB
     if inp.device == "cuda" and inp.gpu_memory_utilization > 0:
         comp["vLLM engine"] = inp.gpu_memory_utilization * inp.gpu_gib * GiB
     largest = max(transient, key=transient.get)
-    phase = "the loss" if largest.startswith("fused loss") else "a layer's backward"
+    phase = ("the loss" if largest.startswith("fused loss") else "the old-policy pass" if largest.startswith("old")
+             else "a layer's backward")
     return MemoryPlan(inp, levers, comp, host, tokens, phase, transient)
 
 
@@ -473,7 +495,7 @@ def plan_for_config(cfg, model: ModelShape, gpu_gib: float, gpus: int = 1, lora_
     levers = Levers(gradient_checkpointing=cfg.model.gradient_checkpointing, tiled_mlp=tr.tiled_mlp,
                     offload_activations=tr.offload_activations, packing=tr.packing is not False,
                     max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch, loss_chunk_mib=tr.loss_chunk_mib,
-                    fsdp_cpu_offload=tr.fsdp_cpu_offload)
+                    fsdp_cpu_offload=tr.fsdp_cpu_offload, old_policy_max_tokens=tr.old_policy_max_tokens)
     return plan_memory(inp, levers)
 
 
