@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("trl")
 
 import trl_helpers as helpers  # noqa: E402
+from test_trl_integration import assert_same  # noqa: E402
 
 from pacs_kernels.reference import reference_pacs_loss  # noqa: E402
 
@@ -61,15 +62,6 @@ def step(trainer, micro_batches):
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return loss, grads
-
-
-def assert_same(loss, grads, ref_loss, ref_grads, tol=2e-5):
-    torch.testing.assert_close(loss, ref_loss, rtol=tol, atol=tol)
-    assert grads.keys() == ref_grads.keys()
-    scale = max(g.abs().max().item() for g in ref_grads.values())
-    assert scale > 0, "the reference gradient vanished: the comparison would be vacuous"
-    for name in ref_grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=tol, atol=tol * scale, msg=name)
 
 
 @pytest.mark.slow
