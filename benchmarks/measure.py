@@ -62,11 +62,10 @@ def rss_mib(pid: int | str = "self") -> float:
 
 
 def reset_peak_rss() -> float:
-    """Reset VmHWM to the current resident set; returns that resident set, MiB, as VmHWM has it (VmRSS read a
-    moment later may count pages VmHWM has not caught up with yet: a peak measured against it can be below 0)."""
+    """Reset VmHWM to the current resident set; returns that resident set, MiB."""
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")
-    return peak_rss_mib()
+    return rss_mib()
 
 
 def peak_rss_mib() -> float:

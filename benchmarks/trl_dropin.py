@@ -200,7 +200,9 @@ def run_case(case: str, args) -> dict:
             loss = step()
             times.append(time.perf_counter() - start)
             cpu_times.append(time.process_time() - cpu_start)
-        peak = peak_rss_mib() - base
+        # the kernel updates the high-water mark lazily: a step that allocates nothing new (a tiny model, the
+        # warm-up's memory reused) can read a page below its base; an increase is never below 0
+        peak = max(0.0, peak_rss_mib() - base)
         ran = groups_run()
         grads = [p.grad.double().pow(2).sum() for p in trainer.model.parameters() if p.grad is not None]
         grad_norm = float(torch.stack(grads).sum().sqrt()) if grads else 0.0  # the last step's, all parameters
