@@ -9,15 +9,24 @@ using the run directory, a full disk mid-run); 3 training stopped by repeated no
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib.util
 import json
 import os
-import re
 import signal
 import sys
 
-from pacs.config import ADVANCED_KEYS, BUILTIN_TASK_SETTINGS, Config, apply_dict, config_keys, load_config, user_key
+from pacs.config import (
+    ADVANCED_KEYS,
+    BUILTIN_TASK_SETTINGS,
+    Config,
+    apply_dict,
+    closest_key,
+    config_keys,
+    known_keys,
+    load_config,
+    user_key,
+)
+from pacs.model.model_dir import check_model_dir
 from pacs.train.console import quiet_third_party
 from pacs.train.run_dir import RunDir, run_of_config_file
 
@@ -56,54 +65,16 @@ def _key_list() -> str:
     return "\n".join(lines)
 
 
-def _known_keys() -> set[str]:
-    """Every dotted key and section a user may write, in both spellings (the config module says which to use)."""
-    known = set()
-    for key, _ in config_keys():
-        for spelling in (key, user_key(key)):
-            parts = spelling.split(".")
-            known.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
-    return known
-
-
-def _closest_key(name: str) -> str | None:
-    """The key a typo'd ``name`` most likely meant (None when nothing is close)."""
-    leaves = [user_key(key) for key, _ in config_keys()]
-    candidates = leaves if "." in name else sorted(_known_keys())
-    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
-    return close[0] if close else None
-
-
 def check_override_keys(assignments: list[str], command: str) -> None:
     """A KEY=VALUE whose key is unknown but close to a known one: a ValueError suggesting that one."""
-    known = _known_keys()
+    known = known_keys()
     for assignment in assignments:
         key = assignment.split("=", 1)[0].strip()
         if "=" in assignment and key and key not in known:
-            close = _closest_key(key)
+            close = closest_key(key)
             if close is not None:
                 raise ValueError(f"unknown config key {key!r}; did you mean {close}? "
                                  f"(every key: pacs {command} --help)")
-
-
-def with_key_suggestion(message: str) -> str:
-    """The config module's "unknown config key 'x'; known: ..." with the closest key named first."""
-    found = re.match(r"unknown config key '([^']+)'; (?!did you mean)", message)
-    close = _closest_key(found.group(1)) if found else None
-    return message if close is None else f"{found.group(0)}did you mean {close}? {message[found.end():]}"
-
-
-def check_model_dir(path: str) -> None:
-    """A local ``--model`` directory without a config.json: a ValueError saying what it is instead (a run
-    directory, whose trained model is its final_model/, or no Hugging Face model)."""
-    local = os.path.expanduser(path)
-    if not os.path.isdir(local) or os.path.isfile(os.path.join(local, "config.json")):
-        return
-    final = RunDir(path).final_model
-    if os.path.isfile(os.path.join(os.path.expanduser(final), "config.json")):
-        raise ValueError(f"--model: {path!r} is a run directory, not a model; its trained model is {final!r}")
-    raise ValueError(f"--model: {path!r} has no config.json (a Hugging Face model directory holds config.json "
-                     "and the weights)")
 
 
 def build_config(args: argparse.Namespace) -> Config:
@@ -143,9 +114,6 @@ def build_config(args: argparse.Namespace) -> Config:
             cfg.output_dir = own
     if getattr(args, "overwrite", False):
         cfg.overwrite = True
-    if cfg.task.data_path and cfg.task.name != "math":  # else the data file would be silently ignored
-        raise ValueError(f"task.data_path is read by task.name=math only (task.name is {cfg.task.name!r}): "
-                         "add task.name=math")
     check_model_dir(cfg.model.path)
     return cfg
 
@@ -435,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(exc, "pacs_during_training", False):  # not a setting: a failure inside a training step
             raise
         if _is_main_rank():
-            print(f"pacs {args.command}: error: {with_key_suggestion(str(exc))}", file=sys.stderr)
+            print(f"pacs {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"pacs {args.command}: interrupted", file=sys.stderr)

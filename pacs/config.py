@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import hashlib
 import json
 import os
@@ -264,9 +265,47 @@ def from_user_layout(data: dict) -> dict:
         if key in dict(config_keys()) and key not in ADVANCED_KEYS:
             raise ValueError(f"{ADVANCED}.{key} is not an advanced key: write {key}")
         if key not in ADVANCED_KEYS:
-            raise ValueError(f"unknown config key {ADVANCED + '.' + key!r}; {_advanced_keys_near(key)}")
+            written = f"{ADVANCED}.{key}"
+            raise ValueError(f"unknown config key {written!r}; {_did_you_mean(written)}{_advanced_keys_near(key)}")
         _put(declared, key, value)
     return declared
+
+
+def known_keys() -> set[str]:
+    """Every dotted key and section a user may write, in both spellings (as declared and as written)."""
+    known = set()
+    for key, _ in config_keys():
+        for spelling in (key, user_key(key)):
+            parts = spelling.split(".")
+            known.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return known
+
+
+def closest_key(name: str) -> str | None:
+    """The key a typo'd ``name`` most likely meant, as a user writes it (None when nothing is close): a section
+    for a name without a dot; in a known section, its key whose name is closest (else the key of that name in
+    another section); in an unknown one, the closest whole key."""
+    leaves = [user_key(key) for key, _ in config_keys()]
+    if "." not in name:
+        return _closest(name, sorted(known_keys()))
+    section, _, leaf = name.rpartition(".")
+    if section not in known_keys():
+        return _closest(name, leaves)
+    near = _closest(leaf, [key[len(section) + 1:] for key in leaves if key.startswith(f"{section}.")])
+    if near is not None:
+        return f"{section}.{near}"
+    elsewhere = [key for key in leaves if key.rpartition(".")[2] == leaf]  # the right name in the wrong section
+    return elsewhere[0] if len(elsewhere) == 1 else None
+
+
+def _closest(name: str, candidates: list[str]) -> str | None:
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _did_you_mean(name: str) -> str:
+    close = closest_key(name)
+    return "" if close is None else f"did you mean {close}? "
 
 
 def _advanced_keys_near(key: str) -> str:
@@ -371,7 +410,7 @@ def apply_dict(cfg: Any, data: dict, prefix: str = "") -> Any:
             full = [f"{prefix}{k}" for k in sorted(fields)]
             known = ([k for k in full if k not in ADVANCED_KEYS]
                      + [f"{ADVANCED}.{k}" for k in full if k in ADVANCED_KEYS])
-            raise ValueError(f"unknown config key {name!r}; known: {', '.join(known)}")
+            raise ValueError(f"unknown config key {name!r}; {_did_you_mean(name)}known: {', '.join(known)}")
         current = getattr(cfg, key)
         if dataclasses.is_dataclass(current):
             apply_dict(current, value, prefix=f"{name}.")
@@ -560,6 +599,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ValueError("eval.n_samples > 1 needs eval.temperature > 0 (greedy samples are identical)")
     if t.name == "math" and not t.data_path:
         raise ValueError("task.name='math' needs task.data_path (a .jsonl or .parquet file)")
+    for key in ("data_path", "eval_path"):  # else the file would be silently ignored
+        if getattr(t, key) and t.name != "math":
+            raise ValueError(f"task.{key} is read by task.name=math only (task.name is {t.name!r}): add task.name=math")
     if t.name == "wordmath":
         _positive("task.word_steps", t.word_steps)
     if t.name in ("embedded", "wordmath"):

@@ -71,8 +71,8 @@ def test_a_model_directory_without_config_json(tmp_path, capsys):
     (run / "final_model").mkdir(parents=True)
     (run / "final_model" / "config.json").write_text("{}")
     line = error_line(capsys, "eval", "--model", str(run), "--output-dir", str(tmp_path / "o"))
-    assert line == (f"pacs eval: error: --model: {str(run)!r} is a run directory, not a model; its trained model "
-                    f"is {str(run / 'final_model')!r}")
+    assert line == (f"pacs eval: error: --model: {str(run)!r} is not a model directory (no config.json); the model "
+                    f"in it is {str(run / 'final_model')!r}")
     assert not (tmp_path / "o").exists()
 
 

@@ -57,6 +57,26 @@ def test_bad_overrides(override, match):
         apply_override(Config(), override)
 
 
+@pytest.mark.parametrize("data, match", [
+    ({"optim": {"lrr": 1e-4}}, "unknown config key 'optim.lrr'; did you mean optim.lr[?] known: "),
+    ({"optm": {"lr": 1e-4}}, "unknown config key 'optm'; did you mean optim[?] known: "),
+    ({"advanced": {"optim": {"weighing": "none"}}},
+     "unknown config key 'advanced.optim.weighing'; did you mean advanced.optim.weighting[?] known under "),
+    ({"optim": {"group_size": 4}}, "unknown config key 'optim.group_size'; did you mean rollout.group_size[?] "),
+    ({"zzz": 1}, "unknown config key 'zzz'; known: "),
+    # a name far from any in its section gets no guess (not the section's nearest-looking key)
+    ({"advanced": {"optim": {"nope": 1}}}, "unknown config key 'advanced.optim.nope'; known under advanced.optim: "),
+])
+def test_an_unknown_key_names_the_key_meant_in_the_library_too(tmp_path, data, match):
+    """The suggestion comes from the config module, so the Python API (load_config) gets it, not only the CLI."""
+    import yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=match):
+        load_config(str(path))
+
+
 @pytest.mark.parametrize("overrides, match", [
     (["rollout.group_size=1"], "group_size must be >= 2"),
     (["advanced.optim.micro_batch_responses=12"], "splits groups"),
@@ -69,6 +89,8 @@ def test_bad_overrides(override, match):
     (["task.name=math"], "task.data_path"),
     (["advanced.task.hidden_size=100", "advanced.task.num_heads=3"], "divisible"),
     (["advanced.optim.logprob_backend=naive"], "one_sweep_first_step needs"),
+    (["task.data_path=x.jsonl"], r"task.data_path is read by task.name=math only \(task.name is 'embedded'\)"),
+    (["task.name=wordmath", "task.eval_path=x.jsonl"], "task.eval_path is read by task.name=math only"),
 ])
 def test_configs_that_cannot_work(overrides, match):
     cfg = load_config(None, overrides)

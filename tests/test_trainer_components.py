@@ -196,8 +196,17 @@ def test_unknown_model_path_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="not a model directory"):
         check_model_path(str(tmp_path / "nothing_here"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="cannot load a model config"):
+    with pytest.raises(ValueError, match="has no config.json"):
         check_model_path(str(tmp_path / "empty"))
+    # a run directory: the Python API names the model inside it, as the CLI does
+    (tmp_path / "run" / "final_model").mkdir(parents=True)
+    (tmp_path / "run" / "final_model" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="the model in it is '.*final_model'"):
+        check_model_path(str(tmp_path / "run"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("not json")
+    with pytest.raises(ValueError, match="cannot load a model config"):
+        check_model_path(str(tmp_path / "bad"))
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir):

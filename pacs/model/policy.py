@@ -22,6 +22,7 @@ from pacs.model.layers import decoder_layers
 from pacs.model.lora import add_lora, has_lora, merged_named_tensors
 from pacs.model.memory import apply_liger_patches, fsdp_kwargs
 from pacs.model.mixed_precision import Precision, resolve_precision
+from pacs.model.model_dir import check_model_dir
 from pacs.model.model_forward import check_supported_head, logit_scale_of, logit_softcap_of
 from pacs.model.packing import enable_packed_attention
 from pacs.model.sequence_parallel import enable_sequence_parallel_attention, new_sequence_parallel
@@ -119,6 +120,7 @@ def check_model_path(path: str, trust_remote_code: bool = False):
     """
     from transformers import AutoConfig
 
+    check_model_dir(path)
     looks_local = path.startswith((".", "/", "~")) or os.path.exists(path) or path.count("/") != 1
     if looks_local and not os.path.isdir(os.path.expanduser(path)):
         raise ValueError(f"--model: {path!r} is not a model directory (no such directory) and not a hub id")
