@@ -16,6 +16,7 @@ import signal
 import pytest
 import torch
 import transformers
+from tiny_models import save_tiny_qwen2
 
 import pacs.train.checkpoint as ck
 import pacs.train.durable as durable
@@ -172,13 +173,8 @@ def test_recovery_by_two_processes_at_once_keeps_the_first(tmp_path, monkeypatch
 
 
 def tiny_model_dir(path) -> str:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        config = transformers.Qwen2Config(
-            vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16, max_position_embeddings=32, tie_word_embeddings=True)
-        transformers.Qwen2ForCausalLM(config).save_pretrained(path)
-    return str(path)
+    return save_tiny_qwen2(path, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=16, max_position_embeddings=32, tie_word_embeddings=True)
 
 
 def exported_weight(path: str) -> torch.Tensor:

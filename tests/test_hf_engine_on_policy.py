@@ -5,6 +5,7 @@ the weights (LoRA's adapters, unmerged) in the next samples without a sync."""
 import pytest
 import torch
 import transformers
+from tiny_models import save_tiny_qwen2
 
 from pacs.model.policy import full_named_tensors, load_policy
 from pacs.rollout import HFGenerateEngine, make_rollout_engine
@@ -16,15 +17,9 @@ GREEDY = dict(temperature=0.0, top_p=1.0, max_new_tokens=8, stop_token_ids=[2])
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("on_policy")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        config = transformers.Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                          max_position_embeddings=64, tie_word_embeddings=False)
-        transformers.Qwen2ForCausalLM(config).save_pretrained(path)
-        transformers.PreTrainedTokenizerFast(tokenizer_object=_tokenizer(), pad_token="<pad>").save_pretrained(path)
-    return str(path)
+    path = save_tiny_qwen2(tmp_path_factory.mktemp("on_policy"), vocab_size=40)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=_tokenizer(), pad_token="<pad>").save_pretrained(path)
+    return path
 
 
 def _tokenizer():

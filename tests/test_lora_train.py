@@ -12,6 +12,7 @@ import torch
 import transformers
 from test_packing import random_batch
 from test_trainer_fsdp import close, run_worker
+from tiny_models import save_tiny_qwen2
 from trainer_helpers import comparable, tiny_config
 
 from pacs.config import load_config, validate
@@ -30,14 +31,7 @@ def lora(rank=4, alpha=8.0, target_modules="all-linear"):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A 2-layer Qwen2 with biases, grouped key/value heads and untied embeddings, float64 saved as float32."""
-    path = tmp_path_factory.mktemp("lora_model")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        config = transformers.Qwen2Config(vocab_size=48, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                          max_position_embeddings=128, tie_word_embeddings=False)
-        transformers.Qwen2ForCausalLM(config).save_pretrained(path)
-    return str(path)
+    return save_tiny_qwen2(tmp_path_factory.mktemp("lora_model"), max_position_embeddings=128)
 
 
 def randomize_adapters(policy, seed: int = 1) -> None:

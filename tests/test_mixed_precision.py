@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import transformers
+from tiny_models import save_tiny_qwen2
 from trainer_helpers import repo_root, run_torchrun
 
 from pacs.config import load_config, validate
@@ -20,13 +21,7 @@ from pacs.train.weight_updates import UpdateMonitor
 
 def tiny_model_dir(path) -> str:
     """A 2-layer Qwen2 (hidden 64, grouped key/value heads, tied embeddings), HF's own initialization, float32."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        config = transformers.Qwen2Config(
-            vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)
-        transformers.Qwen2ForCausalLM(config).save_pretrained(path)
-    return str(path)
+    return save_tiny_qwen2(path, hidden_size=64, intermediate_size=128, head_dim=16, tie_word_embeddings=True)
 
 
 # ---------------------------------------------------------------- rounding
