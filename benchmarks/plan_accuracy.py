@@ -11,6 +11,11 @@ the trainer does for a micro-batch that is not the first of its mini-batch: a sh
 ``train.loss_chunk_mib``, backward; benchmarks/long_context_train.py's ``train_step``), then the AdamW
 step. A warm-up step before creates the AdamW state and pages the code in.
 
+The ``old_policy_pass*`` probes time no training step: the trainer's no-grad old-policy pass over 16 rows in
+one chunk (``advanced.train.old_policy_max_tokens`` above the training micro-batch), after a warm-up pass;
+measured = the parameters + the pass's peak increase, predicted = the parameters + the plan's old-policy
+transient.
+
 Measured footprint = bytes of parameters and AdamW state (counted from the tensors) + the peak increase
 of the resident set over the step: VmHWM after the step minus VmRSS right before it, with VmHWM reset
 there (/proc/self/clear_refs; benchmarks/measure.py's helpers). The process's baseline (the Python
@@ -56,7 +61,25 @@ PROBES = {
     "bf16_autocast_master_fp32": (("packed", "fused"), 256.0, 512, "mixed"),
     "bf16_autocast_ckpt": (("packed", "fused", "ckpt"), 256.0, 512, "mixed"),
     "ckpt_loss_chunk_16": (("packed", "fused", "ckpt"), 16.0, 2048, "float32"),
+    "bf16_autocast_wide_head": (("packed", "fused", "ckpt"), 256.0, 512, "mixed"),
+    # not a training step: the no-grad old-policy pass over OLD_POLICY_ROWS rows in one chunk
+    # (advanced.train.old_policy_max_tokens above the training micro-batch's one group), against the plan's
+    # "old-policy pass" transient; measured = parameters + the pass's peak increase
+    "old_policy_pass": (("packed", "old_policy"), 256.0, 1024, "float32"),
+    "old_policy_pass_tiled_mlp": (("packed", "tiled", "old_policy"), 256.0, 1024, "float32"),
+    "old_policy_pass_bf16_autocast": (("packed", "old_policy"), 256.0, 1024, "mixed"),
+    "old_policy_pass_wide_head_bf16": (("packed", "old_policy"), 256.0, 256, "mixed"),
 }
+OLD_POLICY_ROWS = 4 * GROUP
+# probes on another model than MODEL: these changes to it. A Qwen2.5-sized vocabulary over hidden 256, untied:
+# the LM head (39M parameters) outweighs the 4 layers, so what the step holds of it shows (under autocast, its
+# 16-bit copy and the 16-bit gradient the fused loss hands back)
+WIDE_HEAD = dict(vocab_size=151936, tie_word_embeddings=False)
+PROBE_MODELS = {"bf16_autocast_wide_head": WIDE_HEAD, "old_policy_pass_wide_head_bf16": WIDE_HEAD}
+
+
+def probe_model(probe: str) -> dict:
+    return MODEL | PROBE_MODELS.get(probe, {})
 
 
 # --device cuda (benchmarks/gpu.sh): one real architecture's step on the GPU, the planner's default GPU path
@@ -77,20 +100,21 @@ def real_model_config(dry_run: bool) -> dict:
     return config
 
 
-def equal_rows_batch(response: int, seed: int, vocab: int | None = None):
-    """One group of GROUP full-length rows (the planner's worst case)."""
+def equal_rows_batch(response: int, seed: int, vocab: int | None = None, rows: int = GROUP):
+    """``rows`` (default: one group of GROUP) full-length rows (the planner's worst case)."""
     from pacs.train.trainer import build_batch
 
     gen = torch.Generator().manual_seed(seed)
     vocab = vocab or MODEL["vocab_size"]
     prompt = torch.randint(3, vocab, (PROMPT,), generator=gen).tolist()
-    responses = [torch.randint(3, vocab, (response,), generator=gen).tolist() for _ in range(GROUP)]
-    return build_batch([prompt] * GROUP, responses, [float(i % 2) for i in range(GROUP)], pad_token_id=0)
+    responses = [torch.randint(3, vocab, (response,), generator=gen).tolist() for _ in range(rows)]
+    return build_batch([prompt] * rows, responses, [float(i % 2) for i in range(rows)], pad_token_id=0)
 
 
 def probe_tokens(levers, response: int) -> int:
-    """Tokens the step computes on: packed rows, or padded rows x the longest (the same here: equal rows)."""
-    return GROUP * (PROMPT + response)
+    """Tokens the step computes on: packed rows, or padded rows x the longest (the same here: equal rows); the
+    old-policy pass: all its rows."""
+    return (OLD_POLICY_ROWS if "old_policy" in levers else GROUP) * (PROMPT + response)
 
 
 def build_policy(levers, dtype: str, model: dict | None = None, device: torch.device = torch.device("cpu")):
@@ -103,16 +127,35 @@ def build_policy(levers, dtype: str, model: dict | None = None, device: torch.de
     return build(model or MODEL, tuple(levers), device, torch.float32, precision=precision)
 
 
+def old_policy_worker(request: dict) -> None:
+    """The trainer's no-grad old-policy pass (pacs.train.trainer.old_policy_logprobs) over OLD_POLICY_ROWS rows
+    in one chunk, after a warm-up pass."""
+    from pacs.train.trainer import old_policy_logprobs
+
+    levers, _, response, dtype = PROBES[request["probe"]]
+    model = probe_model(request["probe"])
+    policy, _ = build_policy(tuple(lever for lever in levers if lever != "old_policy"), dtype, model)
+    batch = equal_rows_batch(response, 3, model["vocab_size"], rows=OLD_POLICY_ROWS)
+    everything = [(0, OLD_POLICY_ROWS)]
+    old_policy_logprobs(policy, batch, everything, 1.0, "auto", packed="packed" in levers)
+    base = reset_peak_rss()
+    old_policy_logprobs(policy, batch, everything, 1.0, "auto", packed="packed" in levers)
+    params = sum(p.numel() * p.element_size() for p in policy.parameters()) / 2**20
+    print(json.dumps({"state_mib": params, "increase_mib": peak_rss_mib() - base}), flush=True)
+
+
 def worker(request: dict) -> None:
     from benchmarks.long_context_train import state_mib, train_step
 
     torch.set_num_threads(request.get("threads") or 2)
+    if "old_policy" in PROBES[request["probe"]][0]:
+        return old_policy_worker(request)
     levers, chunk, response, dtype = PROBES[request["probe"]]
-    levers = tuple(levers)
-    policy, optimizer = build_policy(levers, dtype)
-    cpu = torch.device("cpu")
-    train_step(policy, optimizer, equal_rows_batch(8, 1), levers, cpu, chunk)  # AdamW state, code paged in
-    short, batch = equal_rows_batch(4, 2), equal_rows_batch(response, 3)
+    levers, model = tuple(levers), probe_model(request["probe"])
+    policy, optimizer = build_policy(levers, dtype, model)
+    cpu, vocab = torch.device("cpu"), model["vocab_size"]
+    train_step(policy, optimizer, equal_rows_batch(8, 1, vocab), levers, cpu, chunk)  # AdamW state, code paged in
+    short, batch = equal_rows_batch(4, 2, vocab), equal_rows_batch(response, 3, vocab)
     base = reset_peak_rss()
     train_step(policy, None, short, levers, cpu, chunk)  # gradients allocated, as accumulation holds them
     train_step(policy, optimizer, batch, levers, cpu, chunk)
@@ -180,14 +223,27 @@ def predict(probe: str):
     from pacs.train.memory_plan import Levers, PlanInputs, plan_memory, shape_from_config
 
     levers, chunk, response, dtype = PROBES[probe]
-    shape = shape_from_config(dict(MODEL, model_type="qwen2"), name="plan-accuracy")
+    shape = shape_from_config(dict(probe_model(probe), model_type="qwen2"), name="plan-accuracy")
+    old_policy = "old_policy" in levers
     inputs = PlanInputs(model=shape, gpu_gib=1024, gpus=1, prompt_len=PROMPT, response_len=response,
-                        group_size=GROUP, prompts_per_step=1,
+                        group_size=GROUP, prompts_per_step=OLD_POLICY_ROWS // GROUP if old_policy else 1,
                         compute_dtype="bfloat16" if dtype == "mixed" else "float32",
                         master_dtype="float32", gpu_memory_utilization=0.0, device="cpu")
     chosen = Levers(gradient_checkpointing="ckpt" in levers, tiled_mlp="tiled" in levers,
-                    offload_activations="offload" in levers, packing="packed" in levers, loss_chunk_mib=chunk)
-    return plan_memory(inputs, chosen, tokens=probe_tokens(levers, response))
+                    offload_activations="offload" in levers, packing="packed" in levers, loss_chunk_mib=chunk,
+                    old_policy_max_tokens=OLD_POLICY_ROWS * (PROMPT + response) if old_policy else None)
+    return plan_memory(inputs, chosen, tokens=GROUP * (PROMPT + response))  # the training micro-batch
+
+
+def predicted_mib(probe: str) -> float:
+    """The planner's peak for the probe (host memory included: the CPU's is the device's); the old-policy probe:
+    the parameters and the pass's transient."""
+    plan = predict(probe)
+    if "old_policy" in PROBES[probe][0]:
+        weights = next(value for name, value in plan.components.items() if name.startswith("weights (master"))
+        old_pass = next(value for name, value in plan.transient.items() if name.startswith("old-policy pass"))
+        return (weights + old_pass) / 2**20
+    return (plan.peak + sum(plan.host.values())) / 2**20
 
 
 def run_probe(probe: str, threads: int | None, timeout: float) -> dict:
@@ -202,14 +258,13 @@ def run_probe(probe: str, threads: int | None, timeout: float) -> dict:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise RuntimeError(f"probe {probe}: worker exit {proc.returncode}: {tail[:300]}")
     measured = json.loads(lines[-1])
-    plan = predict(probe)
-    predicted_mib = (plan.peak + sum(plan.host.values())) / 2**20
+    predicted = predicted_mib(probe)
     footprint = measured["state_mib"] + measured["increase_mib"]
     levers, chunk, response, dtype = PROBES[probe]
     return {"probe": probe, "levers": "+".join(levers), "dtype": dtype, "loss_chunk_mib": chunk,
             "tokens": probe_tokens(levers, response), "measured_mib": round(footprint, 1),
             "state_mib": round(measured["state_mib"], 1), "step_increase_mib": round(measured["increase_mib"], 1),
-            "predicted_mib": round(predicted_mib, 1), "error_pct": round(100 * (predicted_mib / footprint - 1), 1)}
+            "predicted_mib": round(predicted, 1), "error_pct": round(100 * (predicted / footprint - 1), 1)}
 
 
 COLUMNS = ["date", "device_name", "probe", "levers", "dtype", "loss_chunk_mib", "tokens", "state_mib",
@@ -228,7 +283,14 @@ def markdown(rows: list[dict], name: str, date: str) -> str:
              "step (VmHWM reset right before it; the interpreter's and torch's baseline resident set is left out "
              "of both sides). Predicted: `pacs.train.memory_plan.plan_memory` for the same shapes, tokens and levers "
              "(device cpu: offloaded activations counted, host memory being the device's). Method: "
-             "the script's docstring.", "",
+             "the script's docstring."]
+    lines += [f"Probe {probe} on another model: {', '.join(f'{k} {v}' for k, v in changes.items())}."
+              for probe, changes in PROBE_MODELS.items() if any(r["probe"] == probe for r in rows)]
+    if any(r["probe"].startswith("old_policy") for r in rows):
+        lines.append(f"The old_policy_pass probes run no training step: the trainer's no-grad old-policy pass over "
+                     f"{OLD_POLICY_ROWS} rows in one chunk; measured = the parameters + the pass's peak increase, "
+                     "predicted = the parameters + the plan's old-policy transient (tokens: the chunk's).")
+    lines += ["",
              "| probe | levers | dtype | loss chunk MiB | tokens | measured MiB | predicted MiB | error | "
              "step part: measured / predicted MiB (error) |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]

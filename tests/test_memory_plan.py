@@ -77,7 +77,7 @@ def test_cpu_plan_counts_the_chunk_auto_may_raise_to_and_a_set_chunk_pins_it():
     chunk (up to 1/8 of the memory): the plan counts that, and a set loss_chunk_mib pins the chunk."""
     from pacs.train.memory_plan import RAISED_LOSS_CHUNK_SHARE, loss_chunk_budget
 
-    key = "fused loss (logits chunk, head gradient, hidden states)"
+    key = "fused loss (logits chunk, LM head, hidden states)"
     cpu = inputs(device="cpu", gpu_gib=64, gpu_memory_utilization=0.0, compute_dtype="float32")
     unset, pinned = plan_memory(cpu), plan_memory(cpu, Levers(loss_chunk_mib=256))
     all_logits = unset.micro_batch_tokens * cpu.model.vocab * 4
@@ -147,8 +147,8 @@ def test_levers_shrink_what_they_claim_to():
     assert tiled.components[key] < none.components[key]
     assert offload.components[key] == 0 and offload.host["activations (offloaded)"] > 0
     assert budget.micro_batch_tokens == inp.row_tokens < none.micro_batch_tokens and budget.peak < none.peak
-    assert chunk.transient["fused loss (logits chunk, head gradient, hidden states)"] < \
-        none.transient["fused loss (logits chunk, head gradient, hidden states)"]
+    assert chunk.transient["fused loss (logits chunk, LM head, hidden states)"] < \
+        none.transient["fused loss (logits chunk, LM head, hidden states)"]
 
 
 def test_saved_bytes_formula_on_a_known_layer():
@@ -246,6 +246,38 @@ def test_planner_within_15_percent_of_measured_peaks():
         assert abs(row["error_pct"]) <= 15, row
 
 
+@pytest.mark.slow
+def test_planner_counts_what_the_loss_holds_of_a_wide_lm_head():
+    """Under bf16 autocast over float32 weights, a Qwen2.5-sized vocabulary over hidden 256: the fused loss
+    holds the head's 16-bit copy, its 16-bit gradient and (CPU) a float32 copy for its GEMMs beside the float32
+    gradient; the step (without the exactly counted weights and AdamW state) was planned 22% low before
+    loss_head_bytes counted them."""
+    from benchmarks.plan_accuracy import run_probe
+
+    row = run_probe("bf16_autocast_wide_head", threads=2, timeout=300)
+    step_planned = row["predicted_mib"] - row["state_mib"]
+    assert abs(step_planned / row["step_increase_mib"] - 1) <= 0.08, row
+
+
+@pytest.mark.slow
+def test_planner_within_10_percent_of_the_old_policy_pass():
+    """The no-grad old-policy pass over 16 rows in one chunk (advanced.train.old_policy_max_tokens): planned from
+    a layer's forward, not its saved-for-backward bytes (2.3x too high before)."""
+    from benchmarks.plan_accuracy import run_probe
+
+    for probe in ("old_policy_pass", "old_policy_pass_tiled_mlp"):
+        row = run_probe(probe, threads=2, timeout=300)
+        step_planned = row["predicted_mib"] - row["state_mib"]
+        assert abs(step_planned / row["step_increase_mib"] - 1) <= 0.10, row
+
+
+def test_logprob_chunk_is_the_kernels():
+    from pacs.train.memory_plan import LOGPROB_CHUNK_BYTES
+    from pacs_kernels.torch_chunked import DEFAULT_CHUNK_ELEMENTS
+
+    assert LOGPROB_CHUNK_BYTES == 4 * DEFAULT_CHUNK_ELEMENTS
+
+
 def test_preflight_prediction_from_a_loaded_model_config():
     import transformers
 
@@ -336,8 +368,8 @@ def test_fsdp_counts_the_gathered_root_unit():
 
 def test_an_old_policy_pass_in_larger_chunks_than_the_training_micro_batches_is_planned():
     """advanced.train.old_policy_max_tokens above the micro-batch: the no-grad pass's chunk is its own transient
-    (assumed: a layer's saved bytes, the chunk's hidden states and the log-prob kernels' logits chunk)."""
-    from pacs.train.memory_plan import plan_for_config
+    (a layer's forward or the LM head's copies with the log-prob kernels' chunk, and the chunk's hidden states)."""
+    from pacs.train.memory_plan import OLD_POLICY_PASS, plan_for_config
 
     m = load_model_shape("qwen2.5-1.5b")
     common = ["rollout.max_prompt_len=1024", "rollout.max_new_tokens=8192", "optim.micro_batch_groups=1",
@@ -345,12 +377,12 @@ def test_an_old_policy_pass_in_larger_chunks_than_the_training_micro_batches_is_
     plain = plan_for_config(load_config(None, common), m, gpu_gib=79)
     assert not any(name.startswith("old-policy") for name in plain.transient)
     big = plan_for_config(load_config(None, [*common, "advanced.train.old_policy_max_tokens=147456"]), m, gpu_gib=79)
-    old = big.transient["old-policy pass (no grad, assumed)"]
+    old = big.transient[OLD_POLICY_PASS]
     assert old > plain.transient["one layer's backward (recomputed)"] and big.phase == "the old-policy pass"
     assert big.peak > plain.peak and "advanced.train.old_policy_max_tokens=147456" in big.levers.config_lines()
     # no larger than the rank's rows of a step: 32 prompts x 8 responses of 9216 tokens
     huge = plan_for_config(load_config(None, [*common, "advanced.train.old_policy_max_tokens=10000000"]), m, gpu_gib=79)
-    assert huge.transient["old-policy pass (no grad, assumed)"] > old
+    assert huge.transient[OLD_POLICY_PASS] > old
     from pacs.train.memory_plan import old_policy_tokens
 
     assert old_policy_tokens(huge.inputs, huge.levers) == 32 * 8 * 9216

@@ -47,10 +47,15 @@ SAVED_BYTES = {
 #   * a layer's backward: the gradients of its inputs and transients, in units of the layer's saved bytes
 #     (with checkpointing, on top of the recomputed layer itself);
 #   * the fused loss: its logits chunk (x LOSS_CHUNK_COPIES: a 16-bit GEMM's output before its float32
-#     copy), the LM head's float32 gradient buffer, and LOSS_HIDDEN_COPIES copies of the (T, hidden) states
+#     copy), what it holds of the LM head (loss_head_bytes), and LOSS_HIDDEN_COPIES copies of the (T, hidden)
+#     states
 BACKWARD_LAYERS = 0.5
 LOSS_CHUNK_COPIES = {"float32": 1.0, "16-bit": 1.2}
 LOSS_HIDDEN_COPIES = 10
+# the no-grad old-policy pass's log-prob kernels hold this much of the logits at once: the torch backend's
+# pacs_kernels.torch_chunked.DEFAULT_CHUNK_ELEMENTS float32 logits (a test keeps them equal; the Triton kernels less)
+LOGPROB_CHUNK_BYTES = 4 * (1 << 22)
+OLD_POLICY_PASS = "old-policy pass (no grad)"
 # CUDA's context, cuBLAS/NCCL workspaces and the caching allocator's slack: assumed (not measured here)
 CUDA_RESERVE_GIB = 1.0
 # pacs_kernels.single_pass.DEFAULT_CHUNK_BUDGET_MIB (a test keeps them equal; this module imports no torch)
@@ -318,6 +323,36 @@ def loss_chunk_budget(levers: Levers, inp: PlanInputs) -> float:
     return max(default, RAISED_LOSS_CHUNK_SHARE * inp.gpu_gib * GiB) if inp.device == "cpu" else default
 
 
+def loss_head_bytes(inp: PlanInputs, kind: str) -> int:
+    """Bytes per LM-head parameter the fused loss holds at its peak (measured on the CPU with
+    benchmarks/plan_accuracy.py's wide-head probe; on CUDA read off the code): the float32 gradient it
+    accumulates (not under LoRA: the head is frozen); that gradient handed back in a 16-bit head's dtype,
+    beside the accumulator; under autocast, Policy.forward's 16-bit copy of the float32 head, kept for the
+    backward; on the CPU, the float32 copy of a 16-bit head its GEMMs take (pacs_kernels/matmul.py)."""
+    trains, sixteen_bit = inp.lora_rank is None, inp.compute_dtype == "bfloat16"
+    return ((4 + (2 if sixteen_bit else 0) if trains else 0) + (2 if kind == "autocast" else 0)
+            + (4 if sixteen_bit and inp.device == "cpu" else 0))
+
+
+def old_policy_pass_bytes(inp: PlanInputs, levers: Levers, kind: str, tokens: int) -> float:
+    """What the no-grad old-policy pass holds over a chunk of ``tokens`` at its peak: the largest of a decoder
+    layer's MLP (three (tokens, intermediate) tensors in the compute dtype, a tile's with train.tiled_mlp, beside
+    four of the residual stream), its attention, and the LM head's copies with the log-prob kernels' logits chunk;
+    plus the chunk's final hidden states. The coefficients were fitted to benchmarks/plan_accuracy.py's
+    old_policy_pass probes (float32, tiled MLP, bf16 autocast, and a wide LM head under bf16; CPU, Qwen2's
+    layer)."""
+    m = inp.model
+    compute = 2 if inp.compute_dtype == "bfloat16" else 4
+    stream = compute if kind == "16-bit" else 4
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    mlp_tokens = min(m.hidden, tokens) if levers.tiled_mlp else tokens  # train.mlp_tile_tokens' default tile
+    mlp = 3 * m.intermediate * compute * mlp_tokens + 4 * m.hidden * stream * tokens
+    attention = (4 * m.hidden * stream + (2 * q + 3 * kv) * compute) * tokens
+    head_copies = (2 if kind == "autocast" else 0) + (4 if compute == 2 and inp.device == "cpu" else 0)
+    head = m.vocab * m.hidden * head_copies + 3 * LOGPROB_CHUNK_BYTES  # the logits, their exp, the entropy's terms
+    return max(mlp, attention, head) + tokens * m.hidden * stream
+
+
 def plan_memory(inp: PlanInputs, levers: Levers = Levers(), tokens: int | None = None) -> MemoryPlan:
     """The peak bytes per GPU of one ``pacs train`` update with ``levers``, by component. ``tokens``: the
     micro-batch's tokens (default: the worst case, :func:`micro_batch_tokens`); padded rows count rows x
@@ -371,18 +406,13 @@ def plan_memory(inp: PlanInputs, levers: Levers = Levers(), tokens: int | None =
     comp["activations (saved for the backward)"] = saved
     logit_bytes = 2 if (inp.device == "cuda" and compute == 2) else 4
     chunk = min(loss_chunk_budget(levers, inp), tokens * m.vocab * logit_bytes)
-    head_gradient = 0 if lora else m.vocab * m.hidden * 4  # LoRA: the LM head is frozen
-    loss = (chunk * LOSS_CHUNK_COPIES["16-bit" if compute == 2 else "float32"] + head_gradient
-            + LOSS_HIDDEN_COPIES * tokens * m.hidden * stream)
-    transient = {"fused loss (logits chunk, head gradient, hidden states)": loss,
+    loss = (chunk * LOSS_CHUNK_COPIES["16-bit" if logit_bytes == 2 else "float32"]
+            + m.vocab * m.hidden * loss_head_bytes(inp, kind) + LOSS_HIDDEN_COPIES * tokens * m.hidden * stream)
+    transient = {"fused loss (logits chunk, LM head, hidden states)": loss,
                  "one layer's backward" + (" (recomputed)" if levers.gradient_checkpointing else ""): backward}
     old_tokens = old_policy_tokens(inp, levers)
     if old_tokens > tokens:  # the no-grad old-policy pass in larger chunks than the training micro-batches
-        # assumed, not measured: a layer's forward holds at most what it would save for the backward, beside
-        # the chunk's final hidden states and the log-prob kernels' logits chunk
-        old_layer = per_layer * old_tokens + (mlp_saved * min(tile, old_tokens) if levers.tiled_mlp else 0)
-        old_chunk = min(loss_chunk_budget(levers, inp), old_tokens * m.vocab * logit_bytes)
-        transient["old-policy pass (no grad, assumed)"] = old_layer + old_chunk + 2 * old_tokens * m.hidden * stream
+        transient[OLD_POLICY_PASS] = old_policy_pass_bytes(inp, levers, kind, old_tokens)
     if inp.device == "cuda":
         comp["CUDA context, workspaces (assumed)"] = CUDA_RESERVE_GIB * GiB
     if inp.device == "cuda" and inp.gpu_memory_utilization > 0:
