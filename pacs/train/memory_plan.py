@@ -327,8 +327,8 @@ def loss_head_bytes(inp: PlanInputs, kind: str) -> int:
     """Bytes per LM-head parameter the fused loss holds at its peak (measured on the CPU with
     benchmarks/plan_accuracy.py's wide-head probe; on CUDA read off the code): the float32 gradient it
     accumulates (not under LoRA: the head is frozen); that gradient handed back in a 16-bit head's dtype,
-    beside the accumulator; under autocast, Policy.forward's 16-bit copy of the float32 head, kept for the
-    backward; on the CPU, the float32 copy of a 16-bit head its GEMMs take (pacs_kernels/matmul.py)."""
+    beside the accumulator; under autocast, Policy.forward's 16-bit copy of the float32 head, which the loss
+    computes with; on the CPU, the float32 copy of a 16-bit head its GEMMs take (pacs_kernels/matmul.py)."""
     trains, sixteen_bit = inp.lora_rank is None, inp.compute_dtype == "bfloat16"
     return ((4 + (2 if sixteen_bit else 0) if trains else 0) + (2 if kind == "autocast" else 0)
             + (4 if sixteen_bit and inp.device == "cpu" else 0))
