@@ -69,7 +69,11 @@ PROBES = {
     "old_policy_pass_tiled_mlp": (("packed", "tiled", "old_policy"), 256.0, 1024, "float32"),
     "old_policy_pass_bf16_autocast": (("packed", "old_policy"), 256.0, 1024, "mixed"),
     "old_policy_pass_wide_head_bf16": (("packed", "old_policy"), 256.0, 256, "mixed"),
+    # LoRA of rank LORA_RANK on all seven projections: the frozen base in bfloat16, float32 adapters, autocast
+    "lora_bf16": (("packed", "fused"), 256.0, 512, "lora"),
+    "lora_bf16_ckpt": (("packed", "fused", "ckpt"), 256.0, 1024, "lora"),
 }
+LORA_RANK = 16
 OLD_POLICY_ROWS = 4 * GROUP
 # probes on another model than MODEL: these changes to it. A Qwen2.5-sized vocabulary over hidden 256, untied:
 # the LM head (39M parameters) outweighs the 4 layers, so what the step holds of it shows (under autocast, its
@@ -119,12 +123,19 @@ def probe_tokens(levers, response: int) -> int:
 
 def build_policy(levers, dtype: str, model: dict | None = None, device: torch.device = torch.device("cpu")):
     """benchmarks/long_context_train.py's model and levers; ``dtype`` "mixed": bfloat16 autocast over float32
-    master weights."""
+    master weights; "lora": LoRA adapters (rank LORA_RANK, float32) over a bfloat16 base, as load_policy puts
+    them, under autocast, AdamW over the adapters."""
     from benchmarks.long_context_train import build
+    from pacs.model.lora import add_lora
     from pacs.model.mixed_precision import Precision
 
-    precision = Precision(torch.bfloat16, torch.float32) if dtype == "mixed" else None
-    return build(model or MODEL, tuple(levers), device, torch.float32, precision=precision)
+    precision = Precision(torch.bfloat16, torch.float32) if dtype in ("mixed", "lora") else None
+    base_dtype = torch.bfloat16 if dtype == "lora" else torch.float32
+    policy, optimizer = build(model or MODEL, tuple(levers), device, base_dtype, precision=precision)
+    if dtype == "lora":
+        add_lora(policy.causal_lm, LORA_RANK, 2.0 * LORA_RANK, "all-linear", torch.float32)
+        optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-6)
+    return policy, optimizer
 
 
 def old_policy_worker(request: dict) -> None:
@@ -227,8 +238,9 @@ def predict(probe: str):
     old_policy = "old_policy" in levers
     inputs = PlanInputs(model=shape, gpu_gib=1024, gpus=1, prompt_len=PROMPT, response_len=response,
                         group_size=GROUP, prompts_per_step=OLD_POLICY_ROWS // GROUP if old_policy else 1,
-                        compute_dtype="bfloat16" if dtype == "mixed" else "float32",
-                        master_dtype="float32", gpu_memory_utilization=0.0, device="cpu")
+                        compute_dtype="bfloat16" if dtype in ("mixed", "lora") else "float32",
+                        master_dtype="float32", gpu_memory_utilization=0.0, device="cpu",
+                        lora_rank=LORA_RANK if dtype == "lora" else None)
     chosen = Levers(gradient_checkpointing="ckpt" in levers, tiled_mlp="tiled" in levers,
                     offload_activations="offload" in levers, packing="packed" in levers, loss_chunk_mib=chunk,
                     old_policy_max_tokens=OLD_POLICY_ROWS * (PROMPT + response) if old_policy else None)
@@ -348,7 +360,8 @@ def main(argv=None) -> int:
     if args.report_only:
         with open(args.out / "plan_accuracy_cpu.csv") as fh:
             rows = list(csv.DictReader(fh))
-        (args.out / "plan_accuracy_cpu.md").write_text(markdown(rows, rows[0]["device_name"], rows[0]["date"]))
+        dates = ", ".join(dict.fromkeys(row["date"] for row in rows))  # rows appended from another run keep theirs
+        (args.out / "plan_accuracy_cpu.md").write_text(markdown(rows, rows[0]["device_name"], dates))
         return 0
     from benchmarks.run import device_name
 

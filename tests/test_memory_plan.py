@@ -241,7 +241,7 @@ def test_more_gpus_fit_where_one_does_not():
 def test_planner_within_15_percent_of_measured_peaks():
     from benchmarks.plan_accuracy import run_probe
 
-    for probe in ("none", "ckpt", "bf16_autocast_master_fp32"):
+    for probe in ("none", "ckpt", "bf16_autocast_master_fp32", "lora_bf16_ckpt"):
         row = run_probe(probe, threads=2, timeout=300)
         assert abs(row["error_pct"]) <= 15, row
 
