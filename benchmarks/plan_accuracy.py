@@ -72,6 +72,8 @@ PROBES = {
     # LoRA of rank LORA_RANK on all seven projections: the frozen base in bfloat16, float32 adapters, autocast
     "lora_bf16": (("packed", "fused"), 256.0, 512, "lora"),
     "lora_bf16_ckpt": (("packed", "fused", "ckpt"), 256.0, 1024, "lora"),
+    "bf16_autocast_ckpt_wide_layers": (("packed", "fused", "ckpt"), 256.0, 64, "mixed"),
+    "bf16_autocast_wide_layers": (("packed", "fused"), 256.0, 64, "mixed"),
 }
 LORA_RANK = 16
 OLD_POLICY_ROWS = 4 * GROUP
@@ -79,7 +81,11 @@ OLD_POLICY_ROWS = 4 * GROUP
 # the LM head (39M parameters) outweighs the 4 layers, so what the step holds of it shows (under autocast, its
 # 16-bit copy and the 16-bit gradient the fused loss hands back)
 WIDE_HEAD = dict(vocab_size=151936, tie_word_embeddings=False)
-PROBE_MODELS = {"bf16_autocast_wide_head": WIDE_HEAD, "old_policy_pass_wide_head_bf16": WIDE_HEAD}
+# hidden 1024, MLP 4096, 8/2 heads of 128: the layers (17M parameters each) outweigh the head and the activations
+WIDE_LAYERS = dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2,
+                   head_dim=128, vocab_size=8192)
+PROBE_MODELS = {"bf16_autocast_wide_head": WIDE_HEAD, "old_policy_pass_wide_head_bf16": WIDE_HEAD,
+                "bf16_autocast_ckpt_wide_layers": WIDE_LAYERS, "bf16_autocast_wide_layers": WIDE_LAYERS}
 
 
 def probe_model(probe: str) -> dict:
@@ -325,9 +331,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--probes", nargs="+", choices=sorted(PROBES), default=list(PROBES))
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per probe")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds per probe (the *_wide_layers probes take about 5 minutes on 2 CPU cores: "
+                             "bfloat16 GEMMs are slow there)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--report-only", action="store_true", help="rewrite the Markdown from the CSV in --out")
+    parser.add_argument("--repredict", action="store_true",
+                        help="with --report-only: the measured peaks kept, the predictions recomputed by the planner "
+                             "as it is now (the CSV rewritten too)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: one step of a real architecture (Qwen2.5-1.5B's shape) on the GPU, predicted vs "
                              "measured, written as plan_accuracy_gpu.{csv,md} (benchmarks/gpu.sh)")
@@ -357,9 +368,20 @@ def main(argv=None) -> int:
             writer.writeheader()
             writer.writerow(row)
         return 0 if args.dry_run or abs(row["error_pct"]) <= 15 else 1  # (a dry run checks the plumbing)
+    if args.repredict and not args.report_only:
+        parser.error("--repredict goes with --report-only")
     if args.report_only:
         with open(args.out / "plan_accuracy_cpu.csv") as fh:
             rows = list(csv.DictReader(fh))
+        if args.repredict:
+            for row in rows:
+                predicted = predicted_mib(row["probe"])
+                row.update(predicted_mib=round(predicted, 1),
+                           error_pct=round(100 * (predicted / float(row["measured_mib"]) - 1), 1))
+            with open(args.out / "plan_accuracy_cpu.csv", "w", newline="") as fh:
+                writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+                writer.writeheader()
+                writer.writerows(rows)
         dates = ", ".join(dict.fromkeys(row["date"] for row in rows))  # rows appended from another run keep theirs
         (args.out / "plan_accuracy_cpu.md").write_text(markdown(rows, rows[0]["device_name"], dates))
         return 0

@@ -386,3 +386,19 @@ def test_an_old_policy_pass_in_larger_chunks_than_the_training_micro_batches_is_
     from pacs.train.memory_plan import old_policy_tokens
 
     assert old_policy_tokens(huge.inputs, huge.levers) == 32 * 8 * 9216
+
+
+def test_autocast_copies_are_a_transient_of_the_forward_under_checkpointing():
+    """Without checkpointing the backward keeps every layer's bf16 copy (a component); with it none is saved:
+    autocast's cache holds them until the forward ends (a transient of the forward), and the recomputed layer
+    makes its own in its backward (measured: plan_accuracy.py's *_wide_layers probes)."""
+    from pacs.train.memory_plan import FORWARD_COPIES, layer_forward_bytes
+
+    inp = inputs(gpu_memory_utilization=0.0)
+    m = inp.model
+    plain, ckpt = plan_memory(inp), plan_memory(inp, Levers(gradient_checkpointing=True))
+    assert plain.components["weights (compute copy)"] == 2 * m.layers * m.layer_params
+    assert FORWARD_COPIES not in plain.transient
+    assert "weights (compute copy)" not in ckpt.components
+    assert ckpt.transient[FORWARD_COPIES] == 2 * m.layers * m.layer_params + layer_forward_bytes(
+        inp, ckpt.levers, "autocast", ckpt.micro_batch_tokens)

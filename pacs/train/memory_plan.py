@@ -56,6 +56,7 @@ LOSS_HIDDEN_COPIES = 10
 # pacs_kernels.torch_chunked.DEFAULT_CHUNK_ELEMENTS float32 logits (a test keeps them equal; the Triton kernels less)
 LOGPROB_CHUNK_BYTES = 4 * (1 << 22)
 OLD_POLICY_PASS = "old-policy pass (no grad)"
+FORWARD_COPIES = "forward (every layer's 16-bit copy, cached by autocast until its end)"
 # CUDA's context, cuBLAS/NCCL workspaces and the caching allocator's slack: assumed (not measured here)
 CUDA_RESERVE_GIB = 1.0
 # pacs_kernels.single_pass.DEFAULT_CHUNK_BUDGET_MIB (a test keeps them equal; this module imports no torch)
@@ -334,6 +335,21 @@ def loss_head_bytes(inp: PlanInputs, kind: str) -> int:
             + (4 if sixteen_bit and inp.device == "cpu" else 0))
 
 
+def layer_forward_bytes(inp: PlanInputs, levers: Levers, kind: str, tokens: int) -> float:
+    """What a decoder layer's forward holds beyond what it saves (no grad, or under checkpointing) over
+    ``tokens``: the larger of its MLP (three (tokens, intermediate) tensors in the compute dtype, a tile's with
+    train.tiled_mlp, beside four of the residual stream) and its attention (fitted with
+    :func:`old_policy_pass_bytes`)."""
+    m = inp.model
+    compute = 2 if inp.compute_dtype == "bfloat16" else 4
+    stream = compute if kind == "16-bit" else 4
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    mlp_tokens = min(m.hidden, tokens) if levers.tiled_mlp else tokens  # train.mlp_tile_tokens' default tile
+    mlp = 3 * m.intermediate * compute * mlp_tokens + 4 * m.hidden * stream * tokens
+    attention = (4 * m.hidden * stream + (2 * q + 3 * kv) * compute) * tokens
+    return max(mlp, attention)
+
+
 def old_policy_pass_bytes(inp: PlanInputs, levers: Levers, kind: str, tokens: int) -> float:
     """What the no-grad old-policy pass holds over a chunk of ``tokens`` at its peak: the largest of a decoder
     layer's MLP (three (tokens, intermediate) tensors in the compute dtype, a tile's with train.tiled_mlp, beside
@@ -344,13 +360,9 @@ def old_policy_pass_bytes(inp: PlanInputs, levers: Levers, kind: str, tokens: in
     m = inp.model
     compute = 2 if inp.compute_dtype == "bfloat16" else 4
     stream = compute if kind == "16-bit" else 4
-    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    mlp_tokens = min(m.hidden, tokens) if levers.tiled_mlp else tokens  # train.mlp_tile_tokens' default tile
-    mlp = 3 * m.intermediate * compute * mlp_tokens + 4 * m.hidden * stream * tokens
-    attention = (4 * m.hidden * stream + (2 * q + 3 * kv) * compute) * tokens
     head_copies = (2 if kind == "autocast" else 0) + (4 if compute == 2 and inp.device == "cpu" else 0)
     head = m.vocab * m.hidden * head_copies + 3 * LOGPROB_CHUNK_BYTES  # the logits, their exp, the entropy's terms
-    return max(mlp, attention, head) + tokens * m.hidden * stream
+    return max(layer_forward_bytes(inp, levers, kind, tokens), head) + tokens * m.hidden * stream
 
 
 def plan_memory(inp: PlanInputs, levers: Levers = Levers(), tokens: int | None = None) -> MemoryPlan:
@@ -379,14 +391,16 @@ def plan_memory(inp: PlanInputs, levers: Levers = Levers(), tokens: int | None =
         (host if on_cpu_states else comp)[name] = value
     kind = _saved_kind(inp)
     # the copies the forward computes with: under autocast (one process, float32 master) every layer's 16-bit
-    # copy is cached through the forward and saved for the backward; FSDP2 gathers about two layers at a time,
-    # and its root unit (embeddings, final norm, LM head) stays gathered from the forward to the backward
-    # (fully_shard does not reshard the root after its forward)
+    # copy is cached through the forward and saved for the backward (with checkpointing none is saved: a
+    # transient of the forward, below); FSDP2 gathers about two layers at a time, and its root unit (embeddings,
+    # final norm, LM head) stays gathered from the forward to the backward (fully_shard does not reshard the
+    # root after its forward)
     root = m.params - m.layers * m.layer_params
+    autocast_copies = m.layers * m.layer_params * compute if kind == "autocast" else 0
     if shards > 1:
         comp["weights (compute copy)"] = (2 * m.layer_params + root) * compute
-    elif kind == "autocast":
-        comp["weights (compute copy)"] = m.layers * m.layer_params * compute
+    elif autocast_copies and not levers.gradient_checkpointing:
+        comp["weights (compute copy)"] = autocast_copies
     tokens = micro_batch_tokens(inp, levers) if tokens is None else tokens
     layer = layer_saved_bytes_per_token(m, kind)
     stream = compute if kind == "16-bit" else 4  # the residual stream: float32 under autocast
@@ -408,8 +422,12 @@ def plan_memory(inp: PlanInputs, levers: Levers = Levers(), tokens: int | None =
     chunk = min(loss_chunk_budget(levers, inp), tokens * m.vocab * logit_bytes)
     loss = (chunk * LOSS_CHUNK_COPIES["16-bit" if logit_bytes == 2 else "float32"]
             + m.vocab * m.hidden * loss_head_bytes(inp, kind) + LOSS_HIDDEN_COPIES * tokens * m.hidden * stream)
+    if autocast_copies and levers.gradient_checkpointing:
+        backward += m.layer_params * compute  # the recomputed layer's own 16-bit copy
     transient = {"fused loss (logits chunk, LM head, hidden states)": loss,
                  "one layer's backward" + (" (recomputed)" if levers.gradient_checkpointing else ""): backward}
+    if autocast_copies and levers.gradient_checkpointing:  # measured: plan_accuracy.py's *_wide_layers probes
+        transient[FORWARD_COPIES] = autocast_copies + layer_forward_bytes(inp, levers, kind, tokens)
     old_tokens = old_policy_tokens(inp, levers)
     if old_tokens > tokens:  # the no-grad old-policy pass in larger chunks than the training micro-batches
         transient[OLD_POLICY_PASS] = old_policy_pass_bytes(inp, levers, kind, old_tokens)
@@ -419,7 +437,7 @@ def plan_memory(inp: PlanInputs, levers: Levers = Levers(), tokens: int | None =
         comp["vLLM engine"] = inp.gpu_memory_utilization * inp.gpu_gib * GiB
     largest = max(transient, key=transient.get)
     phase = ("the loss" if largest.startswith("fused loss") else "the old-policy pass" if largest.startswith("old")
-             else "a layer's backward")
+             else "the forward" if largest == FORWARD_COPIES else "a layer's backward")
     return MemoryPlan(inp, levers, comp, host, tokens, phase, transient)
 
 
