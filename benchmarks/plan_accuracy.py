@@ -256,11 +256,12 @@ def predict(probe: str):
 def predicted_mib(probe: str) -> float:
     """The planner's peak for the probe (host memory included: the CPU's is the device's); the old-policy probe:
     the parameters and the pass's transient."""
+    from pacs.train.memory_plan import OLD_POLICY_PASS
+
     plan = predict(probe)
     if "old_policy" in PROBES[probe][0]:
         weights = next(value for name, value in plan.components.items() if name.startswith("weights (master"))
-        old_pass = next(value for name, value in plan.transient.items() if name.startswith("old-policy pass"))
-        return (weights + old_pass) / 2**20
+        return (weights + plan.transient[OLD_POLICY_PASS]) / 2**20
     return (plan.peak + sum(plan.host.values())) / 2**20
 
 
@@ -287,6 +288,13 @@ def run_probe(probe: str, threads: int | None, timeout: float) -> dict:
 
 COLUMNS = ["date", "device_name", "probe", "levers", "dtype", "loss_chunk_mib", "tokens", "state_mib",
            "step_increase_mib", "measured_mib", "predicted_mib", "error_pct"]
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def markdown(rows: list[dict], name: str, date: str) -> str:
@@ -363,10 +371,7 @@ def main(argv=None) -> int:
               f"{row['predicted_mib']:.1f} MiB ({row['error_pct']:+.1f}%; the allocator's peak, without the "
               "CUDA context)", flush=True)
         args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "plan_accuracy_gpu.csv", "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=COLUMNS)
-            writer.writeheader()
-            writer.writerow(row)
+        write_csv(args.out / "plan_accuracy_gpu.csv", [row])
         return 0 if args.dry_run or abs(row["error_pct"]) <= 15 else 1  # (a dry run checks the plumbing)
     if args.repredict and not args.report_only:
         parser.error("--repredict goes with --report-only")
@@ -378,10 +383,7 @@ def main(argv=None) -> int:
                 predicted = predicted_mib(row["probe"])
                 row.update(predicted_mib=round(predicted, 1),
                            error_pct=round(100 * (predicted / float(row["measured_mib"]) - 1), 1))
-            with open(args.out / "plan_accuracy_cpu.csv", "w", newline="") as fh:
-                writer = csv.DictWriter(fh, fieldnames=COLUMNS)
-                writer.writeheader()
-                writer.writerows(rows)
+            write_csv(args.out / "plan_accuracy_cpu.csv", rows)
         dates = ", ".join(dict.fromkeys(row["date"] for row in rows))  # rows appended from another run keep theirs
         (args.out / "plan_accuracy_cpu.md").write_text(markdown(rows, rows[0]["device_name"], dates))
         return 0
@@ -395,10 +397,7 @@ def main(argv=None) -> int:
         print(f"[plan-accuracy] {probe:28s} measured {row['measured_mib']:8.1f} MiB, predicted "
               f"{row['predicted_mib']:8.1f} MiB ({row['error_pct']:+.1f}%)", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "plan_accuracy_cpu.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / "plan_accuracy_cpu.csv", rows)
     (args.out / "plan_accuracy_cpu.md").write_text(markdown(rows, name, date))
     return 0
 
