@@ -158,6 +158,26 @@ def test_same_seed_same_samples(tied):
     assert len(set(responses)) == len(responses)
 
 
+def test_a_realistic_batch_of_long_prompts_samples_reproducibly(tied):
+    """8 prompts x 8 responses of 200 prompt tokens: 12,800 prefill tokens, three times vLLM's CPU token budget
+    of one engine step. vLLM split such prefills across steps and rewound each seeded generator, which a CPU
+    generator cannot do ("CPU Generator does not use offset"); prefills now stay whole on the CPU."""
+    engine, _, _ = tied
+    rng = random.Random(77)
+    prompts = [[rng.randrange(VOCAB) for _ in range(200)] for _ in range(8)]
+    assert 8 * 8 * 200 > 3 * 4096  # vLLM's CPU budget of one engine step (LLM class, one process)
+
+    def sample(seed):
+        return engine.generate(prompts, 8, temperature=1.0, top_p=1.0, max_new_tokens=16, stop_token_ids=[],
+                               seed=seed)
+
+    first = sample(3)
+    assert [len(group) for group in first] == [8] * 8
+    assert all(len(response) == 16 for group in first for response in group)
+    assert sample(3) == first
+    assert sample(4) != first
+
+
 def test_first_token_follows_the_model_distribution(tied):
     engine, model, _ = tied
     prompt, temperature, draws = PROMPTS[2], 0.7, 2000

@@ -46,6 +46,24 @@ _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped
 _SEED_SPACE = 2**62
 
 
+# vLLM's CPU default token budget of one engine step (EngineArgs, LLM class, one process).
+_CPU_STEP_TOKENS = 4096
+
+
+def _whole_prefills(max_model_len: int) -> dict[str, Any]:
+    """Engine settings that never split a prompt's prefill across engine steps, for the CPU.
+
+    A request split across steps samples a token at each partial step that vLLM throws away, and it then
+    rewinds the request's seeded generator (``set_offset(get_offset() - 4)``): a CPU ``torch.Generator``
+    has no offset, so every seeded batch whose prompts exceed one step's token budget (4,096 tokens by
+    default: 8 prompts x 8 responses of 300 tokens is 19,200) failed with "CPU Generator does not use
+    offset". Without chunked prefill a request waits for a step with room for its whole prompt, nothing is
+    thrown away, and the seeded streams stay reproducible; the budget must then hold the longest prompt.
+    CUDA generators have offsets, so the GPU keeps chunked prefill.
+    """
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(_CPU_STEP_TOKENS, max_model_len)}
+
+
 def _import_vllm() -> Any:
     try:
         import vllm
@@ -198,6 +216,7 @@ class VLLMRolloutEngine:
         else:
             # an explicit KV-cache size also skips the CPU worker's whole-machine memory check
             engine_args["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+            engine_args.update(_whole_prefills(max_model_len))
         # In-process engine: weights are synced as tensors; kv_cache_gib wins over a legacy
         # VLLM_CPU_KVCACHE_SPACE (whole GiB only) left in the environment.
         with (
