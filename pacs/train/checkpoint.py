@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
 from dataclasses import dataclass
@@ -56,7 +57,12 @@ def _barrier(dist_info: DistInfo) -> None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every generator's state as plain data (ints, tuples, tensors): what ``torch.load(weights_only=True)`` reads
+    back. numpy's state is a tuple holding an ndarray, so its key array travels as a tensor."""
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached_gaussian)),
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -64,7 +70,10 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+    if isinstance(keys, torch.Tensor):
+        keys = keys.numpy()
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -328,12 +337,29 @@ def save_checkpoint(output_dir: str, step: int, policy, optimizer, scheduler, st
                                   expected_bytes=expected)
 
 
+# What an RNG file written before the states were plain data holds beside tensors: numpy's state array. These
+# build an ndarray from bytes and run nothing else; they are allowed for rng_rank*.pt files only.
+_NUMPY_ARRAY_GLOBALS = [np.zeros(1).__reduce__()[0], np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
 def _load(path: str, name: str):
-    """One checkpoint file's object. Memory-mapped (copy-on-write): under FSDP2 every rank loads the full
-    state and keeps its shard, and the ranks of a machine then share the file's pages instead of each holding
-    a full copy (about 12 bytes a parameter: 84 GB for a 7B model, on every rank)."""
+    """One checkpoint file's object, read as data only: ``torch.load(weights_only=True)`` rebuilds tensors,
+    numbers, strings and containers and refuses any other pickled object before it runs, so a checkpoint
+    someone shares (or one on a shared filesystem) cannot run code as the user who resumes it.
+
+    Memory-mapped (copy-on-write): under FSDP2 every rank loads the full state and keeps its shard, and the
+    ranks of a machine then share the file's pages instead of each holding a full copy (about 12 bytes a
+    parameter: 84 GB for a 7B model, on every rank)."""
+    file = os.path.join(path, name)
+    allowed = _NUMPY_ARRAY_GLOBALS if name.startswith("rng_rank") else []
     try:
-        return torch.load(os.path.join(path, name), map_location="cpu", weights_only=False, mmap=True)
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:  # an object that is not data: refused before it ran
+        raise ValueError(f"checkpoint file {file} holds something other than tensors and plain data, so it was not "
+                         f"loaded (nothing in it ran): a checkpoint written by pacs holds data only, so this one "
+                         f"was changed by someone; move the checkpoint aside to resume from the previous one "
+                         f"({str(exc).splitlines()[0]})") from exc
     except Exception as exc:  # a file changed after verification: name it instead of a pickle traceback
         raise ValueError(f"checkpoint file {os.path.join(path, name)} cannot be read ({type(exc).__name__}: "
                          f"{exc}); move the checkpoint aside and resume again to use the previous one") from exc
