@@ -546,6 +546,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
             f"optim.micro_batch_groups ({groups}) must divide the groups per mini-batch ({mini}); "
             "micro-batches hold whole groups")
     _positive("optim.lr", o.lr)
+    if o.lr > 1:  # AdamW moves each weight by about lr a step: above 1 it diverges (1e300 overflowed its update)
+        raise ValueError(f"optim.lr must be in (0, 1] (AdamW moves each weight by about lr per step), got {o.lr!r}")
     _positive("optim.max_grad_norm", o.max_grad_norm)
     _positive("optim.beta", o.beta)
     _positive("optim.weight_decay", o.weight_decay, allow_zero=True)
