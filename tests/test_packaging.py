@@ -35,10 +35,45 @@ def test_pyproject_metadata():
     assert set(extras["dev"]) == set(extras["test"] + extras["train"] + extras["bench"] + extras["trl"])
     assert "triton>=3.0; platform_system == 'Linux'" in project["dependencies"]
     assert "pyyaml>=6" in project["dependencies"]  # the pacs command reads YAML configs
-    assert project["scripts"] == {"pacs": "pacs.cli:main"}
+    assert project["scripts"] == {"pacs": "pacs.__main__:main"}  # says which extra to install, then pacs.cli
     # the one data file shipped: what "auto" picks on CUDA, measured by benchmarks/gpu.sh (pacs_kernels/dispatch.py)
     assert pyproject()["tool"]["setuptools"]["package-data"] == {"pacs_kernels": ["gpu_dispatch.json"]}
     assert not os.path.exists(os.path.join(repo_root(), "setup.py"))
+
+
+def test_every_extra_agrees_with_the_lock():
+    """An extra that names a package the CPU lock pins allows the locked version (TRL alone resolved a newer
+    transformers than the lock's, which the `train` extra excludes), and the `trl` extra carries that pin."""
+    from packaging.requirements import Requirement
+
+    locked = {}
+    with open(os.path.join(repo_root(), "requirements", "lock-cpu.txt")) as f:
+        for line in f:
+            if "==" in line and not line.startswith("#"):
+                name, version = line.split(";")[0].strip().split("==")
+                locked[name.lower().replace("_", "-")] = version.split("+")[0]
+    extras = pyproject()["project"]["optional-dependencies"]
+    for extra, requirements in extras.items():
+        for text in requirements:
+            requirement = Requirement(text)
+            version = locked.get(requirement.name.lower())
+            if version is not None:
+                assert requirement.specifier.contains(version, prereleases=True), (extra, text, version)
+    trl_pins = {Requirement(t).name: Requirement(t).specifier for t in extras["trl"]}
+    train_pins = {Requirement(t).name: Requirement(t).specifier for t in extras["train"]}
+    assert trl_pins["transformers"] == train_pins["transformers"]
+
+
+def test_a_missing_trainer_extra_is_one_line(monkeypatch, capsys):
+    import importlib.util
+
+    import pacs.__main__ as entry
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    assert entry.main(["train"]) == 2
+    assert capsys.readouterr().err == ("pacs: error: the trainer's dependencies are not installed (transformers): "
+                                       "pip install 'pacs-rl[train]' (from a checkout: pip install '.[train]')\n")
 
 
 def test_setup_env_stamp_follows_pyproject():
@@ -54,7 +89,7 @@ def test_wheel_holds_the_two_packages_only(tmp_path):
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "results")
     for name in ("pacs", "pacs_kernels", "benchmarks"):
         shutil.copytree(os.path.join(repo_root(), name), src / name, ignore=ignore)
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(os.path.join(repo_root(), name), src / name)
     out = tmp_path / "dist"
     result = subprocess.run(
@@ -79,7 +114,9 @@ def test_wheel_holds_the_two_packages_only(tmp_path):
     assert 'triton>=3.0; platform_system == "Linux"' in requires
     assert any(r.startswith("torch>=2.4") for r in requires)
     assert set(metadata.get_all("Provides-Extra")) == EXTRAS
-    assert "pacs = pacs.cli:main" in entry_points
+    assert "pacs = pacs.__main__:main" in entry_points
+    assert metadata["License-Expression"] == "Apache-2.0"
+    assert f"{dist_info}/licenses/LICENSE" in names
 
 
 @pytest.mark.slow
@@ -91,7 +128,7 @@ def test_the_wheel_installs_into_a_clean_venv_with_torch_only_and_runs_the_quick
     shutil.copytree(os.path.join(repo_root(), "pacs"), src / "pacs", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(os.path.join(repo_root(), "pacs_kernels"), src / "pacs_kernels",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(os.path.join(repo_root(), name), src / name)
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
                             "-q", str(src), "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=300)
@@ -119,3 +156,10 @@ def test_the_wheel_installs_into_a_clean_venv_with_torch_only_and_runs_the_quick
     ran = subprocess.run([python, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert "torch.Size([8, 16, 64]) torch.Size([1000, 64])" in ran.stdout
+    # the kernels alone: the pacs command names the install line of the trainer, not an import traceback
+    pacs = subprocess.run([str(venv / "bin" / "pacs"), "train", "--max-steps", "1"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert pacs.returncode == 2 and "Traceback" not in pacs.stderr, pacs.stderr[-3000:]
+    assert pacs.stderr.strip().splitlines() == [
+        "pacs: error: the trainer's dependencies are not installed (transformers, safetensors, tqdm): "
+        "pip install 'pacs-rl[train]' (from a checkout: pip install '.[train]')"]
