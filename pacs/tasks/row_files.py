@@ -8,7 +8,9 @@ import os
 
 
 def read_rows(path: str) -> list[dict]:
-    """All rows of a ``.jsonl``/``.json`` or ``.parquet`` file as dicts."""
+    """All rows of a ``.jsonl``/``.json`` or ``.parquet`` file as dicts: a ``.jsonl`` holds one JSON object per
+    line; a ``.json`` file one JSON array of objects (as ``pandas``' ``to_json(orient="records")`` writes it) or,
+    like a ``.jsonl``, one object per line."""
     if not os.path.isfile(path):
         raise ValueError(f"task.data_path: no such file {path!r}")
     if path.endswith(".parquet"):
@@ -29,11 +31,28 @@ def read_rows(path: str) -> list[dict]:
             line = data[:exc.start].count(b"\n") + 1
             raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
                              "save the file as UTF-8") from None
+        if path.endswith(".json") and text.lstrip().startswith("["):  # one JSON array of rows (pandas, datasets)
+            try:
+                rows = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+            return _objects(rows, lambda i: f"{path} row {i}")
+        lines = []
         for n, line in enumerate(text.split("\n"), 1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from exc
-        return rows
+                lines.append(n)
+        return _objects(rows, lambda i: f"{path}:{lines[i]}")
     raise ValueError(f"task.data_path must end in .jsonl, .json or .parquet, got {path!r}")
+
+
+def _objects(rows: list, where) -> list[dict]:
+    """``rows`` when each is a JSON object; else a ValueError naming the first that is not (``where(i)``)."""
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where(i)}: a row must be a JSON object such as {{\"problem\": ..., \"answer\": ...}}, "
+                             f"got {type(row).__name__} {json.dumps(row)[:60]}")
+    return rows
