@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from pacs_kernels import dispatch
 from pacs_kernels.reference import naive_linear_logprobs
-from pacs_kernels.triton import launch_config, logprob_backward
+from pacs_kernels.triton import grad_matmuls, launch_config, logprob_backward
+from pacs_kernels.triton.grad_matmuls import grouped_tile
 
 GRAD_TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # relative to the reference's largest entry
 
@@ -285,3 +288,45 @@ def test_autotuner_hooks_keep_accumulated_outputs_and_skip_absent_ones():
         torch.testing.assert_close(dw, before_dw + 1.0, rtol=0, atol=0)
     dw_kernel.pre_hook({"dw_ptr": None, "db_ptr": None})  # dW not wanted and no bias: nothing to keep
     dw_kernel.post_hook({"dw_ptr": None, "db_ptr": None}, exception=None)
+
+
+@triton.jit
+def _tile_order_kernel(out_ptr, n_rows, n_cols, GROUP_ROWS: tl.constexpr):
+    row, col = grouped_tile(tl.program_id(0), n_rows, n_cols, GROUP_ROWS)
+    tl.store(out_ptr + 2 * tl.program_id(0), row)
+    tl.store(out_ptr + 2 * tl.program_id(0) + 1, col)
+
+
+@pytest.mark.parametrize("n_rows,n_cols,group", [(10, 4, 3), (7, 5, 8), (1, 3, 2), (9, 1, 3), (8, 28, 8)])
+def test_gradient_matmuls_walk_their_tiles_in_bands_of_rows(n_rows, n_cols, group):
+    """Program p of the dh / dW grids owns tile grouped_tile(p): every tile exactly once, bands of ``group``
+    rows (the last may be narrower), the row fastest inside a band: the programs sharing a row's operand
+    strip (dW: the d tiles of one dz strip) run close together."""
+    order = torch.full((n_rows * n_cols, 2), -1, dtype=torch.int32)
+    _tile_order_kernel[(n_rows * n_cols,)](order, n_rows, n_cols, GROUP_ROWS=group)
+    expected = []
+    for first in range(0, n_rows, group):
+        rows = range(first, min(first + group, n_rows))
+        expected += [(row, col) for col in range(n_cols) for row in rows]
+    assert [tuple(pair) for pair in order.tolist()] == expected
+    assert sorted(expected) == [(row, col) for row in range(n_rows) for col in range(n_cols)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_program_order_leaves_the_gradients_bitwise_unchanged(monkeypatch, dtype):
+    """The band width only decides which program runs when: dh, dW and db (several chunks, so dW and db
+    accumulate in float32) are bitwise the same for bands of 1 row (columns fastest), the default and
+    more rows than the grid has (rows fastest: the order before bands), and match float64 autograd."""
+    hidden, weight, bias, targets, grad_logp, _ = _problem(70, 40, 150, dtype, True, seed=7)
+    ref_logp, ref_lse, _, ref_grads = _reference(hidden, weight, bias, targets, grad_logp, None, 1.0)
+    results = {}
+    for group in (1, launch_config.GRAD_GROUP_ROWS, 1000):
+        monkeypatch.setattr(grad_matmuls, "GRAD_GROUP_ROWS", group)
+        results[group] = logprob_backward(hidden, weight, targets, bias, 1.0, ref_lse.float(), None, grad_logp,
+                                          None, chunk_tokens=32, gemms="triton")
+    first, *others = results.values()
+    for other in others:
+        for got, expected in zip(other, first):
+            assert torch.equal(got, expected)
+    for name, got, ref in zip(("dh", "dW", "db"), first, ref_grads):
+        _assert_grad(name, got, ref, dtype)

@@ -13,6 +13,17 @@ dtype, already divided by the temperature):
 Every output element has exactly one owner, so there are no atomics and the result is bitwise
 reproducible for a fixed tile configuration. Each kernel costs 2 C V d FLOPs.
 
+Program order. Both grids are one-dimensional and walk their output tiles in bands of
+``GROUP_ROWS`` tile rows (``grouped_tile``): inside a band the row index runs fastest, then the
+column, so the programs resident at once cover a few rows times many columns and share their
+operand strips through L2. For dW the rows are vocabulary tiles: the d/BLOCK_D programs that read
+one dz strip (C x BLOCK_M) run together, instead of one wave apart per vocabulary sweep as when the
+vocabulary was the fastest grid axis (at d=3584 and 128-wide tiles every dz strip was then read
+from memory 28 times: about 29 GB per 1 GiB chunk, against about 5 GB in bands of 8). For dh the
+rows are token blocks (the dz row strips), the columns d tiles (W's column strips). The order only
+decides which program runs when: each tile's own reduction is unchanged, so the results are
+bitwise those of any other order.
+
 With gradient filtering the dz kernel leaves one int8 flag per (DZ_BLOCK_N x DZ_BLOCK_V) dz tile,
 0 when the whole tile is negligible; the matmuls skip those reduction steps (their BLOCK_M and
 BLOCK_K divide the dz tile, so a step never straddles two flags).
@@ -30,7 +41,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .launch_config import RestoreOutputs, dot_precision, float32_gets_one_tile, grad_matmul_configs, upcast_dots
+from .launch_config import (
+    GRAD_GROUP_ROWS,
+    RestoreOutputs,
+    dot_precision,
+    float32_gets_one_tile,
+    grad_matmul_configs,
+    upcast_dots,
+)
 from .logits_tile import clamped_block
 
 _DZ_FLAGS = {
@@ -38,7 +56,21 @@ _DZ_FLAGS = {
     "EVEN_D": lambda args: args["width"] % args["BLOCK_D"] == 0,
     "DOT_PRECISION": lambda args: dot_precision(args["dz_ptr"].dtype),
     "UPCAST_DOTS": lambda args: upcast_dots(args["dz_ptr"].dtype),
+    "GROUP_ROWS": lambda args: GRAD_GROUP_ROWS,
 }
+
+
+@triton.jit
+def grouped_tile(pid, n_rows, n_cols, GROUP_ROWS: tl.constexpr):
+    """(row, column) of the output tile program ``pid`` owns, for a one-dimensional grid of
+    n_rows x n_cols programs walked in bands of GROUP_ROWS rows (the last band may be narrower):
+    inside a band the row runs fastest, then the column. A bijection onto the tile grid."""
+    per_band = GROUP_ROWS * n_cols
+    band = pid // per_band
+    first_row = band * GROUP_ROWS
+    band_rows = tl.minimum(n_rows - first_row, GROUP_ROWS)
+    local = pid - band * per_band
+    return first_row + local % band_rows, local // band_rows
 
 
 @triton.autotune(configs=grad_matmul_configs(), key=["width", "vocab"],
@@ -56,14 +88,15 @@ def dh_kernel(
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOTS: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """dh[row0 + t, :] = sum_v dz[t, v] W[v, :] for the chunk's tokens t; dh (N, d) contiguous,
-    stored in its own dtype (float32 accumulation)."""
-    pid_m = tl.program_id(0)
-    pid_d = tl.program_id(1)
+    stored in its own dtype (float32 accumulation). Grid: cdiv(chunk_len, BLOCK_M) x cdiv(width,
+    BLOCK_D) programs in one dimension (token blocks in bands, see ``grouped_tile``)."""
+    pid_m, pid_d = grouped_tile(tl.program_id(0), tl.cdiv(chunk_len, BLOCK_M), tl.cdiv(width, BLOCK_D), GROUP_ROWS)
     local_start = pid_m.to(tl.int64) * BLOCK_M  # first row of this block in the chunk
     row_ok, row_idx = clamped_block(local_start, chunk_len, BLOCK_M)
     d_start = pid_d * BLOCK_D
@@ -130,6 +163,7 @@ def dw_kernel(
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOTS: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -141,9 +175,14 @@ def dw_kernel(
     dW (V, d) and db (V,) contiguous; with ACCUMULATE the previous value is read first (one
     read and one write of the owned tile per chunk). The RestoreOutputs hooks let the autotuner
     benchmark candidates without adding their results into the buffers.
+
+    Grid: cdiv(vocab, BLOCK_M) x (cdiv(width, BLOCK_D) with dW, else 1) programs in one dimension,
+    vocabulary tiles in bands (``grouped_tile``): the programs that read one dz strip run together.
     """
-    pid_v = tl.program_id(0)
-    pid_d = tl.program_id(1)
+    n_d_tiles = 1
+    if HAS_DW:
+        n_d_tiles = tl.cdiv(width, BLOCK_D)
+    pid_v, pid_d = grouped_tile(tl.program_id(0), tl.cdiv(vocab, BLOCK_M), n_d_tiles, GROUP_ROWS)
     col_start = pid_v.to(tl.int64) * BLOCK_M
     cs = tl.arange(0, BLOCK_M)
     col_ok = cs < vocab - col_start

@@ -86,6 +86,13 @@ def grad_matmul_configs() -> list[triton.Config]:
                      {"BLOCK_M": 128, "BLOCK_D": 128, "BLOCK_K": 32}], [(8, 3)])
 
 
+# The gradient matmuls walk their output tiles in bands of this many tile rows (grad_matmuls.grouped_tile):
+# dW's programs that share a dz strip, and dh's that share a dz row block, run together. 8 bands the way
+# Triton's matmul tutorial groups its tiles (a wave of 132 programs then covers 8 x ~16 tiles); in the
+# interpreter 3, so that small test shapes have several bands and a narrower last one.
+GRAD_GROUP_ROWS = 3 if INTERPRETED else 8
+
+
 # float32 inputs multiply exactly on CUDA cores (no TF32; reached only with an explicit
 # backend="triton", auto sends them to cuBLAS): one small tile per kernel, no autotuning. The
 # tensor-core tiles above spill hundreds of bytes per thread in float32 and take seconds each to

@@ -303,7 +303,7 @@ def grad_products(dz, weight, hidden, d_hidden, d_weight, d_bias, *, row0, accum
         return
     n_flag_cols = triton.cdiv(vocab, DZ_BLOCK_V)
     if d_hidden is not None:
-        dh_kernel[lambda meta: (triton.cdiv(chunk_len, meta["BLOCK_M"]), triton.cdiv(width, meta["BLOCK_D"]))](
+        dh_kernel[lambda meta: (triton.cdiv(chunk_len, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_D"]),)](
             dz, weight, d_hidden, flags,
             row0, chunk_len, vocab, width,
             weight.stride(0), weight.stride(1), n_flag_cols,
@@ -311,7 +311,7 @@ def grad_products(dz, weight, hidden, d_hidden, d_weight, d_bias, *, row0, accum
         )
     if d_weight is not None or d_bias is not None:
         d_tiles = (lambda meta: triton.cdiv(width, meta["BLOCK_D"])) if d_weight is not None else (lambda meta: 1)
-        dw_kernel[lambda meta: (triton.cdiv(vocab, meta["BLOCK_M"]), d_tiles(meta))](
+        dw_kernel[lambda meta: (triton.cdiv(vocab, meta["BLOCK_M"]) * d_tiles(meta),)](
             dz, hidden[row0:row0 + chunk_len], d_weight, d_bias, flags,
             chunk_len, vocab, width,
             hidden.stride(0), hidden.stride(1), n_flag_cols,
