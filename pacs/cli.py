@@ -17,6 +17,7 @@ import sys
 
 from pacs.config import (
     ADVANCED_KEYS,
+    BUILTIN_OBJECTIVES,
     BUILTIN_TASK_SETTINGS,
     Config,
     apply_dict,
@@ -328,12 +329,16 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
-        "train", help="train with PACS (or GRPO); default: the built-in embedded run",
-        description="Train with PACS (or GRPO). With no arguments: the built-in embedded run (configs/default.yaml).",
+        "train", help="train with PACS (or GRPO, DAPO, Dr.GRPO, GSPO, CISPO, your own objective); default: the "
+        "built-in embedded run",
+        description="Train with PACS (or GRPO, DAPO, Dr.GRPO, GSPO, CISPO, or your own objective: --algo). With no "
+                    "arguments: the built-in embedded run (configs/default.yaml).",
         epilog=_key_list(), formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_common(train)
     train.add_argument("--max-steps", type=int, help=f"rollout steps (default: {DEFAULTS.max_steps})")
-    train.add_argument("--algo", choices=("pacs", "grpo"), help=f"(default: {DEFAULTS.optim.algo})")
+    train.add_argument("--algo", metavar="{" + ",".join(BUILTIN_OBJECTIVES) + ",MODULE:CLASS}",
+                       help="the objective (optim.algo): a built-in one, or your own as module:Class "
+                            f"(docs/objectives.md) (default: {DEFAULTS.optim.algo})")
     train.add_argument("--resume", action="store_true",
                        help="continue the run in --output-dir from its newest verified checkpoint")
     train.add_argument("--change", action="append", metavar="KEY=VALUE",

@@ -86,7 +86,9 @@ class RolloutConfig:
 
 @dataclass
 class OptimConfig:
-    algo: str = "pacs"              # pacs | grpo
+    # the objective: pacs | grpo | dapo | dr_grpo | gspo | cispo, or a user's as module:Class
+    # (pacs/train/loss_objective.py)
+    algo: str = "pacs"
     lr: float = 1e-6                # the paper's (the built-in tasks: 2e-4)
     weight_decay: float = 0.0       # AdamW's
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW's
@@ -112,8 +114,13 @@ class OptimConfig:
     # with a reset every rollout step they add no gradient on the first mini-batch anyway)
     drop_single_label_groups: bool = False
     # GRPO baseline
-    clip_eps: float = 0.2           # the ratio is clipped to [1 - clip_eps, 1 + clip_eps]
+    clip_eps: float = 0.2           # the ratio is clipped to [1 - clip_eps, 1 + clip_eps] (high side: eps_high if set)
     aggregation: str = "token_mean"  # token_mean (over the mini-batch's tokens) | seq_mean (of response means)
+    # the GRPO family's clip range [1 - eps_low, 1 + eps_high] (of the token ratio; GSPO's sequence ratio, CISPO's
+    # IS weight); None: the objective's own (low/high: dapo 0.2/0.28, dr_grpo 0.2/0.2, gspo 3e-4/4e-4, cispo 1/0.28;
+    # grpo's low side is clip_eps, its high side eps_high or else clip_eps)
+    eps_low: float | None = None
+    eps_high: float | None = None
     logprob_backend: str = "auto"   # the log-prob kernels: auto | triton | torch | naive (logits materialized)
     # PACS only: on the first mini-batch after each rollout (weights unchanged since the old-policy
     # pass), get loss and gradients in one vocabulary sweep (fused_linear_pacs_loss(old_lse=...))
@@ -124,8 +131,8 @@ class OptimConfig:
 class TrainConfig:
     """Long responses on limited memory (pacs/model/packing.py, pacs/model/memory.py)."""
 
-    packing: bool | None = None     # padding-free packed micro-batches; None: on where the loss takes that
-                                    # layout (PACS, and GRPO where fused_linear_grpo_loss takes cu_seqlens)
+    packing: bool | None = None     # padding-free packed micro-batches; None: on wherever packed rows compute
+                                    # what padded rows do for the model (every objective's loss takes that layout)
     max_tokens_per_micro_batch: int | None = None  # token budget per micro-batch (whole groups, packed
                                                    # greedily); None: optim.micro_batch_groups counts
     old_policy_max_tokens: int | None = None  # token budget of each no-grad old-policy chunk; None: the
@@ -201,6 +208,7 @@ ADVANCED_KEYS = (
     "optim.weight_decay", "optim.betas", "optim.lr_warmup_steps", "optim.micro_batch_responses",
     "optim.max_grad_norm", "optim.score", "optim.advantage", "optim.weighting", "optim.score_function_term",
     "optim.ref_reset_every", "optim.drop_single_label_groups", "optim.clip_eps", "optim.aggregation",
+    "optim.eps_low", "optim.eps_high",
     "optim.logprob_backend", "optim.one_sweep_first_step",
     "train.old_policy_max_tokens", "train.mlp_tile_tokens", "train.skip_zero_gradient_groups", "train.preflight",
     "train.distributed_timeout_minutes",
@@ -491,7 +499,7 @@ def micro_batch_groups(cfg: Config) -> int:
 def validate(cfg: Config, world_size: int = 1) -> None:
     """Reject configs that cannot work, with the offending setting named. No model needed."""
     r, o, e, t = cfg.rollout, cfg.optim, cfg.eval, cfg.task
-    _choice("optim.algo (--algo)", o.algo, ("pacs", "grpo"))
+    check_algo(o.algo)
     _choice("rollout.engine (--rollout)", r.engine, ("auto", "vllm", "hf"))
     _choice("task.name", t.name, ("embedded", "wordmath", "math"))
     _choice("model.dtype", cfg.model.dtype, ("auto", "float32", "bfloat16", "float16"))
@@ -571,6 +579,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                          "single-label groups have advantage 0 already")
     if not 0 < o.clip_eps < 1:
         raise ValueError(f"optim.clip_eps must be in (0, 1), got {o.clip_eps}")
+    validate_objective_settings(o)
     if not 0 < r.gpu_memory_utilization <= 1:
         raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got {r.gpu_memory_utilization}")
     _positive("rollout.kv_cache_gib", r.kv_cache_gib)
@@ -624,11 +633,41 @@ def validate(cfg: Config, world_size: int = 1) -> None:
             raise ValueError(f"task.warmup_target_accuracy must be in [0, 1], got {t.warmup_target_accuracy}")
 
 
-def grpo_supports_packing() -> bool:
-    """Whether ``fused_linear_grpo_loss`` takes the packed layout (a ``cu_seqlens`` argument)."""
-    from pacs_kernels.fused import GRPO_INPUTS
+# the objectives ``optim.algo`` names (pacs/train/loss_objective.py builds them); a user's is named module:Class
+BUILTIN_OBJECTIVES = ("pacs", "grpo", "dapo", "dr_grpo", "gspo", "cispo")
+CLIPPED_OBJECTIVES = ("dapo", "dr_grpo", "gspo", "cispo")  # their clip range: optim.eps_low, optim.eps_high
 
-    return "cu_seqlens" in GRPO_INPUTS
+
+def check_algo(algo: str) -> None:
+    """``optim.algo``: a built-in objective's name, or ``module:Class`` (dotted names; imported when the run
+    starts: pacs/train/loss_objective.py)."""
+    module, sep, attribute = algo.partition(":") if isinstance(algo, str) else ("", "", "")
+    dotted = all(part.isidentifier() for part in module.split(".") + attribute.split("."))
+    if algo in BUILTIN_OBJECTIVES or (sep and dotted):
+        return
+    raise ValueError(f"optim.algo (--algo) must be one of {', '.join(BUILTIN_OBJECTIVES)}, or a user's objective as "
+                     f"module:Class (e.g. my_objectives:MyLoss); got {algo!r}")
+
+
+def validate_objective_settings(o: OptimConfig) -> None:
+    """The objective's own settings: each set only for an objective that reads it, in its range."""
+    if o.eps_low is not None and not (isinstance(o.eps_low, (int, float)) and 0 <= o.eps_low <= 1):
+        raise ValueError(f"optim.eps_low must be in [0, 1] (the ratio is clipped below at 1 - eps_low), "
+                         f"got {o.eps_low!r}")
+    if o.eps_high is not None and not (isinstance(o.eps_high, (int, float)) and 0 <= o.eps_high < float("inf")):
+        raise ValueError(f"optim.eps_high must be >= 0 (the ratio is clipped above at 1 + eps_high), "
+                         f"got {o.eps_high!r}")
+    readers = {"eps_low": CLIPPED_OBJECTIVES, "eps_high": ("grpo", *CLIPPED_OBJECTIVES)}
+    for key, algos in readers.items():
+        if getattr(o, key) is not None and o.algo not in algos:
+            why = ("GRPO's low side is advanced.optim.clip_eps" if o.algo == "grpo" else
+                   "a user's objective is built with its own defaults" if o.algo not in BUILTIN_OBJECTIVES else
+                   "PACS clips no ratio")
+            raise ValueError(f"optim.{key} is read by optim.algo {', '.join(algos)}, got optim.algo={o.algo} ({why}); "
+                             f"leave advanced.optim.{key} unset")
+    if o.aggregation != "token_mean" and o.algo != "grpo":
+        raise ValueError(f"optim.aggregation={o.aggregation!r} is GRPO's, got optim.algo={o.algo}; each other "
+                         "objective has its own aggregation (docs/objectives.md)")
 
 
 def use_packing(cfg: Config, model_config=None, attention: str = "pacs_packed_sdpa") -> bool:
@@ -637,7 +676,7 @@ def use_packing(cfg: Config, model_config=None, attention: str = "pacs_packed_sd
     ``attention`` compute what padded rows do (:func:`pacs.model.packing.packing_obstacle`). ``train.packing=true``
     for a model that cannot be packed exactly is a ValueError saying why."""
     requested = cfg.train.packing
-    if requested is False or (requested is None and not (cfg.optim.algo == "pacs" or grpo_supports_packing())):
+    if requested is False:  # (every objective's fused loss takes the packed layout)
         return False
     if model_config is None:
         return True
@@ -652,9 +691,6 @@ def use_packing(cfg: Config, model_config=None, attention: str = "pacs_packed_sd
 def validate_train(cfg: Config, world_size: int = 1) -> None:
     """The ``train`` section (long-context settings)."""
     tr = cfg.train
-    if tr.packing and cfg.optim.algo == "grpo" and not grpo_supports_packing():
-        raise ValueError("train.packing=true: fused_linear_grpo_loss does not take the packed layout yet; "
-                         "set train.packing=false (or leave it unset) for --algo grpo")
     for name in ("max_tokens_per_micro_batch", "old_policy_max_tokens", "mlp_tile_tokens"):
         value = getattr(tr, name)
         if value is not None and value <= 0:
@@ -689,7 +725,7 @@ def validate_train(cfg: Config, world_size: int = 1) -> None:
     if sp > 1 and not use_packing(cfg):
         raise ValueError(
             f"train.sequence_parallel_size={sp} splits packed micro-batches: it needs train.packing (got "
-            f"{tr.packing!r}{' for --algo grpo' if cfg.optim.algo == 'grpo' else ''}); set train.packing=true or "
+            f"{tr.packing!r}); set train.packing=true or "
             "leave it unset")
     if tr.fsdp_cpu_offload and world_size < 2:
         raise ValueError("train.fsdp_cpu_offload needs FSDP, i.e. torchrun with >= 2 processes; got "

@@ -1,20 +1,100 @@
-"""The configured loss as an objective: ``optim.algo`` and its settings -> ``PACS(...)`` or ``GRPO(...)``.
+"""The configured loss as an objective: ``optim.algo`` and its settings -> ``PACS(...)``, ``GRPO(...)``, ``DAPO(...)``,
+``DrGRPO(...)``, ``GSPO(...)``, ``CISPO(...)``, or a user's objective named ``module:Class``.
 
 Built in one place for every route a micro-batch's loss takes (pacs/train/trainer.py's ``micro_batch_loss``):
 the fused loss straight from hidden states, and the group loss on log-probs known or gathered first (groups
-run in parts, pacs/train/split_groups.py; sequence parallelism)."""
+run in parts, pacs/train/split_groups.py; sequence parallelism).
+
+Each built-in objective's settings come from the config (pacs_kernels/objectives/*.py has their math):
+
+    pacs     optim.beta, advanced.optim.score, .advantage, .weighting, .score_function_term
+    grpo     advanced.optim.clip_eps (the ratio's low side, and its high side unless advanced.optim.eps_high),
+             advanced.optim.aggregation
+    dapo     advanced.optim.eps_low, .eps_high (None: DAPO's 0.2 and 0.28, "clip-higher")
+    dr_grpo  advanced.optim.eps_low, .eps_high (None: 0.2 and 0.2); its constant length L is rollout.max_new_tokens
+    gspo     advanced.optim.eps_low, .eps_high (None: GSPO's 3e-4 and 4e-4, on the sequence ratio)
+    cispo    advanced.optim.eps_low, .eps_high (None: CISPO's 1.0 and 0.28, on the IS weight)
+
+A user's objective, ``optim.algo=my_package.my_module:MyObjective`` (the module importable from where ``pacs train``
+runs): a class is built with no arguments (give its fields defaults); any other callable is used as it is. It must
+satisfy pacs_kernels' ``Objective`` protocol (docs/objectives.md). What the trainer needs to know of an objective
+it reads from the objective (:func:`token_mean`), never from its name.
+"""
 
 from __future__ import annotations
 
-from pacs.config import Config
-from pacs_kernels import GRPO, PACS
+import importlib
+
+from pacs.config import BUILTIN_OBJECTIVES, Config
+from pacs_kernels import CISPO, DAPO, GRPO, GSPO, PACS, DrGRPO
 
 
-def loss_objective(cfg: Config) -> PACS | GRPO:
-    """``PACS`` (optim.beta, score, advantage, weighting, score_function_term) for ``optim.algo=pacs``, else
-    ``GRPO`` (optim.clip_eps, aggregation)."""
+def loss_objective(cfg: Config):
+    """The objective ``optim.algo`` names, built from its settings (the module docstring); a ValueError naming
+    ``optim.algo`` for a user's objective that cannot be imported or is not callable."""
     o = cfg.optim
     if o.algo == "pacs":
         return PACS(beta=o.beta, score=o.score, advantage=o.advantage, weighting=o.weighting,
                     score_function_term=o.score_function_term)
-    return GRPO(clip_eps=o.clip_eps, aggregation=o.aggregation)
+    if o.algo == "grpo":
+        return GRPO(clip_eps=o.clip_eps, clip_eps_high=o.eps_high, aggregation=o.aggregation)
+    clip = {name: value for name, value in (("eps_low", o.eps_low), ("eps_high", o.eps_high)) if value is not None}
+    if o.algo == "dapo":
+        return DAPO(**clip)
+    if o.algo == "dr_grpo":
+        return DrGRPO(max_completion_length=cfg.rollout.max_new_tokens, **clip)
+    if o.algo == "gspo":
+        return GSPO(**clip)
+    if o.algo == "cispo":
+        return CISPO(**clip)
+    return user_objective(o.algo)
+
+
+def user_objective(spec: str):
+    """``module:Name`` -> the objective: ``Name`` (dotted for a nested attribute) of the imported module, built with
+    no arguments when it is a class."""
+    module_name, sep, attribute = spec.partition(":")
+    if not (sep and module_name and attribute):
+        raise ValueError(f"optim.algo (--algo) must be one of {', '.join(BUILTIN_OBJECTIVES)} or a user's objective "
+                         f"as module:Class, got {spec!r}")
+    try:
+        found = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"optim.algo={spec!r}: cannot import module {module_name!r} ({exc}); it must be importable "
+                         "from where pacs train runs (on PYTHONPATH)") from exc
+    for part in attribute.split("."):
+        if not hasattr(found, part):
+            raise ValueError(f"optim.algo={spec!r}: {found.__name__ if found is not None else module_name!r} has no "
+                             f"attribute {part!r}")
+        found = getattr(found, part)
+    if isinstance(found, type):
+        try:
+            found = found()
+        except TypeError as exc:
+            raise ValueError(f"optim.algo={spec!r}: the class is built with no arguments, which failed ({exc}); "
+                             "give its settings defaults (or subclass it with yours)") from exc
+    if not callable(found):
+        raise ValueError(f"optim.algo={spec!r} is a {type(found).__name__}, not an objective: it must be callable as "
+                         "loss, stats = objective(logp, old_logp, rewards, mask, group_size=G) (docs/objectives.md)")
+    return found
+
+
+def token_mean(objective) -> bool:
+    """Whether the objective's loss is one mean over its batch's response tokens (every token weighs the same,
+    whichever response holds it), rather than a mean over responses: the trainer then weighs each micro-batch's
+    loss by its tokens' share of the mini-batch, so that the mini-batch's gradient is its one token mean (TRL's and
+    DAPO's), not a mean of the micro-batches' token means.
+
+    Read from the objective: its ``aggregation`` attribute ("token_mean"; any other value, a mean over responses),
+    which GRPO carries and a user's objective declares the same way; DAPO and CISPO, token means by definition
+    (pacs_kernels/objectives/dapo.py, cispo.py), declare it by what they are. Without a declaration: False."""
+    declared = getattr(objective, "aggregation", None)
+    if declared is not None:
+        return declared == "token_mean"
+    return isinstance(objective, (DAPO, CISPO))
+
+
+def one_sweep_first_step(objective) -> bool:
+    """Whether the objective can take the first mini-batch after a rollout (weights still the sampler's) in one
+    vocabulary sweep from the rollout's log-sum-exp: PACS's (``fused_linear_pacs_loss(old_lse=...)``)."""
+    return isinstance(objective, PACS)

@@ -68,7 +68,7 @@ from pacs.train.checkpoint import (
 from pacs.train.console import hide_progress_bars
 from pacs.train.disk_space import NoSpaceLeft, check_checkpoint_space
 from pacs.train.export import export_hf
-from pacs.train.loss_objective import loss_objective
+from pacs.train.loss_objective import loss_objective, one_sweep_first_step, token_mean
 from pacs.train.loss_statistics import LossStatistics
 from pacs.train.metrics import MetricsLog, plot_metrics, read_metrics
 from pacs.train.preflight import TrainerSteps, preflight_enabled, run_preflight
@@ -89,14 +89,19 @@ from pacs.train.stop_signals import StopSignals
 from pacs.train.training_errors import TrainingInterrupted, TrainingPreempted, TrainingStopped
 from pacs.train.weight_updates import UpdateMonitor
 from pacs_kernels import (
+    GRPO,
     PACS,
     GatheredLogprobs,
     KnownGradient,
     LossOptions,
     fused_linear_grpo_loss,
+    fused_linear_objective_loss,
     fused_linear_pacs_loss,
     linear_logprobs,
 )
+
+# statistics of the objectives' optional regularizers: NaN when their input is absent (pacs_kernels/objectives)
+ABSENT_WHEN_NAN = frozenset({"kl_mean", "entropy_mean"})
 
 
 @dataclass
@@ -213,26 +218,34 @@ def old_policy_logprobs(policy, batch: Batch, ranges: list[tuple[int, int]], tem
 
 def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: torch.Tensor,
                 old_lse: torch.Tensor | None = None, piece=None):
-    """The configured loss (PACS or GRPO) of one micro-batch (padded rows or packed), straight from
-    hidden states; old_logp/old_lse in the micro-batch's layout. ``old_lse`` (PACS, weights
+    """The configured objective's loss (pacs/train/loss_objective.py) of one micro-batch (padded rows or packed),
+    straight from hidden states; old_logp/old_lse in the micro-batch's layout. ``old_lse`` (PACS, weights
     unchanged since the old-policy pass): the one-sweep first step. ``piece`` (:func:`loss_piece`): the
     micro-batch holds a piece of the loss's batch (part of a group, or this rank's tokens under sequence
-    parallelism). The one place in this module that calls the fused losses: the configured objective
-    (pacs/train/loss_objective.py) and the options go to the engine, which does the rest."""
+    parallelism). The one place in this module that calls the fused losses: the objective and the options go to
+    the engine, which does the rest (PACS through its own entry, which takes old_lse and the validity mask; GRPO
+    through its own; any other objective, a user's included, through fused_linear_objective_loss)."""
     hidden, weight, bias = forward_micro_batch(policy, part)
     o, group = cfg.optim, cfg.rollout.group_size
     options = LossOptions(**policy.head_options(cfg.rollout.temperature), backend=o.logprob_backend,
                           chunk_budget_mib=cfg.train.loss_chunk_mib)
-    inputs = dict(bias=bias, return_stats=True, piece=piece)
+    inputs = dict(old_logp=old_logp, rewards=part.rewards, bias=bias, piece=piece)
     if isinstance(part, PackedMicroBatch) and piece is None:
         inputs["cu_seqlens"] = part.cu_seqlens
-    objective, fused_loss = loss_objective(cfg), fused_linear_grpo_loss
+    objective, fused_loss = loss_objective(cfg), fused_linear_objective_loss
     if isinstance(objective, PACS):
         fused_loss = fused_linear_pacs_loss
-        inputs.update(old_lse=old_lse, valid=loss_valid(part.rewards, group, o.drop_single_label_groups))
-    loss, stats = fused_loss(hidden, weight, part.targets, part.mask, old_logp, part.rewards, group_size=group,
-                             objective=objective, options=options, **inputs)
-    return loss, stats if isinstance(stats, dict) else stats.as_dict()
+        inputs.update(old_lse=old_lse, valid=loss_valid(part.rewards, group, o.drop_single_label_groups),
+                      return_stats=True)
+    elif isinstance(objective, GRPO) and objective.entropy_coef == 0:
+        fused_loss = fused_linear_grpo_loss
+        inputs.update(return_stats=True)
+    loss, stats = fused_loss(hidden, weight, part.targets, part.mask, group_size=group, objective=objective,
+                             options=options, **inputs)
+    if not isinstance(stats, dict):
+        stats = stats.as_dict()
+    # a regularizer the objective has no input for (no reference model, no entropy asked) reports NaN: left out
+    return loss, {k: v for k, v in stats.items() if not (k in ABSENT_WHEN_NAN and v != v)}
 
 
 def loss_piece(cfg: Config, data: UpdateData, mini: MiniBatch, part, lo: int, hi: int,
@@ -417,9 +430,11 @@ def plan_mini_batch(cfg: Config, policy, data: UpdateData, mini: int, dist_info:
     if tr.max_tokens_per_micro_batch is not None:
         split = split_group_gradients(cfg, policy, data, micro_batches, dist_info, first_mini_batch=mini == 0)
     # one vocabulary sweep needs every psi to be 0 on the first mini-batch: reference = current weights
-    first_step = mini == 0 and o.algo == "pacs" and o.one_sweep_first_step and data.rollout_logp is None
+    objective = loss_objective(cfg)
+    first_step = (mini == 0 and one_sweep_first_step(objective) and o.one_sweep_first_step
+                  and data.rollout_logp is None)
     tokens = None
-    if o.algo == "grpo" and o.aggregation == "token_mean":  # one token mean over the whole mini-batch
+    if token_mean(objective):  # one token mean over the whole mini-batch (GRPO's token_mean, DAPO, CISPO, ...)
         tokens = mini_batch_tokens(data.batch.mask[first:first + rows_per_mini], dist_info)
     return MiniBatch(micro_batches, split, skipped, first_step, tokens)
 
@@ -600,6 +615,7 @@ def start_run(cfg: Config, dist_info: DistInfo, say=print,
     :class:`~pacs.train.checkpoint.CheckpointChoice` and the :class:`~pacs.train.resume_check.ResumePlan` (both None
     when not resuming). Nothing is written on a resume: its record is appended once the checkpoint loaded."""
     check_config(cfg, dist_info.world_size)
+    loss_objective(cfg)  # the objective built (a user's module:Class imported) before any work
     run_dir = RunDir(cfg.output_dir)
     run_dir.check_usable()
     # one process per run directory (pacs/train/run_lock.py), before anything there is read
