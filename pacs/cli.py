@@ -204,9 +204,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg.train.sequence_parallel_size, cfg.train.fsdp_cpu_offload = 1, False
     check_config(cfg)
     out_dir = args.eval_dir or RunDir(cfg.output_dir).eval
-    lock_run_directory(out_dir, "--eval-dir")  # one evaluation per eval directory (its journal)
     apply_torch_threads(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    run = prepare_run(cfg, log=lambda *_: None)
+    run = prepare_run(cfg, log=lambda *_: None)  # its refusals before anything is written to the eval directory
+    lock_run_directory(out_dir, "--eval-dir")  # one evaluation per eval directory (its journal)
     engine = make_rollout_engine(**engine_options(cfg, run.model_dir, cfg.seed, log=lambda *_: None))
     r, e = cfg.rollout, cfg.eval
     model_dir = run.model_dir

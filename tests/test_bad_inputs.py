@@ -5,10 +5,14 @@ each; the everyday mistakes before them: tests/test_run_errors.py, tests/test_cl
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from pacs.tasks.math_data import load_problems
+from pacs.train.metrics import read_metrics
 from test_run_errors import TINY_RUN, one_error_line, run_cli, tiny_model  # noqa: F401  (a fixture)
 
 
@@ -42,3 +46,54 @@ def test_a_json_file_holding_an_array_of_rows_loads(tmp_path):
     bad.write_text(json.dumps(rows[0]) + "\n\n" + json.dumps(rows) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:3: a row must be a JSON object"):
         load_problems(str(bad))
+
+
+def _long_prompt_data(tmp_path) -> str:
+    rows = [{"problem": "1+1" + (" +0" * 200 if i == 1 else ""), "answer": "2"} for i in range(6)]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_a_refused_run_writes_nothing_so_the_mended_command_runs(tmp_path, capsys, tiny_model):
+    """A run refused for a prompt too long had already written config.yaml and .lock: the same command, mended,
+    was refused as "already holds a run", and so was --resume (with the changed setting)."""
+    data = _long_prompt_data(tmp_path)
+    out = tmp_path / "run"
+    argv = ["train", "--model", tiny_model, "--output-dir", str(out), "--max-steps", "1", *TINY_RUN, "task.name=math",
+            f"task.data_path={data}", "task.eval_size=2"]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and "exceeds the model's max_position_embeddings (64)" in one_error_line(err)
+    assert not out.exists()  # created for the run, removed with its lock
+    out.mkdir()  # a directory the user made: kept, empty
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and os.listdir(out) == []
+    code, _, err = run_cli(capsys, *argv, "rollout.max_prompt_len=40", "rollout.truncate_prompts=true")
+    assert code == 0, err
+    assert [row["step"] for row in read_metrics(str(out / "metrics.jsonl"))] == [0, 1]
+
+
+def test_overwrite_does_not_move_a_run_a_live_process_works_in(tmp_path, capsys, tiny_model):
+    """--overwrite moved the run aside while a live `pacs eval` of it held OUTPUT_DIR/eval/.lock (its journal
+    and outputs then landed in the new run): refused in one line naming the holder, nothing moved."""
+    out = tmp_path / "run"
+    (out / "eval").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    lock = out / "eval" / ".lock"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX)\nos.write(fd, f'{os.getpid()} __main__.py eval'.encode())\n"
+         "print('locked', flush=True)\ntime.sleep(120)", str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        code, _, err = run_cli(capsys, "train", "--model", tiny_model, "--output-dir", str(out), "--overwrite",
+                               "--max-steps", "1", *TINY_RUN)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 2
+    assert one_error_line(err) == (
+        f"pacs train: error: --output-dir '{out}' is in use by process {holder.pid} (__main__.py eval), which holds "
+        f"{lock}; wait for it to end or choose another --output-dir")
+    assert sorted(os.listdir(out)) == [".lock", "eval", "metrics.jsonl"]
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # nothing moved aside

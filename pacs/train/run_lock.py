@@ -92,3 +92,46 @@ def release_run_directory(directory: str) -> None:
     fd = _held.pop(path, None)
     if fd is not None:
         os.close(fd)
+
+
+def abandon_run_directory(directory: str, remove_directory: bool) -> None:
+    """A refused run leaves its directory as it found it: the lock file this process created is removed and
+    released, and the directory too when this run created it and nothing else is in it."""
+    path = os.path.realpath(RunDir(directory).lock)
+    if path in _held:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+        release_run_directory(directory)
+    if remove_directory:
+        try:
+            os.rmdir(directory)
+        except OSError:  # not empty (something else wrote there) or already gone: kept
+            pass
+
+
+def check_no_other_holder(directory: str, what: str = "--output-dir") -> None:
+    """Raise :class:`RunDirectoryLocked` when another process holds a lock below ``directory`` (a ``pacs eval``
+    of the run holds ``DIR/eval/.lock``): the directory must not be moved away under it."""
+    for root, dirs, files in os.walk(directory):
+        dirs[:] = [d for d in dirs if d != "checkpoints"]  # (no lock is ever there)
+        if LOCK_NAME not in files:
+            continue
+        path = os.path.realpath(os.path.join(root, LOCK_NAME))
+        if path in _held:
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunDirectoryLocked(
+                f"{what} {directory!r} is in use by {_holder(path)}, which holds {path}; wait for it to end or "
+                f"choose another {what}") from None
+        except OSError:  # a file system without locks: nothing to learn
+            pass
+        finally:
+            os.close(fd)

@@ -74,7 +74,7 @@ from pacs.train.metrics import MetricsLog, plot_metrics, read_metrics
 from pacs.train.preflight import TrainerSteps, preflight_enabled, run_preflight
 from pacs.train.resume_check import apply_optimizer_settings, plan_resume, record_resume, resume_command
 from pacs.train.run_dir import RunDir
-from pacs.train.run_lock import lock_run_directory
+from pacs.train.run_lock import abandon_run_directory, check_no_other_holder, lock_run_directory
 from pacs.train.run_setup import (
     Run,
     apply_torch_threads,
@@ -617,7 +617,9 @@ def start_run(cfg: Config, dist_info: DistInfo, say=print,
     check_config(cfg, dist_info.world_size)
     loss_objective(cfg)  # the objective built (a user's module:Class imported) before any work
     run_dir = RunDir(cfg.output_dir)
+    created = not os.path.exists(run_dir.path)
     run_dir.check_usable()
+    fresh = not run_dir.contents()  # (a refusal below leaves a fresh directory as it found it)
     # one process per run directory (pacs/train/run_lock.py), before anything there is read
     on_main_rank(lambda: lock_run_directory(run_dir.path), dist_info)
     run_dir.check_free_for_run(resume=cfg.resume, overwrite=cfg.overwrite)
@@ -645,10 +647,20 @@ def start_run(cfg: Config, dist_info: DistInfo, say=print,
             say(f"[resume] no checkpoint under {run_dir.checkpoints}: starting from scratch"
                 + (f" (the run there wrote none: {', '.join(found)} moved aside)" if found else ""))
             choice = plan = None
+    apply_torch_threads(cfg, dist_info.device)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    try:  # its refusals (a prompt too long, a held-out split too small) before anything is written in the directory
+        run = prepare_run(cfg, dist_info, log=say)
+    except ValueError:
+        if fresh and dist_info.is_main:  # a refused run leaves no trace: the same command, mended, starts there
+            abandon_run_directory(run_dir.path, remove_directory=created)
+        raise
     if dist_info.world_size > 1:  # every rank has checked the directory before rank 0 changes it
         dist.barrier()
     if dist_info.is_main:
         if cfg.overwrite or start_over:
+            check_no_other_holder(run_dir.path)  # a live `pacs eval` in the run (its eval/.lock) is not moved away
             moved = run_dir.move_aside()
             if moved:
                 lock_run_directory(run_dir.path)  # the lock file went aside with the old run: lock the new one
@@ -658,10 +670,7 @@ def start_run(cfg: Config, dist_info: DistInfo, say=print,
         # when the run starts (a resume's settings go to config_history.jsonl)
         if choice is None or not os.path.isfile(run_dir.config):
             save_config(dataclasses.replace(cfg, resume=False, overwrite=False), run_dir.config)
-    apply_torch_threads(cfg, dist_info.device)
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    return prepare_run(cfg, dist_info, log=say), choice, plan
+    return run, choice, plan
 
 
 def on_main_rank(check, dist_info: DistInfo):
