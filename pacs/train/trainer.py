@@ -656,11 +656,12 @@ def start_run(cfg: Config, dist_info: DistInfo, say=print,
         if fresh and dist_info.is_main:  # a refused run leaves no trace: the same command, mended, starts there
             abandon_run_directory(run_dir.path, remove_directory=created)
         raise
+    if cfg.overwrite or start_over:  # a live `pacs eval` in the run (its eval/.lock) is not moved away under it
+        on_main_rank(lambda: check_no_other_holder(run_dir.path), dist_info)
     if dist_info.world_size > 1:  # every rank has checked the directory before rank 0 changes it
         dist.barrier()
     if dist_info.is_main:
         if cfg.overwrite or start_over:
-            check_no_other_holder(run_dir.path)  # a live `pacs eval` in the run (its eval/.lock) is not moved away
             moved = run_dir.move_aside()
             if moved:
                 lock_run_directory(run_dir.path)  # the lock file went aside with the old run: lock the new one
