@@ -1,4 +1,4 @@
-"""PACS vs GRPO (and PACS's score-function term on vs off, its class weights on vs off, its reference
+"""PACS vs GRPO, DAPO and Dr.GRPO (and PACS's score-function term on vs off, its class weights on vs off, its reference
 reset every 4 rollout steps vs every one, its single-label groups dropped vs kept) across seeds, on the
 built-in addition task and on the generated word-problem task, under one small, equal budget.
 
@@ -46,6 +46,10 @@ from benchmarks.run import cpu_model  # noqa: E402
 VARIANTS = {
     "pacs": ["optim.algo=pacs"],
     "grpo": ["optim.algo=grpo"],
+    # the GRPO family beside them, each with its own defaults (pacs/train/loss_objective.py); any other built-in
+    # objective (gspo, cispo) or a user's (module:Class) is a variant too, by that name (variant_overrides)
+    "dapo": ["optim.algo=dapo"],
+    "dr_grpo": ["optim.algo=dr_grpo"],
     "pacs_sft": ["optim.algo=pacs", "advanced.optim.score_function_term=true"],
     # the paper's ablation: PACS without its class weights (every response weighs 1)
     "pacs_unweighted": ["optim.algo=pacs", "advanced.optim.weighting=none"],
@@ -62,26 +66,50 @@ TASKS = {
     "wordmath": ["task.name=wordmath", "rollout.max_new_tokens=7"],
 }
 # what each comparison sets against what (label, variant, baseline variant)
-COMPARISONS = [("PACS - GRPO", "pacs", "grpo"), ("PACS score-function term on - off", "pacs_sft", "pacs"),
+COMPARISONS = [("PACS - GRPO", "pacs", "grpo"), ("PACS - DAPO", "pacs", "dapo"), ("PACS - Dr.GRPO", "pacs", "dr_grpo"),
+               ("DAPO - GRPO", "dapo", "grpo"), ("Dr.GRPO - GRPO", "dr_grpo", "grpo"),
+               ("PACS score-function term on - off", "pacs_sft", "pacs"),
                ("PACS class weights balanced - none", "pacs", "pacs_unweighted"),
                ("PACS reference reset every 4 - every 1 rollout steps", "pacs_ref4", "pacs"),
                ("PACS single-label groups dropped - kept (reset every step)", "pacs_drop", "pacs"),
                ("PACS reference kept 4 steps: single-label groups dropped - kept", "pacs_ref4_drop", "pacs_ref4"),
                ("PACS reference kept 4 steps, single-label groups dropped - reset every step", "pacs_ref4_drop",
                 "pacs")]
-TITLES = {"grpo": "PACS vs GRPO", "pacs_sft": "PACS's score-function term",
+TITLES = {"grpo": "PACS vs GRPO", "dapo": "PACS vs DAPO", "dr_grpo": "PACS vs Dr.GRPO",
+          "pacs_sft": "PACS's score-function term",
           "pacs_unweighted": "PACS's class weights (balanced vs none)",
           "pacs_ref4": "PACS's reference reset period (4 vs 1 rollout steps)",
           "pacs_drop": "PACS's single-label groups dropped", "pacs_ref4_drop": "PACS's single-label groups dropped "
           "with the reference kept for 4 steps"}
 
 
+def variant_overrides(variant: str) -> list[str]:
+    """A variant's own settings: ``VARIANTS``'s, else the objective it names (a built-in objective, or a user's
+    as module:Class, run with that objective's defaults)."""
+    if variant in VARIANTS:
+        return VARIANTS[variant]
+    from pacs.config import check_algo
+
+    check_algo(variant)
+    return [f"optim.algo={variant}"]
+
+
+def comparisons(variants: list[str]) -> list[tuple[str, str, str]]:
+    """``COMPARISONS``, and PACS against each other variant that none of them names."""
+    named = {v for _, a, b in COMPARISONS for v in (a, b)}
+    return COMPARISONS + [(f"PACS - {v}", "pacs", v) for v in variants if v not in named]
+
+
+def run_dir_name(task: str, variant: str, seed: int) -> str:
+    return f"{task}-{variant.replace(':', '.')}-s{seed}"
+
+
 def run_one(task: str, variant: str, seed: int, args, cache_dir: str) -> dict:
     """One `pacs train` in a fresh process; returns its record (evals from metrics.jsonl)."""
-    out = os.path.join(args.runs_dir, f"{task}-{variant}-s{seed}")
+    out = os.path.join(args.runs_dir, run_dir_name(task, variant, seed))
     ks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if k <= args.n_samples]
     cmd = [sys.executable, "-m", "pacs", "train", "--output-dir", out, "--seed", str(seed),
-           "--max-steps", str(args.max_steps), *TASKS[task], *VARIANTS[variant],
+           "--max-steps", str(args.max_steps), *TASKS[task], *variant_overrides(variant),
            f"advanced.task.cache_dir={cache_dir}", f"eval.every={args.eval_every}", f"eval.n_samples={args.n_samples}",
            "eval.temperature=0.6", f"eval.ks=[{','.join(map(str, ks))}]", f"eval.num_problems={args.num_problems}",
            "checkpoint_every=0", "advanced.plot=false", "advanced.torch_threads=1"]
@@ -194,7 +222,8 @@ def cmd_run(args) -> int:
 def _claim(runs_dir: str, task: str, variant: str, seed: int) -> bool:
     """True for the one process that creates the run's claim file: `run` processes may share a sweep."""
     try:
-        os.close(os.open(os.path.join(runs_dir, f"{task}-{variant}-s{seed}.claim"), os.O_CREAT | os.O_EXCL))
+        os.close(os.open(os.path.join(runs_dir, run_dir_name(task, variant, seed) + ".claim"),
+                         os.O_CREAT | os.O_EXCL))
     except FileExistsError:
         return False
     return True
@@ -232,7 +261,7 @@ def cmd_report(args) -> int:
         print("[science] no finished runs yet", file=sys.stderr)
         return 1
     for r in records:  # entropy of the policy, from the run's own metrics when its directory is still here
-        path = os.path.join(args.runs_dir, f"{r['task']}-{r['variant']}-s{r['seed']}", "metrics.jsonl")
+        path = os.path.join(args.runs_dir, run_dir_name(r["task"], r["variant"], r["seed"]), "metrics.jsonl")
         rows = [row for row in load_records(path) if row.get("entropy") is not None]
         r["train"].setdefault("entropy_first10", _mean([row["entropy"] for row in rows[:10]]))
         r["train"].setdefault("entropy_last10", _mean([row["entropy"] for row in rows[-10:]]))
@@ -242,7 +271,8 @@ def cmd_report(args) -> int:
         by.setdefault((r["task"], r["variant"]), {})[r["seed"]] = r
         paired.setdefault((r["task"], r["variant"]), {})[(r["seed"], *_provenance(r))] = r
     tasks = [t for t in TASKS if any(k[0] == t for k in by)]
-    variants = [v for v in VARIANTS if any(k[1] == v for k in by)]
+    seen = dict.fromkeys(r["variant"] for r in records)
+    variants = [v for v in VARIANTS if v in seen] + [v for v in seen if v not in VARIANTS]
     ks = records[0]["ks"]
     title = ", and ".join(TITLES[v] for v in variants if v in TITLES) or "PACS"
     lines = [f"# {title}, across seeds (small CPU budget)", ""]
@@ -289,7 +319,7 @@ def cmd_report(args) -> int:
         lines += ["", "Paired differences (same seed: same warm-up, held-out set and prompts):", "",
                   "| comparison | pairs | " + " | ".join(f"d pass@{k}" for k in ks) + " |",
                   "|---|---:|" + "---:|" * len(ks)]
-        for label, a, b in COMPARISONS:
+        for label, a, b in comparisons(variants):
             # a pair is one seed run on one machine at one commit: float rounding differs across CPUs
             # (and code that reorders sums), so runs of a seed on two machines are independent draws
             keys = sorted(set(paired.get((task, a), {})) & set(paired.get((task, b), {})), key=str)
@@ -366,7 +396,8 @@ def _sweep_command(out: str, variants: list[str], records: list[dict]) -> str:
 
 def _plots(plt, task, variants, by, ks, out):
     colors = {"pacs": "tab:blue", "grpo": "tab:orange", "pacs_sft": "tab:green", "pacs_unweighted": "tab:red",
-              "pacs_ref4": "tab:purple", "pacs_drop": "tab:cyan", "pacs_ref4_drop": "tab:brown"}
+              "pacs_ref4": "tab:purple", "pacs_drop": "tab:cyan", "pacs_ref4_drop": "tab:brown", "dapo": "tab:olive",
+              "dr_grpo": "tab:pink"}
     fig, ax = plt.subplots(figsize=(6, 4))
     for variant in variants:
         runs = list(by.get((task, variant), {}).values())
@@ -419,7 +450,9 @@ def main(argv=None) -> int:
     parser.add_argument("--code-dir", default=REPO, help="repository whose `pacs` the runs import (PYTHONPATH)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS),
+                        help=f"of {', '.join(VARIANTS)}, or any objective optim.algo takes (gspo, cispo, "
+                             "module:Class), run with its defaults")
     parser.add_argument("--max-steps", type=int, default=80)
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--n-samples", type=int, default=16)
@@ -429,6 +462,11 @@ def main(argv=None) -> int:
                         "later reports print when --note is not given)")
     parser.add_argument("--deadline", help="ISO time (with zone) after which no new run starts")
     args = parser.parse_args(argv)
+    for variant in args.variants:
+        try:
+            variant_overrides(variant)
+        except ValueError as exc:
+            parser.error(f"--variants: {variant!r} is no variant ({', '.join(VARIANTS)}) and no objective: {exc}")
     return cmd_run(args) if args.command == "run" else cmd_report(args)
 
 

@@ -125,3 +125,35 @@ def test_diagnostics_average_over_steps_and_by_the_reference_age(tmp_path):
     text = (tmp_path / "report.md").read_text()
     assert "| pacs | 1 | 0.500 | 0.000 | 0.250 | - |" in text
     assert "| pacs_ref4 | 1 | 0.500 | 0.467 | 0.250 | 0: 0.000, 1: 0.700 |" in text
+
+
+def test_any_objective_is_a_variant_by_its_name():
+    """The GRPO family's variants run `pacs train --algo NAME`; any other objective optim.algo takes (a built-in
+    one, a user's module:Class) is a variant by that name; anything else is refused before any run."""
+    assert science.variant_overrides("dapo") == ["optim.algo=dapo"]
+    assert science.variant_overrides("dr_grpo") == ["optim.algo=dr_grpo"]
+    assert science.variant_overrides("gspo") == ["optim.algo=gspo"]
+    assert science.variant_overrides("my_objectives:MyLoss") == ["optim.algo=my_objectives:MyLoss"]
+    assert science.variant_overrides("pacs_sft") == science.VARIANTS["pacs_sft"]
+    assert science.run_dir_name("embedded", "my_objectives:MyLoss", 3) == "embedded-my_objectives.MyLoss-s3"
+    with pytest.raises(ValueError, match="optim.algo"):
+        science.variant_overrides("ppo")
+    with pytest.raises(SystemExit):
+        science.main(["run", "--variants", "pacs", "ppo"])
+
+
+def test_report_shows_the_grpo_family_beside_pacs(tmp_path):
+    """DAPO and Dr.GRPO (and a user's objective) get their rows and their paired differences against PACS and GRPO,
+    on the same seeds."""
+    finals = {"pacs": 0.30, "grpo": 0.25, "dapo": 0.27, "dr_grpo": 0.22, "my_objectives:MyLoss": 0.10}
+    rows = [record(variant, seed, final + 0.01 * seed) for variant, final in finals.items() for seed in range(3)]
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert science.main(["report", "--out", str(tmp_path), "--runs-dir", str(tmp_path / "runs")]) == 0
+    text = (tmp_path / "report.md").read_text()
+    for variant in finals:
+        assert f"| {variant} | 3 |" in text
+    for label, diff in (("PACS - GRPO", 0.05), ("PACS - DAPO", 0.03), ("PACS - Dr.GRPO", 0.08),
+                        ("DAPO - GRPO", 0.02), ("Dr.GRPO - GRPO", -0.03), ("PACS - my_objectives:MyLoss", 0.20)):
+        assert f"| {label} | 3 | {diff:+.3f} +- 0.000 * |" in text
+    assert "--variants pacs grpo dapo dr_grpo my_objectives:MyLoss --seeds 0 1 2 &&" in text
+    assert text.startswith("# PACS vs GRPO, and PACS vs DAPO, and PACS vs Dr.GRPO, across seeds")
