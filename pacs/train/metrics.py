@@ -11,7 +11,9 @@ from pacs.train.durable import fsync_dir
 CURVES = (
     ("reward_mean", "training reward (mean)"),
     ("eval_accuracy", "held-out accuracy"),
-    ("loss", "loss"),
+    ("mixed_reward_group_frac", "groups with mixed rewards (the learning signal)"),
+    ("update_nonzero_frac", "share of the weights each step moved"),
+    ("loss", "loss (PACS: ln 2 on-policy by design)"),
     ("entropy", "entropy (nats/token)"),
     ("response_length", "response length (tokens)"),
     ("sigmoid_psi_correct_mean", "mean sigmoid(psi): correct vs incorrect (critic)"),
@@ -141,7 +143,7 @@ def plot_metrics(metrics_path: str, out_png: str, title: str | None = None) -> s
         points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         xs, ys = zip(*points)
         ax.plot(xs, ys, marker="o" if key == "eval_accuracy" else None, markersize=3)
-        if key == "eval_accuracy" or key == "reward_mean":
+        if key in ("eval_accuracy", "reward_mean", "mixed_reward_group_frac", "update_nonzero_frac"):
             ax.set_ylim(-0.02, 1.02)
         if key == "sigmoid_psi_correct_mean":
             wrong = [(r["step"], r["sigmoid_psi_incorrect_mean"]) for r in rows

@@ -68,6 +68,7 @@ from pacs.train.checkpoint import (
 from pacs.train.console import hide_progress_bars
 from pacs.train.disk_space import NoSpaceLeft, check_checkpoint_space
 from pacs.train.export import export_hf
+from pacs.train.health import health_lines, mixed_reward_group_frac, progress_fields
 from pacs.train.loss_objective import loss_objective, one_sweep_first_step, token_mean
 from pacs.train.loss_statistics import LossStatistics
 from pacs.train.metrics import MetricsLog, plot_metrics, read_metrics
@@ -584,6 +585,7 @@ def step_metrics(step: int, batch: Batch, responses: list[list[int]], entropy: f
         single = single_label(batch.rewards, group_size)
         extra["frac_single_label_groups"] = float(single.double().mean())
         extra["skipped_group_frac"] = update.skipped_groups / single.numel()
+    extra["mixed_reward_group_frac"] = mixed_reward_group_frac(batch.rewards, group_size)
     local = {"reward_mean": float(batch.rewards.mean()), "entropy": entropy,
              "response_length": response_tokens / len(responses),
              "loss": update.mean_loss(),
@@ -946,10 +948,8 @@ def log_step(t: Training, step: int, batch: Batch, responses: list, entropy: flo
         row.update(evaluate_policy(cfg, t.engine, t.run, dist_info, step))
     t.metrics.write(row)
     t.row = row
-    # the last mini-batch's loss (the first one's is ln 2 for PACS) and the grad norm: both move
-    t.progress.set_postfix(reward=f"{row['reward_mean']:.2f}", loss=f"{update.last_loss:.3f}",
-                           gnorm=f"{row['grad_norm']:.3f}",
-                           **({"acc": f"{row['eval_accuracy']:.2f}"} if "eval_accuracy" in row else {}))
+    # what moves when the run learns (pacs/train/health.py); not the loss: PACS's on-policy loss is ln 2 by design
+    t.progress.set_postfix(progress_fields(row))
     t.progress.update(1)
     t.state["step"] = step
     return StepEnd(stop_signal, out_of_time, checkpoint_due, last_step)
@@ -1000,6 +1000,8 @@ def finish_training(t: Training) -> TrainResult:
         png = plot_metrics(t.run_dir.metrics, t.run_dir.metrics_plot,
                            title=f"{t.cfg.optim.algo} on {t.cfg.task.name} ({t.run_dir.path})")
     if t.dist_info.is_main:
+        for line in health_lines(read_metrics(t.run_dir.metrics)):
+            t.say(line)
         t.say(summary_line(t.run_dir, t.state["step"], time.time() - t.start_time,
                            peak_memory_mib(t.dist_info.device), png))
     return TrainResult(metrics=t.row, policy=t.policy, output_dir=t.run_dir.path)
