@@ -72,6 +72,44 @@ def test_global_normalisation_and_options(monkeypatch):
         compute_policy_loss_pacs(old, logp, advantages, mask, config=config)
 
 
+@pytest.mark.parametrize("name, options", [
+    ("grpo", {}), ("dapo", {"eps_high": 0.3}), ("dr_grpo", {"max_completion_length": 7}), ("gspo", {}),
+    ("cispo", {}), ("objective_plugin:LeaveOneOutPG", {"eps": 0.1}),
+])
+def test_any_objective_by_name(monkeypatch, name, options):
+    """PACS_OBJECTIVE picks the objective the "pacs" policy loss runs (a built-in one by name, a user's as
+    module:Class), PACS_OPTIONS its class's keywords; the loss is the objective's on the 0/1 rewards the advantages
+    carry, normalised over the global mini-batch as PACS's."""
+    import json
+
+    from pacs.train.loss_objective import named_objective
+
+    logp, old, mask, labels, token_rewards = batch(seed=2)
+    advantages, _ = pacs_label_advantage(token_rewards, mask)
+    monkeypatch.setenv("PACS_OBJECTIVE", name)
+    monkeypatch.setenv("PACS_OPTIONS", json.dumps(options))
+    config = actor_config(global_batch_info={"global_batch_size": 24, "dp_size": 2})
+    loss, metrics = compute_policy_loss_pacs(old, logp, advantages, mask, config=config)
+    expected, stats = named_objective(name, options)(logp, old, labels, mask, group_size=G)
+    torch.testing.assert_close(loss, expected * 12 / 24 * 2, rtol=1e-12, atol=1e-14)
+    grad, = torch.autograd.grad(loss, logp)
+    assert grad.abs().max() > 0
+    assert metrics and all(key.startswith("actor/pacs/") for key in metrics)
+    assert "actor/pacs/entropy_mean" not in metrics and "actor/pacs/kl_mean" not in metrics
+
+
+def test_an_unknown_objective_or_setting_is_refused(monkeypatch):
+    logp, old, mask, _, token_rewards = batch()
+    advantages, _ = pacs_label_advantage(token_rewards, mask)
+    for name, options, match in (("ppo", "{}", "PACS_OBJECTIVE must be one of"),
+                                 ("dapo", '{"beta": 1}', "PACS_OBJECTIVE='dapo'.*beta"),
+                                 ("no_such_module:X", "{}", "cannot import module 'no_such_module'")):
+        monkeypatch.setenv("PACS_OBJECTIVE", name)
+        monkeypatch.setenv("PACS_OPTIONS", options)
+        with pytest.raises(ValueError, match=match):
+            compute_policy_loss_pacs(old, logp, advantages, mask, config=actor_config())
+
+
 @pytest.mark.parametrize("overrides, match", [
     (dict(use_dynamic_bsz=True), "use_dynamic_bsz"),
     (dict(ppo_micro_batch_size_per_gpu=6), "multiple of rollout.n"),

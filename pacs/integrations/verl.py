@@ -24,6 +24,17 @@ Importing this module registers two functions in verl's registries (``verl.train
   micro-batches. Checked through verl 0.9.1's own actor update (FSDP2 on CPU, 1 and 2 ranks, several
   mini- and micro-batches) against a float64 reference: tests/test_verl_actor_update.py.
 
+Any other objective of pacs_kernels, or a user's, runs in the same policy loss: ``PACS_OBJECTIVE`` names it (``pacs``,
+the default; ``grpo``, ``dapo``, ``dr_grpo``, ``gspo``, ``cispo``; or ``my_module:MyObjective``, a class built with
+``PACS_OPTIONS`` as its keywords or any callable satisfying the ``Objective`` protocol), and ``PACS_OPTIONS`` holds its
+settings (its class's keywords, e.g. ``{"eps_high": 0.28}``; Dr.GRPO needs ``max_completion_length``, verl's
+``data.max_response_length``). The objective gets verl's log-probs, the 0/1 rewards read back from the advantages
+("pacs_label" carries them: the GRPO family computes its own group advantages from them) and the response mask, and
+its loss is normalised as PACS's: times the micro-batch's responses over the global mini-batch's, times the
+data-parallel size. That is exact for an objective whose loss is a mean over responses (GSPO, Dr.GRPO, GRPO with
+``aggregation="seq_mean"``); for a token mean (GRPO's default, DAPO, CISPO) each micro-batch's token mean weighs its
+responses, which is the mini-batch's one token mean only where micro-batches hold equal numbers of tokens.
+
 Metrics: the loss's stats under ``actor/pacs/``, one value per optimizer step (verl averages the
 micro-batches' values). ``sigmoid_psi_correct_mean`` (``..._incorrect_mean``) is NaN for a micro-batch
 without a correct (incorrect) response, and verl's plain mean then makes the step's value NaN (with one
@@ -46,20 +57,30 @@ from collections.abc import Sequence
 
 import torch
 
+from pacs.train.loss_objective import named_objective
 from pacs_kernels import pacs_loss
 from pacs_kernels.loss_inputs import check_beta
 
 OPTION_NAMES = ("beta", "score", "advantage", "weighting", "score_function_term")
+OBJECTIVE_VARIABLE = "PACS_OBJECTIVE"  # which objective the "pacs" policy loss runs (default: pacs)
 
 
-def pacs_options() -> dict:
-    """The PACS loss options from ``PACS_OPTIONS`` (JSON object), checked for unknown names."""
+def objective_name() -> str:
+    """``PACS_OBJECTIVE``: a built-in objective's name or a user's ``module:Class`` (unset: ``pacs``)."""
+    return os.environ.get(OBJECTIVE_VARIABLE, "").strip() or "pacs"
+
+
+def pacs_options(objective: str = "pacs") -> dict:
+    """The loss options from ``PACS_OPTIONS`` (JSON object): for PACS, checked for unknown names; for another
+    objective, the keywords of its class (checked when it is built)."""
     raw = os.environ.get("PACS_OPTIONS", "").strip()
     if not raw:
         return {}
     options = json.loads(raw)
     if not isinstance(options, dict):
         raise ValueError(f"PACS_OPTIONS must be a JSON object, got {raw!r}")
+    if objective != "pacs":
+        return options
     unknown = sorted(set(options) - set(OPTION_NAMES))
     if unknown:
         raise ValueError(f"PACS_OPTIONS: unknown option(s) {unknown}; expected a subset of {list(OPTION_NAMES)}")
@@ -195,8 +216,15 @@ def compute_policy_loss_pacs(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     group_size = check_actor_config(config)
     check_no_empty_response(response_mask)
     labels = labels_from_advantages(advantages, response_mask)
-    loss, stats = pacs_loss(log_prob, old_log_prob, labels, response_mask, group_size=group_size, return_stats=True,
-                            **pacs_options())
+    name = objective_name()
+    if name == "pacs":
+        loss, stats = pacs_loss(log_prob, old_log_prob, labels, response_mask, group_size=group_size,
+                                return_stats=True, **pacs_options())
+        stats = stats.as_dict()
+    else:  # another objective (PACS_OBJECTIVE), built with PACS_OPTIONS as its keywords
+        objective = named_objective(name, pacs_options(name), where=OBJECTIVE_VARIABLE)
+        loss, stats = objective(log_prob, old_log_prob, labels.to(log_prob.dtype), response_mask.bool(),
+                                group_size=group_size)
     # verl 0.9.1's actor update (checked through it: tests/test_verl_actor_update.py): RayPPOTrainer._update_actor
     # sets global_batch_size = ppo_mini_batch_size * rollout.n (responses per optimizer step, all ranks),
     # ppo_loss copies it and dp_size into config.global_batch_info, FSDPEngine.forward_backward_batch calls
@@ -207,9 +235,8 @@ def compute_policy_loss_pacs(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     global_size = info.get("global_batch_size")
     if global_size:
         loss = loss * labels.shape[0] / global_size * info.get("dp_size", 1)
-    metrics = stats.as_dict("actor/pacs/")
-    # verl passes no entropy to the policy loss, so this stat is always NaN there
-    metrics.pop("actor/pacs/entropy_mean", None)
+    # verl passes no entropy (nor a reference's log-probs) to the policy loss: those stats are always NaN there
+    metrics = {f"actor/pacs/{key}": value for key, value in stats.items() if key not in ("entropy_mean", "kl_mean")}
     return loss, metrics
 
 

@@ -50,31 +50,51 @@ def loss_objective(cfg: Config):
     return user_objective(o.algo)
 
 
-def user_objective(spec: str):
+# each built-in objective's class, by the name optim.algo gives it (their settings: pacs_kernels/objectives/*.py)
+OBJECTIVE_CLASSES = {"pacs": PACS, "grpo": GRPO, "dapo": DAPO, "dr_grpo": DrGRPO, "gspo": GSPO, "cispo": CISPO}
+
+
+def named_objective(name: str, settings: dict | None = None, *, where: str = "optim.algo"):
+    """The objective ``name`` (a built-in one's, or a user's ``module:Class``) built with ``settings``, the keywords
+    of its class (for a built-in one: pacs_kernels/objectives/*.py); a ValueError naming ``where`` for an unknown
+    name or setting. For the integrations, whose settings are a mapping (the trainer's: :func:`loss_objective`)."""
+    settings = dict(settings or {})
+    if name not in OBJECTIVE_CLASSES:
+        return user_objective(name, settings, where=where)
+    try:
+        return OBJECTIVE_CLASSES[name](**settings)
+    except TypeError as exc:
+        raise ValueError(f"{where}={name!r}: {exc}") from exc
+
+
+def user_objective(spec: str, settings: dict | None = None, *, where: str = "optim.algo"):
     """``module:Name`` -> the objective: ``Name`` (dotted for a nested attribute) of the imported module, built with
-    no arguments when it is a class."""
+    ``settings`` (none: no arguments) when it is a class."""
+    settings = dict(settings or {})
     module_name, sep, attribute = spec.partition(":")
     if not (sep and module_name and attribute):
-        raise ValueError(f"optim.algo (--algo) must be one of {', '.join(BUILTIN_OBJECTIVES)} or a user's objective "
+        raise ValueError(f"{where} must be one of {', '.join(BUILTIN_OBJECTIVES)} or a user's objective "
                          f"as module:Class, got {spec!r}")
     try:
         found = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"optim.algo={spec!r}: cannot import module {module_name!r} ({exc}); it must be importable "
-                         "from where pacs train runs (on PYTHONPATH)") from exc
+        raise ValueError(f"{where}={spec!r}: cannot import module {module_name!r} ({exc}); it must be importable "
+                         "from where the run starts (on PYTHONPATH)") from exc
     for part in attribute.split("."):
         if not hasattr(found, part):
-            raise ValueError(f"optim.algo={spec!r}: {found.__name__ if found is not None else module_name!r} has no "
-                             f"attribute {part!r}")
+            raise ValueError(f"{where}={spec!r}: {getattr(found, '__name__', module_name)!r} has no attribute "
+                             f"{part!r}")
         found = getattr(found, part)
     if isinstance(found, type):
         try:
-            found = found()
+            found = found(**settings)
         except TypeError as exc:
-            raise ValueError(f"optim.algo={spec!r}: the class is built with no arguments, which failed ({exc}); "
+            raise ValueError(f"{where}={spec!r}: building the class with {settings or 'no arguments'} failed ({exc}); "
                              "give its settings defaults (or subclass it with yours)") from exc
+    elif settings:
+        raise ValueError(f"{where}={spec!r} is no class: it takes no settings, got {sorted(settings)}")
     if not callable(found):
-        raise ValueError(f"optim.algo={spec!r} is a {type(found).__name__}, not an objective: it must be callable as "
+        raise ValueError(f"{where}={spec!r} is a {type(found).__name__}, not an objective: it must be callable as "
                          "loss, stats = objective(logp, old_logp, rewards, mask, group_size=G) (docs/objectives.md)")
     return found
 
