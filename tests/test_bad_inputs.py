@@ -97,3 +97,22 @@ def test_overwrite_does_not_move_a_run_a_live_process_works_in(tmp_path, capsys,
         f"{lock}; wait for it to end or choose another --output-dir")
     assert sorted(os.listdir(out)) == [".lock", "eval", "metrics.jsonl"]
     assert [p.name for p in tmp_path.iterdir()] == ["run"]  # nothing moved aside
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # trained q_proj and ignored the name the model lacks
+    (["model.lora.rank=4", "model.lora.target_modules=q_proj,bogus_proj"],
+     "model.lora.target_modules='q_proj,bogus_proj': 'bogus_proj' names no layer of the model (its linear layers: "
+     "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj; or all-linear)"),
+    # accepted on a 64-wide model (one step took 611 s)
+    (["model.lora.rank=100000"],
+     "model.lora.rank=100000 is wider than a layer it adapts: model.layers.0.self_attn.q_proj maps 64 -> 64 "
+     "features, so a rank above 64 adds parameters, not capacity; choose model.lora.rank <= 64"),
+])
+def test_lora_targets_the_model_lacks_or_a_rank_wider_than_its_layers_are_refused(tmp_path, capsys, tiny_model,
+                                                                                 overrides, message):
+    out = tmp_path / "run"
+    code, _, err = run_cli(capsys, "train", "--model", tiny_model, "--output-dir", str(out), "--max-steps", "0",
+                           *TINY_RUN, *overrides)
+    assert code == 2 and one_error_line(err) == f"pacs train: error: {message}"
+    assert not out.exists()

@@ -31,6 +31,43 @@ def lora_targets(target_modules: str) -> str | list[str]:
     return "all-linear" if names == ["all-linear"] else names
 
 
+def check_lora_targets(model_config, rank: int, target_modules: str, trust_remote_code: bool = False) -> None:
+    """Before any work (the model built on the meta device from its config, no weights): every name in
+    ``target_modules`` names a layer of the model, and ``rank`` is at most the narrower side of every layer it
+    adapts (a wider rank adds parameters and time, not capacity). A ValueError naming the setting otherwise."""
+    if rank <= 0:
+        return
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
+    except Exception:  # a model transformers cannot build from its config alone: add_lora checks the loaded one
+        return
+    head = model.get_output_embeddings()
+    names = [name for name, _ in model.named_modules()]
+    linear = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+    targets = lora_targets(target_modules)
+
+    def matches(name: str, target: str) -> bool:  # peft's rule for a list of names: the name or its last parts
+        return name == target or name.endswith("." + target)
+
+    if targets != "all-linear":
+        unknown = [t for t in targets if not any(matches(name, t) for name in names)]
+        if unknown:
+            kinds = sorted({name.rsplit(".", 1)[-1] for name in linear})
+            raise ValueError(f"model.lora.target_modules={target_modules!r}: {', '.join(map(repr, unknown))} names no "
+                             f"layer of the model (its linear layers: {', '.join(kinds)}; or all-linear)")
+        linear = {name: m for name, m in linear.items() if any(matches(name, t) for t in targets)}
+    if linear:
+        name, layer = min(linear.items(), key=lambda item: min(item[1].in_features, item[1].out_features))
+        width = min(layer.in_features, layer.out_features)
+        if rank > width:
+            raise ValueError(f"model.lora.rank={rank} is wider than a layer it adapts: {name} maps "
+                             f"{layer.in_features} -> {layer.out_features} features, so a rank above {width} adds "
+                             f"parameters, not capacity; choose model.lora.rank <= {width}")
+
+
 def add_lora(causal_lm: nn.Module, rank: int, alpha: float, target_modules: str, adapter_dtype: torch.dtype) -> None:
     """Put LoRA adapters of rank ``rank`` into ``causal_lm`` in place (the base weights frozen, the adapters
     in ``adapter_dtype``); raises a ValueError naming the setting when a target is no linear layer or

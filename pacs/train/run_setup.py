@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pacs.config import Config, check_lengths, use_packing, validate, validate_train
+from pacs.model.lora import check_lora_targets
 from pacs.model.packed_attention import packed_attention_implementation
 from pacs.model.packing import packing_obstacle
 from pacs.model.policy import DistInfo, check_model_path, max_positions, resolve_dtype
@@ -66,6 +67,8 @@ def check_config(cfg: Config, world_size: int = 1) -> None:
     else:  # built later, from the task's settings
         model_config = embedded_config(cfg.task, len(build_tokenizer()))
     check_lengths(cfg, max_positions(model_config))
+    lora = cfg.model.lora  # (a target the model lacks, a rank wider than a layer: before the model loads)
+    check_lora_targets(model_config, lora.rank, lora.target_modules, cfg.model.trust_remote_code)
     sp = cfg.train.sequence_parallel_size
     if sp > 1:  # before any model is built or trained
         check_model_splits(model_config, sp)
