@@ -4,6 +4,7 @@ each; the everyday mistakes before them: tests/test_run_errors.py, tests/test_cl
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -116,3 +117,31 @@ def test_lora_targets_the_model_lacks_or_a_rank_wider_than_its_layers_are_refuse
                            *TINY_RUN, *overrides)
     assert code == 2 and one_error_line(err) == f"pacs train: error: {message}"
     assert not out.exists()
+
+
+def test_a_full_disk_during_the_final_export_ends_in_one_line_and_leaves_no_tmp(tmp_path, capsys, tiny_model,
+                                                                                  monkeypatch):
+    """A full disk while final_model was written: a 27-line traceback and final_model.tmp/ left behind."""
+    import pacs.train.export as export
+
+    def full_disk(path):
+        with open(os.path.join(path, "model.safetensors"), "ab") as fh:
+            fh.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device", os.path.join(path, "model.safetensors"))
+
+    monkeypatch.setattr(export, "fsync_tree", full_disk)
+    out = tmp_path / "run"
+    code, _, err = run_cli(capsys, "train", "--model", tiny_model, "--output-dir", str(out), "--max-steps", "1",
+                           *TINY_RUN)
+    assert code == 2
+    line = one_error_line(err)
+    assert line.startswith(f"pacs train: error: no space left on the device writing the final model {out}/final_model: "
+                           "it needs about ")
+    assert line.endswith(f"; the unfinished {out}/final_model.tmp was removed; the last checkpoint is "
+                         f"{out}/checkpoints/step_000001 (step 1); resume with: pacs train --config {out}/config.yaml "
+                         "--resume")
+    assert not (out / "final_model.tmp").exists() and not (out / "final_model").exists()
+    monkeypatch.undo()  # space freed: the printed command finishes the run
+    code, _, err = run_cli(capsys, "train", "--config", str(out / "config.yaml"), "--resume")
+    assert code == 0, err
+    assert (out / "final_model" / "model.safetensors").is_file()

@@ -33,6 +33,8 @@ def is_disk_full(exc: BaseException) -> bool:
             return True
         if isinstance(exc, RuntimeError) and "unexpected pos" in str(exc):  # torch's zip writer on ENOSPC
             return True
+        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):  # safetensors' (Rust) error
+            return True
         exc = exc.__cause__ or exc.__context__
     return False
 

@@ -8,6 +8,7 @@ import os
 import shutil
 
 from pacs.model.policy import DistInfo, Policy, full_named_tensors
+from pacs.train.disk_space import NoSpaceLeft, is_disk_full, no_space_message, tensor_bytes
 from pacs.train.durable import REPLACED_SUFFIX, fsync_tree, recover_replaced, replace_dir
 
 
@@ -30,6 +31,19 @@ def export_hf(policy: Policy, tokenizer, out_dir: str, dist_info: DistInfo | Non
     tmp = out_dir + ".tmp"
     recover_replaced(out_dir, is_complete_export)  # an export killed between its renames: before tmp is removed
     shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _write_export(policy, tokenizer, tmp, state, dtype)
+    except Exception as exc:  # a full disk: one line (pacs train: exit 2), nothing half-written left behind
+        if not is_disk_full(exc):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise NoSpaceLeft(no_space_message("the final model", out_dir, sum(tensor_bytes(t) for t in state.values()))
+                          + f"; the unfinished {tmp} was removed") from exc
+    replace_dir(tmp, out_dir)
+
+
+def _write_export(policy: Policy, tokenizer, tmp: str, state: dict, dtype) -> None:
+    """The export's files in ``tmp``, fsynced."""
     policy.causal_lm.save_pretrained(tmp, state_dict=state)
     if policy.precision.mixed:  # save_pretrained records the parameters' (float32) dtype in the config
         config_path = os.path.join(tmp, "config.json")
@@ -41,7 +55,6 @@ def export_hf(policy: Policy, tokenizer, out_dir: str, dist_info: DistInfo | Non
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     fsync_tree(tmp)  # save_pretrained does not fsync: a power loss after the rename must not leave empty files
-    replace_dir(tmp, out_dir)
 
 
 def is_complete_export(path: str) -> bool:
