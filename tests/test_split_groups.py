@@ -83,8 +83,12 @@ def test_a_split_group_scored_against_an_older_reference_trains_like_the_whole_g
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
 
 
+# every built-in objective and a user's (tests/objective_plugin.py), as optim.algo names them
+EVERY_OBJECTIVE = ["pacs", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "objective_plugin:LeaveOneOutPG"]
+
+
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("algo", ["pacs", "grpo"])
+@pytest.mark.parametrize("algo", EVERY_OBJECTIVE)
 def test_a_split_group_trains_like_the_whole_group(algo, packed):
     batch = random_batch(31, n_groups=4)
     lengths = batch.attention_mask.sum(1).tolist()
@@ -95,7 +99,7 @@ def test_a_split_group_trains_like_the_whole_group(algo, packed):
     # neither PACS's mini-batch loss nor GRPO's token mean depends on how it is cut into micro-batches
     common = [f"optim.algo={algo}", "rollout.prompts_per_step=4", "optim.mini_batches_per_step=2",
               "optim.micro_batch_groups=2", f"train.packing={str(packed).lower()}",
-              "rollout.temperature=0.9"]
+              "rollout.temperature=0.9", "rollout.max_new_tokens=9"]  # (Dr.GRPO's L: the longest response)
     whole_policy, whole = one_update(config(*common), batch, packed)
     split_policy, split = one_update(config(*common, f"train.max_tokens_per_micro_batch={budget}"), batch, packed)
     assert len(split.losses) > len(whole.losses)  # it did run groups in parts
@@ -109,13 +113,17 @@ def test_a_split_group_trains_like_the_whole_group(algo, packed):
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_grpo_token_mean_is_one_mean_over_the_mini_batch_however_it_is_cut(packed):
+@pytest.mark.parametrize("algo", EVERY_OBJECTIVE[1:])
+def test_grpo_token_mean_is_one_mean_over_the_mini_batch_however_it_is_cut(algo, packed):
     """GRPO's token mean (TRL's, DAPO's): the mini-batch's token terms summed over its token count, whatever its
-    micro-batches, token budget or groups in parts: the update is that one loss's gradient."""
+    micro-batches, token budget or groups in parts: the update is that one loss's gradient. So for every objective
+    of the GRPO family and a user's: a token mean (GRPO's, DAPO's, CISPO's, the plugin's, which declares it) or a
+    mean over responses (GSPO's, Dr.GRPO's), each the mini-batch's one loss (pacs/train/loss_objective.token_mean)."""
     batch = random_batch(33, n_groups=4)
     n, width = batch.input_ids.shape
-    common = ["optim.algo=grpo", "rollout.prompts_per_step=4", "optim.mini_batches_per_step=1",
-              f"train.packing={str(packed).lower()}", "advanced.optim.max_grad_norm=1e9", "rollout.temperature=0.9"]
+    common = [f"optim.algo={algo}", "rollout.prompts_per_step=4", "optim.mini_batches_per_step=1",
+              f"train.packing={str(packed).lower()}", "advanced.optim.max_grad_norm=1e9", "rollout.temperature=0.9",
+              "rollout.max_new_tokens=9"]
     policy = tiny_policy(5)
     old_logp, _, _ = old_policy_logprobs(policy, batch, [(0, n)], 0.9, "torch", packed=packed)
     _, grads, _ = loss_and_grads(policy, batch, old_logp, packed, config(*common))  # one micro-batch: the reference
