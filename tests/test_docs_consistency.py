@@ -207,7 +207,7 @@ def test_layout_names_every_benchmark_script():
 def test_readme_sections_in_the_users_order():
     headings = re.findall(r"^## (.+)$", read("README.md"), re.M)
     assert headings == ["What it is", "Install", "Quick start", "API", "TRL", "verl and plain PyTorch / FSDP2",
-                        "`pacs train`", "Limited memory", "Results in brief", "Development"]
+                        "`pacs train`", "Limited memory", "Results in brief", "Development", "Citation"]
     quick_start = read("README.md").split("## Quick start")[1]
     block = re.search(r"```python\n(.*?)```", quick_start, re.S).group(1)
     assert len(block.strip().split("\n")) <= 20
