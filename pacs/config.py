@@ -117,10 +117,9 @@ class OptimConfig:
     clip_eps: float = 0.2           # the ratio is clipped to [1 - clip_eps, 1 + clip_eps] (high side: eps_high if set)
     aggregation: str = "token_mean"  # token_mean (over the mini-batch's tokens) | seq_mean (of response means)
     # the GRPO family's clip range [1 - eps_low, 1 + eps_high] (of the token ratio; GSPO's sequence ratio, CISPO's
-    # IS weight); None: the objective's own (low/high: dapo 0.2/0.28, dr_grpo 0.2/0.2, gspo 3e-4/4e-4, cispo 1/0.28;
-    # grpo's low side is clip_eps, its high side eps_high or else clip_eps)
-    eps_low: float | None = None
-    eps_high: float | None = None
+    # IS weight); None: the objective's own (low/high: dapo 0.2/0.28, dr_grpo 0.2/0.2, gspo 3e-4/4e-4, cispo 1/0.28)
+    eps_low: float | None = None    # dapo, dr_grpo, gspo, cispo (grpo's low side is clip_eps)
+    eps_high: float | None = None   # dapo, dr_grpo, gspo, cispo, grpo (unset for grpo: clip_eps)
     logprob_backend: str = "auto"   # the log-prob kernels: auto | triton | torch | naive (logits materialized)
     # PACS only: on the first mini-batch after each rollout (weights unchanged since the old-policy
     # pass), get loss and gradients in one vocabulary sweep (fused_linear_pacs_loss(old_lse=...))
