@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from pacs.tasks.math_data import load_problems
+from pacs.tasks.math_data import MathTask, load_problems
 from pacs.train.metrics import read_metrics
 from test_run_errors import TINY_RUN, one_error_line, run_cli, tiny_model  # noqa: F401  (a fixture)
 
@@ -145,3 +145,38 @@ def test_a_full_disk_during_the_final_export_ends_in_one_line_and_leaves_no_tmp(
     code, _, err = run_cli(capsys, "train", "--config", str(out / "config.yaml"), "--resume")
     assert code == 0, err
     assert (out / "final_model" / "model.safetensors").is_file()
+
+
+def test_repeated_rows_are_dropped_and_said_so_no_held_out_problem_is_a_training_one(tmp_path, capsys):
+    """A file of 10 rows repeated 12 times trained without a word, and its held-out split was made of training
+    problems."""
+    rows = [{"problem": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(10)]
+    data = tmp_path / "repeated.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows * 12))
+    task = MathTask(str(data), eval_size=200)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert said == [f"[data] task.data_path {str(data)!r}: 110 of 120 rows repeat an earlier row's question (rows 10, "
+                    "11, 12, 13, 14, ...): dropped, 10 problems left"]
+    train = {task.train_problem(i).prompt for i in range(10)}
+    held_out = {p.prompt for p in task.eval_problems()}
+    assert len(train) == 5 and len(held_out) == 5 and not train & held_out
+    # a separate held-out file: the training rows it holds are dropped from training
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps(row) + "\n" for row in rows[:3]))
+    task = MathTask(str(data), eval_path=str(held))
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"[data] task.data_path {str(data)!r}: 3 of 10 rows repeat a task.eval_path row's question (rows 0, 1, 2): "
+        "dropped, 7 problems left")
+    assert not {task.train_problem(i).prompt for i in range(7)} & {p.prompt for p in task.eval_problems()}
+
+
+def test_an_empty_prompt_is_refused(tmp_path, capsys, tiny_model):
+    data = tmp_path / "empty.jsonl"
+    data.write_text("".join(json.dumps({"problem": q, "answer": "2"}) + "\n" for q in ("1+1", "1+1 ", " \n", "2+0")))
+    out = tmp_path / "run"
+    code, _, err = run_cli(capsys, "train", "--model", tiny_model, "--output-dir", str(out), *TINY_RUN,
+                           "task.name=math", f"task.data_path={data}")
+    assert code == 2
+    assert one_error_line(err) == (f"pacs train: error: {data} row 2: the question is empty; each row needs a problem "
+                                   "to solve")
+    assert not out.exists()

@@ -141,7 +141,7 @@ def test_a_measured_prompt_length_is_checked_against_the_model_positions(tmp_pat
     model_dir = tmp_path / "tiny"  # the built-in model family: 64 positions
     build_model(Config().task, 300, seed=0).save_pretrained(model_dir)
     build_byte_tokenizer().save_pretrained(model_dir)
-    data = write_rows(tmp_path / "rows.jsonl", ["x" * 70] * 4)
+    data = write_rows(tmp_path / "rows.jsonl", ["x" * 69 + c for c in "abcd"])  # (a repeated row is dropped)
     code = main(["train", "--model", str(model_dir), "--output-dir", str(tmp_path / "run"), "task.name=math",
                  f"task.data_path={data}", "task.eval_size=2", "rollout.max_new_tokens=4", "rollout.engine=hf"])
     assert code == 2

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 from pacs.tasks.base import Problem, Task
@@ -26,7 +27,29 @@ def _row_to_problem(row: dict, where: str) -> Problem:
         answer = extract_boxed(answer) or answer
     if isinstance(question, list):  # chat-style [{"role": ..., "content": ...}]
         question = "\n".join(m.get("content", "") for m in question if isinstance(m, dict))
+    if not str(question).strip():
+        raise ValueError(f"{where}: the question is empty; each row needs a problem to solve")
     return Problem(prompt=str(question), answer=answer)
+
+
+def drop_repeats(problems: list[Problem], where: str, rows: list[int] | None = None, seen: set[str] = frozenset(),
+                 repeat: str = "an earlier row's") -> list[int]:
+    """Which of ``rows`` (indices of ``problems``; default all) to keep: each question once (its first row), none
+    of ``seen``; the rows dropped are said in one line (``where``: the file's setting and path)."""
+    rows = list(range(len(problems))) if rows is None else rows
+    kept, dropped, own = [], [], set()
+    for i in rows:
+        key = problems[i].prompt.strip()
+        if key in seen or key in own:
+            dropped.append(i)
+        else:
+            own.add(key)
+            kept.append(i)
+    if dropped and os.environ.get("RANK", "0") == "0":
+        print(f"[data] {where}: {len(dropped)} of {len(rows)} rows repeat {repeat} question (rows "
+              f"{', '.join(map(str, dropped[:5]))}{', ...' if len(dropped) > 5 else ''}): dropped, {len(kept)} "
+              "problems left", flush=True)
+    return kept
 
 
 def load_problems(path: str) -> list[Problem]:
@@ -47,16 +70,29 @@ class MathTask(Task):
     name = "math"
 
     def __init__(self, data_path: str, *, eval_path: str | None = None, eval_size: int = 200, seed: int = 0):
+        # a question asked twice is one problem: repeated rows are dropped (and said), so that no held-out problem
+        # is a training one too
         problems = load_problems(data_path)
-        labels = [f"task.data_path row {i}" for i in range(len(problems))]
+        keep = drop_repeats(problems, f"task.data_path {data_path!r}")
         if eval_path:
-            self._eval = load_problems(eval_path)
-            self._train = problems
-            self._labels = labels + [f"task.eval_path row {i}" for i in range(len(self._eval))]
-        else:  # hold out the last eval_size rows (at most half of the file)
-            held = min(eval_size, len(problems) // 2)
-            self._train, self._eval = problems[:len(problems) - held], problems[len(problems) - held:]
-            self._labels = labels
+            same = os.path.abspath(eval_path) == os.path.abspath(data_path)  # (pacs eval --data FILE)
+            held_out = problems if same else load_problems(eval_path)
+            held_keep = keep if same else drop_repeats(held_out, f"task.eval_path {eval_path!r}")
+            self._eval = [held_out[i] for i in held_keep]
+            if not same:
+                seen = {p.prompt.strip() for p in self._eval}
+                keep = drop_repeats(problems, f"task.data_path {data_path!r}", keep, seen=seen,
+                                    repeat="a task.eval_path row's")
+                if not keep:
+                    raise ValueError(f"task.data_path {data_path!r}: every question is also in task.eval_path "
+                                     f"{eval_path!r}; nothing is left to train on")
+            self._train = [problems[i] for i in keep]
+            self._labels = [f"task.data_path row {i}" for i in keep] + [f"task.eval_path row {i}" for i in held_keep]
+        else:  # hold out the last eval_size problems (at most half of them)
+            held = min(eval_size, len(keep) // 2)
+            self._train = [problems[i] for i in keep[:len(keep) - held]]
+            self._eval = [problems[i] for i in keep[len(keep) - held:]]
+            self._labels = [f"task.data_path row {i}" for i in keep]
         self.seed = seed
         self.reward_fn = math_reward
         self._orders: dict[int, list[int]] = {}
