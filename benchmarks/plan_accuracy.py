@@ -94,15 +94,15 @@ def probe_model(probe: str) -> dict:
 
 # --device cuda (benchmarks/gpu.sh): one real architecture's step on the GPU, the planner's default GPU path
 # (bfloat16 autocast over float32 master weights, packed rows, checkpointing, the 2 GiB CUDA loss chunk); the
-# model's published config (configs/presets/models/), random weights. --dry-run: a 2-layer cut on the CPU.
+# model's published config (configs/models/), random weights. --dry-run: a 2-layer cut on the CPU.
 REAL_MODEL = "qwen2.5-1.5b"
 CUDA_PROBE = ("real_model_ckpt_bf16", ("packed", "fused", "ckpt"), 2048.0, 4096, "mixed")
 
 
 def real_model_config(dry_run: bool) -> dict:
-    from pacs.train.memory_plan import PRESET_MODELS_DIR
+    from pacs.train.memory_plan import MODELS_DIR
 
-    with open(os.path.join(PRESET_MODELS_DIR, REAL_MODEL, "config.json")) as fh:
+    with open(os.path.join(MODELS_DIR, REAL_MODEL, "config.json")) as fh:
         config = json.load(fh)
     if dry_run:
         config.update(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2,

@@ -244,25 +244,37 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    from pacs.train.memory_plan import PlanInputs, load_model_shape, plan_preset, report
+# pacs plan's flags with a default: absent beside --preset, the preset's own values stand
+PLAN_DEFAULTS = dict(gpus=1, prompt_len=1024, response_len=8192, group_size=8, prompts_per_step=32,
+                     micro_batch_groups=1, lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                     compute_dtype="bfloat16", master_dtype="float32", gpu_memory_utilization=0.3)
 
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pacs.train.memory_plan import PlanInputs, load_model_shape, plan_preset, preset_verdict, report
+
+    given = {name: getattr(args, name) for name in ("model", "gpu_gib", "lora_rank", *PLAN_DEFAULTS)
+             if getattr(args, name) is not None}
     if args.preset is not None:
-        plan = plan_preset(args.preset)
+        plan = plan_preset(args.preset, given)
+        if given:  # applied over the preset, never ignored
+            print("applied over the preset: " + " ".join(f"--{name.replace('_', '-')} {value}"
+                                                         for name, value in given.items()) + "\n")
         print(plan.table())
         if plan.generation_peak:
             print(f"\ngeneration (rollout.engine=hf, KV cache included): {plan.generation_peak / 2**30:.2f} GiB")
-        fits = plan.fits
-        print(f"\n{args.preset}: {'fits' if fits else 'does not fit'} {plan.inputs.gpus} x {plan.inputs.gpu_gib:g} GiB")
-        return 0 if fits else 1
+        print(f"\n{args.preset}: {preset_verdict(plan)}")
+        return 0 if plan.fits else 1
     if args.model is None or args.gpu_gib is None:
         raise ValueError("pacs plan needs --model and --gpu-gib (or --preset PRESET.yaml)")
-    inputs = PlanInputs(model=load_model_shape(args.model), gpu_gib=args.gpu_gib, gpus=args.gpus,
-                        prompt_len=args.prompt_len, response_len=args.response_len, group_size=args.group_size,
-                        prompts_per_step=args.prompts_per_step, micro_batch_groups=args.micro_batch_groups,
-                        lora_rank=args.lora_rank, lora_targets=tuple(args.lora_targets.split(",")),
-                        compute_dtype=args.compute_dtype, master_dtype=args.master_dtype,
-                        gpu_memory_utilization=args.gpu_memory_utilization)
+    values = {**PLAN_DEFAULTS, **given}
+    inputs = PlanInputs(model=load_model_shape(args.model), gpu_gib=args.gpu_gib, gpus=values["gpus"],
+                        prompt_len=values["prompt_len"], response_len=values["response_len"],
+                        group_size=values["group_size"], prompts_per_step=values["prompts_per_step"],
+                        micro_batch_groups=values["micro_batch_groups"], lora_rank=args.lora_rank,
+                        lora_targets=tuple(t.strip() for t in values["lora_targets"].split(",") if t.strip()),
+                        compute_dtype=values["compute_dtype"], master_dtype=values["master_dtype"],
+                        gpu_memory_utilization=values["gpu_memory_utilization"])
     text, fits = report(inputs)
     print(text)
     return 0 if fits else 1
@@ -365,25 +377,23 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--num-problems", type=int, help="problems to evaluate (eval.num_problems)")
     plan = sub.add_parser("plan", help="peak GPU memory of a pacs train run by component, and the cheapest "
                           "settings that fit (reads config.json only; docs/plan.md)")
-    plan.add_argument("--preset", help="plan a configs/presets/*.yaml as set (its .plan.yaml gives the model "
-                      "and GPUs)")
-    plan.add_argument("--model", help="HF model directory, its config.json, or a name under "
-                      "configs/presets/models/ (e.g. qwen2.5-7b)")
+    plan.add_argument("--preset", help="plan a pacs train preset as set: a shipped one's name (e.g. "
+                      "qwen2.5-1.5b_lora_24gb; pacs/configs/presets/) or a YAML path with its .plan.yaml beside it "
+                      "(the model and GPUs); the flags below, given beside it, are applied over it")
+    plan.add_argument("--model", help="HF model directory, its config.json, or a shipped config by name or hub id "
+                      "(e.g. qwen2.5-7b or Qwen/Qwen2.5-7B; pacs/configs/models/)")
     plan.add_argument("--gpu-gib", type=float, help="memory of one GPU, GiB")
-    plan.add_argument("--gpus", type=int, default=1, help="GPUs (FSDP2 ranks) (default: 1)")
-    plan.add_argument("--prompt-len", type=int, default=1024, help="rollout.max_prompt_len (default: 1024)")
-    plan.add_argument("--response-len", type=int, default=8192, help="rollout.max_new_tokens (default: 8192)")
-    plan.add_argument("--group-size", type=int, default=8, help="rollout.group_size (default: 8)")
-    plan.add_argument("--prompts-per-step", type=int, default=32, help="rollout.prompts_per_step (default: 32)")
-    plan.add_argument("--micro-batch-groups", type=int, default=1, help="optim.micro_batch_groups (default: 1)")
+    plan.add_argument("--gpus", type=int, help="GPUs (FSDP2 ranks) (default: 1)")
+    plan.add_argument("--prompt-len", type=int, help="rollout.max_prompt_len (default: 1024)")
+    plan.add_argument("--response-len", type=int, help="rollout.max_new_tokens (default: 8192)")
+    plan.add_argument("--group-size", type=int, help="rollout.group_size (default: 8)")
+    plan.add_argument("--prompts-per-step", type=int, help="rollout.prompts_per_step (default: 32)")
+    plan.add_argument("--micro-batch-groups", type=int, help="optim.micro_batch_groups (default: 1)")
     plan.add_argument("--lora-rank", type=int, help="plan LoRA adapters of this rank (default: full fine-tuning)")
-    plan.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-                      help="comma-separated projections LoRA adapts (default: all seven)")
-    plan.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                      help="model.dtype (default: bfloat16)")
-    plan.add_argument("--master-dtype", default="float32", choices=("float32", "bfloat16"),
-                      help="optim.master_dtype (default: float32)")
-    plan.add_argument("--gpu-memory-utilization", type=float, default=0.3,
+    plan.add_argument("--lora-targets", help="comma-separated projections LoRA adapts (default: all seven)")
+    plan.add_argument("--compute-dtype", choices=("bfloat16", "float32"), help="model.dtype (default: bfloat16)")
+    plan.add_argument("--master-dtype", choices=("float32", "bfloat16"), help="optim.master_dtype (default: float32)")
+    plan.add_argument("--gpu-memory-utilization", type=float,
                       help="rollout.gpu_memory_utilization, vLLM's share held during training; 0: "
                            "rollout.engine=hf (default: 0.3)")
     plan.add_argument("--verbose", action="store_true", help=argparse.SUPPRESS)

@@ -5,7 +5,7 @@ sub-packages, and nothing in ``pacs`` importing the ``benchmarks`` harness.
 Layers, bottom to top (a module may import its own layer and the layers below it):
 
 0. ``pacs_kernels``                       the Triton kernels and the losses built on them
-1. ``pacs`` (the package's ``__init__`` only), ``pacs.model``
+1. ``pacs`` (the package's ``__init__`` only), ``pacs.configs`` (the shipped configs, by name), ``pacs.model``
                                           loading the policy, packing, varlen attention, sequence
                                           parallelism, tiled MLP, memory levers, LoRA, the head's forward
 2. ``pacs.config``                        the settings tree (asks ``pacs.model`` whether packing is exact)
@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("pacs", "pacs_kernels")
 LAYERS = (
     ("pacs_kernels",),
-    ("pacs", "pacs.model"),
+    ("pacs", "pacs.configs", "pacs.model"),
     ("pacs.config",),
     ("pacs.tasks", "pacs.rollout"),
     ("pacs.eval",),

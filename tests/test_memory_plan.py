@@ -165,7 +165,7 @@ def test_full_fine_tuning_of_1_5b_does_not_fit_24_gib_and_lora_is_suggested():
     result = subprocess.run([sys.executable, "-m", "pacs", "plan", "--model", "qwen2.5-1.5b", "--gpu-gib", "24",
                              "--response-len", "16384"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 1, result.stderr  # the exit code through the real entry point
-    suggestions = result.stdout.split("What would: ", 1)[1]
+    suggestions = result.stdout.split("What would fit: ", 1)[1]
     assert "Does not fit" in result.stdout and suggestions.startswith("LoRA (--lora-rank 16); 2 GPUs")
 
 
@@ -296,7 +296,7 @@ def test_preflight_prediction_from_a_loaded_model_config():
 def load_model_shape_raw(name):
     import json
 
-    with open(os.path.join(REPO, "configs", "presets", "models", name, "config.json")) as fh:
+    with open(os.path.join(REPO, "configs", "models", name, "config.json")) as fh:
         return json.load(fh)
 
 

@@ -36,8 +36,10 @@ def test_pyproject_metadata():
     assert "triton>=3.0; platform_system == 'Linux'" in project["dependencies"]
     assert "pyyaml>=6" in project["dependencies"]  # the pacs command reads YAML configs
     assert project["scripts"] == {"pacs": "pacs.__main__:main"}  # says which extra to install, then pacs.cli
-    # the one data file shipped: what "auto" picks on CUDA, measured by benchmarks/gpu.sh (pacs_kernels/dispatch.py)
-    assert pyproject()["tool"]["setuptools"]["package-data"] == {"pacs_kernels": ["gpu_dispatch.json"]}
+    # the data files shipped: what "auto" picks on CUDA, measured by benchmarks/gpu.sh (pacs_kernels/dispatch.py),
+    # and the model configs and presets found by name (pacs/configs/__init__.py)
+    assert pyproject()["tool"]["setuptools"]["package-data"] == {
+        "pacs_kernels": ["gpu_dispatch.json"], "pacs.configs": ["models/*/config.json", "presets/*.yaml"]}
     assert not os.path.exists(os.path.join(repo_root(), "setup.py"))
 
 
@@ -76,6 +78,23 @@ def test_a_missing_trainer_extra_is_one_line(monkeypatch, capsys):
                                        "pip install 'pacs-rl[train]' (from a checkout: pip install '.[train]')\n")
 
 
+def test_every_shipped_config_is_package_data():
+    """Each file under pacs/configs/ (but its loader) matches a package-data pattern, so that the wheel holds it
+    and `pacs plan --model qwen2.5-1.5b`, `--preset NAME` and build_small_model work outside a checkout; the
+    checkout's configs/models and configs/presets are the same files."""
+    import fnmatch
+
+    patterns = pyproject()["tool"]["setuptools"]["package-data"]["pacs.configs"]
+    folder = os.path.join(repo_root(), "pacs", "configs")
+    shipped = [os.path.relpath(os.path.join(d, n), folder).replace(os.sep, "/") for d, _, names in os.walk(folder)
+               for n in names if n != "__init__.py" and "__pycache__" not in d]
+    assert len(shipped) >= 17, shipped  # 7 model configs, 5 presets and their .plan.yaml
+    missing = [f for f in shipped if not any(fnmatch.fnmatch(f, p) for p in patterns)]
+    assert not missing, f"not package data (pyproject.toml [tool.setuptools.package-data]): {missing}"
+    for name in ("models", "presets"):
+        assert os.path.samefile(os.path.join(repo_root(), "configs", name), os.path.join(folder, name))
+
+
 def test_setup_env_stamp_follows_pyproject():
     with open(os.path.join(repo_root(), "scripts", "setup_env.sh")) as f:
         script = f.read()
@@ -108,6 +127,9 @@ def test_wheel_holds_the_two_packages_only(tmp_path):
     assert not any(n.startswith("benchmarks/") for n in names)
     assert "pacs/integrations/trl.py" in names and "pacs_kernels/fused.py" in names
     assert "pacs_kernels/gpu_dispatch.json" in names  # the GPU dispatch table, read from the package directory
+    assert {"pacs/configs/models/qwen2.5-1.5b/config.json", "pacs/configs/models/qwen3-30b-a3b/config.json",
+            "pacs/configs/presets/qwen2.5-1.5b_lora_24gb.yaml",
+            "pacs/configs/presets/qwen2.5-1.5b_lora_24gb.plan.yaml"} <= set(names)
     assert metadata["Name"] == "pacs-rl" and metadata["Version"] == pacs_kernels.__version__
     assert metadata["Requires-Python"] == ">=3.10"
     requires = metadata.get_all("Requires-Dist")
@@ -163,3 +185,42 @@ def test_the_wheel_installs_into_a_clean_venv_with_torch_only_and_runs_the_quick
     assert pacs.stderr.strip().splitlines() == [
         "pacs: error: the trainer's dependencies are not installed (transformers, safetensors, tqdm): "
         "pip install 'pacs-rl[train]' (from a checkout: pip install '.[train]')"]
+
+
+@pytest.mark.slow
+def test_the_installed_package_plans_shipped_models_and_presets_outside_a_checkout(tmp_path):
+    """The wheel installed on its own (--no-deps --target: its dependencies are this environment's) and run from
+    outside the checkout: pacs plan by model name and hub id, a preset by name and by absolute path, and
+    build_small_model, all from the installed copy's package data."""
+    src = tmp_path / "src"
+    for name in ("pacs", "pacs_kernels"):
+        shutil.copytree(os.path.join(repo_root(), name), src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(repo_root(), name), src / name)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                            "-q", str(src), "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    target = tmp_path / "site"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                           "--disable-pip-version-check", "--target", str(target), str(wheel)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    away = tmp_path / "elsewhere"
+    away.mkdir()
+    env = {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")},
+           "PYTHONPATH": str(target), "HF_HUB_OFFLINE": "1"}
+    preset = target / "pacs" / "configs" / "presets" / "qwen2.5-1.5b_lora_24gb.yaml"
+    script = (
+        "import sys, pacs, pacs.cli\n"
+        f"assert pacs.__file__.startswith({str(target)!r}), pacs.__file__\n"
+        f"for argv in (['--model', 'qwen2.5-1.5b', '--gpu-gib', '80'], ['--model', 'Qwen/Qwen2.5-7B', '--gpu-gib', '80'],"
+        f" ['--preset', 'qwen2.5-1.5b_lora_24gb'], ['--preset', {str(preset)!r}]):\n"
+        "    assert pacs.cli.main(['plan', *argv]) in (0, 1), argv\n"
+        "from pacs.model.model_zoo import build_small_model\n"
+        f"build_small_model('qwen3-0.6b', {str(tmp_path / 'small')!r})\n"
+        "print('installed copy ok')\n")
+    ran = subprocess.run([sys.executable, "-c", script], cwd=away, env=env, capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "installed copy ok" in ran.stdout and "fits 1 x 23.5 GiB" in ran.stdout
+    assert (tmp_path / "small" / "config.json").is_file()

@@ -1,6 +1,7 @@
 """Small random-weight copies of real architectures, for tests and dry runs without downloads.
 
-``configs/models/<name>/config.json`` holds a published model's config (no weights). :func:`build_small_model`
+``pacs/configs/models/<name>/config.json`` (package data; ``configs/models`` in a checkout) holds a published
+model's config (no weights). :func:`build_small_model`
 keeps what makes the architecture what it is -- model class, vocabulary size, rope (theta and scaling),
 norms and their epsilon, activation, tied or untied embeddings, logit and attention soft-caps, query
 pre-attention scalar, the ratio of query to key/value heads, an explicit ``head_dim`` that differs from
@@ -16,12 +17,10 @@ vocabulary size, a chat template in the Qwen style), as a Hugging Face directory
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above pacs/model/
-CONFIG_ROOT = os.path.join(REPO_ROOT, "configs", "models")
+from pacs import configs as shipped_configs
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<|im_end|>", "<|im_start|>"]  # pad 0, bos 1, eos 2
 CHAT_TEMPLATE = (
@@ -36,18 +35,15 @@ SMALL_EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size
 
 
 def available_models() -> list[str]:
-    """Names of the shipped configs (directories of ``configs/models``)."""
-    if not os.path.isdir(CONFIG_ROOT):
-        return []
-    return sorted(n for n in os.listdir(CONFIG_ROOT) if os.path.isfile(os.path.join(CONFIG_ROOT, n, "config.json")))
+    """Names of the shipped model configs (pacs/configs/models)."""
+    return shipped_configs.model_names()
 
 
 def published_config(name: str) -> dict:
-    """The shipped config.json of model ``name`` as a dict."""
-    path = os.path.join(CONFIG_ROOT, name, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"model name must be one of {', '.join(available_models())}; got {name!r} "
-                         f"(no {path})")
+    """The shipped config.json of model ``name`` (or its hub id, e.g. ``Qwen/Qwen3-0.6B``) as a dict."""
+    path = shipped_configs.model_config_path(name)
+    if path is None:
+        raise ValueError(f"model name must be one of {', '.join(available_models())}; got {name!r}")
     with open(path) as fh:
         return json.load(fh)
 

@@ -1,7 +1,7 @@
 """``pacs plan``: the peak memory per GPU of a ``pacs train`` run, by component, before any download.
 
 Only the model's ``config.json`` is read (a local Hugging Face model directory, the file itself, or the
-name of one shipped under ``configs/presets/models/``). :func:`plan_memory` gives one lever set's
+name or Hugging Face hub id of one shipped in ``pacs/configs/models/``). :func:`plan_memory` gives one lever set's
 :class:`MemoryPlan`; :func:`cheapest_fitting_plan` tries the lever sets from cheapest to dearest and
 returns the first that fits, or, when none does, the one with the lowest peak; :func:`what_would_fit`
 says what would make one fit.
@@ -17,16 +17,16 @@ which stays allocated while the policy trains.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field, replace
 
+from pacs import configs as shipped_configs
 from pacs.config import load_config, micro_batch_groups, validate
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above pacs/train/
 GiB = 2**30
 MiB = 2**20
-PRESET_MODELS_DIR = os.path.join(REPO_ROOT, "configs", "presets",
-                                 "models")
+MODELS_DIR = os.path.join(shipped_configs.root(), "models")  # the shipped model configs (package data)
 
 # bytes a decoder layer saves for the backward, per token, per element of: the hidden size, the query
 # projection (heads x head_dim), the key and value projections together (per element of kv heads x
@@ -69,7 +69,11 @@ RAISED_LOSS_CHUNK_SHARE = 1 / 8
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the planner reads from a config.json."""
+    """What the planner reads from a config.json. A mixture-of-experts model (``experts`` > 0) has
+    ``moe_layers`` layers whose MLP is ``experts`` routed experts of width ``expert_intermediate`` (each token
+    goes through ``experts_per_token`` of them), a router, and an optional always-on shared expert; its other
+    layers are dense MLPs of width ``intermediate``. Weights, gradients and optimizer state take every expert
+    (:attr:`params`); a token's activations take the experts it is routed to (:attr:`mlp_width`)."""
 
     name: str
     hidden: int
@@ -82,57 +86,180 @@ class ModelShape:
     tied_embeddings: bool
     qkv_bias: bool
     o_bias: bool = False
+    qk_norm: bool = False  # an RMSNorm of head_dim on the queries and one on the keys (Qwen3, Gemma 3)
+    norms_per_layer: int = 2  # RMSNorms of the hidden size per layer (Gemma 2 and 3: 4)
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_expert_intermediate: int = 0  # Qwen2-MoE's always-on expert, with its own sigmoid gate
+    moe_layers: int = 0
+    max_positions: int | None = None  # max_position_embeddings: the longest sequence the model takes
+
+    @property
+    def attention_params(self) -> int:
+        d, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return (d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0) + (d if self.o_bias else 0)
+                + (2 * self.head_dim if self.qk_norm else 0) + self.norms_per_layer * d)
+
+    @property
+    def dense_layer_params(self) -> int:
+        return self.attention_params + 3 * self.hidden * self.intermediate
+
+    def moe_layer_params(self, active: bool = False) -> int:
+        """A mixture-of-experts layer: every expert (``active``: a token's ``experts_per_token``), the router
+        and the shared expert."""
+        d = self.hidden
+        shared = 3 * d * self.shared_expert_intermediate + (d if self.shared_expert_intermediate else 0)
+        routed = (self.experts_per_token if active else self.experts) * 3 * d * self.expert_intermediate
+        return self.attention_params + d * self.experts + shared + routed
 
     @property
     def layer_params(self) -> int:
-        d, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attention = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0) + (d if self.o_bias else 0)
-        return attention + 3 * d * self.intermediate + 2 * d
+        """The largest layer's parameters (FSDP2 gathers a layer at a time; checkpointing recomputes one)."""
+        return max(self.moe_layer_params() if self.moe_layers else 0,
+                   self.dense_layer_params if self.moe_layers < self.layers else 0)
+
+    @property
+    def all_layer_params(self) -> int:
+        return (self.layers - self.moe_layers) * self.dense_layer_params + self.moe_layers * self.moe_layer_params()
 
     @property
     def params(self) -> int:
+        """Every parameter (all experts): what weights, gradients and optimizer state are sized by."""
         embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return embeddings + self.layers * self.layer_params + self.hidden
+        return embeddings + self.all_layer_params + self.hidden
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token goes through (a mixture of experts: its routed experts only)."""
+        return self.params - self.moe_layers * (self.moe_layer_params() - self.moe_layer_params(active=True))
+
+    @property
+    def mlp_width(self) -> int:
+        """A token's MLP width in its widest layer: what its activations are sized by (a mixture-of-experts
+        layer: the experts it is routed to, and the shared expert)."""
+        moe = self.experts_per_token * self.expert_intermediate + self.shared_expert_intermediate
+        return max(moe if self.moe_layers else 0, self.intermediate if self.moe_layers < self.layers else 0)
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear projection LoRA can adapt; a mixture of experts' MLP projections are those of
+        its dense layers and shared expert (its routed experts are 3-D parameters, no linear modules)."""
+        d, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        out = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d)}
+        widths = self._mlp_linear_widths()
+        if widths:
+            width = min(widths)
+            out.update(gate_proj=(d, width), up_proj=(d, width), down_proj=(width, d))
+        return out
+
+    def _mlp_linear_widths(self) -> list[int]:
+        """The widths of the linear MLPs, one per layer that has one."""
+        return ([self.intermediate] * (self.layers - self.moe_layers)
+                + [self.shared_expert_intermediate] * (self.moe_layers if self.shared_expert_intermediate else 0))
 
     def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
         """Adapter parameters: rank x (in + out) per targeted projection and layer."""
-        d, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        shapes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, i),
-                  "up_proj": (d, i), "down_proj": (i, d)}
-        unknown = [t for t in targets if t not in shapes]
+        names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        unknown = [t for t in targets if t not in names]
         if unknown:
             raise ValueError(f"--lora-targets: unknown module(s) {', '.join(unknown)}; expected some of "
-                             f"{', '.join(shapes)}")
-        return self.layers * sum(rank * sum(shapes[t]) for t in targets)
+                             f"{', '.join(names)}")
+        d = self.hidden
+        shapes = self.projections()
+        attention = sum(rank * sum(shapes[t]) for t in targets if t in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        mlp = sum(rank * (d + width) for t in targets if t in ("gate_proj", "up_proj", "down_proj")
+                  for width in self._mlp_linear_widths())
+        return self.layers * attention + mlp
+
+    def narrowest_projection(self, targets: tuple[str, ...]) -> tuple[str, int, int] | None:
+        """(name, in, out) of the targeted projection whose smaller side is the smallest; None if none exists."""
+        found = [(name, a, b) for name, (a, b) in self.projections().items() if name in targets]
+        return min(found, key=lambda p: min(p[1], p[2]), default=None)
 
 
 def load_model_shape(model: str) -> ModelShape:
-    """``model``: a directory holding config.json, a config.json path, or a name under configs/presets/models/."""
-    candidates = [model, os.path.join(model, "config.json"), os.path.join(PRESET_MODELS_DIR, model, "config.json")]
-    path = next((p for p in candidates if os.path.isfile(p)), None)
+    """``model``: a directory holding config.json, a config.json path, or a shipped model config
+    (pacs/configs/models/) by name (``qwen2.5-7b``) or by its Hugging Face hub id (``Qwen/Qwen2.5-7B``); another hub
+    id is read from the local Hugging Face cache when its config.json is there (nothing is downloaded)."""
+    candidates = [model, os.path.join(model, "config.json"), shipped_configs.model_config_path(model)]
+    path = next((p for p in candidates if p and os.path.isfile(p)), None) or _cached_hub_config(model)
     if path is None:
-        shipped = sorted(os.listdir(PRESET_MODELS_DIR)) if os.path.isdir(PRESET_MODELS_DIR) else []
-        raise ValueError(f"--model: no config.json at {model!r} (a model directory, a config.json, or one of "
-                         f"{', '.join(shipped) or 'none shipped'})")
+        shipped = ", ".join(f"{name} ({shipped_configs.HUB_IDS[name]})" if name in shipped_configs.HUB_IDS else name
+                            for name in shipped_configs.model_names())
+        raise ValueError(f"--model: no config.json at {model!r}; expected a model directory, a config.json, or a "
+                         f"shipped config by name or hub id: {shipped or 'none shipped'}")
     with open(path) as fh:
         cfg = json.load(fh)
-    return shape_from_config(cfg, name=os.path.basename(os.path.dirname(os.path.abspath(path))))
+    in_cache = path not in candidates  # the cache's folder is a snapshot hash: name it by its hub id
+    return shape_from_config(cfg, name=model if in_cache else os.path.basename(os.path.dirname(os.path.abspath(path))))
+
+
+def _cached_hub_config(model: str) -> str | None:
+    """config.json of hub id ``model`` in the local Hugging Face cache, if huggingface_hub is installed and it is
+    there (never a download)."""
+    if model.count("/") != 1 or os.path.exists(model):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(model, "config.json")
+    except Exception:  # an id the hub's validation refuses: not a hub id
+        return None
+    return found if isinstance(found, str) else None
 
 
 def shape_from_config(cfg: dict, name: str = "model") -> ModelShape:
+    """The planner's view of a Hugging Face config.json (a multimodal one's ``text_config``): dense decoders
+    (Qwen2/2.5/3, Llama, Gemma 2/3, Mistral...) and mixtures of experts in Qwen2-MoE / Qwen3-MoE's fields
+    (``num_experts``, ``moe_intermediate_size``, ``decoder_sparse_step``, ``mlp_only_layers``) or Mixtral's
+    (``num_local_experts``: every layer, experts of ``intermediate_size``)."""
     cfg = cfg.get("text_config", cfg)
     missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                            "vocab_size") if k not in cfg]
     if missing:
         raise ValueError(f"--model: config.json lacks {', '.join(missing)} (a decoder-only causal LM config expected)")
+    latent = [k for k in ("kv_lora_rank", "q_lora_rank", "n_routed_experts") if cfg.get(k)]
+    if latent:  # DeepSeek's multi-head latent attention and expert layout
+        raise ValueError(f"--model: config.json sets {', '.join(latent)} (DeepSeek's latent attention or experts), "
+                         "which the planner does not count; expected a Qwen2/Qwen3/Llama/Gemma/Mixtral-style config")
     heads = cfg["num_attention_heads"]
+    layers = cfg["num_hidden_layers"]
     model_type = cfg.get("model_type", "")
     attention_bias = bool(cfg.get("attention_bias", False))
+    moe = dict(experts=0, experts_per_token=0, expert_intermediate=0, shared_expert_intermediate=0, moe_layers=0)
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 writes Qwen-MoE's as the latter
+    if experts:  # Mixtral: every layer, experts of intermediate_size; Qwen-MoE: moe_intermediate_size, dense layers
+        step = cfg.get("decoder_sparse_step") or 1
+        dense = set(cfg.get("mlp_only_layers") or [])
+        moe.update(experts=experts, experts_per_token=cfg.get("num_experts_per_tok") or 1,
+                   expert_intermediate=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+                   shared_expert_intermediate=cfg.get("shared_expert_intermediate_size") or 0,
+                   moe_layers=sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0))
+    positions = cfg.get("max_position_embeddings")
     return ModelShape(name=name, hidden=cfg["hidden_size"], intermediate=cfg["intermediate_size"],
-                      layers=cfg["num_hidden_layers"], heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
+                      layers=layers, heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
                       head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, vocab=cfg["vocab_size"],
                       tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-                      qkv_bias=model_type == "qwen2" or attention_bias, o_bias=attention_bias)
+                      qkv_bias=(model_type == "qwen2" or (model_type == "qwen2_moe" and cfg.get("qkv_bias", True))
+                                or attention_bias),
+                      o_bias=attention_bias, qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"),
+                      norms_per_layer=4 if model_type.startswith(("gemma2", "gemma3")) else 2,
+                      max_positions=int(positions) if isinstance(positions, int) and positions > 0 else None, **moe)
+
+
+def check_positions(m: ModelShape, prompt_len: int, response_len: int) -> None:
+    """A prompt and its response within the model's positions (max_position_embeddings), or one line naming
+    --response-len (--prompt-len when the prompt alone takes them all)."""
+    if m.max_positions is None or prompt_len + response_len <= m.max_positions:
+        return
+    if prompt_len >= m.max_positions:
+        raise ValueError(f"--prompt-len {prompt_len} (rollout.max_prompt_len) leaves no room for a response in "
+                         f"{m.name}'s {m.max_positions} positions (max_position_embeddings)")
+    raise ValueError(f"--response-len {response_len} (rollout.max_new_tokens) + --prompt-len {prompt_len} exceed "
+                     f"{m.name}'s {m.max_positions} positions (max_position_embeddings): at most "
+                     f"{m.max_positions - prompt_len}")
 
 
 @dataclass(frozen=True)
@@ -202,10 +329,24 @@ class PlanInputs:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value!r}")
+        if not math.isfinite(self.gpu_gib):
+            raise ValueError(f"--gpu-gib must be a finite number of GiB, got {self.gpu_gib!r}")
         if self.group_size < 2:
             raise ValueError(f"--group-size must be >= 2, got {self.group_size}")
-        if self.lora_rank is not None and self.lora_rank < 1:
-            raise ValueError(f"--lora-rank must be a positive integer, got {self.lora_rank}")
+        m = self.model
+        check_positions(m, self.prompt_len, self.response_len)
+        if self.lora_rank is not None:
+            if self.lora_rank < 1:
+                raise ValueError(f"--lora-rank must be a positive integer, got {self.lora_rank}")
+            m.lora_params(self.lora_rank, self.lora_targets)  # unknown names: one line naming --lora-targets
+            narrowest = m.narrowest_projection(self.lora_targets)
+            if narrowest is None:
+                raise ValueError(f"--lora-targets: {m.name} has none of {','.join(self.lora_targets)} as a linear "
+                                 f"layer (expected some of {', '.join(m.projections())})")
+            name, fan_in, fan_out = narrowest
+            if self.lora_rank > min(fan_in, fan_out):
+                raise ValueError(f"--lora-rank {self.lora_rank} is wider than {m.name}'s {name} ({fan_in} -> "
+                                 f"{fan_out}): at most {min(fan_in, fan_out)} (or leave {name} out of --lora-targets)")
         if not 0 <= self.gpu_memory_utilization < 1:
             raise ValueError(f"--gpu-memory-utilization must be in [0, 1), got {self.gpu_memory_utilization}")
         if self.engine_dtype not in (None, "bfloat16", "float16", "float32"):
@@ -294,7 +435,7 @@ def layer_saved_bytes_per_token(model: ModelShape, kind: str) -> float:
     """Bytes one decoder layer saves for the backward per token (no checkpointing): SAVED_BYTES' formula."""
     c = SAVED_BYTES[kind]
     return (c["hidden"] * model.hidden + c["query"] * model.heads * model.head_dim
-            + c["key_value"] * model.kv_heads * model.head_dim + c["mlp"] * model.intermediate
+            + c["key_value"] * model.kv_heads * model.head_dim + c["mlp"] * model.mlp_width
             + c["head"] * model.heads + c["token"])
 
 
@@ -345,7 +486,7 @@ def layer_forward_bytes(inp: PlanInputs, levers: Levers, kind: str, tokens: int)
     stream = compute if kind == "16-bit" else 4
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
     mlp_tokens = min(m.hidden, tokens) if levers.tiled_mlp else tokens  # train.mlp_tile_tokens' default tile
-    mlp = 3 * m.intermediate * compute * mlp_tokens + 4 * m.hidden * stream * tokens
+    mlp = 3 * m.mlp_width * compute * mlp_tokens + 4 * m.hidden * stream * tokens
     attention = (4 * m.hidden * stream + (2 * q + 3 * kv) * compute) * tokens
     return max(mlp, attention)
 
@@ -395,8 +536,8 @@ def plan_memory(inp: PlanInputs, levers: Levers = Levers(), tokens: int | None =
     # transient of the forward, below); FSDP2 gathers about two layers at a time, and its root unit (embeddings,
     # final norm, LM head) stays gathered from the forward to the backward (fully_shard does not reshard the
     # root after its forward)
-    root = m.params - m.layers * m.layer_params
-    autocast_copies = m.layers * m.layer_params * compute if kind == "autocast" else 0
+    root = m.params - m.all_layer_params
+    autocast_copies = m.all_layer_params * compute if kind == "autocast" else 0
     if shards > 1:
         comp["weights (compute copy)"] = (2 * m.layer_params + root) * compute
     elif autocast_copies and not levers.gradient_checkpointing:
@@ -405,7 +546,7 @@ def plan_memory(inp: PlanInputs, levers: Levers = Levers(), tokens: int | None =
     layer = layer_saved_bytes_per_token(m, kind)
     stream = compute if kind == "16-bit" else 4  # the residual stream: float32 under autocast
     tile = m.hidden  # train.mlp_tile_tokens' default
-    mlp_saved = SAVED_BYTES[kind]["mlp"] * m.intermediate
+    mlp_saved = SAVED_BYTES[kind]["mlp"] * m.mlp_width
     per_layer = layer - mlp_saved if levers.tiled_mlp else layer  # tiled: the MLP keeps only its input
     one_layer = per_layer * tokens + (mlp_saved * min(tile, tokens) if levers.tiled_mlp else 0)
     if levers.gradient_checkpointing:  # each layer keeps its input; its backward rebuilds the rest
@@ -442,14 +583,17 @@ def plan_memory(inp: PlanInputs, levers: Levers = Levers(), tokens: int | None =
 
 
 def lever_ladder(inp: PlanInputs) -> list[Levers]:
-    """Lever sets from cheapest (in step time) to dearest."""
+    """Lever sets from cheapest (in step time) to dearest (no tiled MLP for a mixture of experts: pacs/model/
+    tiled_mlp.py tiles token-wise MLPs only)."""
     small_chunk = 256.0 if inp.device == "cuda" else 64.0
     rows_budget = inp.row_tokens  # one full-length row per micro-batch: a group runs in parts
+    tiled = not inp.model.moe_layers
     ladder = [Levers(), Levers(loss_chunk_mib=small_chunk),
-              Levers(gradient_checkpointing=True, loss_chunk_mib=small_chunk),
-              Levers(gradient_checkpointing=True, tiled_mlp=True, loss_chunk_mib=small_chunk)]
+              Levers(gradient_checkpointing=True, loss_chunk_mib=small_chunk)]
+    if tiled:
+        ladder.append(Levers(gradient_checkpointing=True, tiled_mlp=True, loss_chunk_mib=small_chunk))
     if inp.device == "cuda":
-        ladder.append(Levers(gradient_checkpointing=True, tiled_mlp=True, offload_activations=True,
+        ladder.append(Levers(gradient_checkpointing=True, tiled_mlp=tiled, offload_activations=True,
                              loss_chunk_mib=small_chunk))
     last = ladder[-1]
     group = inp.group_size * inp.row_tokens
@@ -476,7 +620,7 @@ def cheapest_fitting_plan(inp: PlanInputs) -> tuple[MemoryPlan, bool]:
 def what_would_fit(inp: PlanInputs) -> list[str]:
     """When no lever set fits: the first changes (up to three) that make one fit: LoRA, generating with Hugging
     Face on the policy instead of a colocated vLLM (one prompt per GPU at a time: the policy's KV cache holds
-    the rows it generates), more GPUs, shorter responses."""
+    the rows it generates), more GPUs, shorter responses; [] when none does."""
     engines = [("", lambda c: c)]
     if inp.gpu_memory_utilization > 0:
         engines.append((" with rollout.engine=hf, one prompt per GPU and step (--gpu-memory-utilization 0 "
@@ -502,13 +646,77 @@ def what_would_fit(inp: PlanInputs) -> list[str]:
     for kind, text, candidate in candidates:
         if kind in found:
             continue
-        plan, fits = cheapest_fitting_plan(candidate)
+        try:
+            plan, fits = cheapest_fitting_plan(candidate)
+        except ValueError:  # e.g. LoRA rank 16 wider than a toy model's layers
+            continue
         if fits:
             found.add(kind)
             out.append(text + (" and train.fsdp_cpu_offload=true" if plan.levers.fsdp_cpu_offload else ""))
         if len(out) == 3:
             break
-    return out or ["nothing the planner knows of: a larger GPU"]
+    return out
+
+
+def _lever_fits(inp: PlanInputs, flags: str) -> str | None:
+    """``flags`` and the cheapest lever set that then fits, or None when none does."""
+    plan, fits = cheapest_fitting_plan(inp)
+    return f"{flags}; then {plan.levers.describe()} fits" if fits else None
+
+
+def blocker(inp: PlanInputs) -> tuple[str, str | None]:
+    """When no lever set fits: (what blocks, in words with its GiB; the lever that removes it, or None). The
+    blocking term is vLLM's KV cache (its share cannot hold a full-length row beside its copy of the weights),
+    vLLM's share itself (training would fit beside a smaller one, or without it), generation without vLLM (its
+    rows' KV cache), or training's own peak (then :func:`what_would_fit` says what would). The levers tried:
+    vLLM's share (rollout.gpu_memory_utilization, in steps of 0.05), generating with Hugging Face on the policy
+    (rollout.engine=hf), fewer prompts per step (a multiple of the GPUs)."""
+    plan = min((plan_memory(inp, levers) for levers in lever_ladder(inp)), key=lambda p: p.peak)
+    capacity, m, share = plan.capacity, inp.model, inp.gpu_memory_utilization
+    shares = [round(0.05 * i, 2) for i in range(1, 20)]
+
+    def fewer_prompts(base: PlanInputs, flags: str) -> str | None:
+        for prompts in range(base.prompts_per_step - base.gpus, 0, -base.gpus):
+            found = _lever_fits(replace(base, prompts_per_step=prompts), f"{flags}--prompts-per-step {prompts}")
+            if found:
+                return found
+        return None
+
+    def without_vllm() -> str | None:
+        hf = replace(inp, gpu_memory_utilization=0.0)
+        return (_lever_fits(hf, "generate with Hugging Face on the policy instead of vLLM (rollout.engine=hf): "
+                                "--gpu-memory-utilization 0")
+                or fewer_prompts(hf, "generate with Hugging Face on the policy instead of vLLM (rollout.engine=hf), "
+                                     "fewer rows at once: --gpu-memory-utilization 0 "))
+
+    def other_share(candidates: list[float], verb: str) -> str | None:
+        for u in candidates:
+            found = _lever_fits(replace(inp, gpu_memory_utilization=u), f"{verb} vLLM's share to {u:g}: "
+                                f"--gpu-memory-utilization {u:g}")
+            if found:
+                return found
+        return None
+
+    kv = kv_cache_tokens(inp)
+    training = plan.peak - plan.components.get("vLLM engine", 0.0)
+    if kv is not None and kv < inp.row_tokens:
+        compute = 4 if (inp.engine_dtype or inp.compute_dtype) == "float32" else 2
+        return (f"vLLM's share ({share:g} of the GPU: {share * inp.gpu_gib:.1f} GiB) holds its copy of the weights "
+                f"({m.params * compute / GiB:.1f} GiB) and KV cache for {kv} tokens, less than one full-length row "
+                f"({inp.row_tokens} tokens)"), (other_share([u for u in shares if u > share], "raise")
+                                               or without_vllm())
+    if kv is not None and training <= capacity:
+        return (f"vLLM's share ({share:g} of the GPU: {share * inp.gpu_gib:.1f} GiB) beside training's "
+                f"{training / GiB:.1f} GiB at its least ({plan.levers.describe()})"), (
+            other_share([u for u in reversed(shares) if u < share], "lower") or without_vllm())
+    if plan.generation_peak > capacity and plan.peak <= capacity:
+        rows = max(1, inp.prompts_per_step // inp.gpus) * inp.group_size
+        return (f"generation without vLLM (rollout.engine=hf) holds {rows} rows of {inp.row_tokens} tokens per GPU "
+                f"at once: {plan.generation_peak / GiB:.1f} GiB with their KV cache"), fewer_prompts(
+            inp, "fewer prompts per step, so fewer rows generated at once: ")
+    largest = max(plan.components, key=plan.components.get)
+    return (f"training needs {training / GiB:.1f} GiB at its least ({plan.levers.describe()}), the largest part "
+            f"{largest}: {plan.components[largest] / GiB:.1f} GiB"), None
 
 
 def kv_cache_tokens(inp: PlanInputs) -> int | None:
@@ -562,11 +770,27 @@ def config_lines(plan: MemoryPlan) -> list[str]:
     return lines + plan.levers.config_lines()
 
 
+def describe_params(m: ModelShape) -> str:
+    """'7.62B parameters', or for a mixture of experts '30.53B parameters in total, 3.35B active per token'."""
+    if not m.moe_layers:
+        return f"{m.params / 1e9:.2f}B parameters"
+    return (f"{m.params / 1e9:.2f}B parameters in total (weights, gradients and optimizer state), "
+            f"{m.active_params / 1e9:.2f}B active per token")
+
+
+def describe_mlp(m: ModelShape) -> str:
+    if not m.moe_layers:
+        return f"MLP {m.intermediate}"
+    shared = f" + a shared expert of {m.shared_expert_intermediate}" if m.shared_expert_intermediate else ""
+    where = "" if m.moe_layers == m.layers else f" in {m.moe_layers} layers, dense MLP {m.intermediate} in the others"
+    return f"{m.experts_per_token} of {m.experts} experts of {m.expert_intermediate}{shared} per token{where}"
+
+
 def report(inp: PlanInputs) -> tuple[str, bool]:
     """The text ``pacs plan`` prints and whether a lever set fits."""
     plan, fits = cheapest_fitting_plan(inp)
     m = inp.model
-    head = (f"{m.name}: {m.params / 1e9:.2f}B parameters ({m.layers} layers, hidden {m.hidden}, MLP {m.intermediate}, "
+    head = (f"{m.name}: {describe_params(m)} ({m.layers} layers, hidden {m.hidden}, {describe_mlp(m)}, "
             f"{m.heads}/{m.kv_heads} heads of {m.head_dim}, vocab {m.vocab}); "
             + (f"LoRA rank {inp.lora_rank} on {','.join(inp.lora_targets)}: "
                f"{_trainable_params(inp) / 1e6:.1f}M trainable; " if inp.lora_rank else "full fine-tuning; ")
@@ -593,17 +817,50 @@ def report(inp: PlanInputs) -> tuple[str, bool]:
     if fits:
         lines += ["Fits with these settings (paste into pacs train):", "", "    " + " ".join(config_lines(plan))]
     else:
-        lines += [f"Does not fit: the least any lever set needs is {plan.peak / GiB:.1f} GiB of {inp.gpu_gib:g}. "
-                  "What would: " + "; ".join(what_would_fit(inp)) + "."]
+        term, lever = blocker(inp)
+        others = what_would_fit(inp)
+        lines += [f"Does not fit {inp.gpu_gib:g} GiB: {term}."
+                  + (f" The lever that removes it: {lever}." if lever else "")
+                  + (f" {'Other changes that' if lever else 'What'} would fit: " + "; ".join(others) + "." if others
+                     else "" if lever else " Nothing the planner knows of would fit: a larger GPU.")]
     return "\n".join(lines), fits
 
 
-def plan_preset(path: str) -> MemoryPlan:
-    """Plan a preset: ``path`` is a ``pacs train`` YAML; its sibling ``<name>.plan.yaml`` holds what the YAML
-    cannot say: ``model`` (a config.json, model directory or shipped name), ``gpu_gib``, ``gpus`` (and
-    ``lora_rank`` / ``lora_targets`` to plan LoRA the YAML does not set; the YAML's ``model.lora`` is read)."""
+# pacs plan's flags that --preset applies over the preset: the .plan.yaml's inputs, and the YAML's settings
+PRESET_PLAN_FLAGS = ("model", "gpu_gib", "gpus")
+PRESET_CONFIG_FLAGS = {"prompt_len": "rollout.max_prompt_len", "response_len": "rollout.max_new_tokens",
+                       "group_size": "rollout.group_size", "prompts_per_step": "rollout.prompts_per_step",
+                       "micro_batch_groups": "optim.micro_batch_groups", "lora_rank": "model.lora.rank",
+                       "lora_targets": "model.lora.target_modules", "compute_dtype": "model.dtype",
+                       "master_dtype": "optim.master_dtype",
+                       "gpu_memory_utilization": "rollout.gpu_memory_utilization"}
+
+
+def find_preset(preset: str) -> str:
+    """The YAML of ``preset``: a path, or the name of one shipped in pacs/configs/presets/ (with or without .yaml)."""
+    if os.path.isfile(preset):
+        return preset
+    shipped = shipped_configs.preset_path(os.path.basename(preset)) if not os.path.dirname(preset) else None
+    if shipped is None:
+        raise ValueError(f"--preset: no file {preset!r}; expected a preset YAML or a shipped preset's name: "
+                         f"{', '.join(shipped_configs.preset_names()) or 'none shipped'}")
+    return shipped
+
+
+def plan_preset(path: str, flags: dict | None = None) -> MemoryPlan:
+    """Plan a preset: ``path`` is a ``pacs train`` YAML (or a shipped preset's name); its sibling
+    ``<name>.plan.yaml`` holds what the YAML cannot say: ``model`` (a config.json, model directory or shipped
+    name), ``gpu_gib``, ``gpus`` (and ``lora_rank`` / ``lora_targets`` to plan LoRA the YAML does not set; the
+    YAML's ``model.lora`` is read). ``flags``: pacs plan's flags given beside --preset, by their dest
+    (``gpu_gib``, ``response_len``...), applied over the .plan.yaml (:data:`PRESET_PLAN_FLAGS`) and the YAML
+    (:data:`PRESET_CONFIG_FLAGS`: each sets the ``pacs train`` key a run would take)."""
     import yaml
 
+    path = find_preset(path)
+    flags = dict(flags or {})
+    unknown_flags = sorted(set(flags) - set(PRESET_PLAN_FLAGS) - set(PRESET_CONFIG_FLAGS))
+    if unknown_flags:
+        raise ValueError(f"--preset: cannot apply {', '.join('--' + f.replace('_', '-') for f in unknown_flags)}")
     stem = path[:-len(".yaml")] if path.endswith(".yaml") else path
     sidecar = stem + ".plan.yaml"
     if not os.path.isfile(sidecar):
@@ -615,11 +872,57 @@ def plan_preset(path: str) -> MemoryPlan:
     if unknown or "model" not in spec or "gpu_gib" not in spec:
         raise ValueError(f"{sidecar}: expected keys model, gpu_gib (and optionally gpus, lora_rank, lora_targets); "
                          f"got {', '.join(sorted(spec)) or 'none'}")
+    beside = os.path.join(os.path.dirname(sidecar), str(spec["model"]))  # a model path relative to the preset
+    if not os.path.isabs(str(spec["model"])) and os.path.exists(beside):
+        spec["model"] = beside
+    spec.update({name: flags[name] for name in PRESET_PLAN_FLAGS if name in flags})
     cfg = load_config(path)
-    gpus = int(spec.get("gpus", 1))
+    for name, key in PRESET_CONFIG_FLAGS.items():
+        if name not in flags:
+            continue
+        value = flags[name]
+        if name == "gpu_memory_utilization":  # 0: no colocated vLLM, i.e. Hugging Face generate on the policy
+            if value == 0:
+                cfg.rollout.engine = "hf"
+                continue
+            if cfg.rollout.engine == "hf":
+                cfg.rollout.engine = "vllm"
+        if name == "micro_batch_groups":
+            cfg.optim.micro_batch_responses = None
+        if name == "lora_rank":  # the YAML's LoRA replaced: the .plan.yaml's LoRA inputs no longer apply
+            spec.pop("lora_rank", None)
+        section, _, field_name = key.rpartition(".")
+        owner = cfg
+        for part in section.split("."):
+            owner = getattr(owner, part)
+        setattr(owner, field_name, value)
+    gpus = spec.get("gpus", 1)
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"--gpus must be a positive integer, got {gpus!r}")
+    try:
+        gpu_gib = float(spec["gpu_gib"])
+    except (TypeError, ValueError):
+        raise ValueError(f"--gpu-gib must be a number of GiB, got {spec['gpu_gib']!r}") from None
+    model = load_model_shape(str(spec["model"]))
+    if cfg.rollout.max_prompt_len is not None:  # before validate's micro-batch checks: the model's limit first
+        check_positions(model, cfg.rollout.max_prompt_len, cfg.rollout.max_new_tokens)
     validate(cfg, world_size=gpus)
-    return plan_for_config(cfg, load_model_shape(spec["model"]), float(spec["gpu_gib"]), gpus,
-                           spec.get("lora_rank"), spec.get("lora_targets"))
+    return plan_for_config(cfg, model, gpu_gib, gpus, spec.get("lora_rank"), spec.get("lora_targets"))
+
+
+def preset_verdict(plan: MemoryPlan) -> str:
+    """What ``pacs plan --preset`` says after the table: fits, or what blocks and the lever that removes it (the
+    preset's own levers not fitting: the lever set that does)."""
+    inp = plan.inputs
+    if plan.fits:
+        return f"fits {inp.gpus} x {inp.gpu_gib:g} GiB"
+    best, fits = cheapest_fitting_plan(inp)
+    if fits:
+        return (f"does not fit {inp.gpus} x {inp.gpu_gib:g} GiB with its own levers ({plan.peak / GiB:.2f} GiB); "
+                f"these fit ({best.peak / GiB:.2f} GiB): {' '.join(best.levers.config_lines())}")
+    term, lever = blocker(inp)
+    return (f"does not fit {inp.gpus} x {inp.gpu_gib:g} GiB: {term}"
+            + (f"; the lever that removes it: {lever}" if lever else ""))
 
 
 def preset_header(plan: MemoryPlan) -> list[str]:
