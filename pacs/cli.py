@@ -406,7 +406,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "bench":
         quiet_third_party("--verbose" in argv)
         return cmd_bench([a for a in argv[1:] if a != "--verbose"])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    # KEY=VALUE anywhere on the line: argparse takes one run of positionals, and a second (after an option, as in
+    # --output-dir D optim.lr=1e-3 --seed 1 rollout.group_size=4) came back unrecognized
+    later = [a for a in unknown if "=" in a and not a.startswith("-")] if hasattr(args, "overrides") else []
+    if len(later) < len(unknown):
+        parser.error(f"unrecognized arguments: {' '.join(a for a in unknown if a not in later)}")
+    if later:
+        args.overrides = [*args.overrides, *later]
     quiet_third_party(args.verbose)
     try:
         if args.command == "train":

@@ -180,3 +180,26 @@ def test_an_empty_prompt_is_refused(tmp_path, capsys, tiny_model):
     assert one_error_line(err) == (f"pacs train: error: {data} row 2: the question is empty; each row needs a problem "
                                    "to solve")
     assert not out.exists()
+
+
+def test_key_value_overrides_after_an_option_are_taken(tmp_path, capsys, monkeypatch):
+    """KEY=VALUE after an option (a second run of them) was refused with argparse's "unrecognized arguments"."""
+    import pacs.cli as cli
+
+    built = {}
+
+    def build_and_stop(args):
+        built["cfg"] = cli.build_config.__wrapped__(args)
+        raise ValueError("stopped before any work")
+
+    build_and_stop.__wrapped__ = cli.build_config
+    monkeypatch.setattr(cli, "build_config", build_and_stop)
+    code = cli.main(["train", "optim.lr=1e-3", "--output-dir", str(tmp_path / "o"), "rollout.group_size=4", "--seed",
+                     "3", "optim.lr=2e-3"])
+    assert code == 2 and one_error_line(capsys.readouterr().err) == "pacs train: error: stopped before any work"
+    cfg = built["cfg"]
+    assert (cfg.optim.lr, cfg.rollout.group_size, cfg.seed) == (2e-3, 4, 3)  # the later value wins, as before
+    with pytest.raises(SystemExit):  # an unknown option is still argparse's error
+        cli.main(["train", "--output-dir", str(tmp_path / "o"), "--bogus", "optim.lr=1e-3"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
