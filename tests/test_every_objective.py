@@ -123,3 +123,42 @@ def test_pacs_train_runs_each_objective_and_logs_its_statistics(tmp_path, capsys
     code, _, err = run_cli(capsys, "train", "--output-dir", out, "--model", tiny_model, "--algo", other,
                            "--max-steps", "3", "--resume", *TINY_RUN, "rollout.max_new_tokens=3")
     assert code == 2 and f'optim.algo "{algo}" -> "{other}"' in one_error_line(err)
+
+
+# The built-in addition task as it ships (configs/default.yaml: 32 prompts x 8 responses a step, lr 2e-4), on a seed
+# whose warm-up leaves room to learn, 20 rollout steps at a constant learning rate (so that a run stopped at step 10
+# and resumed continues the schedule of one run of 20 steps), held-out accuracy at steps 0, 10 and 20 on the 200
+# held-out problems, 4 samples each at temperature 0.6 (800 samples: one sample's noise is ~0.01). Measured on a
+# 2-core AMD EPYC: from 0.066, every objective reaches 0.087-0.10 by step 20, ~15 s a run with the warm-up cached.
+LEARNS = ["--seed", "9", "--rollout", "hf", "optim.lr_schedule=constant", "eval.every=10", "eval.num_problems=200",
+          "eval.n_samples=4", "eval.temperature=0.6", "checkpoint_every=10", "advanced.plot=false",
+          "advanced.torch_threads=1"]
+
+
+@pytest.fixture(scope="module")
+def warmup_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("warmup_cache"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", FAMILY)
+def test_each_objective_trains_the_builtin_task_and_resumes_exactly(tmp_path, capsys, warmup_cache, algo):
+    """`pacs train --algo ALGO` lifts held-out accuracy above its start in 20 steps; the same run stopped after
+    step 10 and resumed (`--resume`, `--max-steps 20`) writes the same metrics, evaluations included."""
+    common = ["--algo", algo, *LEARNS, f"advanced.task.cache_dir={warmup_cache}"]
+    full = str(tmp_path / "full")
+    code, _, err = run_cli(capsys, "train", "--output-dir", full, "--max-steps", "20", *common)
+    assert code == 0, err
+    rows = comparable(read_metrics(os.path.join(full, "metrics.jsonl")))
+    accuracy = {r["step"]: r["eval_accuracy"] for r in rows if "eval_accuracy" in r}
+    assert sorted(accuracy) == [0, 10, 20]
+    assert accuracy[20] > accuracy[0] + 0.01, f"{algo}: held-out accuracy {accuracy}"
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows[1:])
+
+    stopped = str(tmp_path / "stopped")
+    code, _, err = run_cli(capsys, "train", "--output-dir", stopped, "--max-steps", "10", *common)
+    assert code == 0, err
+    code, text, err = run_cli(capsys, "train", "--output-dir", stopped, "--max-steps", "20", "--resume", *common)
+    assert code == 0, err
+    assert "[resume] continuing from" in text
+    assert comparable(read_metrics(os.path.join(stopped, "metrics.jsonl"))) == rows
