@@ -34,13 +34,20 @@ MODELS_DIR = os.path.join(shipped_configs.root(), "models")  # the shipped model
 # intermediate size; plus per attention head (the softmax's float32 log-sum-exp) and a constant (the two
 # RMSNorms' float32 inverse RMS). Counted with saved_tensors_hooks on transformers' Qwen2 decoder layer
 # (docs/plan.md), for the three ways the trainer computes:
+# A mixture-of-experts layer (transformers 5's Qwen3-MoE experts loop) saves, per token, its routed experts' MLP
+# (expert_mlp per element of experts_per_token x moe_intermediate_size), a copy of the token's hidden state in and
+# out of each routed expert (expert_hidden per element of experts_per_token x hidden) and the router's float32
+# probabilities (expert, per expert); counted the same way on Qwen3-MoE layers of hidden 256 and 512 with 2 and 8
+# of 16 experts (the marginal bytes per token between 512 and 1,024 tokens: docs/plan.md).
 SAVED_BYTES = {
     # float32 parameters, float32 compute (the CPU's default)
-    "float32": dict(hidden=24, query=12, key_value=8, mlp=16, head=4, token=8),
+    "float32": dict(hidden=24, query=12, key_value=8, mlp=16, head=4, token=8, expert_mlp=16, expert_hidden=8,
+                    expert=4),
     # float32 master parameters under bf16 autocast (one process): the residual stream stays float32
-    "autocast": dict(hidden=26, query=6, key_value=4, mlp=8, head=4, token=8),
+    "autocast": dict(hidden=26, query=6, key_value=4, mlp=8, head=4, token=8, expert_mlp=15, expert_hidden=8,
+                     expert=4),
     # 16-bit parameters in the forward (FSDP2's MixedPrecisionPolicy all-gathers bf16 copies)
-    "16-bit": dict(hidden=16, query=6, key_value=4, mlp=8, head=4, token=8),
+    "16-bit": dict(hidden=16, query=6, key_value=4, mlp=8, head=4, token=8, expert_mlp=8, expert_hidden=4, expert=4),
 }
 # working memory on top of the saved tensors, calibrated against measured peaks (benchmarks/plan_accuracy.py).
 # Only the larger of the two is held at once (the loss runs before the backward):
@@ -434,8 +441,13 @@ def _saved_kind(inp: PlanInputs) -> str:
 def layer_saved_bytes_per_token(model: ModelShape, kind: str) -> float:
     """Bytes one decoder layer saves for the backward per token (no checkpointing): SAVED_BYTES' formula."""
     c = SAVED_BYTES[kind]
+    dense = c["mlp"] * model.intermediate if model.moe_layers < model.layers else 0
+    moe = (c["mlp"] * model.shared_expert_intermediate
+           + c["expert_mlp"] * model.experts_per_token * model.expert_intermediate
+           + c["expert_hidden"] * model.experts_per_token * model.hidden + c["expert"] * model.experts
+           if model.moe_layers else 0)
     return (c["hidden"] * model.hidden + c["query"] * model.heads * model.head_dim
-            + c["key_value"] * model.kv_heads * model.head_dim + c["mlp"] * model.mlp_width
+            + c["key_value"] * model.kv_heads * model.head_dim + max(dense, moe)
             + c["head"] * model.heads + c["token"])
 
 
