@@ -82,16 +82,20 @@ def test_any_objective_by_name(monkeypatch, name, options):
     carry, normalised over the global mini-batch as PACS's."""
     import json
 
-    from pacs.train.loss_objective import named_objective
+    from pacs.train.loss_objective import named_objective, token_mean
 
     logp, old, mask, labels, token_rewards = batch(seed=2)
     advantages, _ = pacs_label_advantage(token_rewards, mask)
     monkeypatch.setenv("PACS_OBJECTIVE", name)
     monkeypatch.setenv("PACS_OPTIONS", json.dumps(options))
-    config = actor_config(global_batch_info={"global_batch_size": 24, "dp_size": 2})
+    config = actor_config(global_batch_info={"global_batch_size": 24, "batch_num_tokens": 200, "dp_size": 2})
     loss, metrics = compute_policy_loss_pacs(old, logp, advantages, mask, config=config)
-    expected, stats = named_objective(name, options)(logp, old, labels, mask, group_size=G)
-    torch.testing.assert_close(loss, expected * 12 / 24 * 2, rtol=1e-12, atol=1e-14)
+    objective = named_objective(name, options)
+    expected, stats = objective(logp, old, labels, mask, group_size=G)
+    # a token mean over the global mini-batch's tokens (verl's token-mean), else a mean over its responses
+    share = float(mask.sum()) / 200 if token_mean(objective) else 12 / 24
+    assert token_mean(objective) == (name in ("grpo", "dapo", "cispo", "objective_plugin:LeaveOneOutPG"))
+    torch.testing.assert_close(loss, expected * share * 2, rtol=1e-12, atol=1e-14)
     grad, = torch.autograd.grad(loss, logp)
     assert grad.abs().max() > 0
     assert metrics and all(key.startswith("actor/pacs/") for key in metrics)

@@ -29,11 +29,13 @@ the default; ``grpo``, ``dapo``, ``dr_grpo``, ``gspo``, ``cispo``; or ``my_modul
 ``PACS_OPTIONS`` as its keywords or any callable satisfying the ``Objective`` protocol), and ``PACS_OPTIONS`` holds its
 settings (its class's keywords, e.g. ``{"eps_high": 0.28}``; Dr.GRPO needs ``max_completion_length``, verl's
 ``data.max_response_length``). The objective gets verl's log-probs, the 0/1 rewards read back from the advantages
-("pacs_label" carries them: the GRPO family computes its own group advantages from them) and the response mask, and
-its loss is normalised as PACS's: times the micro-batch's responses over the global mini-batch's, times the
-data-parallel size. That is exact for an objective whose loss is a mean over responses (GSPO, Dr.GRPO, GRPO with
-``aggregation="seq_mean"``); for a token mean (GRPO's default, DAPO, CISPO) each micro-batch's token mean weighs its
-responses, which is the mini-batch's one token mean only where micro-batches hold equal numbers of tokens.
+("pacs_label" carries them: the GRPO family computes its own group advantages from them) and the response mask. Its
+loss is normalised by what it declares (pacs.train.loss_objective.token_mean): a mean over responses (GSPO, Dr.GRPO,
+GRPO with ``aggregation="seq_mean"``) as PACS's, times the micro-batch's responses over the global mini-batch's and
+the data-parallel size; a token mean (GRPO's default, DAPO, CISPO) as verl's own "token-mean", times the
+micro-batch's response tokens over the global mini-batch's (``batch_num_tokens`` of verl's global batch info) and the
+data-parallel size, so the mini-batch's loss is its one token mean. (PACS's scaling is checked through verl's actor
+update; the token-mean one follows verl's ``agg_loss`` and is not.)
 
 Metrics: the loss's stats under ``actor/pacs/``, one value per optimizer step (verl averages the
 micro-batches' values). ``sigmoid_psi_correct_mean`` (``..._incorrect_mean``) is NaN for a micro-batch
@@ -57,7 +59,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pacs.train.loss_objective import named_objective
+from pacs.train.loss_objective import named_objective, token_mean
 from pacs_kernels import pacs_loss
 from pacs_kernels.loss_inputs import check_beta
 
@@ -232,8 +234,10 @@ def compute_policy_loss_pacs(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     # FSDP averages the gradients over the dp ranks. So sum_micro(mean * B_micro) / global * dp, averaged over
     # dp, is the mean over the global mini-batch: the public code's micro-batch mean / number of micro-batches.
     info = getattr(config, "global_batch_info", None) or {}
-    global_size = info.get("global_batch_size")
-    if global_size:
+    global_size, global_tokens = info.get("global_batch_size"), info.get("batch_num_tokens")
+    if name != "pacs" and token_mean(objective) and global_tokens:  # verl's token-mean: over the mini-batch's tokens
+        loss = loss * response_mask.sum() / global_tokens * info.get("dp_size", 1)
+    elif global_size:
         loss = loss * labels.shape[0] / global_size * info.get("dp_size", 1)
     # verl passes no entropy (nor a reference's log-probs) to the policy loss: those stats are always NaN there
     metrics = {f"actor/pacs/{key}": value for key, value in stats.items() if key not in ("entropy_mean", "kl_mean")}
