@@ -56,6 +56,9 @@ def test_qwen3_30b_a3b_counts_every_expert_and_shows_total_and_active(capsys):
     assert "30.53B parameters in total" in out and "3.35B active per token" in out
     assert "8 of 128 experts of 768" in out
     assert "tiled MLP" not in out  # pacs/model/tiled_mlp.py cannot tile experts: never offered
+    # LoRA adapts the attention projections only (the experts are 3-D parameters, no linear layers)
+    code, out, _ = run_plan(["--model", "qwen3-30b-a3b", "--gpu-gib", "80", "--gpus", "8", "--lora-rank", "16"], capsys)
+    assert "LoRA rank 16 on q_proj,k_proj,v_proj,o_proj: 13.4M trainable" in out
 
 
 def test_saved_bytes_of_a_mixture_of_experts_layer():

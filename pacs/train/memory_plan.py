@@ -804,7 +804,7 @@ def report(inp: PlanInputs) -> tuple[str, bool]:
     m = inp.model
     head = (f"{m.name}: {describe_params(m)} ({m.layers} layers, hidden {m.hidden}, {describe_mlp(m)}, "
             f"{m.heads}/{m.kv_heads} heads of {m.head_dim}, vocab {m.vocab}); "
-            + (f"LoRA rank {inp.lora_rank} on {','.join(inp.lora_targets)}: "
+            + (f"LoRA rank {inp.lora_rank} on {','.join(t for t in inp.lora_targets if t in m.projections())}: "
                f"{_trainable_params(inp) / 1e6:.1f}M trainable; " if inp.lora_rank else "full fine-tuning; ")
             + f"{inp.gpus} x {inp.gpu_gib:g} GiB; micro-batch {plan.micro_batch_tokens} tokens "
             f"(groups of {inp.group_size} x ({inp.prompt_len} + {inp.response_len}))")
