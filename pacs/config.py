@@ -457,11 +457,18 @@ def _layered(cfg: Config, data: dict, overrides: list[str] | None) -> Config:
 
 
 def read_yaml(path: str | None) -> dict:
-    """The mapping in the YAML file at ``path`` ({} for None)."""
+    """The mapping in the YAML file at ``path`` ({} for None), or in the shipped preset of that name
+    (pacs/configs/presets/, e.g. ``qwen2.5-1.5b_lora_24gb``) when no such file exists."""
     data: dict = {}
     if path is not None:
         if not os.path.isfile(path):
-            raise ValueError(f"--config: no such file {path!r}")
+            from pacs import configs as shipped_configs
+
+            shipped = None if os.path.dirname(path) else shipped_configs.preset_path(path)
+            if shipped is None:
+                raise ValueError(f"--config: no such file {path!r} (nor a shipped preset: "
+                                 f"{', '.join(shipped_configs.preset_names())})")
+            path = shipped
         with open(path) as fh:
             try:
                 data = yaml.safe_load(fh) or {}

@@ -104,7 +104,7 @@ def test_parameter_counts_equal_transformers_models(raw):
     shape = shape_from_config(config.to_dict())
     assert shape.params == sum(p.numel() for p in model.parameters())
     routed = sum(p.numel() for name, p in model.named_parameters()
-                 if ".experts." in name or name.endswith(".experts.gate_up_proj") or name.endswith(".experts.down_proj"))
+                 if ".experts." in name or name.endswith((".experts.gate_up_proj", ".experts.down_proj")))
     experts = raw.get("num_experts") or raw.get("num_local_experts") or 1  # (transformers 5 writes the latter)
     share = raw.get("num_experts_per_tok", 1) / experts if routed else 1
     assert shape.active_params == sum(p.numel() for p in model.parameters()) - routed + routed * share
@@ -207,7 +207,8 @@ def test_generation_without_vllm_names_fewer_prompts_per_step():
     term, lever = blocker(inp)
     assert term.startswith("generation without vLLM (rollout.engine=hf) holds 256 rows")
     prompts = int(re.search(r"--prompts-per-step (\d+)", lever).group(1))
-    assert lever.startswith("fewer prompts per step") and cheapest_fitting_plan(replace(inp, prompts_per_step=prompts))[1]
+    assert lever.startswith("fewer prompts per step")
+    assert cheapest_fitting_plan(replace(inp, prompts_per_step=prompts))[1]
 
 
 def test_training_itself_blocking_names_its_largest_part():
@@ -244,3 +245,13 @@ def test_presets_are_found_by_name_and_by_path(capsys):
     assert by_name.peak == by_path.peak
     assert set(shipped_configs.preset_names()) >= {"paper_qwen2.5-7b_8x80gb", "qwen2.5-1.5b_lora_24gb"}
     assert "--preset" in refused(["--preset", "no-such-preset"], capsys)
+
+
+def test_pacs_train_takes_a_shipped_preset_by_name():
+    from pacs.config import load_config
+
+    path = os.path.join(REPO, "configs", "presets", "qwen2.5-1.5b_lora_24gb.yaml")
+    assert load_config("qwen2.5-1.5b_lora_24gb") == load_config(path)
+    assert load_config("qwen2.5-1.5b_lora_24gb.yaml") == load_config(path)
+    with pytest.raises(ValueError, match=r"--config: no such file 'no-such-preset' \(nor a shipped preset: paper_"):
+        load_config("no-such-preset")
