@@ -267,6 +267,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0 if plan.fits else 1
     if args.model is None or args.gpu_gib is None:
         raise ValueError("pacs plan needs --model and --gpu-gib (or --preset PRESET.yaml)")
+    if args.lora_targets is not None and args.lora_rank is None:
+        raise ValueError("--lora-targets needs --lora-rank (LoRA); without it pacs plan plans full fine-tuning")
     values = {**PLAN_DEFAULTS, **given}
     inputs = PlanInputs(model=load_model_shape(args.model), gpu_gib=args.gpu_gib, gpus=values["gpus"],
                         prompt_len=values["prompt_len"], response_len=values["response_len"],

@@ -176,6 +176,10 @@ def test_flags_beside_a_preset_are_applied_never_ignored(capsys):
         8, 512, 4, 0.0, "float32")
     # and a flag beside a preset that cannot work is refused in one line
     assert "--gpus" in refused(["--preset", "qwen2.5-1.5b_lora_24gb", "--gpus", "0"], capsys)
+    # LoRA targets with no LoRA to apply them to: refused, not ignored (with a preset and without)
+    assert "--lora-targets needs" in refused(["--preset", "qwen2.5-1.5b_full_80gb", "--lora-targets", "q_proj"], capsys)
+    assert "--lora-targets needs" in refused(["--model", "qwen2.5-1.5b", "--gpu-gib", "80", "--lora-targets", "q_proj"],
+                                             capsys)
 
 
 # -- the blocking term and its lever ------------------------------------------------------------------------------

@@ -908,6 +908,8 @@ def plan_preset(path: str, flags: dict | None = None) -> MemoryPlan:
         for part in section.split("."):
             owner = getattr(owner, part)
         setattr(owner, field_name, value)
+    if "lora_targets" in flags and cfg.model.lora.rank == 0 and not spec.get("lora_rank"):
+        raise ValueError("--lora-targets needs LoRA: --lora-rank, or a preset that sets model.lora.rank")
     gpus = spec.get("gpus", 1)
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"--gpus must be a positive integer, got {gpus!r}")
