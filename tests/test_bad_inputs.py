@@ -203,3 +203,21 @@ def test_key_value_overrides_after_an_option_are_taken(tmp_path, capsys, monkeyp
         cli.main(["train", "--output-dir", str(tmp_path / "o"), "--bogus", "optim.lr=1e-3"])
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_update_nonzero_frac_counts_every_weight():
+    """Sampled from 64 elements a tensor, update_nonzero_frac logged 1e-4 where 0.5% of the weights moved."""
+    import torch
+
+    from pacs.train.weight_updates import UpdateMonitor
+
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(400, 250)), torch.nn.Parameter(torch.randn(1000))]
+    monitor = UpdateMonitor(weights)
+    for w in weights:
+        w.grad = torch.randn_like(w)
+    moved = torch.randperm(100_000)[:500]  # 0.5% of the big tensor
+    monitor.before()
+    with torch.no_grad():
+        weights[0].view(-1)[moved] += 1.0
+    assert monitor.after() == 500 / 101_000
