@@ -221,3 +221,13 @@ def test_update_nonzero_frac_counts_every_weight():
     with torch.no_grad():
         weights[0].view(-1)[moved] += 1.0
     assert monitor.after() == 500 / 101_000
+
+
+def test_the_papers_settings_use_the_papers_constant_learning_rate():
+    """configs/qwen2.5-math.yaml ("the paper's settings") took a real model's default cosine schedule."""
+    from pacs.config import load_config, validate
+
+    cfg = load_config(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                                   "qwen2.5-math.yaml"))
+    validate(cfg)
+    assert (cfg.optim.lr, cfg.optim.lr_schedule, cfg.optim.lr_warmup_steps) == (1e-6, "constant", 0)
