@@ -231,3 +231,16 @@ def test_the_papers_settings_use_the_papers_constant_learning_rate():
                                    "qwen2.5-math.yaml"))
     validate(cfg)
     assert (cfg.optim.lr, cfg.optim.lr_schedule, cfg.optim.lr_warmup_steps) == (1e-6, "constant", 0)
+
+
+def test_the_docs_say_what_the_math_reward_scores():
+    """docs/real-models.md said only the last \\boxed{} counts, while math-verify scores an unboxed reply by its last
+    expression (the public PACS code's settings, docs/evaluation.md): the docs now say so."""
+    from pacs.tasks.rewards import math_reward
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(repo, "docs", "real-models.md")) as fh:
+        answer_row = next(line for line in fh if line.startswith("| `answer` |"))
+    assert "last `\\boxed{}` (a reply without one: its last expression" in answer_row
+    assert math_reward("so the answer is 5", "5") == 1.0  # no box: the last expression
+    assert math_reward("\\boxed{4}, or 5", "5") == 0.0  # a box: it alone counts
