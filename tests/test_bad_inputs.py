@@ -244,3 +244,14 @@ def test_the_docs_say_what_the_math_reward_scores():
     assert "last `\\boxed{}` (a reply without one: its last expression" in answer_row
     assert math_reward("so the answer is 5", "5") == 1.0  # no box: the last expression
     assert math_reward("\\boxed{4}, or 5", "5") == 0.0  # a box: it alone counts
+
+
+def test_the_add_pacs_forward_block_of_docs_pytorch_md_runs_as_pasted():
+    """It used model, optimizer, torch and a batch it never made (NameError as pasted)."""
+    import math
+
+    from test_readme_integrations import readme_block
+
+    namespace = {"__name__": "__docs__"}
+    exec(readme_block("plain"), namespace)
+    assert math.isfinite(float(namespace["out"].loss))

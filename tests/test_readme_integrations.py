@@ -69,29 +69,25 @@ def test_verl_snippet():
 def test_plain_loop_snippet():
     """The plain-loop block: its loss equals pacs_loss on naive float32 log-probs (with validity), and
     the optimizer step it takes moves the weights."""
-    import trl_helpers as helpers
-
-    torch.manual_seed(0)
-    model = helpers.tiny_model(17)
-    G, P, C = 4, 5, 6
-    prompt_ids = torch.randint(3, 17, (2 * G, P))
-    completion_ids = torch.randint(3, 17, (2 * G, C))
-    completion_mask = torch.ones(2 * G, C, dtype=torch.long)
+    # the block runs as pasted: its stand-in model and batch, then the step (here with a padded response and one
+    # without a verdict put in between)
+    setup, step = readme_block("plain").split("# the PACS step\n")
+    namespace = {}
+    exec(setup, namespace)
+    G, P = 4, 5
+    model, completion_ids = namespace["model"], namespace["completion_ids"]
+    completion_mask = namespace["completion_mask"]
     completion_mask[1, -2:] = 0
     attention_mask = torch.cat([torch.ones(2 * G, P, dtype=torch.long), completion_mask], 1)
-    rewards = torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1])
-    valid = torch.tensor([True] * 7 + [False])
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    namespace["attention_mask"] = attention_mask
+    namespace["valid"] = valid = torch.tensor([True] * 7 + [False])
+    input_ids = torch.cat([namespace["prompt_ids"], completion_ids], 1)
     with torch.no_grad():
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, P - 1:-1]
         logp = torch.log_softmax(logits.float(), -1).gather(-1, completion_ids[..., None])[..., 0]
-        expected = pacs_loss(logp, logp, rewards, completion_mask, group_size=G, valid=valid)
+        expected = pacs_loss(logp, logp, namespace["rewards"], completion_mask, group_size=G, valid=valid)
     before = [p.detach().clone() for p in model.parameters()]
-    namespace = dict(model=model, torch=torch, completion_ids=completion_ids, completion_mask=completion_mask,
-                     rewards=rewards, valid=valid, prompt_ids=prompt_ids, attention_mask=attention_mask,
-                     optimizer=optimizer)
-    exec(readme_block("plain"), namespace)
+    exec(step, namespace)
     out = namespace["out"]
     torch.testing.assert_close(out.loss.detach(), expected, rtol=1e-5, atol=1e-6)
     assert out.stats["valid_frac"] == pytest.approx(7 / 8) and out.stats["entropy_mean"] > 0
