@@ -205,6 +205,54 @@ def test_key_value_overrides_after_an_option_are_taken(tmp_path, capsys, monkeyp
     assert not (tmp_path / "o").exists()
 
 
+def _nan_for_sevens(completions, **kwargs):
+    return [float("nan") if "7" in text else (1.0 if "1" in text else 0.0) for text in completions]
+
+
+def _string_labels(completions, **kwargs):
+    return ["1" if "1" in text else "0" for text in completions]
+
+
+@pytest.mark.parametrize("reward, error, message", [
+    # taken as "no verdict" (docs/trl.md: refused)
+    (_nan_for_sevens, ValueError, r"reward function '_nan_for_sevens' returned NaN for completion \d+: expected 1.0 "
+                                  r"\(correct\), 0.0 \(wrong\) or None \(no verdict; a NaN is not taken for one\)"),
+    # failed 13 frames deep in torch.tensor without naming the function
+    (_string_labels, TypeError, r"reward function '_string_labels' returned str '[01]' for completion 0: expected a "
+                                r"number \(1.0 correct, 0.0 wrong\) or None \(no verdict\)"),
+])
+def test_a_trl_reward_function_returning_nan_or_strings_is_named(tmp_path, reward, error, message):
+    pytest.importorskip("trl")
+    import trl_helpers
+
+    trainer = trl_helpers.trainer(tmp_path, reward=reward, max_steps=1, seed=3)
+    with pytest.raises(error, match=message):
+        trainer.train()
+
+
+def test_trl_colocated_vllm_with_a_model_built_in_code_is_refused_at_construction(tmp_path):
+    """PACSTrainer(use_vllm=True) with a model built in code failed 16 frames deep inside vLLM ("Repo id must use
+    alphanumeric chars"); docs/trl.md says this mode needs a saved model."""
+    pytest.importorskip("trl")
+    import trl_helpers
+
+    model = trl_helpers.tiny_model(len(trl_helpers.tokenizer()))
+    with pytest.raises(ValueError) as raised:
+        trl_helpers.trainer(tmp_path / "out", model=model, use_vllm=True, vllm_mode="colocate")
+    assert str(raised.value) == (
+        "use_vllm=True (vllm_mode='colocate') starts vLLM from the model's saved directory or hub id, and this model "
+        "has none (its name_or_path is '', as for a model built in code); save it first (model.save_pretrained(DIR), "
+        "tokenizer too) and pass DIR or the model loaded from it")
+    assert not (tmp_path / "out").exists()
+    from pacs.integrations.trl import PACSConfig, check_vllm_model
+
+    args = PACSConfig(output_dir=str(tmp_path / "out"), use_vllm=True, vllm_mode="colocate", use_cpu=True,
+                      report_to="none")
+    model.save_pretrained(tmp_path / "saved")  # a saved model, a hub id, a directory name: accepted
+    for saved in (model.from_pretrained(tmp_path / "saved"), str(tmp_path / "saved"), "Qwen/Qwen2.5-0.5B"):
+        check_vllm_model(saved, args)
+
+
 def test_update_nonzero_frac_counts_every_weight():
     """Sampled from 64 elements a tensor, update_nonzero_frac logged 1e-4 where 0.5% of the weights moved."""
     import torch

@@ -43,7 +43,10 @@ when set away from their defaults.
 
 from __future__ import annotations
 
+import functools
+import math
 import os
+import re
 import time
 import warnings
 from dataclasses import dataclass, field, fields
@@ -281,6 +284,51 @@ def warn_if_updates_round_away(model, learning_rate: float) -> float:
     return share
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def check_vllm_model(model, args: PACSConfig) -> None:
+    """``use_vllm=True`` in colocate mode starts ``LLM(model=model.name_or_path)``: a model object must come from a
+    saved directory or a hub id. A ValueError saying so, before any engine starts, for one built in code."""
+    if not args.use_vllm or getattr(args, "vllm_mode", "colocate") != "colocate" or isinstance(model, str):
+        return
+    name = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    if os.path.isdir(os.path.expanduser(name)) or (HUB_ID.fullmatch(name) and not os.path.exists(name)):
+        return
+    raise ValueError(f"use_vllm=True (vllm_mode='colocate') starts vLLM from the model's saved directory or hub id, "
+                     f"and this model has none (its name_or_path is {name!r}, as for a model built in code); save it "
+                     "first (model.save_pretrained(DIR), tokenizer too) and pass DIR or the model loaded from it")
+
+
+def is_async(func) -> bool:
+    import inspect
+
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
+
+
+def checked_reward_function(func, name: str):
+    """``func`` with its values checked: each a number (bool, int, float or a 0-d tensor / numpy value) that is not
+    NaN, or None (no verdict); anything else is a TypeError / ValueError naming the function and the completion."""
+
+    @functools.wraps(func)
+    def checked(*args, **kwargs):
+        values = func(*args, **kwargs)
+        if not hasattr(values, "__len__"):  # a generator: read once here, so a list for TRL
+            values = list(values)
+        for i, value in enumerate(values):
+            if value is None:
+                continue
+            if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+                raise TypeError(f"reward function {name!r} returned {type(value).__name__} {value!r} for completion "
+                                f"{i}: expected a number (1.0 correct, 0.0 wrong) or None (no verdict)")
+            if math.isnan(float(value)):
+                raise ValueError(f"reward function {name!r} returned NaN for completion {i}: expected 1.0 (correct), "
+                                 "0.0 (wrong) or None (no verdict; a NaN is not taken for one)")
+        return values
+
+    return checked
+
+
 class PACSTrainer(GRPOTrainer):
     """``GRPOTrainer`` with the PACS loss; same constructor, ``args`` a :class:`PACSConfig`.
 
@@ -295,7 +343,13 @@ class PACSTrainer(GRPOTrainer):
         if args is None:
             raise TypeError("args must be a PACSConfig (PACSTrainer has no default config), got None")
         check_pacs_config(args)
+        check_vllm_model(model, args)
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
+        # each plain reward function's values checked where it returns them, naming it (TRL took a NaN for "no
+        # verdict", and '1'/'0' strings failed many frames deep in torch.tensor)
+        self.reward_funcs = [func if isinstance(func, torch.nn.Module) or not callable(func) or is_async(func)
+                             else checked_reward_function(func, name)
+                             for func, name in zip(self.reward_funcs, self.reward_func_names)]
         self._lock_output_dir()
         check_supported_head(self.model.config)
         if self.aux_loss_enabled:
