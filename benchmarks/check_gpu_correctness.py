@@ -27,17 +27,22 @@ spills (``pacs_kernels/triton/kernel_report.py``).
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import time
 from pathlib import Path
 
-# (name, N, d, V, dtype, temperature): the real shapes (Qwen2.5-7B and a 2048-wide model) and,
-# for the dry run, small ones with ragged edges
+# (name, N, d, V, dtype, temperature): the real shapes (Qwen2.5-7B, a 2048-wide model, and the other heads
+# the race times: Qwen2.5-1.5B, Llama 3 8B, Gemma 2 with its 256k vocabulary) and, for the dry run, small ones
+# with ragged edges
 REAL_CASES = [
     ("qwen7b-bf16", 4096, 3584, 152064, "bfloat16", 1.0),
     ("qwen7b-bf16-ragged-tau0.7", 4093, 3584, 152064, "bfloat16", 0.7),
     ("d2048-bf16", 4096, 2048, 151936, "bfloat16", 1.0),
+    ("qwen1.5b-bf16", 4096, 1536, 151936, "bfloat16", 1.0),
+    ("llama3-8b-bf16", 4096, 4096, 128256, "bfloat16", 1.0),
+    ("gemma2-2b-bf16-v256k", 4096, 2304, 256000, "bfloat16", 1.0),
     ("qwen7b-fp32", 512, 3584, 152064, "float32", 1.0),
 ]
 SMALL_CASES = [
@@ -256,7 +261,7 @@ def check_loss(pacs_kernels, hidden, weight, targets, tau, gen, chunk, atol, rto
     # every path of the fused loss: two passes (Triton kernels), single pass with the Triton row kernels
     # and with eager PyTorch around the GEMMs (budget: the whole batch in one chunk), and the single pass
     # with a budget of a third of the largest group (each group in 3+ tiles, all but the last rebuilt)
-    from pacs_kernels.single_pass import budget_mib_for_tokens
+    from pacs_kernels.engine.plan import budget_mib_for_tokens
 
     largest_group = int(mask.reshape(-1, options["group_size"] * t).sum(1).max())
     third = budget_mib_for_tokens(-(-largest_group // 3), weight.shape[0], weight.device, weight.dtype,
@@ -277,7 +282,7 @@ def check_loss(pacs_kernels, hidden, weight, targets, tau, gen, chunk, atol, rto
         errors[f"{label}_dW"] = (_rel_err(ww.grad, grads["dW"]), rtol)
         del hh, ww, loss
     del grads
-    if "old_lse" in getattr(getattr(pacs_kernels, "fused", None), "PACS_INPUTS", ()):
+    if "old_lse" in inspect.signature(pacs_kernels.fused_linear_pacs_loss).parameters:
         errors.update(check_first_step(pacs_kernels, h, weight, y, mask, rewards, options, ref, chunk, atol, rtol))
     return errors
 
@@ -292,7 +297,7 @@ def check_objectives(pacs_kernels, hidden, weight, targets, tau, gen, chunk, ato
     import torch
 
     from benchmarks.grpo_family import OBJECTIVES, make_objective
-    from pacs_kernels.single_pass import budget_mib_for_tokens
+    from pacs_kernels.engine.plan import budget_mib_for_tokens
 
     started = time.perf_counter()
     n, d = hidden.shape
@@ -385,12 +390,12 @@ def print_tile_memory(device) -> None:
     import torch
 
     try:
-        from pacs_kernels.engine import row_kernels_for
-        from pacs_kernels.single_pass import default_chunk_budget_mib, tile_memory
+        from pacs_kernels.engine.device import device_profile
+        from pacs_kernels.engine.plan import default_chunk_budget_mib, row_kernels_for, tile_memory
     except ImportError:  # an older pacs_kernels
         return
     vocab = 152064
-    rows = row_kernels_for("auto", torch.empty(0, device=device, dtype=torch.bfloat16))
+    rows = row_kernels_for("auto", device_profile(device, torch.bfloat16))
     memory = tile_memory(None, vocab, device, torch.bfloat16, row_kernels=rows)
     held = "its own float32 buffer" if memory.tile_dtype is None else str(memory.tile_dtype).replace("torch.", "")
     print(f"[check] single pass here (bf16, V={vocab}, default budget {default_chunk_budget_mib(device):g} MiB): "

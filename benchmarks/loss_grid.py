@@ -19,6 +19,7 @@ N/16 tokens, groups of 8, float32 on the CPU, bf16 on a GPU) for
     auto           fused_linear_pacs_loss's defaults: the path and budget path_choice.py picks
     cce            Cut Cross-Entropy's log-probs + pacs_loss (its torch_compile impl on the CPU)
     liger_chunked  Liger-Kernel's chunked log-prob step + pacs_loss
+    trl_chunked    TRL's fused LM-head log-probs (trl.kernels, TRL 1.15+) + pacs_loss
     naive_gemms    not a loss: naive's 3 GEMMs alone (all response tokens in each, ops.py); naive less this
                    is the elementwise work and autograd a fused path can save
 
@@ -80,6 +81,7 @@ COLUMNS = {
     "auto": ("pacs_loss_fwd_bwd", "auto", "auto"),
     "cce": ("pacs_loss_fwd_bwd", "cce", "cce"),
     "liger_chunked": ("pacs_loss_fwd_bwd", "liger_chunked", "liger_chunked"),
+    "trl_chunked": ("pacs_loss_fwd_bwd", "trl_chunked", "trl_chunked"),
     "naive_gemms": ("pacs_loss_fwd_bwd", "naive_gemms", "naive_gemms"),  # a reference point, not a loss
 }
 # a GRPO-family objective (--objective): column -> (op, impl on the CPU, impl on CUDA), or None: not for it
@@ -106,6 +108,9 @@ MATERIALIZING = ("naive", "cce", "naive_gemms")  # hold the N x V logits (CCE on
 LOGIT_COPIES = {"naive": 4, "cce": 4, "naive_gemms": 1}  # naive: logits, log-softmax, its gradient, a temporary
 MEMORY_SHARE = 0.6  # of the machine's memory (CPU) or the GPU's, for the materializing impls
 
+# (V, d) of the LM heads users train
+HEADS = {"qwen2.5-1.5b": (151936, 1536), "qwen2.5-7b": (152064, 3584), "llama-3-8b": (128256, 4096),
+         "gemma-2-2b": (256000, 2304)}
 FULL_V = (32768, 128256, 151936)
 FULL_D = (512, 896, 2048)
 FULL_N = (1024, 4096, 16384)
@@ -121,14 +126,18 @@ GRIDS = {
     "gpu-quick": {"device": "cuda", "dtype": "bfloat16",
                   "points": [(151936, 896, 16384), (152064, 3584, 16384), (128256, 2048, 65536)]},
     "dry": {"device": "cpu", "dtype": "float32", "points": [(512, 32, 64)]},
+    # the heads users train (issue 47): Qwen2.5-1.5B and 7B, Llama 3 8B, Gemma 2 2B (its 256k vocabulary), at 8k
+    # and 32k tokens; ours first (PACS_GPU_PART=race), the peers' columns in a later call (PACS_GPU_PART=peers)
+    "gpu-heads": {"device": "cuda", "dtype": "bfloat16",
+                  "points": [(v, d, n) for v, d in HEADS.values() for n in (8192, 32768)]},
 }
 # a run's timed repeats: at most ``repeats``, none started past ``max_seconds`` of timed runs (measure.py)
 # and on the CPU, a warm-up run over ``long_run_s`` is timed instead of repeated (measure.py says why)
 TIMING = {"cpu": dict(warmup=1, repeats=3, max_seconds=15.0, long_run_s=60.0),
-          "cuda": dict(warmup=1, repeats=5, max_seconds=2.0)}
+          "cuda": dict(warmup=1, repeats=5, max_seconds=10.0)}  # 5 repeats of any run under 2 s
 # time of each column over the 3-matmul floor, roughly (for the estimate only; CPU, measured on 2 cores)
 ESTIMATE_FACTOR = {"naive": 2.0, "single_pass": 1.1, "two_pass": 1.5, "one_sweep": 1.4, "auto": 1.1,
-                   "cce": 1.6, "liger_chunked": 3.5, "liger_fused": 3.5, "naive_gemms": 1.0}
+                   "cce": 1.6, "liger_chunked": 3.5, "liger_fused": 3.5, "trl_chunked": 2.0, "naive_gemms": 1.0}
 RUN_OVERHEAD_S = 4.0  # a fresh worker process, its imports and inputs
 
 
@@ -302,8 +311,10 @@ def run_grid(grid: str, device: str, columns, out: Path, note: str = "", objecti
 
 # rounds of the paired check (measure.measure_pair_in_process): at least PAIRED_MIN_ROUNDS, at most PAIRED_ROUNDS,
 # none past the minimum started once the timed runs add up to PAIRED_SECONDS (a run on a shared 2-core CPU
-# moves by up to 20% from one round to the next: a median of 3 can follow one disturbed round)
+# moves by up to 20% from one round to the next: a median of 3 can follow one disturbed round); on a GPU at
+# least PAIRED_MIN_ROUNDS_CUDA (issue 47: at least 5 repeats of auto against the fastest path in one worker)
 PAIRED_ROUNDS, PAIRED_MIN_ROUNDS = 9, 3
+PAIRED_MIN_ROUNDS_CUDA = 5
 PAIRED_SECONDS = {"cpu": 60.0, "cuda": 10.0}
 PAIRED_COLUMNS = ["date", "device", "device_name", "objective", "V", "d", "N", "against", "auto_ms", "against_ms",
                   "ratio", "ratio_min", "ratio_max", "rounds", "threads", "cpu_util", "loadavg", "status", "note"]
@@ -375,7 +386,8 @@ def run_paired(grid: str, device: str, out: Path, note: str = "", objective: str
         else:
             auto_case, _ = column_case("auto", objective, (v, d, n), spec["dtype"], device)
             other_case, _ = column_case(other, objective, (v, d, n), spec["dtype"], device)
-            result = measure_pair(auto_case, other_case, rounds=PAIRED_ROUNDS, min_rounds=PAIRED_MIN_ROUNDS,
+            result = measure_pair(auto_case, other_case, rounds=PAIRED_ROUNDS,
+                                  min_rounds=PAIRED_MIN_ROUNDS_CUDA if device == "cuda" else PAIRED_MIN_ROUNDS,
                                   timeout_s=3600.0, max_seconds=seconds)
             row.update(status=result["status"], note=result.get("note", ""))
             if result["status"] == "ok":
@@ -497,7 +509,7 @@ def write(rows: list[dict], grid: str, out: Path, note: str = "", objective: str
               if paired_kind(r["against"]) == OURS}
     if paired:
         lines += [f"`paired`: auto over the faster of our paths, the two timed in alternation in one worker "
-                  f"({PAIRED_MIN_ROUNDS} to {PAIRED_ROUNDS} rounds on the same inputs, the median of the per-round "
+                  f"({PAIRED_MIN_ROUNDS} ({PAIRED_MIN_ROUNDS_CUDA} on a GPU) to {PAIRED_ROUNDS} rounds on the same inputs, the median of the per-round "
                   f"ratios; `--paired`, `{paired_path(out, grid, objective).name}`): separate runs of the same work "
                   "differ by more than 5% on a shared machine.", ""]
     lines += ["| V | d | N | " + " | ".join(columns) + " | auto / fastest |" + (" paired |" if paired else ""),
@@ -650,9 +662,9 @@ def main(argv=None) -> int:
     device = args.device or GRIDS[args.grid]["device"]
     columns = args.columns or default_columns(args.objective)
     if args.estimate:
-        from pacs_kernels.path_choice import device_costs
+        from pacs_kernels.engine.device import measure_costs
 
-        rate = args.gflops * 1e9 if args.gflops else 1.0 / device_costs(
+        rate = args.gflops * 1e9 if args.gflops else 1.0 / measure_costs(
             torch.device(device), getattr(torch, GRIDS[args.grid]["dtype"])).gemm_s_per_flop
         seconds = estimate_seconds(args.grid, device, columns, rate, args.objective)
         print(f"grid {args.grid} on {device_name(device)}: about {seconds / 60:.0f} min "

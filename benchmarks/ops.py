@@ -35,7 +35,7 @@ Implementations ("impls"):
                    into 3 tiles, the last one's logits kept and the others rebuilt (3.67 matmuls),
                    memory near the two passes'
     auto           loss ops only: fused_linear_pacs_loss with its defaults (backend="auto", path="auto",
-                   no chunk budget: the path and budget pacs_kernels/path_choice.py picks); on the first
+                   no chunk budget: the path and budget pacs_kernels/engine/plan.py picks); on the first
                    step it is given old_lse, as a trainer would
     cce            Apple Cut Cross-Entropy, linear_cross_entropy(reduction="none") = -logp, with
                    its default gradient filter (filter_eps="high": skips tiny softmax entries); on the
@@ -48,6 +48,9 @@ Implementations ("impls"):
     liger_chunked  Liger-Kernel's chunked GRPO/PPO log-prob step,
                    LigerFusedLinearPPOBase.chunk_forward (sequence x vocabulary chunks in
                    PyTorch, custom backward that recomputes the logits)
+    trl_chunked    TRL's fused LM-head log-probs (trl.kernels.ChunkedLogProbFunction, TRL 1.15+, what its
+                   trainers run by default): cuBLAS tiles of 4,096 tokens x 32,768 columns folded by a
+                   Triton kernel (torch ops on the CPU), the backward recomputing each tile
     naive_gemms    loss ops only, not a loss: naive's 3 GEMMs alone (the logits of all masked-in tokens
                    in one GEMM, then dh and dW from them as if they were dz), with no softmax, no loss and
                    no autograd. Naive's time less this is what its elementwise work and autograd cost,
@@ -82,7 +85,7 @@ LOSS_OPS = ("pacs_loss_fwd_bwd", "pacs_loss_first_step", "objective_loss_fwd_bwd
 OBJECTIVE_OP = "objective_loss_fwd_bwd"
 OUR_IMPLS = ("naive", "torch", "triton", "single_pass", "single_pass_lowmem", "auto")
 SINGLE_PASS_BUDGET_GROUPS = {"single_pass": 1.0, "single_pass_lowmem": 1 / 3}  # chunk budget, in groups
-PEER_IMPLS = ("cce", "cce_exact", "liger_flce", "liger_chunked")  # log-prob peers
+PEER_IMPLS = ("cce", "cce_exact", "liger_flce", "liger_chunked", "trl_chunked")  # log-prob peers
 LOSS_PEER_IMPLS = ("liger_fused",)  # a peer's whole loss
 NAIVE_GEMMS = "naive_gemms"  # naive's 3 GEMMs alone: a reference point, not an implementation
 IMPLS = OUR_IMPLS + PEER_IMPLS + LOSS_PEER_IMPLS + (NAIVE_GEMMS,)
@@ -120,9 +123,11 @@ def first_step_available() -> bool:
     """True when fused_linear_pacs_loss takes old_lse (the one-sweep first step after a rollout)."""
     if not loss_available():
         return False
-    from pacs_kernels.fused import PACS_INPUTS
+    import inspect
 
-    return "old_lse" in PACS_INPUTS
+    import pacs_kernels
+
+    return "old_lse" in inspect.signature(pacs_kernels.fused_linear_pacs_loss).parameters
 
 
 def impl_unavailable_reason(op: str, impl: str, device: str, objective: str | None = None) -> str | None:
@@ -178,7 +183,20 @@ def impl_unavailable_reason(op: str, impl: str, device: str, objective: str | No
             return "Liger's fused linear cross-entropy is a Triton kernel (CUDA)"
     if impl == "liger_chunked" and not _importable("liger_kernel"):
         return "liger-kernel is not installed"
+    if impl == "trl_chunked" and not trl_fused_logprobs_available():
+        return "TRL's fused log-prob kernel (trl.kernels.ChunkedLogProbFunction, TRL 1.15+) is not installed"
     return None
+
+
+def trl_fused_logprobs_available() -> bool:
+    """True when TRL ships its fused LM-head log-prob function (trl.kernels.ChunkedLogProbFunction)."""
+    if not _importable("trl"):
+        return False
+    try:
+        from trl.kernels import ChunkedLogProbFunction  # noqa: F401
+    except Exception:
+        return False
+    return True
 
 
 @dataclass
@@ -318,6 +336,19 @@ def logprob_function(impl: str) -> Callable[[torch.Tensor, torch.Tensor, torch.T
             return logp.float().reshape(y.shape)
 
         return liger_chunked_logp
+    if impl == "trl_chunked":
+        from trl.kernels import ChunkedLogProbFunction
+        from trl.trainer import utils as trl_utils
+
+        # the vocabulary chunk TRL's trainers use for their fused head (32,768 columns in TRL 1.16)
+        chunk = getattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 32768)
+
+        def trl_chunked_logp(h, w, y):
+            logp, *_ = ChunkedLogProbFunction.apply(h.reshape(-1, h.shape[-1]), w, None, y.reshape(-1), 1.0, chunk,
+                                                    None, 1.0, ())
+            return logp.float().reshape(y.shape)
+
+        return trl_chunked_logp
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
@@ -396,12 +427,12 @@ def fused_loss_options(case: Case):
     if case.impl == "auto":
         return pacs_kernels.LossOptions(backend="auto", path="auto", dispatch_table=table)
     if case.impl in SINGLE_PASS_BUDGET_GROUPS:
-        from pacs_kernels.engine import row_kernels_for
-        from pacs_kernels.single_pass import budget_mib_for_tokens
+        from pacs_kernels.engine.device import device_profile
+        from pacs_kernels.engine.plan import budget_mib_for_tokens, row_kernels_for
 
         group_tokens = LOSS_GROUP_SIZE * (case.n // LOSS_RESPONSES)
         device = torch.device(case.device)
-        row_kernels = row_kernels_for("auto", torch.empty(0, device=device, dtype=case.torch_dtype))
+        row_kernels = row_kernels_for("auto", device_profile(device, case.torch_dtype))
         budget = budget_mib_for_tokens(math.ceil(group_tokens * SINGLE_PASS_BUDGET_GROUPS[case.impl]), case.v,
                                        device, case.torch_dtype, row_kernels=row_kernels)
         return pacs_kernels.LossOptions(backend="auto", path="single_pass", chunk_budget_mib=budget,

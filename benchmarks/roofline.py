@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from pacs_kernels.single_pass import tile_memory
+from pacs_kernels.engine.plan import tile_memory
 
 SPEC_MATMUL_TFLOPS = 989.0  # H200 SXM dense bf16, spec sheet (not measured)
 SPEC_HBM_TBPS = 4.8  # H200 HBM3e, spec sheet (not measured)

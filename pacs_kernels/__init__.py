@@ -1,11 +1,11 @@
 """pacs_kernels: fused linear log-probs and the PACS loss, without materializing N x V logits."""
 
-from .fused import PACSLoss, fused_linear_grpo_loss, fused_linear_pacs_loss
+from .fused import PACSLoss, fused_linear_grpo_loss, fused_linear_objective_loss, fused_linear_pacs_loss
 from .grpo import GRPOStats, grpo_loss
 from .known_grad import linear_logprobs_known_grad
 from .logprobs import linear_logprobs
 from .loss import PACSStats, pacs_loss
-from .objectives import CISPO, DAPO, GRPO, GSPO, PACS, DrGRPO, Objective, fused_linear_objective_loss
+from .objectives import CISPO, DAPO, GRPO, GSPO, PACS, Capabilities, DrGRPO, Objective
 from .options import LossOptions
 from .pieces import GatheredLogprobs, KnownGradient
 
@@ -30,5 +30,6 @@ __all__ = [
     "GSPO",
     "CISPO",
     "PACS",
+    "Capabilities",
 ]
 __version__ = "0.1.0"

@@ -16,7 +16,9 @@ is read) it decides, on CUDA:
   chunk as Triton kernels or as ``torch.mm`` (cuBLAS), whichever the run measured faster (its
   ``grad_gemms`` op); cuBLAS where nothing was measured.
 
-Entries match on (d, V) and the dtype exactly and on the nearest N (log scale; N counts the tokens that
+The packaged table is keyed by device: each GPU run's entries under its device name and compute capability;
+a device it does not name (another GPU, even of the same capability) uses none of them, and gets the cost
+model's defaults (engine/device.py). Entries match on (d, V) and the dtype exactly and on the nearest N (log scale; N counts the tokens that
 get log-probs, as the fused losses look it up). Without a table, or for a shape it
 does not hold, the defaults stand: single pass when the groups fit, Triton on CUDA, cuBLAS for the
 Triton backward's gradient GEMMs.
@@ -35,18 +37,44 @@ PACKAGED_TABLE = Path(__file__).resolve().parent / "gpu_dispatch.json"
 
 @functools.lru_cache(maxsize=4)
 def _load(path: str) -> tuple:
+    """The devices of a table file: ((device_name, capability, entries), ...). A table holds one device (a GPU
+    run's ``dispatch.json``: ``device_name``, ``capability``, ``entries``) or several (``devices``: a list of
+    those; the packaged table)."""
     try:
         data = json.loads(Path(path).read_text())
-        return tuple(data.get("entries", ()))
     except (OSError, ValueError) as exc:
         raise ValueError(f"the dispatch table {path} could not be read: {exc}") from exc
+    devices = data.get("devices", [data])
+    return tuple((d.get("device_name"), tuple(d["capability"]) if d.get("capability") else None,
+                  tuple(d.get("entries", ()))) for d in devices)
 
 
-def table_entries(table: str | None = None) -> tuple:
-    """The entries of the table ``table`` (a path; None: the packaged one), or ()."""
+def table_entries(table: str | None = None, *, device_name: str | None = None,
+                  capability: tuple[int, int] | None = None) -> tuple:
+    """The entries of the table ``table`` (a path, taken whole: the caller chose it for this device; None: the
+    packaged one, of which only the entries measured on ``device_name`` with ``capability`` count: another
+    GPU's timings are not this one's; no name given: the current CUDA device's, or, with no CUDA device, every
+    device's, for tools). () where the table has none for the device."""
     if table:
-        return _load(str(table))
-    return _load(str(PACKAGED_TABLE)) if PACKAGED_TABLE.is_file() else ()
+        return tuple(e for _, _, entries in _load(str(table)) for e in entries)
+    if not PACKAGED_TABLE.is_file():
+        return ()
+    if device_name is None:
+        device_name, capability = _current_cuda_device()
+    if device_name is None:  # no device named and none here (tools, tests on the CPU): every device's entries
+        return tuple(e for _, _, entries in _load(str(PACKAGED_TABLE)) for e in entries)
+    return tuple(e for name, cap, entries in _load(str(PACKAGED_TABLE))
+                 if name == device_name and (cap is None or capability is None or cap == tuple(capability))
+                 for e in entries)
+
+
+def _current_cuda_device() -> tuple[str | None, tuple[int, int] | None]:
+    """The current CUDA device's name and compute capability, or (None, None)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, None
+    return torch.cuda.get_device_name(), tuple(torch.cuda.get_device_capability())
 
 
 def fastest(op: str, n_tokens: int, d: int, vocab: int, among: tuple[str, ...], dtype: str | None = None,

@@ -1,13 +1,20 @@
 """The fused entries: hidden states + LM head -> a loss, never holding N x V logits.
 
-``fused_linear_pacs_loss``, ``fused_linear_grpo_loss`` and the ``PACSLoss`` module are short wrappers over
-the engine (engine.py): they build the checked batch once, take what the loss is from the objective
-(``PACS(beta=...)``, ``GRPO(clip_eps=...)``) and how to compute it from a :class:`LossOptions`, and run
-it. The engine picks the path (single pass, two passes, or PACS's one sweep given ``old_lse``) and the
-backend.
+Every entry runs the same four steps (:func:`run_loss`), the shape of Liger's fused-linear base class with
+the engine as sub-package (pacs_kernels/engine/):
 
-``old_logp=None`` means on-policy: the old log-probs are the current ones, detached (what TRL's
-GRPOTrainer does with ``num_iterations=1``); every path handles it.
+1. the checked batch: ``LossBatch.build`` checks the inputs once and selects the response tokens
+   (engine/batch.py);
+2. the objective's loss on those tokens: its own ``engine_loss`` (PACS, GRPO) or its ``__call__`` on
+   padded rows (any other, objectives/rows.py), with the capabilities it declares;
+3. the plan: one pure function of the batch's shape, the capabilities, ``LossOptions`` and the device's
+   profile (engine/plan.py, engine/device.py): path, chunks, backend, budget;
+4. the path that executes it: engine/single_pass.py, engine/two_pass.py or engine/one_sweep.py (with the
+   plan's fallback where old_lse turns out stale, or the rows loss refuses the chunks' sum).
+
+``fused_linear_objective_loss`` runs any objective; ``fused_linear_pacs_loss``, ``fused_linear_grpo_loss`` and
+``PACSLoss`` are thin wrappers with their historical argument order and return values. ``old_logp=None``
+means on-policy: the old log-probs are the current ones, detached (TRL's ``num_iterations=1``).
 
 Dtype policy, whatever autocast region the caller is in: hidden is cast to the LM head's dtype;
 the GEMMs run in that dtype (tensor cores for bf16/fp16 on CUDA), logits, softmax and gradient
@@ -16,104 +23,165 @@ accumulation in float32 (float64 for float64 inputs); gradients return in the in
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import torch
 from torch import nn
 
-from . import engine, pieces
-from .keywords import sort_keywords
+from .engine.batch import LossBatch
+from .engine.device import device_profile
+from .engine.one_sweep import run_one_sweep
+from .engine.plan import plan_loss
+from .engine.single_pass import run_single_pass
+from .engine.two_pass import run_two_pass
+from .keywords import moved_keywords
 from .loss_inputs import check_group_size
 from .objectives import GRPO, PACS
+from .objectives.rows import engine_objective
 from .options import LossOptions
+from .pieces import check_piece
 
-PACS_INPUTS = ("cu_seqlens", "bias", "group_ids", "valid", "old_lse", "return_stats", "with_entropy", "piece")
-GRPO_INPUTS = ("cu_seqlens", "bias", "ref_logp", "return_stats", "piece")
+logger = logging.getLogger("pacs_kernels")
 
 
-def fused_linear_pacs_loss(hidden, weight, targets, mask, old_logp, rewards, *, group_size: int,
-                           objective: PACS | None = None, options: LossOptions | None = None, **inputs):
-    """The PACS loss straight from final hidden states and the LM head.
+@moved_keywords("fused_linear_objective_loss")
+def fused_linear_objective_loss(hidden, weight, targets, mask, rewards, objective, *, group_size: int,
+                                options: LossOptions | None = None, old_logp=None, ref_logp=None, old_lse=None,
+                                cu_seqlens=None, bias=None, valid=None, group_ids=None, piece=None):
+    """``objective`` (see :class:`~pacs_kernels.objectives.Objective`) on the log-probs of
+    ``softmax((hidden @ weight.T + bias) / temperature)``, straight from hidden states and the LM head.
 
     Args:
-        hidden: (B, T, d) padded, or (N, d) / (1, N, d) packed with ``cu_seqlens``; the backbone's
-            final hidden states (after the last norm). Cast to weight's dtype if it differs.
-        weight: (V, d) LM-head weight (may be the tied input embedding).
-        targets: (B, T) / (N,) int: the sampled token at each position (any valid id where mask == 0).
-        mask: (B, T) / (N,) 0/1 (bool/int/float): 1 on response tokens; log-probs are computed only there.
-        old_logp: (B, T) / (N,) the rollout policy's log-probs (constant), or None: on-policy.
+        hidden: padded (B, T, d), or packed (N, d) / (1, N, d) with ``cu_seqlens`` (B + 1,); the backbone's
+            final hidden states (after the last norm), cast to weight's dtype if it differs.
+        weight: (V, d) LM head; targets: like hidden[..., 0], token ids (any valid id where mask is 0).
+        mask: like targets, 1 on response tokens. rewards: (B,), each group's ``group_size`` contiguous.
+        objective: PACS(), GRPO(), DAPO(), ... or your own callable satisfying the Objective protocol.
+        options: :class:`LossOptions` (backend, path, chunk budget, temperature, ...; None: ``LossOptions()``).
+        old_logp: laid out like targets, the rollout policy's log-probs (constant); None: on-policy.
+        ref_logp: laid out like targets, a reference model's log-probs (for a KL term); None: none.
+        old_lse: laid out like targets, the log-sum-exp of the old-policy pass (``linear_logprobs(...,
+            return_lse=True)``), ONLY while the weights are those that produced old_logp: one sweep then gives
+            the loss and its gradients (a stale one: a RuntimeWarning and the usual path).
+        cu_seqlens: (B + 1,) offsets of the packed layout. bias: (V,) LM-head bias.
+        valid: (B,) bool, PACS only: responses that count (see :func:`pacs_loss`). group_ids: (B,), PACS only:
+            checked to be contiguous groups of ``group_size``.
+        piece: these tokens are a piece of a batch whose loss is completed elsewhere (:class:`KnownGradient`,
+            :class:`GatheredLogprobs`; rewards and old_logp unused then).
+
+    Returns:
+        ``(loss, stats)``: a 0-d float32 (float64 for float64 inputs) loss, differentiable in hidden, weight and
+        bias; stats a dict of floats as the objective reports them.
+    """
+    loss, stats, engine, _ = run_loss(hidden, weight, targets, mask, old_logp, rewards, objective,
+                                      group_size=group_size, options=options, ref_logp=ref_logp, old_lse=old_lse,
+                                      cu_seqlens=cu_seqlens, bias=bias, valid=valid, group_ids=group_ids,
+                                      piece=piece)
+    return loss, engine.as_objective_stats(loss, stats) if hasattr(engine, "as_objective_stats") else stats
+
+
+def run_loss(hidden, weight, targets, mask, old_logp, rewards, objective, *, group_size, options, ref_logp=None,
+             old_lse=None, cu_seqlens=None, bias=None, valid=None, group_ids=None, piece=None,
+             with_entropy: bool = False):
+    """Batch, loss, plan, path (the module docstring) -> (loss, stats, the engine loss, the path that ran)."""
+    options = LossOptions() if options is None else options
+    if not isinstance(options, LossOptions):
+        raise TypeError(f"options must be a LossOptions, got {type(options).__name__}")
+    if piece is not None:  # a piece of a batch: its tokens' share, the loss completed elsewhere (pieces.py)
+        check_piece(piece, cu_seqlens=cu_seqlens, group_ids=group_ids, old_lse=old_lse, ref_logp=ref_logp,
+                    with_entropy=with_entropy)
+        source = piece.with_objective(objective)
+    else:
+        source = engine_objective(objective)
+    batch = LossBatch.build(hidden, weight, targets, mask, old_logp, rewards, group_size=group_size,
+                            cu_seqlens=cu_seqlens, bias=bias, ref_logp=ref_logp, old_lse=old_lse, valid=valid,
+                            group_ids=group_ids, piece=None if piece is None else piece.kind)
+    profile = device_profile(weight.device, weight.dtype, dispatch_table=options.dispatch_table)
+    engine = source.engine_loss(batch, options, with_entropy=with_entropy)
+    plan = plan_loss(batch.shape, engine.capabilities, options, profile)
+    result = None
+    if plan.path == "one_sweep":
+        result = run_one_sweep(batch, plan, engine, options)
+        plan = plan if result is not None else plan.fallback
+    if result is None and plan.path == "single_pass":
+        result = run_single_pass(batch, plan, engine, options)
+        if result is None:  # the objective couples groups through its log-probs (objectives/rows.py)
+            plan = plan.fallback
+            if plan is None:
+                raise ValueError("the objective couples groups through their log-probs and the two passes cannot "
+                                 "run with these options (a logit soft-cap on backend='triton'): use backend='torch'")
+    if result is None:
+        result = run_two_pass(batch, plan, engine, options)
+    logger.debug("fused loss: %s path, B=%d, %d response tokens%s", plan.path, batch.n_responses, batch.n_selected,
+                 f", {plan.rebuilt:.0%} of the logits built twice (groups bigger than the budget)"
+                 if plan.rebuilt else "")
+    loss, stats = result
+    return loss, stats, engine, plan.path
+
+
+@moved_keywords("fused_linear_pacs_loss", default_objective=PACS)
+def fused_linear_pacs_loss(hidden, weight, targets, mask, old_logp, rewards, *, group_size: int,
+                           objective: PACS | None = None, options: LossOptions | None = None, cu_seqlens=None,
+                           bias=None, group_ids=None, valid=None, old_lse=None, return_stats: bool = False,
+                           with_entropy: bool = False, piece=None):
+    """The PACS loss straight from final hidden states and the LM head (:func:`fused_linear_objective_loss` with
+    ``objective=PACS(...)``, the arguments in their historical order).
+
+    Args:
+        hidden, weight, targets, mask, old_logp, cu_seqlens, bias, old_lse, piece: as in
+            :func:`fused_linear_objective_loss`.
         rewards: (B,) 0/1 labels, each group's ``group_size`` responses contiguous.
-        group_size: G, responses per prompt.
         objective: ``PACS(beta=, score=, advantage=, weighting=, score_function_term=)`` (None: ``PACS()``);
             its kl_coef / entropy_coef need :func:`fused_linear_objective_loss`.
-        options: :class:`LossOptions` (backend, path, chunk budget, temperature, logit_softcap, with_entropy,
-            ...; None: ``LossOptions()``).
-        inputs: the batch's optional inputs: ``cu_seqlens`` (B + 1,) offsets of the packed layout;
-            ``bias`` (V,); ``group_ids``, ``valid`` as in :func:`pacs_loss`; ``old_lse``: the log-sum-exp
-            from the old-policy pass (``linear_logprobs(..., return_lse=True)``), ONLY while the weights
-            are still those that produced old_logp: then one sweep gives the loss and its gradients (a
-            stale one gives a RuntimeWarning and the usual path); ``return_stats``: also return a
-            :class:`PACSStats` (its ``path`` says which ran); ``with_entropy``: with return_stats, also
-            the policy's mean token entropy; ``piece``: these tokens are a piece of a batch whose loss is
-            completed elsewhere (:class:`KnownGradient`, :class:`GatheredLogprobs`; old_logp and rewards
-            are then unused, the stats a dict). A keyword that moved (``beta=``,
-            ``path=``, ...) still works, with a DeprecationWarning naming its new home.
+        options: :class:`LossOptions` (None: ``LossOptions()``).
+        group_ids, valid: as in :func:`pacs_loss`.
+        return_stats: also return a :class:`PACSStats` (its ``path`` says which ran; with ``piece``, a dict).
+        with_entropy: with return_stats, also the policy's mean token entropy.
+        A keyword that moved (``beta=``, ``path=``, ...) still works, with a DeprecationWarning naming its new home.
 
     Returns:
         0-d float32 loss (or ``(loss, PACSStats)``), differentiable in hidden, weight and bias.
         Its gradients are computed in this call on the single-pass and one-sweep paths; a second
         backward needs ``retain_graph=True`` on the first, as anywhere in autograd.
     """
-    objective, options, given = sort_keywords("fused_linear_pacs_loss", inputs, inputs=PACS_INPUTS,
-                                              objective=PACS() if objective is None else objective, options=options)
+    objective = PACS() if objective is None else objective
     check_pacs_objective(objective)
-    if given.get("piece") is not None:
-        return piece_loss(hidden, weight, targets, mask, objective, options, given, group_size=group_size)
-    batch = engine.LossBatch.build(hidden, weight, targets, mask, old_logp, rewards, group_size=group_size,
-                                   cu_seqlens=given.get("cu_seqlens"), bias=given.get("bias"))
-    return engine.run_pacs(batch, objective.group_settings(), options, valid=given.get("valid"),
-                           group_ids=given.get("group_ids"), old_lse=given.get("old_lse"),
-                           return_stats=_flag("return_stats", given.get("return_stats", False)),
-                           with_entropy=_flag("with_entropy", given.get("with_entropy", False)))
+    return_stats, with_entropy = _flag("return_stats", return_stats), _flag("with_entropy", with_entropy)
+    loss, stats, engine, path = run_loss(hidden, weight, targets, mask, old_logp, rewards, objective,
+                                         group_size=group_size, options=options, old_lse=old_lse,
+                                         cu_seqlens=cu_seqlens, bias=bias, valid=valid, group_ids=group_ids,
+                                         piece=piece, with_entropy=with_entropy and return_stats)
+    if not return_stats:
+        return loss
+    return loss, stats if piece is not None else replace(stats, path=path)
 
 
+@moved_keywords("fused_linear_grpo_loss", default_objective=GRPO)
 def fused_linear_grpo_loss(hidden, weight, targets, mask, old_logp, rewards, *, group_size: int,
-                           objective: GRPO | None = None, options: LossOptions | None = None, **inputs):
-    """``grpo_loss`` straight from hidden states and the LM head, padded (B, T, d) or packed (N, d) with
-    ``cu_seqlens`` (layouts as in :func:`fused_linear_pacs_loss`); ``old_logp=None`` means on-policy.
+                           objective: GRPO | None = None, options: LossOptions | None = None, cu_seqlens=None,
+                           bias=None, ref_logp=None, return_stats: bool = False, piece=None):
+    """``grpo_loss`` straight from hidden states and the LM head (:func:`fused_linear_objective_loss` with
+    ``objective=GRPO(...)``, the arguments in their historical order; ``old_logp=None`` means on-policy).
 
     ``objective``: ``GRPO(clip_eps=, clip_eps_high=, aggregation=, kl_coef=)`` (None: ``GRPO()``; an
-    entropy_coef needs :func:`fused_linear_objective_loss`). ``inputs``: ``cu_seqlens``, ``bias``,
-    ``ref_logp`` (for the KL term, laid out like old_logp), ``return_stats`` (-> ``(loss, GRPOStats)``), ``piece``
-    (as in :func:`fused_linear_pacs_loss`).
+    entropy_coef needs :func:`fused_linear_objective_loss`). ``ref_logp``: for the KL term, laid out like old_logp;
+    ``return_stats``: -> ``(loss, GRPOStats)``; the others as in :func:`fused_linear_objective_loss`.
     The GRPO term of a token depends only on its own log-prob once the advantages and the normaliser are
     fixed, so the single pass (the default) cuts the response tokens into chunks of the budget whatever the
     response lengths (3 matmuls); ``LossOptions(path="two_pass")`` runs ``linear_logprobs`` and autograd.
     """
-    objective, options, given = sort_keywords("fused_linear_grpo_loss", inputs, inputs=GRPO_INPUTS,
-                                              objective=GRPO() if objective is None else objective, options=options)
+    objective = GRPO() if objective is None else objective
     if not isinstance(objective, GRPO):
         raise TypeError(f"objective must be a GRPO, got {type(objective).__name__}; "
                         "other objectives run through fused_linear_objective_loss")
     if objective.entropy_coef > 0:
         raise ValueError("fused_linear_grpo_loss has no entropy bonus; GRPO(entropy_coef > 0) runs through "
                          "fused_linear_objective_loss")
-    if given.get("piece") is not None:
-        return piece_loss(hidden, weight, targets, mask, objective, options, given, group_size=group_size)
-    batch = engine.LossBatch.build(hidden, weight, targets, mask, old_logp, rewards, group_size=group_size,
-                                   cu_seqlens=given.get("cu_seqlens"), bias=given.get("bias"))
-    settings = dict(clip_eps=objective.clip_eps, clip_eps_high=objective.clip_eps_high,
-                    aggregation=objective.aggregation, kl_coef=objective.kl_coef)
-    return engine.run_grpo(batch, settings, options, ref_logp=given.get("ref_logp"),
-                           return_stats=_flag("return_stats", given.get("return_stats", False)))
-
-
-def piece_loss(hidden, weight, targets, mask, objective, options, given: dict, *, group_size: int):
-    """A piece of a batch (``piece=``, pieces.py): ``(loss, stats dict)`` with return_stats, else the loss."""
-    pieces.refuse_with_piece(given)
-    loss, stats = pieces.run_piece(hidden, weight, targets, mask, given["piece"], objective, options,
-                                   group_size=group_size, bias=given.get("bias"), valid=given.get("valid"))
-    return (loss, stats) if _flag("return_stats", given.get("return_stats", False)) else loss
+    return_stats = _flag("return_stats", return_stats)
+    loss, stats, _, _ = run_loss(hidden, weight, targets, mask, old_logp, rewards, objective, group_size=group_size,
+                                 options=options, ref_logp=ref_logp, cu_seqlens=cu_seqlens, bias=bias, piece=piece)
+    return (loss, stats) if return_stats else loss
 
 
 def check_pacs_objective(objective) -> None:
@@ -141,11 +209,13 @@ class PACSLoss(nn.Module):
         loss = loss_fn(hidden, model.lm_head.weight, targets, mask, None, rewards)   # on-policy
     """
 
-    def __init__(self, group_size: int, *, objective: PACS | None = None, options: LossOptions | None = None,
-                 **deprecated) -> None:
+    @moved_keywords("PACSLoss", default_objective=PACS)
+    def __init__(self, group_size: int, *, objective: PACS | None = None, options: LossOptions | None = None) -> None:
         super().__init__()
-        objective, options, _ = sort_keywords("PACSLoss", deprecated, inputs=(),
-                                              objective=PACS() if objective is None else objective, options=options)
+        objective = PACS() if objective is None else objective
+        options = LossOptions() if options is None else options
+        if not isinstance(options, LossOptions):
+            raise TypeError(f"PACSLoss(): options must be a LossOptions, got {type(options).__name__}")
         check_pacs_objective(objective)
         check_group_size(group_size, group_size, objective.advantage)
         self.group_size, self.objective, self.options = group_size, objective, options
@@ -181,12 +251,14 @@ class PACSLoss(nn.Module):
         return self.objective.beta
 
     def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
-                old_logp: torch.Tensor | None, rewards: torch.Tensor, **inputs):
-        """Arguments as in :func:`fused_linear_pacs_loss` (``old_logp=None``: on-policy; ``inputs``: cu_seqlens,
-        bias, group_ids, valid, old_lse, return_stats, with_entropy)."""
+                old_logp: torch.Tensor | None, rewards: torch.Tensor, *, cu_seqlens=None, bias=None, group_ids=None,
+                valid=None, old_lse=None, return_stats: bool = False, with_entropy: bool = False, piece=None):
+        """Arguments as in :func:`fused_linear_pacs_loss` (``old_logp=None``: on-policy)."""
         return fused_linear_pacs_loss(hidden, lm_head_weight, targets, mask, old_logp, rewards,
                                       group_size=self.group_size, objective=self.objective, options=self.options,
-                                      **inputs)
+                                      cu_seqlens=cu_seqlens, bias=bias, group_ids=group_ids, valid=valid,
+                                      old_lse=old_lse, return_stats=return_stats, with_entropy=with_entropy,
+                                      piece=piece)
 
     def extra_repr(self) -> str:
         return f"group_size={self.group_size}, objective={self.objective}, options={self.options}"

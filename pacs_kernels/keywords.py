@@ -45,3 +45,38 @@ def _spelled(values: dict) -> str:
 def _warn(function: str, values: dict, new_home: str) -> None:
     warnings.warn(f"{function}({', '.join(f'{k}=...' for k in values)}) is deprecated: pass {new_home}",
                   DeprecationWarning, stacklevel=4)
+
+
+def moved_keywords(function: str, *, default_objective=None):
+    """Decorator: ``function``'s keywords that moved to ``options=LossOptions(...)`` or to its objective (``beta=``,
+    ``path=``, ``temperature=``, ...) still work, with a DeprecationWarning naming their new home. The decorated
+    function's signature (``inspect.signature``) is its own: every input an explicit parameter; only a moved
+    keyword is caught here, anything else unknown is a TypeError naming it."""
+    import functools
+    import inspect
+
+    def wrap(fn):
+        signature = inspect.signature(fn)
+        names = set(signature.parameters)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **keywords):
+            moved = {k: v for k, v in keywords.items() if k not in names}
+            if not moved:
+                return fn(*args, **keywords)
+            bound = signature.bind_partial(*args, **{k: v for k, v in keywords.items() if k in names})
+            objective = bound.arguments.get("objective")
+            if objective is None and default_objective is not None:
+                objective = default_objective()
+            objective_fields = objective if objective is not None and hasattr(objective, "__dataclass_fields__") \
+                else None
+            objective, options, _ = sort_keywords(function, moved, inputs=(), objective=objective_fields,
+                                                  options=bound.arguments.get("options"))
+            bound.arguments["options"] = options
+            if objective is not None:
+                bound.arguments["objective"] = objective
+            return fn(*bound.args, **bound.kwargs)
+
+        return wrapper
+
+    return wrap

@@ -25,7 +25,10 @@ from .forward_grads import scaled_saved_grads
 from .logprobs import Kernels, LogprobOptions, check_softcap, resolve_backend
 
 
-class _KnownGradSweep(torch.autograd.Function):
+class KnownGradSweep(torch.autograd.Function):
+    """The sweep on checked (N, d) / (N,) inputs with a resolved backend: -> (sum g logp, logp). The engine's
+    one sweep (engine/one_sweep.py) calls it on a checked batch; ``linear_logprobs_known_grad`` checks first."""
+
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, grad_logp, lse, temperature, backend, softcap):
         cdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
@@ -91,7 +94,7 @@ def linear_logprobs_known_grad(
     check_targets_in_range(targets, weight.shape[0])
     width = weight.shape[1]
     cdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    surrogate, logp = _KnownGradSweep.apply(
+    surrogate, logp = KnownGradSweep.apply(
         hidden.reshape(-1, width), weight, bias.contiguous() if bias is not None else None,
         targets.reshape(-1).contiguous(), grad_logp.reshape(-1).to(cdt).contiguous(),
         lse.reshape(-1).to(cdt).contiguous(), temperature, backend, logit_softcap)

@@ -133,7 +133,11 @@ class Kernels:
                                   needs=needs, logp_out=logp_out, softcap=options.softcap, **extra)
 
 
-class _LinearLogprobs(torch.autograd.Function):
+class LinearLogprobs(torch.autograd.Function):
+    """Log-probs (and entropy, lse) of checked (N, d) / (N,) inputs with one backend's kernels. The engine's two
+    passes (engine/two_pass.py) call it on a checked batch with a planned backend; ``linear_logprobs`` checks
+    and resolves first."""
+
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, kernels, with_entropy, options):
         logp, entropy, lse = kernels.forward(hidden, weight, targets, bias, temperature, with_entropy, options)
@@ -239,7 +243,7 @@ def linear_logprobs(
                 if logit_softcap is not None:
                     logits = logit_softcap * torch.tanh(logits / logit_softcap)
                 outputs.append(torch.logsumexp(logits / temperature, -1))
-        return _nan_where_not_finite(hidden, outputs)
+        return nan_where_not_finite(hidden, outputs)
 
     hidden_2d = hidden.reshape(-1, width)
     targets_1d = targets.reshape(-1)
@@ -254,7 +258,7 @@ def linear_logprobs(
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     if needs_grad:
-        logp, entropy, lse = _LinearLogprobs.apply(
+        logp, entropy, lse = LinearLogprobs.apply(
             hidden_2d, weight, bias, targets_1d, temperature, kernels, return_entropy, options)
     else:  # old-policy / reference log-probs: save nothing
         logp, entropy, lse = kernels.forward(hidden_2d, weight, targets_1d, bias, temperature, return_entropy,
@@ -267,10 +271,10 @@ def linear_logprobs(
         outputs.append(entropy.reshape(lead_shape))
     if return_lse:
         outputs.append(result_dtype(lse.detach()).reshape(lead_shape))
-    return _nan_where_not_finite(hidden, outputs)
+    return nan_where_not_finite(hidden, outputs)
 
 
-def _nan_where_not_finite(hidden: torch.Tensor, outputs: list[torch.Tensor]):
+def nan_where_not_finite(hidden: torch.Tensor, outputs: list[torch.Tensor]):
     """NaN in every output of a token whose hidden state holds an inf or a NaN (see linear_logprobs), the
     outputs as linear_logprobs returns them. One reduction over ``hidden``, no (N, d) temporary, no sync."""
     with torch.no_grad():

@@ -29,17 +29,8 @@ from typing import Callable
 
 import torch
 
-from .checks import FLOAT_DTYPES, check_linear_inputs, check_same_device, check_tensor
-from .engine import logprob_drift, stale_lse_tolerance
-from .grpo import grpo_loss
-from .known_grad import linear_logprobs_known_grad
-from .logprobs import linear_logprobs
-from .loss import pacs_loss
-from .loss_inputs import MASK_DTYPES, check_mask_values
-from .objectives.grpo import GRPO
-from .objectives.pacs import PACS
-from .options import LossOptions
-from .token_selection import match_head_dtype
+from .checks import FLOAT_DTYPES, check_tensor
+from .objectives.protocol import Capabilities
 
 
 @dataclass(frozen=True)
@@ -60,6 +51,11 @@ class KnownGradient:
     expected_logp: torch.Tensor | None = None
     agree: Callable[[torch.Tensor], torch.Tensor] | None = None
 
+    kind = "known_gradient"
+
+    def with_objective(self, objective) -> "PieceLoss":
+        return PieceLoss(self, objective)
+
 
 @dataclass(frozen=True)
 class GatheredLogprobs:
@@ -73,90 +69,96 @@ class GatheredLogprobs:
     mask: torch.Tensor
     rewards: torch.Tensor
 
+    kind = "gathered_logprobs"
+
+    def with_objective(self, objective) -> "PieceLoss":
+        return PieceLoss(self, objective)
+
 
 PIECES = (KnownGradient, GatheredLogprobs)
 
 
 def group_loss_on_rows(objective, logp, old_logp, rewards, mask, *, group_size: int, valid=None):
-    """The objective's loss on (B, T) log-prob rows -> ``(loss, stats dict)``: PACS through ``pacs_loss``
-    (which takes ``valid``), GRPO through ``grpo_loss`` (their statistics, as the fused entries report
-    them), any other objective as it is."""
-    if isinstance(objective, PACS):
-        loss, stats = pacs_loss(logp, old_logp, rewards, mask, group_size=group_size, **objective.group_settings(),
-                                return_stats=True, backend="torch", valid=valid)
-        return loss, stats.as_dict()
+    """The objective's loss on (B, T) log-prob rows -> ``(loss, stats dict)``: through its ``loss_on_rows``
+    where it has one (PACS: ``pacs_loss``, which takes ``valid``; GRPO: ``grpo_loss``; their statistics, as the
+    fused entries report them), else as it is."""
+    own = getattr(objective, "loss_on_rows", None)
+    if own is not None:
+        return own(logp, old_logp, rewards, mask, group_size=group_size, valid=valid)
     if valid is not None:
         raise ValueError(f"valid= is a PACS input; {type(objective).__name__} takes no validity mask")
-    if isinstance(objective, GRPO) and objective.entropy_coef == 0:
-        loss, stats = grpo_loss(logp, old_logp, rewards, mask, group_size=group_size, clip_eps=objective.clip_eps,
-                                clip_eps_high=objective.clip_eps_high, aggregation=objective.aggregation,
-                                kl_coef=objective.kl_coef, return_stats=True)
-        return loss, stats.as_dict()
     return objective(logp, old_logp, rewards, mask, group_size=group_size)
 
 
-def refuse_with_piece(given: dict) -> None:
-    """The fused entries' inputs that a piece has no use for, refused by name (a piece is selected by its mask
-    and its loss is completed on the whole batch)."""
-    for name in ("cu_seqlens", "group_ids", "old_lse", "ref_logp"):
-        if given.get(name) is not None:
-            raise ValueError(f"{name}= cannot go with piece=: a piece is selected by its mask and its loss is "
-                             "completed on the whole batch")
-    if given.get("with_entropy"):
-        raise ValueError("with_entropy=True cannot go with piece=")
-
-
-def run_piece(hidden, weight, targets, mask, piece, objective, options: LossOptions, *, group_size: int, bias=None,
-              valid=None):
-    """The loss of a piece of a batch (``piece``: a :class:`KnownGradient` or :class:`GatheredLogprobs`) ->
-    ``(loss, stats dict)``; ``hidden`` in any layout (padded rows, packed tokens), ``mask`` selecting its
-    response tokens; ``group_size``, ``valid``: of the whole batch's rows (the gathered route)."""
+def check_piece(piece, *, token_shape: tuple | None = None, **refused) -> None:
+    """A piece of a batch: a :class:`KnownGradient` or a :class:`GatheredLogprobs`; the fused entries' inputs it
+    has no use for (``refused``: cu_seqlens, group_ids, old_lse, ref_logp, with_entropy) refused by name (a piece
+    is selected by its mask and its loss is completed on the whole batch); with ``token_shape``, a known
+    gradient's per-token tensors laid out like targets."""
     if not isinstance(piece, PIECES):
         raise TypeError(f"piece must be a KnownGradient or a GatheredLogprobs, got {type(piece).__name__}")
-    if not isinstance(options, LossOptions):
-        raise TypeError(f"options must be a LossOptions, got {type(options).__name__}")
-    check_tensor("mask", mask, dtypes=MASK_DTYPES)
-    hidden = match_head_dtype(hidden, weight)
-    if tuple(mask.shape) != tuple(hidden.shape[:-1]) or tuple(targets.shape) != tuple(mask.shape):
-        raise ValueError(f"mask and targets must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, got "
-                         f"{tuple(mask.shape)} and {tuple(targets.shape)}")
-    check_same_device(hidden=hidden, targets=targets, mask=mask)
-    selected = check_mask_values(mask)  # 0/1 only, as on every other route (0.5 was read as 1)
-    tokens_h, tokens_y = hidden[selected], targets[selected]
-    check_linear_inputs(tokens_h, weight, tokens_y, bias)
-    # no token here: the torch backend's empty call still connects the loss to hidden (its backward runs)
-    backend = options.backend if bool(selected.any()) else "torch"
-    head = dict(temperature=options.temperature, bias=bias, backend=backend, logit_softcap=options.logit_softcap)
-    if isinstance(piece, KnownGradient):
-        return _known_gradient(piece, tokens_h, weight, tokens_y, selected, head)
-    # the user's budget bounds the torch backend's logits chunk here too (4 bytes a logit)
-    chunk_elements = options.chunk_elements
-    if chunk_elements is None and options.chunk_budget_mib is not None:
-        chunk_elements = max(1, int(options.chunk_budget_mib * 2**20) // 4)
-    logp = linear_logprobs(tokens_h, weight, tokens_y, chunk_elements=chunk_elements, **head)
-    rows = piece.gather(logp)
-    return group_loss_on_rows(objective, rows, piece.old_logp, piece.rewards, piece.mask, group_size=group_size,
-                              valid=valid)
-
-
-def _known_gradient(piece: KnownGradient, hidden, weight, targets, selected, head):
+    for name, value in refused.items():
+        if name == "with_entropy" and value:
+            raise ValueError("with_entropy=True cannot go with piece=")
+        if name != "with_entropy" and value is not None:
+            raise ValueError(f"{name}= cannot go with piece=: a piece is selected by its mask and its loss is "
+                             "completed on the whole batch")
+    if token_shape is None or not isinstance(piece, KnownGradient):
+        return
     for name in ("grad_logp", "lse", "expected_logp"):
         value = getattr(piece, name)
         if value is None:
             continue
         check_tensor(f"piece.{name}", value, dtypes=FLOAT_DTYPES)
-        if tuple(value.shape) != tuple(selected.shape):
-            raise ValueError(f"piece.{name} must be laid out like targets {tuple(selected.shape)}, "
+        if tuple(value.shape) != tuple(token_shape):
+            raise ValueError(f"piece.{name} must be laid out like targets {tuple(token_shape)}, "
                              f"got {tuple(value.shape)}")
-    surrogate, logp = linear_logprobs_known_grad(hidden, weight, targets, piece.grad_logp[selected],
-                                                 piece.lse[selected], **head)
-    if piece.expected_logp is not None:
-        drift = logprob_drift(logp, piece.expected_logp[selected])
-        if piece.agree is not None:
-            drift = piece.agree(drift)
-        if not float(drift) <= stale_lse_tolerance(weight.dtype):
-            raise RuntimeError(
-                f"the one sweep's log-probs differ from the ones the loss's gradient was computed at by up to "
-                f"{float(drift):.3g} x (1 + |logp|), more than rounding: the weights changed since then")
-    value = torch.as_tensor(piece.loss, dtype=surrogate.dtype, device=surrogate.device).detach()
-    return value + (surrogate - surrogate.detach()), dict(piece.stats)
+
+
+class PieceLoss:
+    """A piece with the objective its batch's loss is completed with, as the engine takes a loss
+    (objectives/protocol.py): ``engine_loss(batch, options)`` -> the piece's share on the engine's tokens."""
+
+    def __init__(self, piece, objective) -> None:
+        self.piece, self.objective = piece, objective
+
+    def engine_loss(self, batch, options, *, with_entropy: bool = False):
+        check_piece(self.piece, token_shape=batch.token_shape)
+        if isinstance(self.piece, KnownGradient):
+            return KnownGradientTokens(self.piece, batch)
+        return GatheredTokens(self.piece, self.objective, batch)
+
+
+class KnownGradientTokens:
+    """A :class:`KnownGradient` piece on its selected tokens: the one sweep with the given gradient (the engine's
+    one_sweep.py); a stale sweep is an error (the weights moved since the gradient was computed)."""
+
+    capabilities = Capabilities(chunking="batch", uses_entropy=False, one_sweep=True)
+    with_entropy = False
+    strict = True
+
+    def __init__(self, piece: KnownGradient, batch) -> None:
+        self.piece, self.batch = piece, batch
+
+    def known_gradient(self):
+        """-> (loss value, g (N_sel,), lse (N_sel,), the log-probs g was computed at or None, agree, stats)."""
+        batch, piece = self.batch, self.piece
+        expected = None if piece.expected_logp is None else batch.per_token(piece.expected_logp)
+        return (piece.loss, batch.per_token(piece.grad_logp), batch.per_token(piece.lse), expected, piece.agree,
+                dict(piece.stats))
+
+
+class GatheredTokens:
+    """A :class:`GatheredLogprobs` piece on its selected tokens: their log-probs (two passes' first, differentiable)
+    gathered into the whole batch's rows, where the objective's loss is evaluated -> ``(loss, stats dict)``."""
+
+    capabilities = Capabilities(chunking="batch", uses_entropy=False, one_sweep=False)
+    with_entropy = False
+
+    def __init__(self, piece: GatheredLogprobs, objective, batch) -> None:
+        self.piece, self.objective, self.batch = piece, objective, batch
+
+    def two_pass_result(self, logp, entropy):
+        rows = self.piece.gather(logp)
+        return group_loss_on_rows(self.objective, rows, self.piece.old_logp, self.piece.rewards, self.piece.mask,
+                                  group_size=self.batch.group_size, valid=self.batch.valid)

@@ -8,16 +8,11 @@ import torch
 from test_fused_loss import grads_of, make_batch, naive_loss
 
 from pacs_kernels import GRPO, PACS, LossOptions, fused_linear_pacs_loss
-from pacs_kernels import single_pass as single_pass_module
+from pacs_kernels.engine import plan as plan_module
+from pacs_kernels.engine import single_pass as single_pass_module
+from pacs_kernels.engine.plan import MAX_STRIP_ROWS, STRIP_SHARE, Chunk, budget_mib_for_tokens, tile_memory
+from pacs_kernels.engine.single_pass import single_pass
 from pacs_kernels.reference import naive_linear_logprobs
-from pacs_kernels.single_pass import (
-    MAX_STRIP_ROWS,
-    STRIP_SHARE,
-    Chunk,
-    budget_mib_for_tokens,
-    single_pass,
-    tile_memory,
-)
 
 
 def needs_interpreter():
@@ -121,7 +116,8 @@ def test_fused_pacs_loss_with_gpu_style_tiles(monkeypatch, budget_groups):
     tile_memory), here with the interpreter: the budget of one group, and a third of one (each group
     in tiles, all but the last rebuilt), against float64 naive logits + the reference loss."""
     needs_interpreter()
-    monkeypatch.setattr(single_pass_module, "tile_dtype_for", lambda device, dtype, rows: torch.bfloat16)
+    for module in (plan_module, single_pass_module):  # the plan's tile memory and the rows' tiles
+        monkeypatch.setattr(module, "tile_dtype_for", lambda device, dtype, rows: torch.bfloat16)
     seen = []
 
     class RecordingRows(single_pass_module.TritonRows):
@@ -194,7 +190,8 @@ def test_fused_grpo_loss_with_gpu_style_tiles(monkeypatch):
     from pacs_kernels import fused_linear_grpo_loss
     from pacs_kernels.reference import reference_grpo_loss
 
-    monkeypatch.setattr(single_pass_module, "tile_dtype_for", lambda device, dtype, rows: torch.bfloat16)
+    for module in (plan_module, single_pass_module):  # the plan's tile memory and the rows' tiles
+        monkeypatch.setattr(module, "tile_dtype_for", lambda device, dtype, rows: torch.bfloat16)
     hidden, weight, _, targets, mask, old, rewards = make_batch(n_groups=2, seed=34)
     settings = dict(clip_eps=0.1, clip_eps_high=0.3, kl_coef=0.05)
     ref_lp = old + 0.1

@@ -10,7 +10,25 @@ import torch
 from benchmarks import dispatch_table
 from pacs_kernels import dispatch
 from pacs_kernels.logprobs import resolve_backend
-from pacs_kernels.path_choice import measured_rebuild_faster, measured_two_pass_faster
+from pacs_kernels.engine.batch import BatchShape
+from pacs_kernels.engine.device import DEFAULT_COSTS, DeviceProfile, device_profile
+from pacs_kernels.engine.plan import measured_faster
+
+
+def _profile(device: str, dtype=torch.bfloat16):
+    """A device profile holding the (patched) packaged table's entries, as device_profile builds one on a GPU."""
+    return DeviceProfile(torch.device(device), dtype, "NVIDIA H200", (9, 0), DEFAULT_COSTS["cuda"], False,
+                         dispatch.table_entries(device_name="NVIDIA H200", capability=(9, 0)), 0.0)
+
+
+def measured_two_pass_faster(device, n_tokens, d, vocab, dtype=torch.bfloat16):
+    shape = BatchShape((n_tokens,), n_tokens, d, vocab, dtype, torch.device(device).type, 1)
+    return measured_faster(_profile(device, dtype), shape, ("single_pass", "triton"))
+
+
+def measured_rebuild_faster(device, n_tokens, d, vocab, dtype=torch.bfloat16):
+    shape = BatchShape((n_tokens,), n_tokens, d, vocab, dtype, torch.device(device).type, 1)
+    return measured_faster(_profile(device, dtype), shape, ("triton", "single_pass_lowmem"))
 
 
 def _row(op, impl, n, ms, status="ok"):
@@ -140,7 +158,7 @@ def test_unreadable_table_is_a_clear_error(tmp_path):
 def test_the_library_reads_no_environment_variable_for_dispatch(monkeypatch, tmp_path):
     """The benchmarks' PACS_BENCH_DISPATCH_TABLE (and the old names) decide nothing in pacs_kernels: only the
     options do; no module of the package reads os.environ except for Triton's own TRITON_INTERPRET and, in
-    path_choice.py, where the calibration cache lives and whether it is kept on disk (never which path)."""
+    engine/device.py, where a calibrated device profile is stored (never which path)."""
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     for name in ("PACS_DISPATCH_TABLE", "PACS_BENCH_DISPATCH_TABLE", "PACS_GRAD_GEMMS"):
@@ -152,8 +170,8 @@ def test_the_library_reads_no_environment_variable_for_dispatch(monkeypatch, tmp
         for line in path.read_text().splitlines():
             if "os.environ" in line or "getenv" in line:
                 allowed = ["TRITON_INTERPRET"]
-                if path.name == "path_choice.py":
-                    allowed += ["XDG_CACHE_HOME", "NO_DISK_CACHE_ENV"]
+                if path.name == "device.py":
+                    allowed += ["XDG_CACHE_HOME", "PROFILE_DIR_ENV"]
                 assert any(name in line for name in allowed), f"{path.name}: {line.strip()}"
 
 
@@ -173,7 +191,7 @@ def test_groups_larger_than_the_budget_go_two_pass_only_onto_triton_log_prob_ker
     """path="auto" with a group bigger than the chunk budget: two passes where they would run the Triton
     log-prob kernels (CUDA, 16-bit weights), the rebuilding single pass elsewhere (CPU, torch, and float32
     on CUDA, whose two passes would be cuBLAS + eager work)."""
-    from pacs_kernels.engine import two_pass_runs_triton
+    from pacs_kernels.engine.plan import two_pass_runs_triton
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert two_pass_runs_triton("auto", cuda, torch.bfloat16)
@@ -191,7 +209,7 @@ def test_the_committed_gpu_table_is_the_h200_run_and_ships_with_the_package():
     wheel's package data; at Qwen2.5-7B's head in bfloat16 it keeps the single pass, rebuilds groups larger than the
     budget rather than run two passes, and gives the Triton backward's gradient GEMMs to cuBLAS (all measured)."""
     data = json.loads(dispatch.PACKAGED_TABLE.read_text())
-    assert data["device_name"] == "NVIDIA H200"
+    assert [(d["device_name"], d["capability"]) for d in data["devices"]] == [("NVIDIA H200", [9, 0])]
     dispatch._load.cache_clear()
     try:
         assert dispatch.table_entries()  # read from the package directory when no table is named
@@ -204,3 +222,16 @@ def test_the_committed_gpu_table_is_the_h200_run_and_ships_with_the_package():
         dispatch._load.cache_clear()
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert 'pacs_kernels = ["gpu_dispatch.json"]' in pyproject
+
+
+def test_the_packaged_table_is_keyed_by_device_name_and_capability():
+    """Another GPU, even of the same compute capability, uses none of the H200's measurements (the cost model's
+    defaults for its class decide); the H200 gets its own; a CPU profile holds no table."""
+    dispatch._load.cache_clear()
+    try:
+        assert dispatch.table_entries(device_name="NVIDIA H200", capability=(9, 0))
+        assert dispatch.table_entries(device_name="NVIDIA H100 80GB HBM3", capability=(9, 0)) == ()
+        assert dispatch.table_entries(device_name="NVIDIA H200", capability=(8, 0)) == ()
+        assert device_profile(torch.device("cpu"), torch.float32).table == ()
+    finally:
+        dispatch._load.cache_clear()

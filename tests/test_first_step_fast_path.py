@@ -92,7 +92,7 @@ def test_the_one_sweep_tolerates_rounding_not_moved_weights(dtype, tolerance):
     """Log-probs within the dtype's rounding of old_logp stay on the one sweep; one token beyond it sends
     the call to the usual path. 16-bit passes of one weight state differ by 1e-2 and more between batch
     compositions, so their tolerance is wider; each token is measured against 1 + |its old_logp|."""
-    from pacs_kernels.engine import stale_lse_tolerance
+    from pacs_kernels.engine.one_sweep import stale_lse_tolerance
 
     assert stale_lse_tolerance(dtype) == tolerance
     hidden, weight, _, targets, mask, rewards = _batch(seed=5)

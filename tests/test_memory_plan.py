@@ -60,14 +60,14 @@ def inputs(**kw):
 
 def test_default_loss_chunk_is_the_kernels_default():
     from pacs.train.memory_plan import DEFAULT_LOSS_CHUNK_MIB
-    from pacs_kernels.single_pass import DEFAULT_CHUNK_BUDGET_MIB
+    from pacs_kernels.engine.plan import DEFAULT_CHUNK_BUDGET_MIB
 
     assert DEFAULT_LOSS_CHUNK_MIB == DEFAULT_CHUNK_BUDGET_MIB
 
 
 def test_raised_loss_chunk_share_is_the_kernels():
     from pacs.train.memory_plan import RAISED_LOSS_CHUNK_SHARE
-    from pacs_kernels.path_choice import RAISED_BUDGET_SHARE
+    from pacs_kernels.engine.device import RAISED_BUDGET_SHARE
 
     assert RAISED_LOSS_CHUNK_SHARE == RAISED_BUDGET_SHARE
 

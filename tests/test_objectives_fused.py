@@ -9,8 +9,10 @@ import pytest
 import torch
 from seeds import stable_seed
 
-from pacs_kernels import LossOptions, engine
-from pacs_kernels.objectives import CISPO, DAPO, GRPO, GSPO, PACS, DrGRPO, fused_linear_objective_loss
+from pacs_kernels import LossOptions
+from pacs_kernels import fused as fused_module
+from pacs_kernels import fused_linear_objective_loss
+from pacs_kernels.objectives import CISPO, DAPO, GRPO, GSPO, PACS, DrGRPO
 from pacs_kernels.objectives.cispo import reference_cispo_loss
 from pacs_kernels.objectives.dapo import reference_dapo_loss
 from pacs_kernels.objectives.dr_grpo import reference_dr_grpo_loss
@@ -18,7 +20,7 @@ from pacs_kernels.objectives.grpo import reference_grpo_objective
 from pacs_kernels.objectives.gspo import reference_gspo_loss
 from pacs_kernels.objectives.pacs import reference_pacs_objective
 from pacs_kernels.reference import naive_linear_logprobs
-from pacs_kernels.single_pass import budget_mib_for_tokens
+from pacs_kernels.engine.plan import budget_mib_for_tokens
 
 B, T, D, V, G = 8, 6, 13, 37, 4
 TEMPERATURE = 0.8
@@ -107,16 +109,16 @@ def one_group_budget(data):
 
 @pytest.fixture
 def paths_run(monkeypatch):
-    """The paths the engine chose (engine.choose_path), in call order."""
+    """The paths the engine planned (engine/plan.py's plan_loss, as the fused entries call it), in call order."""
     chosen = []
-    original = engine.choose_path
+    original = fused_module.plan_loss
 
     def spy(*args, **kwargs):
-        choice = original(*args, **kwargs)
-        chosen.append(choice.name)
-        return choice
+        plan = original(*args, **kwargs)
+        chosen.append(plan.path)
+        return plan
 
-    monkeypatch.setattr(engine, "choose_path", spy)
+    monkeypatch.setattr(fused_module, "plan_loss", spy)
     return chosen
 
 

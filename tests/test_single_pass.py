@@ -22,8 +22,7 @@ from pacs_kernels import (
     linear_logprobs,
 )
 from pacs_kernels.reference import naive_linear_logprobs, reference_grpo_loss, reference_pacs_loss
-from pacs_kernels.single_pass import (
-    TINY_GRAD,
+from pacs_kernels.engine.plan import (
     Chunk,
     default_chunk_budget_mib,
     plan_group_chunks,
@@ -31,6 +30,7 @@ from pacs_kernels.single_pass import (
     plan_token_chunks,
     recomputed_fraction,
 )
+from pacs_kernels.engine.single_pass import TINY_GRAD
 
 SCORES = ("log_ratio", "mean_logp")
 ADVANTAGES = ("rloo", "grpo", "naive")
@@ -534,10 +534,10 @@ def test_an_upstream_gradient_scales_the_gradients_computed_in_the_forward(path)
 def test_a_table_that_measured_two_passes_faster_does_not_send_a_softcap_there(monkeypatch):
     """Where the GPU dispatch table measured the Triton two passes faster (here faked on the CPU), "auto" takes
     them, but not with a soft-cap, which they cannot apply: the single pass runs instead of a refusal."""
-    from pacs_kernels import path_choice
+    from pacs_kernels.engine import plan
 
     hidden, weight, _, targets, mask, old, rewards = make_batch(seed=8)
-    monkeypatch.setattr(path_choice, "measured_two_pass_faster", lambda *args, **kwargs: True)
+    monkeypatch.setattr(plan, "measured_faster", lambda profile, shape, among: among == ("single_pass", "triton"))
     _, stats = fused_linear_pacs_loss(hidden, weight, targets, mask, old, rewards, group_size=4,
                                       options=LossOptions(backend="triton"), return_stats=True)
     assert stats.path == "two_pass"

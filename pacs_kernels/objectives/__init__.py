@@ -2,17 +2,17 @@
 
 Each objective is a frozen dataclass of its hyperparameters, called as
 ``loss, stats = objective(logp, old_logp, rewards, mask, group_size=G, ref_logp=None, entropy=None)``
-(the :class:`Objective` protocol); :func:`fused_linear_objective_loss` runs any of them, or your own,
+(the :class:`Objective` protocol); :func:`pacs_kernels.fused_linear_objective_loss` runs any of them, or your own,
 straight from hidden states and the LM head.
 """
 
 from .cispo import CISPO
 from .dapo import DAPO
 from .dr_grpo import DrGRPO
-from .fused import fused_linear_objective_loss
 from .grpo import GRPO
 from .gspo import GSPO
 from .pacs import PACS
-from .protocol import Objective
+from .protocol import Capabilities, Objective
 
-__all__ = ["Objective", "fused_linear_objective_loss", "GRPO", "DAPO", "DrGRPO", "GSPO", "CISPO", "PACS"]
+__all__ = ["Objective", "Capabilities", "GRPO", "DAPO", "DrGRPO", "GSPO", "CISPO", "PACS"]
+

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_choice
-from ..loss import pacs_loss
-from ..loss_inputs import ADVANTAGES, LOSS_BACKENDS, SCORES, WEIGHTINGS, check_beta
+from ..loss import check_group_inputs, compute_stats, pacs_group_loss, pacs_loss, pacs_loss_on_layout
+from ..loss_inputs import ADVANTAGES, LOSS_BACKENDS, SCORES, WEIGHTINGS, ResponseLayout, check_beta, check_nonempty_responses
 from ..reference import reference_pacs_loss
+from .protocol import Capabilities
+from .rows import RowsLoss
 from .regularizers import RegularizedObjective, add_regularizers, as_floats, reference_regularizer_terms, token_mean
 
 
@@ -47,6 +49,33 @@ class PACS(RegularizedObjective):
         return dict(beta=self.beta, score=self.score, advantage=self.advantage, weighting=self.weighting,
                     score_function_term=self.score_function_term)
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """Group-coupled (a response's score enters its group's advantages): chunks of whole groups; a function
+        of the log-probs alone without the entropy bonus: the one sweep from the rollout's log-sum-exp."""
+        return Capabilities(chunking="groups" if self.is_plain() else "batch", uses_entropy=self.uses_entropy,
+                            one_sweep=not self.uses_entropy)
+
+    def is_plain(self) -> bool:
+        """No KL or entropy term: the engine runs the PACS loss of loss.py on its own layout (PACSTokens)."""
+        return self.kl_coef == 0 and self.entropy_coef == 0
+
+    def engine_loss(self, batch, options, *, with_entropy: bool = False):
+        """The loss on the engine's selected tokens (see objectives/protocol.py): PACS's own, or, with a KL or
+        entropy term, this objective on padded rows like any other (rows.py)."""
+        if not self.is_plain():
+            return RowsLoss(self, batch, options)
+        return PACSTokens(self, batch, options, with_entropy=with_entropy)
+
+    def loss_on_rows(self, logp, old_logp, rewards, mask, *, group_size: int, valid=None):
+        """``pacs_loss`` on (B, T) rows (it takes ``valid``) -> ``(loss, PACSStats as a dict)``: the statistics the
+        fused PACS entry reports (a piece's gathered rows, pieces.py)."""
+        loss, stats = pacs_loss(logp, old_logp, rewards, mask, group_size=group_size, **self.group_settings(),
+                                return_stats=True, backend="torch", valid=valid)
+        if self.kl_coef > 0 or self.entropy_coef > 0:
+            raise ValueError("PACS(kl_coef=, entropy_coef=) needs ref_logp / entropy rows: not on gathered pieces")
+        return loss, stats.as_dict()
+
     def __call__(self, logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None):
         batch = self.checked(logp, old_logp, rewards, mask, group_size, ref_logp, entropy)
         loss, stats = pacs_loss(batch.logp, batch.old_logp, rewards, batch.mask, group_size=group_size,
@@ -58,6 +87,65 @@ class PACS(RegularizedObjective):
         stats = stats.as_dict()
         stats.pop("entropy_mean")  # pacs_loss has no entropy; the regularizers' is the one
         return loss, as_floats({**stats, **extra, "loss": loss.detach()})
+
+
+class PACSTokens:
+    """PACS on the engine's selected tokens (a LossBatch: packed, whole responses in order): each path's share of
+    the work (protocol.py's engine losses). Results are ``(loss, PACSStats)``."""
+
+    def __init__(self, objective: PACS, batch, options, *, with_entropy: bool = False) -> None:
+        self.capabilities = objective.capabilities
+        self.settings = dict(group_size=batch.group_size, **objective.group_settings())
+        self.backend = "torch" if options.backend == "naive" else options.backend  # the group loss's kernels
+        rewards, valid, beta = check_group_inputs(
+            batch.rewards, batch.valid, batch.layout, batch.hidden.device, group_size=batch.group_size,
+            beta=objective.beta, advantage=objective.advantage, weighting=objective.weighting,
+            score_function_term=objective.score_function_term, group_ids=batch.group_ids)
+        if objective.score == "mean_logp":
+            check_nonempty_responses(batch.counts, "score='mean_logp' (it divides by the response length)")
+        self.settings["beta"] = beta
+        self.rewards, self.valid, self.batch, self.with_entropy = rewards, valid, batch, with_entropy
+
+    def _old(self, logp, t0: int, t1: int):
+        old = self.batch.old_logp
+        return logp.detach() if old is None else old[t0:t1].detach()
+
+    def chunk_loss(self, logp, chunk):
+        """A chunk of whole groups' share: their loss over the whole batch's B."""
+        r0, r1, counts = chunk.r0, chunk.r1, self.batch.counts
+        full = torch.ones_like(logp, dtype=torch.bool)
+        return pacs_group_loss(logp, self._old(logp, chunk.tok0, chunk.tok1), full, counts[r0:r1],
+                               self.rewards[r0:r1], ResponseLayout.from_counts(counts[r0:r1]),
+                               valid=None if self.valid is None else self.valid[r0:r1],
+                               n_total=self.batch.n_responses, **self.settings)
+
+    def single_pass_result(self, loss, extras, logp, entropy):
+        per_response = tuple(torch.cat([extra[k] for extra in extras]) for k in range(4))
+        return loss, self._stats(loss, per_response, entropy)
+
+    def two_pass_result(self, logp, entropy):
+        full_mask = torch.ones_like(logp, dtype=torch.bool)
+        return pacs_loss_on_layout(logp, self._old(logp, 0, logp.shape[0]), full_mask, self.rewards,
+                                   self.batch.layout, return_stats=True, group_ids=None, backend=self.backend,
+                                   counts=self.batch.counts, mask_is_full=True, valid=self.valid,
+                                   entropy=None if entropy is None else entropy.detach(), **self.settings)
+
+    def first_step(self, at_old):
+        """The loss at logp = old_logp (``at_old``, a leaf) -> (loss, its stats)."""
+        full_mask = torch.ones_like(at_old, dtype=torch.bool)
+        loss, per_response = pacs_group_loss(at_old, self.batch.old_logp.detach(), full_mask, self.batch.counts,
+                                             self.rewards, self.batch.layout, valid=self.valid, **self.settings)
+        return loss, lambda total: self._stats(total, per_response, None)
+
+    def _stats(self, loss, per_response, entropy):
+        return compute_stats(loss, per_response, self.rewards, self.batch.group_size,
+                             advantage=self.settings["advantage"], valid=self.valid, entropy=entropy)
+
+    def as_objective_stats(self, loss, stats) -> dict:
+        """The stats dict PACS's ``__call__`` returns (fused_linear_objective_loss)."""
+        values = stats.as_dict()
+        values.pop("entropy_mean", None)
+        return {**values, "kl_mean": float("nan"), "entropy_mean": float("nan"), "loss": float(loss.detach())}
 
 
 def reference_pacs_objective(objective: PACS, logp, old_logp, rewards, mask, *, group_size, ref_logp=None,
