@@ -12,6 +12,7 @@ from pacs_kernels.triton.kernel_report import report_lines
 class _Compiled:
     def __init__(self, regs, spills):
         self.metadata = SimpleNamespace(num_warps=8, num_stages=3, shared=32768)
+        self.asm = {"ttgir": "%0 = ttg.local_alloc : () -> !ttg.memdesc<3x128x64xbf16, #shared, #smem, mutable>"}
         self.loaded = False
         self._regs, self._spills = regs, spills
 
@@ -22,14 +23,15 @@ class _Compiled:
 
 def test_report_names_the_winner_and_each_loaded_variant():
     compiled = _Compiled(190, 0)
-    jit = SimpleNamespace(device_caches={0: ({"spec": compiled}, {}, None, None, None)})
+    # a JITFunction has an ``fn`` of its own (its Python function): the report must stop at the JITFunction
+    jit = SimpleNamespace(device_caches={0: ({"spec": compiled}, {}, None, None, None)}, fn=lambda: None)
     autotuner = SimpleNamespace(
         cache={(3584, 152064, "torch.bfloat16"): triton.Config({"BLOCK_N": 128, "BLOCK_V": 128}, num_warps=8,
                                                                  num_stages=3)},
         fn=SimpleNamespace(fn=jit))  # Autotuner -> Heuristics -> JITFunction
     lines = report_lines([("forward", autotuner)])
     assert lines[0] == "forward  autotune winner for (3584, 152064, torch.bfloat16): [BLOCK_N=128,BLOCK_V=128 w8 s3]"
-    assert lines[1] == "forward  compiled: warps=8 stages=3 registers=190 spills=0 shared=32768B"
+    assert lines[1] == "forward  compiled: warps=8 stages=3 pipelined=3 registers=190 spills=0 shared=32768B"
     assert compiled.loaded
 
 

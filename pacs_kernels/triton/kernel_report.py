@@ -11,6 +11,7 @@ launch, there is nothing to report and the report says so.
 from __future__ import annotations
 
 import importlib
+import re
 
 from .launch_config import describe_config
 
@@ -28,10 +29,22 @@ _KERNELS = (
 
 
 def _innermost(kernel):
-    """The JITFunction under any Autotuner / Heuristics wrappers."""
-    while hasattr(kernel, "fn"):
+    """The JITFunction under any Autotuner / Heuristics wrappers (a JITFunction has an ``fn`` too, its Python
+    function: the walk stops at the object that holds the compiled variants, ``device_caches``)."""
+    while hasattr(kernel, "fn") and not hasattr(kernel, "device_caches"):
         kernel = kernel.fn
     return kernel
+
+
+def pipeline_stages(compiled) -> int | str:
+    """How many shared-memory buffers the software pipeliner gave a compiled kernel's loop operands: the
+    leading size of its multi-buffered (3-D) shared allocations in the TTGIR; 1 when there are none (loads not
+    pipelined: each step waits for its own load); "?" without the TTGIR. ``num_stages`` is what a config asks
+    for, this is what the compiler did."""
+    asm = getattr(compiled, "asm", None) or {}
+    if "ttgir" not in asm:
+        return "?"
+    return max((int(depth) for depth in re.findall(r"memdesc<(\d+)x\d+x\d+x", asm["ttgir"])), default=1)
 
 
 def _compiled_variants(jit):
@@ -62,6 +75,7 @@ def report_lines(kernels=None) -> list[str]:
                 pass
             meta = compiled.metadata
             lines.append(f"{name:8s} compiled: warps={meta.num_warps} stages={meta.num_stages} "
+                         f"pipelined={pipeline_stages(compiled)} "
                          f"registers={getattr(compiled, 'n_regs', '?')} spills={getattr(compiled, 'n_spills', '?')} "
                          f"shared={meta.shared}B")
     return lines or ["no Triton kernel of ours was compiled in this process (CPU or interpreter, or none ran)"]

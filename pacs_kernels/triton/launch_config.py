@@ -9,12 +9,19 @@ edges and several vocabulary splits on tiny shapes.
 
 Which candidate wins on a given GPU is only known after a run there; the candidates below are
 the usual tensor-core tile shapes (bf16 inputs, fp32 accumulation), not measured picks, kept to
-those that compile for sm_90 (Triton 3.9) without spilling inside their tensor-core loop
-(``python -m pacs_kernels.triton.compile_check --all-configs``: 4-warp 128 x 128 tiles, 128 x 256
-output tiles and 32-wide width steps with 256-column logits tiles all spilled there, the 4-warp
-ones by hundreds of bytes per thread, so they could only lose the autotuner's race), and few:
-every candidate is compiled on first use (a second or two each on the host CPU), and the first
-GPU run has minutes, not hours. float32 inputs get one small tile (FLOAT32_CONFIGS).
+those that compile for sm_90 without spilling inside their tensor-core loop, as the GPU compiles
+them: with the specializations a launch applies (aligned pointers, sizes divisible by 16, unit
+strides constant; ``python -m pacs_kernels.triton.compile_check --all-configs --explore``,
+benchmarks/results/triton_compile_sm90.txt). Compiled that way every matmul kernel's loads are
+pipelined as deep as its config asks (3 or 4 stages; compiled without them, as the check did
+before, they got one stage and about 250 registers, and tiles were dropped as "spilling" that do
+not spill): 256-column logits tiles with 32-wide width steps and 4-stage variants are back, and
+128 x 256 output tiles for the gradient matmuls; 4-warp tiles still spill (the logits tiles by
+hundreds of bytes per thread in their loop) and 128 x 256 logits tiles too, so they stay out.
+The first candidate of each kernel compiles clean with every optional input present (the
+check's default run asks that). Few: every candidate is compiled on first use (a second or two
+each on the host CPU), and the GPU run has minutes, not hours. float32 inputs get one small tile
+(FLOAT32_CONFIGS).
 """
 
 from __future__ import annotations
@@ -63,8 +70,13 @@ def forward_configs() -> list[triton.Config]:
     """Candidates for the forward (online log-sum-exp) kernel: BLOCK_N x BLOCK_V logits tiles."""
     if INTERPRETED:
         return [triton.Config({"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_D": 16}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_D": 64}, num_warps=8, num_stages=3),
-            triton.Config({"BLOCK_N": 64, "BLOCK_V": 256, "BLOCK_D": 64}, num_warps=8, num_stages=3)]
+    # first: 64 x 256 (the H200 run's pick at both widths it timed; clean with bias and entropy too, where the
+    # 128 x 128 tile spills two instructions in its loop), then 4 stages, and the 32-wide width step that stays
+    # clean at widths that are not multiples of 16
+    return [triton.Config({"BLOCK_N": 64, "BLOCK_V": 256, "BLOCK_D": 64}, num_warps=8, num_stages=3),
+            triton.Config({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_D": 64}, num_warps=8, num_stages=3),
+            triton.Config({"BLOCK_N": 64, "BLOCK_V": 256, "BLOCK_D": 64}, num_warps=8, num_stages=4),
+            triton.Config({"BLOCK_N": 64, "BLOCK_V": 256, "BLOCK_D": 32}, num_warps=8, num_stages=4)]
 
 
 def dz_configs() -> list[triton.Config]:
@@ -73,7 +85,8 @@ def dz_configs() -> list[triton.Config]:
     if INTERPRETED:
         return [triton.Config({"BLOCK_D": 16}, num_warps=4, num_stages=1)]
     return [triton.Config({"BLOCK_D": 64}, num_warps=8, num_stages=3),
-            triton.Config({"BLOCK_D": 32}, num_warps=8, num_stages=4)]
+            triton.Config({"BLOCK_D": 32}, num_warps=8, num_stages=4),
+            triton.Config({"BLOCK_D": 64}, num_warps=8, num_stages=4)]
 
 
 def grad_matmul_configs() -> list[triton.Config]:
@@ -83,7 +96,9 @@ def grad_matmul_configs() -> list[triton.Config]:
     if INTERPRETED:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_D": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
     return _configs([{"BLOCK_M": 128, "BLOCK_D": 128, "BLOCK_K": 64}, {"BLOCK_M": 64, "BLOCK_D": 128, "BLOCK_K": 64},
-                     {"BLOCK_M": 128, "BLOCK_D": 128, "BLOCK_K": 32}], [(8, 3)])
+                     {"BLOCK_M": 128, "BLOCK_D": 128, "BLOCK_K": 32}], [(8, 3)]) + [
+        triton.Config({"BLOCK_M": 128, "BLOCK_D": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
+        triton.Config({"BLOCK_M": 128, "BLOCK_D": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3)]
 
 
 # The gradient matmuls walk their output tiles in bands of this many tile rows (grad_matmuls.grouped_tile):
