@@ -169,6 +169,19 @@ class EvalConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """The sampler is not the trainer (pacs/train/rollout_correction.py, docs/rollout-correction.md): every step
+    logs the mismatch of their log-probs; a mode drops what lies outside [c_min, c_max] of the ratio
+    pi_trainer / pi_sampler, for any objective."""
+
+    mode: str = "none"              # none | token_mask (tokens out of the band) | sequence_mask (whole responses)
+    c_min: float = 0.0              # the band's low end (0: none; the ratio is > 0)
+    c_max: float = 3.0              # the band's high end (TRL's vllm_importance_sampling_clip_max default)
+    # a response's ratio: product (exp of the summed log-ratios, TRL's sequence modes) | geometric (exp of their mean)
+    sequence_ratio: str = "product"
+
+
+@dataclass
 class Config:
     seed: int = 0                   # the seed of data order, sampling and the built-in model's initialization
     output_dir: str = "runs/embedded"  # the run directory: config, metrics, checkpoints, final_model/
@@ -190,6 +203,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 # Keys only an expert, an ablation or a test should set (kernel knobs, the algorithm's ablation switches, thresholds,
@@ -212,6 +226,8 @@ ADVANCED_KEYS = (
     "train.old_policy_max_tokens", "train.mlp_tile_tokens", "train.skip_zero_gradient_groups", "train.preflight",
     "train.distributed_timeout_minutes",
     "eval.top_p",
+    "rollout_correction.mode", "rollout_correction.c_min", "rollout_correction.c_max",
+    "rollout_correction.sequence_ratio",
 )
 ADVANCED = "advanced"  # the section of a YAML file (and the first part of an override's key) that holds them
 
@@ -494,6 +510,15 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
         raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
 
+def validate_rollout_correction(cfg: Config) -> None:
+    c = cfg.rollout_correction
+    _choice("advanced.rollout_correction.mode", c.mode, ("none", "token_mask", "sequence_mask"))
+    _choice("advanced.rollout_correction.sequence_ratio", c.sequence_ratio, ("product", "geometric"))
+    if not 0 <= c.c_min < 1 < c.c_max:
+        raise ValueError("advanced.rollout_correction needs 0 <= c_min < 1 < c_max (a band around the on-policy "
+                         f"ratio 1), got c_min={c.c_min}, c_max={c.c_max}")
+
+
 def micro_batch_groups(cfg: Config) -> int:
     """Groups per micro-batch, from micro_batch_groups or micro_batch_responses."""
     group = cfg.rollout.group_size
@@ -520,6 +545,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                          f"model.dtype={cfg.optim.master_dtype!r}, got model.dtype={cfg.model.dtype!r}; "
                          "optim.master_dtype=float32 keeps float32 master weights (the default)")
     _choice("optim.lr_schedule", o.lr_schedule, ("constant", "cosine", "linear"))
+    validate_rollout_correction(cfg)
     validate_train(cfg, world_size)
     if o.one_sweep_first_step and o.logprob_backend == "naive":
         raise ValueError("optim.one_sweep_first_step needs optim.logprob_backend 'auto', 'torch' or 'triton', "

@@ -8,7 +8,9 @@
 
 Both take token-id prompts and return token ids: ``generate(prompts, n, ...)`` gives, per prompt,
 ``n`` responses (so the caller's groups stay contiguous), each cut after its first stop token
-(kept when generated). ``sync_weights`` takes (HF name, full tensor) pairs from the trainer.
+(kept when generated); with ``return_logprobs=True`` a :class:`~pacs.rollout.sampled.SampledResponses` that
+also holds each token's log-prob as the sampler computed it (after temperature and top-p: each engine's
+``generate`` says exactly). ``sync_weights`` takes (HF name, full tensor) pairs from the trainer.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from typing import Iterable, Protocol
 import torch
 
 from pacs.rollout.hf import HFGenerateEngine
+from pacs.rollout.sampled import SampledResponses
 
 
 class RolloutEngine(Protocol):
     def generate(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
-                 max_new_tokens: int, stop_token_ids: list[int],
-                 seed: int | None = None) -> list[list[list[int]]]: ...
+                 max_new_tokens: int, stop_token_ids: list[int], seed: int | None = None,
+                 return_logprobs: bool = False) -> list[list[list[int]]] | SampledResponses: ...
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -85,5 +88,5 @@ def make_rollout_engine(kind: str, model_dir: str, *, max_model_len: int, seed: 
     return HFGenerateEngine(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype)
 
 
-__all__ = ["HFGenerateEngine", "RolloutEngine", "check_vllm_available", "engine_kind", "make_rollout_engine",
+__all__ = ["HFGenerateEngine", "RolloutEngine", "SampledResponses", "check_vllm_available", "engine_kind", "make_rollout_engine",
            "vllm_available"]

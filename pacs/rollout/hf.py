@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pacs.model.policy import resolve_dtype
+from pacs.rollout.sampled import SampledResponses
 
 
 class _GumbelNoise:
@@ -26,9 +27,10 @@ class _GumbelNoise:
     its seed and the device kind (CPU and CUDA random streams differ).
     """
 
-    def __init__(self, seeds: list[int]):
+    def __init__(self, seeds: list[int], recorder: "_SampledLogprobs | None" = None):
         self.seeds = list(seeds)
         self.generators: list[torch.Generator] | None = None
+        self.recorder = recorder
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.generators is None:
@@ -36,16 +38,43 @@ class _GumbelNoise:
         uniform = torch.stack([torch.rand(scores.shape[1], generator=g, dtype=torch.float64, device=scores.device)
                                for g in self.generators])
         gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-300)))
-        return (scores.double() + gumbel).to(scores.dtype)
+        perturbed = (scores.double() + gumbel).to(scores.dtype)
+        if self.recorder is not None:  # the scores before the noise: the distribution the token is drawn from
+            self.recorder.record(scores, perturbed)
+        return perturbed
 
 
-def _row_seeded_sampler(temperature: float, top_p: float, seeds: list[int]):
+class _SampledLogprobs:
+    """Records, at each decoding step, the log-prob of the token greedy decoding picks from the processed scores.
+
+    Called last in the processor chain with the scores the token is drawn from (``scores``: after the
+    temperature and top-p warpers, before the Gumbel noise) and the scores greedy decoding takes its argmax of
+    (``chosen_from``: the same tensor ``generate`` sees, so the same token, ties broken alike). Keeps one
+    (rows,) float32 tensor and the (rows,) tokens per step, nothing of vocabulary size.
+    """
+
+    def __init__(self):
+        self.logprobs: list[torch.Tensor] = []
+        self.tokens: list[torch.Tensor] = []
+
+    def record(self, scores: torch.Tensor, chosen_from: torch.Tensor) -> None:
+        token = torch.argmax(chosen_from, dim=-1)
+        logp = torch.log_softmax(scores.float(), dim=-1).gather(1, token[:, None])[:, 0]
+        self.logprobs.append(logp.cpu())
+        self.tokens.append(token.cpu())
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:  # greedy decoding
+        self.record(scores, scores)
+        return scores
+
+
+def _row_seeded_sampler(temperature: float, top_p: float, seeds: list[int], recorder: _SampledLogprobs | None = None):
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
     processors = [TemperatureLogitsWarper(temperature)]
     if top_p < 1.0:
         processors.append(TopPLogitsWarper(top_p))
-    return LogitsProcessorList(processors + [_GumbelNoise(seeds)])
+    return LogitsProcessorList(processors + [_GumbelNoise(seeds, recorder)])
 
 
 class HFGenerateEngine:
@@ -106,10 +135,18 @@ class HFGenerateEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float = 1.0,
-                 max_new_tokens: int, stop_token_ids: list[int], seed: int | None = None
-                 ) -> list[list[list[int]]]:
+                 max_new_tokens: int, stop_token_ids: list[int], seed: int | None = None,
+                 return_logprobs: bool = False) -> list[list[list[int]]] | SampledResponses:
+        """``result[i][j]``: response j of prompt i (token ids, cut after its first stop token).
+
+        ``return_logprobs``: return a :class:`~pacs.rollout.sampled.SampledResponses` instead, with each token's
+        log-prob as the sampler computed it: ``log_softmax`` (float32) of the logits divided by ``temperature``,
+        after top-p's renormalization (tokens outside the nucleus at -inf, the rest renormalized over it), i.e.
+        the log-prob of the distribution the token was drawn from. Greedy (``temperature == 0``): the log-prob
+        under the unscaled logits (vLLM's ``processed_logprobs`` does the same). The policy computes the logits
+        in its own dtype (the autocast dtype of a shared float32 policy)."""
         if not prompts:
-            return []
+            return SampledResponses([], []) if return_logprobs else []
         longest = max(len(p) for p in prompts)
         if longest + max_new_tokens > self.max_model_len:
             raise ValueError(
@@ -124,8 +161,13 @@ class HFGenerateEngine:
             ids[i, longest - len(row):] = torch.tensor(row)
             attention[i, longest - len(row):] = 1
         processors = None
+        recorder = _SampledLogprobs() if return_logprobs else None
         if temperature > 0:  # exact sampling as greedy decoding over Gumbel-perturbed logits
-            processors = _row_seeded_sampler(temperature, top_p, [seed + k for k in range(len(rows))])
+            processors = _row_seeded_sampler(temperature, top_p, [seed + k for k in range(len(rows))], recorder)
+        elif recorder is not None:
+            from transformers import LogitsProcessorList
+
+            processors = LogitsProcessorList([recorder])
         from transformers import GenerationConfig
 
         training = self.model.training
@@ -147,7 +189,17 @@ class HFGenerateEngine:
         for tokens in new_tokens:
             cut = next((j + 1 for j, t in enumerate(tokens) if t in stops), len(tokens))
             responses.append(tokens[:cut])
-        return [responses[i * n:(i + 1) * n] for i in range(len(prompts))]
+        grouped = [responses[i * n:(i + 1) * n] for i in range(len(prompts))]
+        if recorder is None:
+            return grouped
+        # (rows, steps): generate stops once every row has stopped, so each response's tokens were all recorded
+        logprobs, recorded = torch.stack(recorder.logprobs, 1), torch.stack(recorder.tokens, 1)
+        for k, tokens in enumerate(responses):
+            if recorded[k, :len(tokens)].tolist() != tokens:
+                raise RuntimeError("HFGenerateEngine: the recorded sampler log-probs belong to other tokens than "
+                                   "generate returned (a logits processor after the sampler's?)")
+        values = [logprobs[k, :len(tokens)].tolist() for k, tokens in enumerate(responses)]
+        return SampledResponses(grouped, [values[i * n:(i + 1) * n] for i in range(len(prompts))])
 
     @torch.no_grad()
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

