@@ -192,3 +192,26 @@ def test_every_row_of_a_vllm_run_carries_the_mismatch(tmp_path, capsys, tiny_mod
     for row in rows:
         assert all(isinstance(row.get(k), float) and math.isfinite(row[k]) for k in COLUMNS), row
         assert row["mismatch_logp_diff_max"] < 1e-2  # vLLM's float32 CPU kernels against the trainer's
+
+
+def test_a_response_dropped_through_valid_moves_only_as_the_others_baseline():
+    """docs/rollout-correction.md: under PACS's sequence_mask a dropped response j has g[j] = 0, so
+    dloss/dr[j] = -sum_{i != j} g[i] / (G - 1), and the class weights are those of the kept responses."""
+    from pacs_kernels import pacs_loss
+
+    torch.manual_seed(0)
+    G, T = 4, 5
+    mask = torch.ones(G, T, dtype=torch.bool)
+    mask[1, 3:] = False
+    old = -torch.rand(G, T, dtype=torch.float64)
+    logp = (old + 0.3 * torch.randn(G, T, dtype=torch.float64)).requires_grad_(True)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=torch.float64)
+    valid = torch.tensor([True, True, False, True])
+    pacs_loss(logp, old, rewards, mask, group_size=G, valid=valid).backward()
+    r = ((logp - old) * mask).sum(1).detach()
+    psi = r - (r.sum() - r) / (G - 1)
+    w = torch.tensor([3 / (2 * 1), 3 / (2 * 2), 0.0, 3 / (2 * 2)], dtype=torch.float64)  # balanced over the kept 3
+    g = w * (torch.sigmoid(psi) - rewards) / G
+    d_r = g - (g.sum() - g) / (G - 1)
+    torch.testing.assert_close(logp.grad, d_r[:, None] * mask, rtol=1e-9, atol=1e-12)
+    assert g[2] == 0 and d_r[2] != 0  # no term of its own, still the others' baseline
