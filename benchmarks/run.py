@@ -1,8 +1,10 @@
 """Benchmark the log-prob ops and the PACS loss against naive and peers; write CSV, PNG and Markdown.
 
-    python benchmarks/run.py --set cpu                       # CPU set, a few minutes
-    python benchmarks/run.py --set gpu --device cuda         # real model shapes, bf16
-    python benchmarks/run.py --set cpu --d 32 --v 256 --n 64 128 --out /tmp/x   # tiny override
+    pacs bench --set cpu                       # CPU set, a few minutes
+    pacs bench --set gpu --device cuda         # real model shapes, bf16
+    pacs bench --set cpu --d 32 --v 256 --n 64 128 --out /tmp/x   # tiny override
+
+(``python benchmarks/run.py`` takes the same arguments.)
 
 Writes ``OUT/<set>.csv``, ``OUT/<set>.md`` and ``OUT/plots_<set>/*.png``. Method: measure.py;
 what each op and impl is: ops.py.
@@ -93,7 +95,7 @@ def matmul_tflops(device: str, dtype: torch.dtype) -> float:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="pacs bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="pacs bench", description=__doc__.replace("``", ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--set", dest="size_set", choices=sorted(SETS), default="cpu")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,

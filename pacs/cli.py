@@ -51,12 +51,27 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                              "(every key and its default: below)")
 
 
-def _key_list() -> str:
+# the settings pacs eval does not read (training's): left out of its --help
+NOT_READ_BY_EVAL = ("optim.", "train.", "rollout_correction.", "model.lora.", "max_steps", "max_minutes",
+                    "checkpoint_every", "checkpoint_minutes", "resume", "overwrite", "max_consecutive_nan",
+                    "eval.every", "rollout.group_size", "rollout.prompts_per_step", "rollout.temperature",
+                    "rollout.top_p", "model.gradient_checkpointing")
+
+
+def _read_by_eval(key: str) -> bool:
+    return not any(key == x or (x.endswith(".") and key.startswith(x)) for x in NOT_READ_BY_EVAL)
+
+
+def _key_list(command: str = "train") -> str:
     builtin = dict(config_keys(apply_dict(Config(), BUILTIN_TASK_SETTINGS)))
     lines = ["Every setting (KEY=VALUE overrides, or the same keys in a --config YAML file; precedence:",
              "defaults < --config < KEY=VALUE < named flags). Defaults (a real model's; where the built-in",
              "tasks embedded and wordmath differ, theirs in brackets, as in configs/default.yaml):", ""]
     keys = config_keys()
+    if command == "eval":  # (a run's config.yaml may hold training's too: they are read and ignored)
+        lines[0] = ("The settings pacs eval reads (KEY=VALUE overrides, or the same keys in a --config YAML file; "
+                    "precedence:")
+        keys = [(key, value) for key, value in keys if _read_by_eval(key)]
     for advanced in (False, True):
         if advanced:
             lines += ["", "Advanced settings (for experts and tests; written under advanced:, e.g.",
@@ -339,7 +354,7 @@ def cmd_bench(argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pacs", description=__doc__,
+    parser = argparse.ArgumentParser(prog="pacs", description=__doc__.replace("``", ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
@@ -362,8 +377,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "otherwise is refused")
     train.add_argument("--overwrite", action="store_true",
                        help="--output-dir holds a run: move it aside (to OUTPUT_DIR.replaced-<time>) and start afresh")
-    ev = sub.add_parser("eval", help="held-out accuracy and pass@k of a model", epilog=_key_list(),
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ev = sub.add_parser(
+        "eval", help="held-out accuracy and pass@k of a model",
+        description="Held-out accuracy and pass@k of a model (--model: a run's final_model, a Hugging Face directory "
+                    "or hub id): --n-samples responses to each held-out problem of the task, or to every row of "
+                    "--data. Writes eval_problems.jsonl, eval_metrics.json and pass_at_k.png to --eval-dir (default "
+                    "OUTPUT_DIR/eval) and prints the metrics as one JSON line; run again, an interrupted evaluation "
+                    "continues where it stopped. E.g. pacs eval --model runs/x/final_model --preset math --data "
+                    "test.jsonl",
+        epilog=_key_list("eval"), formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_common(ev)
     ev.add_argument("--preset", help="evaluation protocol: math (the paper's sampling: 32 samples, T 0.6, top-p "
                     "0.95, pass@1..32), paper (+ chat template, instruction, 4096 tokens), paper256; see "

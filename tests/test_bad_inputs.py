@@ -303,3 +303,29 @@ def test_the_add_pacs_forward_block_of_docs_pytorch_md_runs_as_pasted():
     namespace = {"__name__": "__docs__"}
     exec(readme_block("plain"), namespace)
     assert math.isfinite(float(namespace["out"].loss))
+
+
+def _help(capsys, *argv: str) -> str:
+    from pacs.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_texts_read_as_text_and_belong_to_their_command(capsys):
+    """pacs --help showed reST markup (``pacs train``); pacs eval --help had no description and listed training's
+    keys; pacs bench --help showed python benchmarks/run.py's examples."""
+    text = _help(capsys, "--help")
+    assert "``" not in text and "pacs train | eval | plan | bench: one entry point" in text
+    text = _help(capsys, "eval", "--help")
+    assert "Held-out accuracy and pass@k of a model (--model: a run's final_model" in text
+    assert "eval.n_samples = " in text and "rollout.max_new_tokens = " in text and "task.data_path = " in text
+    for training_key in ("optim.lr = ", "rollout.group_size = ", "max_steps = ", "train.packing = ",
+                         "model.lora.rank = ", "checkpoint_every = "):
+        assert training_key not in text
+    assert "optim.lr = " in _help(capsys, "train", "--help")
+    text = _help(capsys, "bench", "--help")
+    assert "pacs bench --set cpu" in text and "``" not in text
+    assert "python benchmarks/run.py --set" not in text
