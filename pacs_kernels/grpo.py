@@ -7,7 +7,8 @@ For B = n_groups * G responses with 0/1 (or any real) rewards R and response mas
     l[i,t]    = max(-A[i] rho, -A[i] clip(rho, 1 - clip_eps, 1 + clip_eps_high))
               + kl_coef * (exp(ref - logp) - (ref - logp) - 1)               (k3 KL estimator, optional)
     token_mean: loss = sum_{i,t} m l / sum_{i,t} m          (every masked token of the batch weighs the same)
-    seq_mean:   loss = mean_i ( sum_t m l / sum_t m )       (every response weighs the same)
+    seq_mean:   loss = mean_i ( sum_t m l / max(sum_t m, 1) )  (every response weighs the same; an empty-mask
+                                                               response is a zero-loss response, as in TRL and Liger)
 
 The surrogate is elementwise, so plain autograd gives the gradient (one scalar per token, which
 ``linear_logprobs`` turns into the LM-head gradient in ``fused_linear_grpo_loss``, engine.py).
@@ -28,7 +29,6 @@ from .checks import (
 from .loss_inputs import (
     GRPO_STD_EPS,
     check_group_size,
-    check_nonempty_responses,
     check_token_tensors,
 )
 
@@ -141,9 +141,7 @@ def grpo_loss(
         raise ValueError(f"rewards must be on the device of logp ({logp.device}), got {rewards.device}")
     low, high, kl_coef = check_grpo_options(group_size, n, clip_eps, clip_eps_high, kl_coef, ref_logp, logp)
     counts = mask.sum(-1)
-    if aggregation == "seq_mean":
-        check_nonempty_responses(counts, "aggregation='seq_mean' (it averages over each response)")
-    elif n and int(counts.sum()) == 0:
+    if aggregation == "token_mean" and n and int(counts.sum()) == 0:
         raise ValueError("mask must select at least one token with aggregation='token_mean'")
 
     cdt = torch.float64 if logp.dtype == torch.float64 else torch.float32
@@ -157,7 +155,8 @@ def grpo_loss(
     if aggregation == "token_mean":
         loss = terms.per_token.sum() / counts.sum().clamp(min=1).to(cdt)
     else:
-        loss = (terms.per_token.sum(-1) / counts.to(cdt)).mean()
+        # an empty-mask response (a truncated completion masked out) adds 0 and still counts in 1/B (TRL, Liger)
+        loss = (terms.per_token.sum(-1) / counts.clamp(min=1).to(cdt)).mean()
     if not return_stats:
         return loss
     with torch.no_grad():

@@ -152,4 +152,4 @@ def reference_grpo_loss(
         per_response_counts.append(int(tokens.sum()))
     if aggregation == "token_mean":
         return torch.stack(per_response_sums).sum() / sum(per_response_counts)
-    return torch.stack([s / c for s, c in zip(per_response_sums, per_response_counts)]).mean()
+    return torch.stack([s / max(c, 1) for s, c in zip(per_response_sums, per_response_counts)]).mean()

@@ -169,11 +169,13 @@ def test_inputs_the_objective_cannot_use(objective, match):
         objective(logp, old, rewards, mask, group_size=G)
 
 
-def test_gspo_needs_tokens_in_every_response():
+def test_gspo_counts_an_empty_mask_response_as_zero_loss():
+    """Issue 45: TRL and Liger count a response whose mask is all False as a zero-loss response; so does GSPO
+    (tests/test_empty_mask.py checks every objective and path against the float64 references)."""
     logp, old, _, _, rewards, mask = make_inputs(12, False)
     mask[3] = False
-    with pytest.raises(ValueError, match="responses \\[3\\]"):
-        GSPO()(logp, old, rewards, mask, group_size=G)
+    loss, _ = GSPO()(logp, old, rewards, mask, group_size=G)
+    assert torch.isfinite(loss)
 
 
 def test_an_infinite_old_or_reference_log_prob_on_a_loss_token_is_refused():

@@ -158,5 +158,5 @@ def reference_grpo_objective(objective: GRPO, logp, old_logp, rewards, mask, *, 
     if objective.aggregation == "token_mean":
         bonus = sum(h.sum() for h in per_response) / sum(h.numel() for h in per_response)
     else:
-        bonus = sum(h.mean() for h in per_response) / len(per_response)
+        bonus = sum(h.mean() if h.numel() else h.new_zeros(()) for h in per_response) / len(per_response)
     return loss - objective.entropy_coef * bonus

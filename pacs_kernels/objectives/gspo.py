@@ -21,7 +21,6 @@ from .regularizers import (
     ClippedRatioObjective,
     add_regularizers,
     as_floats,
-    check_nonempty,
     masked,
     reference_regularizer_terms,
     sequence_mean,
@@ -37,13 +36,14 @@ class GSPO(ClippedRatioObjective):
 
     def __call__(self, logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None):
         batch = self.checked(logp, old_logp, rewards, mask, group_size, ref_logp, entropy)
-        check_nonempty(batch, "GSPO (its ratio is a per-response mean)")
         adv = group_normalized_advantages(batch.rewards, group_size)
-        mean_log_ratio = masked(batch.logp - batch.old_logp, batch.mask).sum(-1) / batch.counts.to(batch.logp.dtype)
+        lengths = batch.counts.clamp(min=1).to(batch.logp.dtype)
+        mean_log_ratio = masked(batch.logp - batch.old_logp, batch.mask).sum(-1) / lengths
         ratio = torch.exp(mean_log_ratio)
         unclipped = -adv * ratio
         clipped = -adv * torch.clamp(ratio, 1.0 - self.eps_low, 1.0 + self.eps_high)
-        loss = torch.maximum(unclipped, clipped).mean()
+        nonempty = (batch.counts > 0).to(batch.logp.dtype)  # an empty-mask response is a zero-loss response
+        loss = (torch.maximum(unclipped, clipped) * nonempty).mean()
         loss, extra = add_regularizers(loss, batch, sequence_mean, kl_coef=self.kl_coef,
                                        entropy_coef=self.entropy_coef)
         return loss, as_floats({"loss": loss.detach(), "clip_frac": (clipped > unclipped).double().mean(),
@@ -63,6 +63,9 @@ def reference_gspo_loss(objective: GSPO, logp, old_logp, rewards, mask, *, group
         adv = (rewards[i] - group.mean()) / (group.std() + 1e-6)
         tokens = mask[i] != 0
         lp = logp[i][tokens]
+        if not bool(tokens.any()):  # an empty-mask response: zero loss, still one of the B
+            terms.append(logp.new_zeros(()))
+            continue
         s = torch.exp((lp - old[i][tokens]).mean())
         term = -torch.minimum(s * adv, torch.clamp(s, 1 - objective.eps_low, 1 + objective.eps_high) * adv)
         term = term + reference_regularizer_terms(objective, lp, ref_logp, entropy, i, tokens).mean()

@@ -3,7 +3,7 @@
 Aggregations of a per-token quantity x over the masked tokens (m the mask, n_i = sum_t m[i,t]):
 
     token_mean:        sum_{i,t} m x / sum_{i,t} m          (every token of the batch weighs the same)
-    sequence_mean:     (1/B) sum_i (sum_t m x / n_i)        (every response weighs the same)
+    sequence_mean:     (1/B) sum_i (sum_t m x / n_i)        (every response weighs the same; n_i = 0: adds 0)
     constant_length:   sum_{i,t} m x / (B * L)              (Dr. GRPO: L a fixed length, not n_i)
 
 Regularizers, added with the objective's own aggregation:
@@ -12,7 +12,9 @@ Regularizers, added with the objective's own aggregation:
         kl[i,t] = exp(ref - logp) - (ref - logp) - 1;   d kl / d logp = 1 - exp(ref - logp)
     entropy bonus: loss -= entropy_coef * aggregate(entropy)   (higher entropy lowers the loss)
 
-The log-ratio is zeroed outside the mask BEFORE exp, so garbage there never becomes NaN.
+The log-ratio is zeroed outside the mask BEFORE exp, so garbage there never becomes NaN. A response whose mask is
+all False (a truncated completion masked out, TRL's ``mask_truncated_completions``) is a zero-loss response in
+every aggregation: it adds nothing and still counts in the 1/B of the per-response means (as TRL and Liger).
 """
 
 from __future__ import annotations
@@ -33,18 +35,11 @@ def token_mean(values: torch.Tensor, batch: GroupBatch) -> torch.Tensor:
 
 
 def sequence_mean(values: torch.Tensor, batch: GroupBatch) -> torch.Tensor:
-    return (masked(values, batch.mask).sum(-1) / batch.counts.to(values.dtype)).mean()
+    return (masked(values, batch.mask).sum(-1) / batch.counts.clamp(min=1).to(values.dtype)).mean()
 
 
 def constant_length_mean(values: torch.Tensor, batch: GroupBatch, length: int) -> torch.Tensor:
     return masked(values, batch.mask).sum() / (batch.n_responses * length)
-
-
-def check_nonempty(batch: GroupBatch, what: str) -> None:
-    if bool((batch.counts == 0).any()):
-        empty = (batch.counts == 0).nonzero().flatten()[:8].tolist()
-        raise ValueError(f"mask must select at least one token of every response with {what}; "
-                         f"responses {empty} have an empty mask")
 
 
 def k3_kl(batch: GroupBatch) -> torch.Tensor:
