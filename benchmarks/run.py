@@ -3,6 +3,7 @@
     pacs bench --set cpu                       # CPU set, a few minutes
     pacs bench --set gpu --device cuda         # real model shapes, bf16
     pacs bench --set cpu --d 32 --v 256 --n 64 128 --out /tmp/x   # tiny override
+    pacs bench calibrate --device cuda --dtype bfloat16   # measure this device's profile and store it
 
 (``python benchmarks/run.py`` takes the same arguments.)
 
@@ -154,7 +155,32 @@ def plan(args) -> tuple[str, str, list[tuple[int, int, list[int]]]]:
     return device, dtype, shapes
 
 
+def calibrate(argv) -> int:
+    """``pacs bench calibrate``: measure the device's cost-model constants and store its profile, which later loss
+    calls read (pacs_kernels/engine/device.py; a loss call itself never measures nor writes)."""
+    from pacs_kernels.engine.device import calibrate_device_profile, profile_path
+
+    parser = argparse.ArgumentParser(prog="pacs bench calibrate", description=calibrate.__doc__)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="default: bfloat16 on CUDA, float32 elsewhere")
+    parser.add_argument("--no-store", action="store_true", help="print the profile, write nothing")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    profile = calibrate_device_profile(device, dtype, store=not args.no_store)
+    costs = profile.costs
+    print(f"[calibrate] {profile.name} ({device.type}, {str(dtype).removeprefix('torch.')}): "
+          f"{1e-9 / costs.gemm_s_per_flop:.1f} GFLOP/s GEMMs, {1e-9 / costs.pass_s_per_element:.2f} G elements/s "
+          f"a pass; GPU table entries for this device: {len(profile.table)}"
+          + ("" if args.no_store else f"; stored in {profile_path()}"))
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "calibrate":
+        return calibrate(argv[1:])
     args = parse_args(argv)
     name = args.name or args.size_set
     if args.report_only:

@@ -171,3 +171,19 @@ def test_a_loss_call_writes_no_file(objective, path, monkeypatch, tmp_path):
                                                        options=LossOptions(path=path))
     loss.backward()
     assert files_under(tmp_path) == []
+
+
+def test_pacs_bench_calibrate_measures_and_stores_the_profile(monkeypatch, tmp_path, capsys):
+    from benchmarks import run
+
+    monkeypatch.setenv(device_module.PROFILE_DIR_ENV, str(tmp_path))
+    device_module.forget_calibrations()
+    try:
+        assert run.main(["calibrate", "--device", "cpu", "--dtype", "float32"]) == 0
+        assert "stored in" in capsys.readouterr().out
+        stored = json.loads((tmp_path / device_module.PROFILE_FILE).read_text())
+        assert list(stored) == [device_module.profile_key(CPU, torch.float32)]
+        device_module.forget_calibrations()
+        assert device_profile(CPU, torch.float32).calibrated  # a later process reads it
+    finally:
+        device_module.forget_calibrations()
