@@ -329,3 +329,20 @@ def test_help_texts_read_as_text_and_belong_to_their_command(capsys):
     text = _help(capsys, "bench", "--help")
     assert "pacs bench --set cpu" in text and "``" not in text
     assert "python benchmarks/run.py --set" not in text
+
+
+def test_a_run_refused_as_its_model_loads_leaves_no_config(tmp_path, capsys, tiny_model, monkeypatch):
+    """Refused after config.yaml was written (here: too little disk for its checkpoints), the same command,
+    mended, was refused as "already holds a run"."""
+    import pacs.train.disk_space as disk_space
+
+    out = tmp_path / "run"
+    out.mkdir()
+    monkeypatch.setattr(disk_space, "free_bytes", lambda path: 1024)
+    argv = ["train", "--model", tiny_model, "--output-dir", str(out), "--max-steps", "1", *TINY_RUN]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and "has 1.0 KiB free, but the checkpoints this run keeps" in one_error_line(err)
+    assert os.listdir(out) == []
+    monkeypatch.undo()
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 0, err

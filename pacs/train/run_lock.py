@@ -17,7 +17,7 @@ import fcntl
 import os
 import sys
 
-from pacs.train.run_dir import LOCK_NAME, RunDir  # noqa: F401  (LOCK_NAME: the lock file's name)
+from pacs.train.run_dir import CONFIG_NAME, LOCK_NAME, RunDir  # noqa: F401  (LOCK_NAME: the lock file's name)
 
 _held: dict[str, int] = {}  # real path of the lock file -> its open descriptor, in this process
 
@@ -94,10 +94,18 @@ def release_run_directory(directory: str) -> None:
         os.close(fd)
 
 
-def abandon_run_directory(directory: str, remove_directory: bool) -> None:
+def abandon_run_directory(directory: str, remove_directory: bool, config_too: bool = False) -> None:
     """A refused run leaves its directory as it found it: the lock file this process created is removed and
-    released, and the directory too when this run created it and nothing else is in it."""
-    path = os.path.realpath(RunDir(directory).lock)
+    released, and the directory too when this run created it and nothing else is in it. ``config_too``: a new
+    run refused after it wrote its ``config.yaml`` (and nothing else: no metrics, checkpoints or model) removes
+    that file too, so that the same command, mended, starts there."""
+    run = RunDir(directory)
+    if config_too and run.contents() == [CONFIG_NAME]:
+        try:
+            os.remove(run.config)
+        except OSError:
+            pass
+    path = os.path.realpath(run.lock)
     if path in _held:
         try:
             os.remove(path)

@@ -1029,7 +1029,12 @@ def train(cfg: Config, change: tuple[str, ...] = ()) -> TrainResult:
     dist_info = setup_distributed(cfg.train.sequence_parallel_size, cfg.train.distributed_timeout_minutes)
     say = print if dist_info.is_main else (lambda *a, **k: None)
     run, resume, resume_plan = start_run(cfg, dist_info, say, change)  # checks; the run directory; task, tokenizer
-    t = set_up_training(cfg, dist_info, say, run, resume, resume_plan)  # policy, optimizer, engine, metrics log
+    try:
+        t = set_up_training(cfg, dist_info, say, run, resume, resume_plan)  # policy, optimizer, engine, metrics log
+    except ValueError:  # refused (the disk too small for the checkpoints, ...): a new run leaves no config.yaml
+        if resume is None and dist_info.is_main:
+            abandon_run_directory(cfg.output_dir, remove_directory=False, config_too=True)
+        raise
     # SIGTERM / SIGUSR1 (a scheduler's preemption), Ctrl-C: finish the step, checkpoint it, stop
     # (pacs/train/stop_signals.py)
     with StopSignals(notice_prefix="[train]" if dist_info.is_main else None) as stop_signals:
