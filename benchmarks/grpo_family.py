@@ -43,7 +43,7 @@ def make_objective(name: str, max_length: int):
 
 def advantages(name: str, rewards, group_size: int):
     """(B,) the advantages objective ``name`` computes from ``rewards`` (what Liger's loss is given)."""
-    from pacs_kernels.grpo import group_normalized_advantages
+    from pacs_kernels.objectives.grpo_math import group_normalized_advantages
     from pacs_kernels.objectives.dr_grpo import group_centred_advantages
 
     check_objective(name)

@@ -1,11 +1,11 @@
 """pacs_kernels: fused linear log-probs and the PACS loss, without materializing N x V logits."""
 
 from .fused import PACSLoss, fused_linear_grpo_loss, fused_linear_objective_loss, fused_linear_pacs_loss
-from .grpo import GRPOStats, grpo_loss
 from .known_grad import linear_logprobs_known_grad
 from .logprobs import linear_logprobs
-from .loss import PACSStats, pacs_loss
 from .objectives import CISPO, DAPO, GRPO, GSPO, PACS, Capabilities, DrGRPO, Objective
+from .objectives.grpo_math import GRPOStats, grpo_loss
+from .objectives.pacs_math import PACSStats, pacs_loss
 from .options import LossOptions
 from .pieces import GatheredLogprobs, KnownGradient
 

@@ -16,11 +16,11 @@ is read) it decides, on CUDA:
   chunk as Triton kernels or as ``torch.mm`` (cuBLAS), whichever the run measured faster (its
   ``grad_gemms`` op); cuBLAS where nothing was measured.
 
-The packaged table is keyed by device: each GPU run's entries under its device name and compute capability;
-a device it does not name (another GPU, even of the same capability) uses none of them, and gets the cost
-model's defaults (engine/device.py). Entries match on (d, V) and the dtype exactly and on the nearest N (log scale; N counts the tokens that
-get log-probs, as the fused losses look it up). Without a table, or for a shape it
-does not hold, the defaults stand: single pass when the groups fit, Triton on CUDA, cuBLAS for the
+The packaged table is keyed by device: each GPU run's entries under its device name and compute capability; a
+device it does not name (another GPU, even of the same capability) uses none of them, and gets the cost
+model's defaults (engine/device.py). Entries match on (d, V) and the dtype exactly and on the nearest N (log
+scale; N counts the tokens that get log-probs, as the fused losses look it up). Without a table, or for a
+shape it does not hold, the defaults stand: single pass when the groups fit, Triton on CUDA, cuBLAS for the
 Triton backward's gradient GEMMs.
 """
 

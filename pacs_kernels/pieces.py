@@ -1,6 +1,6 @@
 """A piece of a batch: the loss engine's route for tokens whose loss is completed elsewhere.
 
-The engine's paths (engine.py) take whole groups of responses. A trainer sometimes holds only a piece of
+The engine's paths (pacs_kernels/engine/) take whole groups of responses. A trainer sometimes holds only a piece of
 them on one call, and the loss is still exact, in one of two ways:
 
 * :class:`KnownGradient`: the loss L and its gradient g_t = dL/dlogp_t on every token were computed

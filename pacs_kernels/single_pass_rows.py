@@ -1,6 +1,6 @@
 """The single pass's row work: from one logits GEMM to the log-probs, and later to dz.
 
-single_pass.py plans the chunks and tiles and runs the loss; a row engine here turns a tile of
+engine/plan.py plans the chunks and tiles and engine/single_pass.py runs the loss; a row engine here turns a tile of
 tokens t0:t1 into
 
     kept(t0, t1, hold)     z = (h W^T + b) / tau by one GEMM; logp, entropy and lse of its rows
@@ -10,7 +10,7 @@ tokens t0:t1 into
     rebuilt_dz(t0, t1, g)  dz of a tile that was not held (a group bigger than the budget): one
                            more GEMM, its lse known, so exp(z - lse) directly
 
-and hands dz (in the GEMM operands' dtype) to single_pass.py, which multiplies out dh and dW.
+and hands dz (in the GEMM operands' dtype) to engine/single_pass.py, which multiplies out dh and dW.
 Each engine adds the bias gradient (sum over tokens of dz) into ``d_bias`` itself.
 
 Two engines:

@@ -14,7 +14,13 @@ import pacs_kernels
 from pacs_kernels import GRPO, PACS, LossOptions
 from pacs_kernels.engine import device as device_module
 from pacs_kernels.engine.batch import BatchShape
-from pacs_kernels.engine.device import DEFAULT_COSTS, DeviceCosts, DeviceProfile, calibrate_device_profile, device_profile
+from pacs_kernels.engine.device import (
+    DEFAULT_COSTS,
+    DeviceCosts,
+    DeviceProfile,
+    calibrate_device_profile,
+    device_profile,
+)
 from pacs_kernels.engine.plan import budget_mib_for_tokens, model_paths, plan_loss
 from pacs_kernels.objectives import Capabilities
 

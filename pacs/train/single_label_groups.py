@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from pacs_kernels.loss import class_weights
+from pacs_kernels.objectives.pacs_math import class_weights
 
 
 def single_label(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..grpo import grpo_loss
+from .grpo_math import grpo_loss
 from .regularizers import ClippedRatioObjective, add_regularizers, as_floats, reference_regularizer_terms, token_mean
 
 

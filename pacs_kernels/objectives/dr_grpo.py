@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..grpo import group_centred_rewards, grpo_token_terms
+from .grpo_math import group_centred_rewards, grpo_token_terms
 from .regularizers import (
     ClippedRatioObjective,
     add_regularizers,

@@ -7,7 +7,7 @@ the entropy bonus.
     loss     = aggregate(l) - entropy_coef * aggregate(entropy)
                aggregate: "token_mean" (grpo_loss's default) or "seq_mean" (the paper's 1/G sum_i 1/|o_i| sum_t)
 
-The surrogate's math lives in ``pacs_kernels/grpo.py``; this file only adapts it to the protocol.
+The surrogate's math lives in grpo_math.py (``grpo_loss``); this file adapts it to the protocol and the engine.
 """
 
 from __future__ import annotations
@@ -17,13 +17,20 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_choice, check_no_inf_where
-from ..grpo import AGGREGATIONS, GRPOStats, check_grpo_options, group_normalized_advantages, grpo_loss, grpo_token_terms
 from ..loss_inputs import check_response_rewards
-from .protocol import Capabilities
-from .rows import RowsLoss
 from ..reference import reference_grpo_loss
 from .batch import check_nonnegative
+from .grpo_math import (
+    AGGREGATIONS,
+    GRPOStats,
+    check_grpo_options,
+    group_normalized_advantages,
+    grpo_loss,
+    grpo_token_terms,
+)
+from .protocol import Capabilities
 from .regularizers import RegularizedObjective, add_regularizers, as_floats, sequence_mean, token_mean
+from .rows import RowsLoss
 
 
 @dataclass(frozen=True, kw_only=True)

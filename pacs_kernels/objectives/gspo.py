@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..grpo import group_normalized_advantages
+from .grpo_math import group_normalized_advantages
 from .regularizers import (
     ClippedRatioObjective,
     add_regularizers,

@@ -15,12 +15,20 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_choice
-from ..loss import check_group_inputs, compute_stats, pacs_group_loss, pacs_loss, pacs_loss_on_layout
-from ..loss_inputs import ADVANTAGES, LOSS_BACKENDS, SCORES, WEIGHTINGS, ResponseLayout, check_beta, check_nonempty_responses
+from ..loss_inputs import (
+    ADVANTAGES,
+    LOSS_BACKENDS,
+    SCORES,
+    WEIGHTINGS,
+    ResponseLayout,
+    check_beta,
+    check_nonempty_responses,
+)
 from ..reference import reference_pacs_loss
+from .pacs_math import check_group_inputs, compute_stats, pacs_group_loss, pacs_loss, pacs_loss_on_layout
 from .protocol import Capabilities
-from .rows import RowsLoss
 from .regularizers import RegularizedObjective, add_regularizers, as_floats, reference_regularizer_terms, token_mean
+from .rows import RowsLoss
 
 
 @dataclass(frozen=True, kw_only=True)

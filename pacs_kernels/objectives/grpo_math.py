@@ -11,7 +11,7 @@ For B = n_groups * G responses with 0/1 (or any real) rewards R and response mas
                                                                response is a zero-loss response, as in TRL and Liger)
 
 The surrogate is elementwise, so plain autograd gives the gradient (one scalar per token, which
-``linear_logprobs`` turns into the LM-head gradient in ``fused_linear_grpo_loss``, engine.py).
+``linear_logprobs`` turns into the LM-head gradient in ``fused_linear_grpo_loss``, pacs_kernels/engine/).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .checks import (
+from ..checks import (
     FLOAT_DTYPES,
     check_choice,
     check_tensor,
 )
-from .loss_inputs import (
+from ..loss_inputs import (
     GRPO_STD_EPS,
     check_group_size,
     check_token_tensors,

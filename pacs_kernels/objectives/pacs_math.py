@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .loss_inputs import (
+from ..loss_inputs import (
     GRPO_STD_EPS,
     LOSS_BACKENDS,
     ResponseLayout,
@@ -189,10 +189,10 @@ def pacs_group_loss(logp, old_logp, mask, counts, rewards, layout, *, group_size
 
 
 def _group_loss_module():
-    from .logprobs import _triton_module
+    from ..logprobs import _triton_module
 
     _triton_module()  # raises the ValueError that explains a missing triton
-    from .triton import group_loss
+    from ..triton import group_loss
 
     return group_loss
 
@@ -230,7 +230,7 @@ def _pacs_triton(logp, old_logp, mask, rewards, layout, *, group_size, beta, sco
 
 def resolve_loss_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     """'auto' -> 'triton' on CUDA (not float64) when triton imports, else 'torch'."""
-    from .logprobs import resolve_backend
+    from ..logprobs import resolve_backend
 
     return resolve_backend(backend, device, dtype, choices=LOSS_BACKENDS, inputs="logp")
 
