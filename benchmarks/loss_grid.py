@@ -16,7 +16,7 @@ N/16 tokens, groups of 8, float32 on the CPU, bf16 on a GPU) for
     single_pass    path="single_pass", a chunk budget of one group (3 matmuls)
     two_pass       path="two_pass" (chunked torch on the CPU, the Triton kernels on CUDA)
     one_sweep      the first step after a rollout (old_lse given: ops.py's ``pacs_loss_first_step``)
-    auto           fused_linear_pacs_loss's defaults: the path and budget path_choice.py picks
+    auto           fused_linear_pacs_loss's defaults: the path and budget pacs_kernels/engine/plan.py picks
     cce            Cut Cross-Entropy's log-probs + pacs_loss (its torch_compile impl on the CPU)
     liger_chunked  Liger-Kernel's chunked log-prob step + pacs_loss
     trl_chunked    TRL's fused LM-head log-probs (trl.kernels, TRL 1.15+) + pacs_loss
@@ -644,7 +644,7 @@ def parse_args(argv):
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--estimate", action="store_true", help="print how long the run would take, run nothing")
     parser.add_argument("--gflops", type=float, default=None,
-                        help="with --estimate: the GEMM rate to assume (default: path_choice's calibration, measured "
+                        help="with --estimate: the GEMM rate to assume (default: the device's cost constants, measured "
                              "on small GEMMs, so low; 2 quiet Xeon cores reach about 150 on the grid's shapes)")
     parser.add_argument("--note", default="", help="a line for the Markdown (e.g. how quiet the machine was)")
     args = parser.parse_args(argv)
