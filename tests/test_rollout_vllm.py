@@ -132,6 +132,34 @@ def test_sampled_groups_respect_lengths_and_stop_tokens(tied):
     assert stopped > 0  # the stop token is kept in the response
 
 
+@pytest.mark.parametrize("temperature, top_p", [(1.1, 1.0), (0.8, 0.9)])
+def test_sampler_logprobs_are_the_processed_ones(tied, temperature, top_p):
+    """return_logprobs=True: each token's log-prob as vLLM's sampler drew it (logprobs_mode=processed_logprobs):
+    the float64 log_softmax(z / temperature), renormalized over the top-p nucleus; the same tokens as without."""
+    engine, model, _ = tied
+    prompts = PROMPTS[:4]
+    kwargs = dict(temperature=temperature, top_p=top_p, max_new_tokens=6, stop_token_ids=[], seed=7)
+    sampled = engine.generate(prompts, 3, return_logprobs=True, **kwargs)
+    assert sampled.token_ids == engine.generate(prompts, 3, **kwargs)
+    double = model.double()
+    try:
+        for prompt, group, values in zip(prompts, sampled.token_ids, sampled.logprobs):
+            for response, logprobs in zip(group, values):
+                assert len(logprobs) == len(response)
+                ids = torch.tensor([prompt + response])
+                with torch.no_grad():
+                    z = double(ids).logits[0, len(prompt) - 1:-1] / temperature
+                probs = z.softmax(-1)
+                if top_p < 1:  # the smallest set of most likely tokens holding top_p of the mass
+                    sorted_probs, order = probs.sort(-1, descending=True)
+                    outside = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+                    z = z.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), -torch.inf)
+                truth = z.log_softmax(-1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+                torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), truth, rtol=0, atol=1e-4)
+    finally:
+        model.float()
+
+
 def test_same_seed_same_samples(tied):
     engine, _, _ = tied
 

@@ -183,6 +183,7 @@ def generates_from_the_trained_policy(trainer, initial_policy) -> None:
 
     # one vLLM call per generation batch (one per optimizer step here), and the batch holds its completions
     assert len(vllm_outputs) == len(batches) == 3
+    offs = []  # each batch's largest |vLLM's log-prob - the policy's|
     for step, ((batch, policy_logp, initial_logp), completions) in enumerate(zip(batches, vllm_outputs)):
         mask = batch["completion_mask"].bool()
         assert [ids[m].tolist() for ids, m in zip(batch["completion_ids"], mask)] == completions
@@ -192,14 +193,19 @@ def generates_from_the_trained_policy(trainer, initial_policy) -> None:
         # policy as it was when the batch was generated (after `step` optimizer steps): the weights synced
         off = (batch["sampling_per_token_logps"] - policy_logp)[mask].abs().max().item()
         assert off < SAMPLER_TOLERANCE, f"batch {step}: vLLM's log-probs are up to {off:.3g} off the policy's"
+        offs.append(off)
         if step > 0:  # the policy moved, so an engine left with older weights would fail the check above
             moved = (policy_logp - initial_logp)[mask].abs().max().item()
             assert moved > MOVED_AT_LEAST, f"batch {step}: the policy moved only {moved:.3g} since the start"
 
     rows = [row for row in trainer.state.log_history if "loss" in row]
     assert len(rows) == 3
-    for row in rows:
+    for row, off in zip(rows, offs):
         assert torch.isfinite(torch.tensor(row["loss"]))
+        # the sampler/trainer mismatch of the step's batch, as pacs train logs it (pacs/train/rollout_correction.py)
+        assert row["pacs/mismatch_logp_diff_max"] == pytest.approx(off, abs=1e-4)
+        assert 0 <= row["pacs/mismatch_kl"] < row["pacs/mismatch_logp_diff_mean"] <= off
+        assert row["pacs/mismatch_token_out_frac"] == row["pacs/mismatch_response_out_frac"] == 0.0
         assert {"reward", "entropy", "pacs/weight_mean", "pacs/sigmoid_psi_mean"} <= row.keys()
         # old = current at every step: vLLM's bf16 sampling log-probs (up to 7e-3 off) would give psi != 0
         assert row["pacs/psi_mean"] == 0.0 and row["pacs/psi_std"] == 0.0

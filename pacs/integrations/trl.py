@@ -30,7 +30,11 @@ what PACS needs differently is done here:
 - PACS stats (psi, the implicit critic's calibration, class weights) and the entropy go to TRL's
   metrics as ``pacs/...`` and ``entropy``, once per optimizer step: the statistics of the step's whole
   batch, over its accumulation micro-batches and every process (pacs/train/loss_statistics.py); in
-  evaluation, each eval batch's over the processes.
+  evaluation, each eval batch's over the processes;
+- with vLLM generation, each generation batch's mismatch between vLLM's sampling log-probs and the trainer's
+  goes to the metrics as ``pacs/mismatch_*`` (the columns of ``pacs train``, pacs/train/rollout_correction.py;
+  the band: ``vllm_importance_sampling_clip_min``/``_max``): on-policy, one no-grad log-prob pass per
+  generation batch for it (TRL's own correction runs the same pass), never used by the loss.
 
 TRL options that PACS cannot honour raise a ValueError (KL to a reference ``beta != 0``, vLLM
 importance-sampling correction (off by default in PACSConfig), entropy masking
@@ -65,6 +69,7 @@ from pacs.model.model_forward import MULTIMODAL_KEYS, LogprobRequest, PACSBatch,
 from pacs.model.tiled_mlp import tile_mlp
 from pacs.model.varlen_attention import new_decisions as new_attention_decisions
 from pacs.train.loss_statistics import LossStatistics
+from pacs.train.rollout_correction import Band, measure
 from pacs.train.run_lock import RunDirectoryLocked, lock_run_directory
 from pacs.train.single_label_groups import (
     group_losses_at_zero,
@@ -449,7 +454,36 @@ class PACSTrainer(GRPOTrainer):
         output["pacs_rewards"] = rewards[local].to(device=device, dtype=torch.float32)
         output["pacs_valid"] = valid[local].to(device)
         output["pacs_group_ids"] = torch.arange(start, start + n_local, device=device) // group_size
+        if output.get("sampling_per_token_logps") is not None:  # vLLM's log-probs of what it sampled
+            self._log_rollout_mismatch(output)
         return output
+
+    @torch.no_grad()
+    def _log_rollout_mismatch(self, output: dict) -> None:
+        """vLLM's sampling log-probs against the trainer's (TRL's old log-probs where it kept them, else a no-grad
+        pass of the current policy, which generated the batch; not stored: the loss stays on-policy) as the
+        ``pacs train`` columns ``pacs/mismatch_*`` (pacs/train/rollout_correction.py; tokens vLLM could not
+        score, NaN, are left out as TRL does)."""
+        mode = "train" if self.model.training else "eval"
+        sampler, old = output["sampling_per_token_logps"], output.get("old_per_token_logps")
+        mask = output["completion_mask"].bool()
+        if "tool_mask" in output:
+            mask = mask & output["tool_mask"].bool()
+        if old is None:
+            ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+            attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+            batch_size = (self.args.per_device_train_batch_size if mode == "train"
+                          else self.args.per_device_eval_batch_size)
+            old, _, _ = self._get_per_token_logps_and_entropies(self.model, ids, attention, ids.shape[1] -
+                                                                output["prompt_ids"].shape[1], batch_size)
+        mask = mask & ~torch.isnan(sampler)
+        a = self.args
+        c_max = a.vllm_importance_sampling_clip_max
+        band = Band(c_min=a.vllm_importance_sampling_clip_min or 0.0, c_max=math.inf if c_max is None else c_max)
+        sums = measure(old.float(), torch.nan_to_num(sampler.float()), mask, band)
+        for name, value in sums.all_ranks(self.accelerator.device, self.accelerator.num_processes).columns().items():
+            if "masked" not in name:  # nothing is masked here
+                self._metrics[mode][f"pacs/{name}"].append(value)
 
     def _prepare_inputs(self, generation_batch):
         """Generation batches are cut into micro-batches of whole groups (TRL cuts shuffled rows)."""
