@@ -14,6 +14,7 @@ never measures or writes. A device nobody calibrated gets the cost model's defau
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -76,7 +77,7 @@ class DeviceProfile:
 
 
 _lock = threading.Lock()
-_profiles: dict[str, DeviceCosts] = {}
+_profiles: dict[str, DeviceCosts | None] = {}  # by profile_key: calibrated costs, or None (none stored: defaults)
 
 
 def device_profile(device: torch.device, dtype: torch.dtype, *, dispatch_table: str | None = None) -> DeviceProfile:
@@ -86,12 +87,10 @@ def device_profile(device: torch.device, dtype: torch.dtype, *, dispatch_table: 
     device = torch.device(device)
     name, capability = device_name(device), _capability(device)
     key = profile_key(device, dtype, name)
-    with _lock:
-        costs = _profiles.get(key)
-        if costs is None:
-            costs = _read_stored(key)
-            if costs is not None:
-                _profiles[key] = costs
+    with _lock:  # the stored profiles are read once per process and device (no file access per loss call)
+        if key not in _profiles:
+            _profiles[key] = _read_stored(key)
+        costs = _profiles[key]
     calibrated = costs is not None
     costs = costs or DEFAULT_COSTS.get(device.type, DEFAULT_COSTS["cpu"])
     table = dispatch.table_entries(dispatch_table, device_name=None if dispatch_table else name,
@@ -127,6 +126,7 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
     return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
 
 
+@functools.lru_cache(maxsize=1)
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -239,6 +239,6 @@ def set_device_costs(device: torch.device | str, dtype: torch.dtype, costs: Devi
 
 
 def forget_calibrations() -> None:
-    """Drop the in-memory calibrations (a stored profile file stays)."""
+    """Drop the in-memory calibrations and what was read of the stored profiles (the file stays)."""
     with _lock:
         _profiles.clear()
