@@ -113,7 +113,8 @@ def run_loss(hidden, weight, targets, mask, old_logp, rewards, objective, *, gro
                                  "run with these options (a logit soft-cap on backend='triton'): use backend='torch'")
     if result is None:
         result = run_two_pass(batch, plan, engine, options)
-    logger.debug("fused loss: %s path, B=%d, %d response tokens%s", plan.path, batch.n_responses, batch.n_selected,
+    shape = batch.shape
+    logger.debug("fused loss: %s path, B=%d, %d response tokens%s", plan.path, len(shape.counts), shape.n_selected,
                  f", {plan.rebuilt:.0%} of the logits built twice (groups bigger than the budget)"
                  if plan.rebuilt else "")
     loss, stats = result
