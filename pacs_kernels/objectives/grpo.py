@@ -93,7 +93,7 @@ class GRPOTokens:
 
     def __init__(self, objective: GRPO, batch) -> None:
         self.capabilities = objective.capabilities
-        n, counts, aggregation = batch.n_responses, batch.counts, objective.aggregation
+        n, counts, aggregation = len(batch.shape.counts), batch.counts, objective.aggregation
         like = batch.ref_logp if batch.ref_logp is not None else batch.targets  # the per-token shape, selected
         self.low, self.high, self.kl_coef = check_grpo_options(batch.group_size, n, objective.clip_eps,
                                                                objective.clip_eps_high, objective.kl_coef,

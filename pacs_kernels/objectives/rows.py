@@ -50,9 +50,10 @@ class RowsLoss:
         if not callable(objective):
             raise TypeError("objective must be a callable satisfying the Objective protocol, "
                             f"got {type(objective).__name__}")
-        check_response_rewards(batch.rewards, batch.n_responses, batch.hidden.device)
-        check_group_size(batch.group_size, batch.n_responses, getattr(objective, "advantage", "grpo"))
-        if batch.n_responses == 0 or batch.n_selected == 0:
+        n_responses, n_selected = len(batch.shape.counts), batch.shape.n_selected
+        check_response_rewards(batch.rewards, n_responses, batch.hidden.device)
+        check_group_size(batch.group_size, n_responses, getattr(objective, "advantage", "grpo"))
+        if n_responses == 0 or n_selected == 0:
             raise ValueError("mask must select at least one response token")
         if batch.valid is not None:
             raise ValueError(f"valid= is a PACS input; {type(objective).__name__} takes no validity mask")
@@ -67,7 +68,7 @@ class RowsLoss:
         self.ref_rows = None if batch.ref_logp is None else self.rows(batch.ref_logp.detach())
         self.old_rows = None if batch.old_logp is None else self.rows(batch.old_logp).detach()
         self.cdt = torch.float64 if batch.weight.dtype == torch.float64 else torch.float32
-        self.filler = torch.zeros(batch.n_selected, dtype=self.cdt, device=batch.hidden.device) \
+        self.filler = torch.zeros(n_selected, dtype=self.cdt, device=batch.hidden.device) \
             if batch.old_logp is None else batch.old_logp.detach().to(self.cdt)
         self._at_filler = None
 
