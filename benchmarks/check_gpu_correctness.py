@@ -333,8 +333,8 @@ def check_objectives(pacs_kernels, hidden, weight, targets, tau, gen, chunk, ato
                           cu_seqlens=cu_seqlens if packed else None)
             try:
                 loss, _ = pacs_kernels.fused_linear_objective_loss(
-                    hh, ww, y[mask] if packed else y, mask[mask] if packed else mask, rewards, objective,
-                    group_size=LOSS_GROUP_SIZE, options=pacs_kernels.LossOptions(
+                    hh, ww, y[mask] if packed else y, mask[mask] if packed else mask, rewards=rewards,
+                    objective=objective, group_size=LOSS_GROUP_SIZE, options=pacs_kernels.LossOptions(
                         backend="triton", path=path, chunk_budget_mib=one_group, temperature=tau), **inputs)
                 loss.backward()
             except Exception as exc:  # a failing path is a failed check, not the end of the run

@@ -453,8 +453,8 @@ def _objective_runner(case: Case, logp_fn) -> Callable[[dict], torch.Tensor]:
 
         def run(inputs):
             loss, _ = pacs_kernels.fused_linear_objective_loss(
-                inputs["hidden"], inputs["weight"], inputs["targets"], inputs["mask"], inputs["rewards"], objective,
-                group_size=LOSS_GROUP_SIZE, options=loss_options, old_logp=inputs["old_logp"])
+                inputs["hidden"], inputs["weight"], inputs["targets"], inputs["mask"], inputs["old_logp"],
+                inputs["rewards"], objective=objective, group_size=LOSS_GROUP_SIZE, options=loss_options)
             loss.backward()
             return loss.detach()
         return run

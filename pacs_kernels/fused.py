@@ -24,6 +24,7 @@ accumulation in float32 (float64 for float64 inputs); gradients return in the in
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import replace
 
 import torch
@@ -45,21 +46,46 @@ from .pieces import check_piece
 logger = logging.getLogger("pacs_kernels")
 
 
+def _historical_order(function):
+    """``fused_linear_objective_loss`` took ``(hidden, weight, targets, mask, rewards, objective)`` before every
+    fused entry shared one order, ``(hidden, weight, targets, mask, old_logp, rewards, *, objective=...)``: a call
+    in the old order (a non-tensor objective sixth, or five positional arguments beside ``objective=`` and no
+    ``rewards=``) still works, with a DeprecationWarning saying the new order."""
+    import functools
+
+    @functools.wraps(function)
+    def wrapper(*args, **keywords):
+        old = (len(args) == 6 and args[5] is not None and not isinstance(args[5], torch.Tensor)) or (
+            len(args) == 5 and "objective" in keywords and "rewards" not in keywords)
+        if old:
+            warnings.warn("fused_linear_objective_loss(hidden, weight, targets, mask, rewards, objective) is "
+                          "deprecated: every fused entry takes (hidden, weight, targets, mask, old_logp, rewards, "
+                          "*, objective=...); old_logp=None is on-policy", DeprecationWarning, stacklevel=2)
+            keywords.setdefault("objective", args[5] if len(args) == 6 else None)
+            args = (*args[:4], keywords.pop("old_logp", None), args[4])
+        return function(*args, **keywords)
+
+    return wrapper
+
+
+@_historical_order
 @moved_keywords("fused_linear_objective_loss")
-def fused_linear_objective_loss(hidden, weight, targets, mask, rewards, objective, *, group_size: int,
-                                options: LossOptions | None = None, old_logp=None, ref_logp=None, old_lse=None,
-                                cu_seqlens=None, bias=None, valid=None, group_ids=None, piece=None):
+def fused_linear_objective_loss(hidden, weight, targets, mask, old_logp, rewards, *, objective, group_size: int,
+                                options: LossOptions | None = None, ref_logp=None, old_lse=None, cu_seqlens=None,
+                                bias=None, valid=None, group_ids=None, piece=None):
     """``objective`` (see :class:`~pacs_kernels.objectives.Objective`) on the log-probs of
-    ``softmax((hidden @ weight.T + bias) / temperature)``, straight from hidden states and the LM head.
+    ``softmax((hidden @ weight.T + bias) / temperature)``, straight from hidden states and the LM head. The
+    arguments in the order of every fused entry (``fused_linear_pacs_loss``, ``fused_linear_grpo_loss``).
 
     Args:
         hidden: padded (B, T, d), or packed (N, d) / (1, N, d) with ``cu_seqlens`` (B + 1,); the backbone's
             final hidden states (after the last norm), cast to weight's dtype if it differs.
         weight: (V, d) LM head; targets: like hidden[..., 0], token ids (any valid id where mask is 0).
-        mask: like targets, 1 on response tokens. rewards: (B,), each group's ``group_size`` contiguous.
+        mask: like targets, 1 on response tokens.
+        old_logp: laid out like targets, the rollout policy's log-probs (constant); None: on-policy.
+        rewards: (B,), each group's ``group_size`` contiguous.
         objective: PACS(), GRPO(), DAPO(), ... or your own callable satisfying the Objective protocol.
         options: :class:`LossOptions` (backend, path, chunk budget, temperature, ...; None: ``LossOptions()``).
-        old_logp: laid out like targets, the rollout policy's log-probs (constant); None: on-policy.
         ref_logp: laid out like targets, a reference model's log-probs (for a KL term); None: none.
         old_lse: laid out like targets, the log-sum-exp of the old-policy pass (``linear_logprobs(...,
             return_lse=True)``), ONLY while the weights are those that produced old_logp: one sweep then gives

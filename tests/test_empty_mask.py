@@ -53,7 +53,7 @@ def test_an_empty_mask_response_is_a_zero_loss_response(name, path, packed):
     if packed:
         h, y, m = leaf.reshape(B * T, D), targets.reshape(-1), mask.reshape(-1)
         inputs = dict(old_logp=old.reshape(-1), cu_seqlens=torch.arange(0, B * T + 1, T))
-    loss, _ = fused_linear_objective_loss(h, weight, y, m, rewards, objective, group_size=G,
+    loss, _ = fused_linear_objective_loss(h, weight, y, m, rewards=rewards, objective=objective, group_size=G,
                                           options=LossOptions(path=path, backend="torch"), **inputs)
     loss.backward()
     logp, _ = naive_linear_logprobs(hidden, weight, targets)

@@ -26,8 +26,8 @@ def test_no_gradient_anywhere_gives_zero_gradients(path):
     weight = torch.randn(37, 8, requires_grad=True)
     targets = torch.randint(0, 37, (4, 5))
     plant_garbage()
-    loss, _ = fused_linear_objective_loss(hidden, weight, targets, torch.ones(4, 5), torch.tensor([1., 0., 1., 0.]),
-                                          constant_objective, group_size=2,
+    loss, _ = fused_linear_objective_loss(hidden, weight, targets, torch.ones(4, 5), None,
+                                          torch.tensor([1., 0., 1., 0.]), objective=constant_objective, group_size=2,
                                           options=LossOptions(path=path, backend="torch", chunk_budget_mib=0.001))
     assert float(loss) == 0.5
     if loss.requires_grad:

@@ -144,8 +144,8 @@ def test_hidden_walk_is_short(entry, path, packed):
         extra["old_lse"] = lse
     if entry == "objective":
         def call():
-            pacs_kernels.fused_linear_objective_loss(hidden, weight, targets, mask, rewards, GRPO(), group_size=2,
-                                                     options=options, old_logp=old, **extra)
+            pacs_kernels.fused_linear_objective_loss(hidden, weight, targets, mask, old, rewards, objective=GRPO(),
+                                                     group_size=2, options=options, **extra)
     else:
         function = pacs_kernels.fused_linear_pacs_loss if entry == "pacs" else pacs_kernels.fused_linear_grpo_loss
         objective = PACS(beta=0.5) if entry == "pacs" else GRPO()

@@ -43,8 +43,8 @@ def test_a_new_objective_runs_on_every_path_with_the_same_gradient(path):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         extra = dict(old_lse=lse) if run == "one_sweep" else {}
         options = LossOptions(backend="torch", path="auto" if run == "one_sweep" else run)
-        loss, _ = fused_linear_objective_loss(h, w, targets, mask, rewards, GroupBaselineReinforce(), group_size=4,
-                                              options=options, old_logp=old, **extra)
+        loss, _ = fused_linear_objective_loss(h, w, targets, mask, old, rewards, objective=GroupBaselineReinforce(),
+                                              group_size=4, options=options, **extra)
         loss.backward()
         grads[run] = (loss.detach(), h.grad, w.grad)
     for reference, value in zip(grads["two_pass"], grads[path]):
@@ -58,7 +58,8 @@ def test_a_new_objective_trains():
     objective = GroupBaselineReinforce()
     losses = []
     for _ in range(5):
-        loss, _ = fused_linear_objective_loss(hidden, weight, targets, mask, rewards, objective, group_size=4)
+        loss, _ = fused_linear_objective_loss(hidden, weight, targets, mask, None, rewards, objective=objective,
+                                              group_size=4)
         loss.backward()
         with torch.no_grad():
             weight -= 2.0 * weight.grad

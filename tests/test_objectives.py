@@ -208,8 +208,8 @@ def test_an_infinite_old_or_reference_log_prob_on_a_loss_token_is_refused():
             fused_linear_grpo_loss(hidden, weight, targets, mask, bad, rewards, group_size=2)
         for path in ("single_pass", "two_pass"):
             with pytest.raises(ValueError, match=match):
-                fused_linear_objective_loss(hidden, weight, targets, mask, rewards, GRPO(), group_size=2,
-                                            old_logp=bad, options=LossOptions(path=path))
+                fused_linear_objective_loss(hidden, weight, targets, mask, bad, rewards, objective=GRPO(), group_size=2,
+                                            options=LossOptions(path=path))
         with pytest.raises(ValueError, match=match):
             CISPO()(logp, bad, rewards, mask, group_size=2)
         with pytest.raises(ValueError, match=r"ref_logp must be finite on every token the mask selects"):
@@ -235,7 +235,7 @@ def test_pacs_with_the_naive_score_takes_groups_of_one_on_every_route():
                                                backend="torch"))
     hidden, weight = torch.randn(4, 3, 8, generator=gen), torch.randn(20, 8, generator=gen)
     targets = torch.randint(0, 20, (4, 3), generator=gen)
-    assert torch.isfinite(fused_linear_objective_loss(hidden, weight, targets, mask, rewards.float(), naive,
-                                                      group_size=1, old_logp=old.float())[0])
+    assert torch.isfinite(fused_linear_objective_loss(hidden, weight, targets, mask, old.float(), rewards.float(),
+                                                      objective=naive, group_size=1)[0])
     with pytest.raises(ValueError, match=r"group_size must be >= 2 for advantage='rloo'"):
         PACS()(logp, old, rewards, mask, group_size=1)

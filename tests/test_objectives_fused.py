@@ -134,9 +134,10 @@ def fused(case, data, on_policy, backend, packed=False, path="auto", dtype=torch
         inputs = {key: value[keep] for key, value in inputs.items()}
         cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), data["lengths"].cumsum(0)])
     loss, stats = fused_linear_objective_loss(
-        inputs["hidden"], weight, inputs["targets"], inputs["mask"], data["rewards"], case[1], group_size=G,
+        inputs["hidden"], weight, inputs["targets"], inputs["mask"], None if on_policy else inputs["old"],
+        data["rewards"], objective=case[1], group_size=G,
         options=LossOptions(temperature=TEMPERATURE, backend=backend, path=path, chunk_budget_mib=chunk_budget_mib),
-        old_logp=None if on_policy else inputs["old"], ref_logp=inputs["ref"], bias=bias, cu_seqlens=cu_seqlens)
+        ref_logp=inputs["ref"], bias=bias, cu_seqlens=cu_seqlens)
     loss.backward()
     return loss, stats, hidden.grad, weight.grad, bias.grad
 
@@ -237,10 +238,11 @@ def test_entropy_objective_on_single_pass_is_refused():
 
 def test_moved_keywords_warn_and_unknown_ones_fail():
     data = make_inputs(10, False)
-    args = (data["hidden"], data["weight"], data["targets"], data["mask"], data["rewards"], DAPO())
+    args = (data["hidden"], data["weight"], data["targets"], data["mask"], None, data["rewards"])
     with pytest.warns(DeprecationWarning, match=r"options=LossOptions\(temperature=0.8, backend='torch'\)"):
-        old_style, _ = fused_linear_objective_loss(*args, group_size=G, temperature=TEMPERATURE, backend="torch")
-    new_style, _ = fused_linear_objective_loss(*args, group_size=G,
+        old_style, _ = fused_linear_objective_loss(*args, objective=DAPO(), group_size=G, temperature=TEMPERATURE,
+                                                   backend="torch")
+    new_style, _ = fused_linear_objective_loss(*args, objective=DAPO(), group_size=G,
                                                options=LossOptions(temperature=TEMPERATURE, backend="torch"))
     torch.testing.assert_close(old_style, new_style)
     with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'"):
@@ -280,7 +282,7 @@ def test_fused_bad_inputs(changes, error, match):
     with pytest.raises(error, match=match):
         args["options"] = LossOptions(**options)
         fused_linear_objective_loss(args.pop("hidden"), args.pop("weight"), args.pop("targets"), args.pop("mask"),
-                                    args.pop("rewards"), args.pop("objective"), **args)
+                                    args.pop("old_logp", None), args.pop("rewards"), **args)
 
 
 def test_grpo_and_pacs_objectives_equal_the_existing_fused_losses():
@@ -303,3 +305,36 @@ def test_grpo_and_pacs_objectives_equal_the_existing_fused_losses():
         torch.testing.assert_close(got[0], loss, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got[2], hidden.grad, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(got[3], weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_every_fused_entry_takes_one_argument_order():
+    """The fused entries share their leading arguments, in one order, and the objective is a keyword everywhere:
+    going from PACS to DAPO changes only ``objective=``."""
+    import inspect
+
+    import pacs_kernels
+
+    order = ["hidden", "weight", "targets", "mask", "old_logp", "rewards"]
+    for entry in (pacs_kernels.fused_linear_pacs_loss, pacs_kernels.fused_linear_grpo_loss,
+                  pacs_kernels.fused_linear_objective_loss):
+        parameters = inspect.signature(entry).parameters
+        assert list(parameters)[:6] == order, entry.__name__
+        assert parameters["objective"].kind is inspect.Parameter.KEYWORD_ONLY, entry.__name__
+    forward = list(inspect.signature(pacs_kernels.PACSLoss.forward).parameters)[1:7]
+    assert forward == ["hidden", "lm_head_weight", *order[2:]]
+    data = make_inputs(5, True)
+    common = (data["hidden"], data["weight"], data["targets"], data["mask"], None, data["rewards"])
+    pacs, _ = pacs_kernels.fused_linear_objective_loss(*common, objective=PACS(), group_size=G)
+    torch.testing.assert_close(pacs, pacs_kernels.fused_linear_pacs_loss(*common, objective=PACS(), group_size=G))
+
+
+def test_the_objective_entrys_earlier_order_still_runs_with_a_warning():
+    data = make_inputs(6, False)
+    head, old = (data["hidden"], data["weight"], data["targets"], data["mask"]), data["old"]
+    want, _ = fused_linear_objective_loss(*head, old, data["rewards"], objective=DAPO(), group_size=G)
+    with pytest.warns(DeprecationWarning, match=r"takes \(hidden, weight, targets, mask, old_logp, rewards"):
+        got, _ = fused_linear_objective_loss(*head, data["rewards"], DAPO(), group_size=G, old_logp=old)
+    torch.testing.assert_close(got, want)
+    with pytest.warns(DeprecationWarning, match=r"old_logp=None is on-policy"):
+        got, _ = fused_linear_objective_loss(*head, data["rewards"], objective=DAPO(), group_size=G, old_logp=old)
+    torch.testing.assert_close(got, want)

@@ -115,7 +115,7 @@ def test_any_objective_takes_a_gathered_piece():
     want = objective(logprobs(h, w, targets) * mask, old_logp, rewards, mask, group_size=G)[0]
     piece = GatheredLogprobs(lambda logp: torch.zeros_like(old_logp).masked_scatter(mask, logp), old_logp, mask,
                              rewards)
-    got, _ = fused_linear_objective_loss(hidden, weight, targets, mask, rewards, objective, group_size=G,
+    got, _ = fused_linear_objective_loss(hidden, weight, targets, mask, None, rewards, objective=objective, group_size=G,
                                          options=OPTIONS, piece=piece)
     torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-12)
 
