@@ -167,6 +167,14 @@ if [ "$part" = "race" ] || [ "$part" = "all" ]; then
     fi
     save
 
+    # this GPU's profile (its cost-model constants, keyed by device name and capability) for the loss planner:
+    # copy OUT/race/device_profile/device_profiles.json into the profile folder (pacs_kernels/engine/device.py)
+    stamp "1b/4 this device's profile: pacs bench calibrate (limit 30s)"
+    PACS_KERNELS_PROFILE_DIR="$dir/device_profile" timeout "$(limit 30)" "$py" benchmarks/run.py calibrate \
+        --device "${check_args[1]}" 2>&1 | tee "$dir/device_profile.txt" \
+        || { echo "!!! calibrate exited with $?"; status=1; }
+    save
+
     stamp "2/4 the Triton backward's gradient GEMMs: our kernels vs torch.mm / cuBLAS (budget 15s, limit 35s)"
     timeout "$(limit 35)" "$py" benchmarks/run.py "${gemm_args[@]}" --out "$dir" --name gpu_grad_gemms --ops grad_gemms \
         --impls torch triton --warmup 1 --repeats 5 --time-budget 15 --no-plots \

@@ -17,7 +17,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu.sh"
 # every step's stamp, in the order the script must run them
-STEPS = ["1/4", "2/4", "3/4", "4/4", "5/8", "5b/8", "6/8", "7/8", "8/8", "9/12", "10/12", "11/12", "12/12",
+STEPS = ["1/4", "1b/4", "2/4", "3/4", "4/4", "5/8", "5b/8", "6/8", "7/8", "8/8", "9/12", "10/12", "11/12", "12/12",
          "grid 1/2", "grid 2/2"]
 
 
@@ -51,7 +51,7 @@ def test_dry_run_runs_every_step_in_order_and_packs_each_part(tmp_path):
         with tarfile.open(tmp_path / "out" / f"{part}.tgz") as archive:
             packed[part] = {Path(name).relative_to(part).as_posix() for name in archive.getnames() if name != part}
     assert {"correctness.txt", "gpu_grad_gemms.csv", "loss_grid_dry.csv", "loss_grid_dry_paired.csv",
-            "dispatch.json"} <= packed["race"]
+            "dispatch.json", "device_profile.txt", "device_profile/device_profiles.json"} <= packed["race"]
     assert {"train_smoke_metrics.jsonl", "train_smoke.log"} <= packed["long"]
     assert {"peers_check.txt", "loss_grid_dry.csv", "gpu.csv"} <= packed["peers"]
     assert {"loss_grid_dry.csv", "loss_grid_dry_dapo.csv"} <= packed["grid"]
