@@ -153,19 +153,19 @@ def fused_linear_pacs_loss(hidden, weight, targets, mask, old_logp, rewards, *, 
                            bias=None, group_ids=None, valid=None, old_lse=None, return_stats: bool = False,
                            with_entropy: bool = False, piece=None):
     """The PACS loss straight from final hidden states and the LM head (:func:`fused_linear_objective_loss` with
-    ``objective=PACS(...)``, the arguments in their historical order).
+    ``objective=PACS(...)``, the arguments in the order of every fused entry).
+
+    ``hidden``, ``weight``, ``targets``, ``mask``, ``old_logp``, ``cu_seqlens``, ``bias``, ``old_lse`` and ``piece``
+    are as in :func:`fused_linear_objective_loss`; ``group_ids`` and ``valid`` as in :func:`pacs_loss`. A keyword
+    that moved (``beta=``, ``path=``, ...) still works, with a DeprecationWarning naming its new home.
 
     Args:
-        hidden, weight, targets, mask, old_logp, cu_seqlens, bias, old_lse, piece: as in
-            :func:`fused_linear_objective_loss`.
         rewards: (B,) 0/1 labels, each group's ``group_size`` responses contiguous.
         objective: ``PACS(beta=, score=, advantage=, weighting=, score_function_term=)`` (None: ``PACS()``);
             its kl_coef / entropy_coef need :func:`fused_linear_objective_loss`.
         options: :class:`LossOptions` (None: ``LossOptions()``).
-        group_ids, valid: as in :func:`pacs_loss`.
         return_stats: also return a :class:`PACSStats` (its ``path`` says which ran; with ``piece``, a dict).
         with_entropy: with return_stats, also the policy's mean token entropy.
-        A keyword that moved (``beta=``, ``path=``, ...) still works, with a DeprecationWarning naming its new home.
 
     Returns:
         0-d float32 loss (or ``(loss, PACSStats)``), differentiable in hidden, weight and bias.
@@ -189,7 +189,7 @@ def fused_linear_grpo_loss(hidden, weight, targets, mask, old_logp, rewards, *, 
                            objective: GRPO | None = None, options: LossOptions | None = None, cu_seqlens=None,
                            bias=None, ref_logp=None, return_stats: bool = False, piece=None):
     """``grpo_loss`` straight from hidden states and the LM head (:func:`fused_linear_objective_loss` with
-    ``objective=GRPO(...)``, the arguments in their historical order; ``old_logp=None`` means on-policy).
+    ``objective=GRPO(...)``, the arguments in the order of every fused entry; ``old_logp=None`` means on-policy).
 
     ``objective``: ``GRPO(clip_eps=, clip_eps_high=, aggregation=, kl_coef=)`` (None: ``GRPO()``; an
     entropy_coef needs :func:`fused_linear_objective_loss`). ``ref_logp``: for the KL term, laid out like old_logp;

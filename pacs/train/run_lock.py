@@ -17,7 +17,7 @@ import fcntl
 import os
 import sys
 
-from pacs.train.run_dir import CONFIG_NAME, LOCK_NAME, RunDir  # noqa: F401  (LOCK_NAME: the lock file's name)
+from pacs.train.run_dir import CHECKPOINTS_NAME, CONFIG_NAME, LOCK_NAME, RunDir  # noqa: F401  (LOCK_NAME: the lock file's name)
 
 _held: dict[str, int] = {}  # real path of the lock file -> its open descriptor, in this process
 
@@ -123,7 +123,7 @@ def check_no_other_holder(directory: str, what: str = "--output-dir") -> None:
     """Raise :class:`RunDirectoryLocked` when another process holds a lock below ``directory`` (a ``pacs eval``
     of the run holds ``DIR/eval/.lock``): the directory must not be moved away under it."""
     for root, dirs, files in os.walk(directory):
-        dirs[:] = [d for d in dirs if d != "checkpoints"]  # (no lock is ever there)
+        dirs[:] = [d for d in dirs if d != CHECKPOINTS_NAME]  # (no lock is ever there)
         if LOCK_NAME not in files:
             continue
         path = os.path.realpath(os.path.join(root, LOCK_NAME))
