@@ -38,6 +38,9 @@ def test_a_healthy_run_gets_one_line_and_no_warning():
     lines = health_lines(rows)
     assert lines == ["[health] reward 0.115 -> 0.475, held-out accuracy 0.200 -> 0.600, groups with mixed rewards "
                      "60%, weights moved by each step 98%"]
+    # the evaluation before the first step has a row of its own, without a rollout: it is where accuracy starts
+    assert health_lines([{"step": 0, "eval_accuracy": 0.125}] + rows)[0].startswith(
+        "[health] reward 0.115 -> 0.475, held-out accuracy 0.125 -> 0.600")
 
 
 def test_a_broken_run_is_named():

@@ -68,7 +68,7 @@ def health_lines(rows: list[dict]) -> list[str]:
     if not steps:
         return []
     first_reward, last_reward = _ends(steps, "reward_mean")
-    evals = [row["eval_accuracy"] for row in steps if _finite(row.get("eval_accuracy"))]
+    evals = [row["eval_accuracy"] for row in rows if _finite(row.get("eval_accuracy"))]  # step 0's row: no rollout
     mixed = _mean([row.get("mixed_reward_group_frac") for row in steps])
     moved = _mean([row.get("update_nonzero_frac") for row in steps])
     parts = [f"reward {first_reward:.3f} -> {last_reward:.3f}"]
