@@ -19,12 +19,11 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 
 import pytest
-from trainer_helpers import repo_root
+from trainer_helpers import build_wheel, repo_root
 
 from pacs.rollout import vllm_available
 
@@ -79,16 +78,7 @@ def test_a_real_architecture_trains_through_vllm_at_a_realistic_batch_resumes_an
 
 
 def test_the_wheel_with_the_train_extra_plans_and_trains_outside_the_checkout(tmp_path):
-    src = tmp_path / "src"
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in ("pacs", "pacs_kernels"):
-        shutil.copytree(os.path.join(repo_root(), name), src / name, ignore=ignore)
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy(os.path.join(repo_root(), name), src / name)
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                            "-q", str(src), "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0, built.stderr[-3000:]
-    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    wheel = build_wheel(tmp_path)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     lock = os.path.join(repo_root(), "requirements", "lock-cpu.txt")

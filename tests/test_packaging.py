@@ -3,13 +3,12 @@
 
 import email
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
 
 import pytest
-from trainer_helpers import repo_root
+from trainer_helpers import build_wheel, repo_root
 
 import pacs
 import pacs_kernels
@@ -104,18 +103,7 @@ def test_setup_env_stamp_follows_pyproject():
 
 @pytest.mark.slow
 def test_wheel_holds_the_two_packages_only(tmp_path):
-    src = tmp_path / "src"
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "results")
-    for name in ("pacs", "pacs_kernels", "benchmarks"):
-        shutil.copytree(os.path.join(repo_root(), name), src / name, ignore=ignore)
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy(os.path.join(repo_root(), name), src / name)
-    out = tmp_path / "dist"
-    result = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", str(src),
-         "-w", str(out)], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (wheel,) = out.glob("*.whl")
+    wheel = build_wheel(tmp_path, also=("benchmarks",))
     assert wheel.name.startswith(f"pacs_rl-{pacs_kernels.__version__}-")
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
@@ -146,16 +134,7 @@ def test_the_wheel_installs_into_a_clean_venv_with_torch_only_and_runs_the_quick
     """A fresh venv (no site packages): torch 2.13.0's CPU build, then the wheel with its own dependencies
     (numpy, pyyaml, triton), at the locked versions; the README's quick start runs from outside the checkout
     against the installed package."""
-    src = tmp_path / "src"
-    shutil.copytree(os.path.join(repo_root(), "pacs"), src / "pacs", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(os.path.join(repo_root(), "pacs_kernels"), src / "pacs_kernels",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy(os.path.join(repo_root(), name), src / name)
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                            "-q", str(src), "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0, built.stderr[-3000:]
-    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    wheel = build_wheel(tmp_path)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     python = str(venv / "bin" / "python")
@@ -192,15 +171,7 @@ def test_the_installed_package_plans_shipped_models_and_presets_outside_a_checko
     """The wheel installed on its own (--no-deps --target: its dependencies are this environment's) and run from
     outside the checkout: pacs plan by model name and hub id, a preset by name and by absolute path, and
     build_small_model, all from the installed copy's package data."""
-    src = tmp_path / "src"
-    for name in ("pacs", "pacs_kernels"):
-        shutil.copytree(os.path.join(repo_root(), name), src / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(os.path.join(repo_root(), name), src / name)
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                            "-q", str(src), "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0, built.stderr[-3000:]
-    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    wheel = build_wheel(tmp_path)
     target = tmp_path / "site"
     done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
                            "--disable-pip-version-check", "--target", str(target), str(wheel)],

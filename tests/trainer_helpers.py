@@ -35,6 +35,27 @@ def repo_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def build_wheel(tmp_path, *, also=()) -> "pathlib.Path":
+    """The wheel of a copy of the source tree (the checkout gets no build/ or egg-info), built without network
+    or isolation into ``tmp_path/dist``; ``also``: more top-level folders copied beside the two packages (to show
+    the wheel leaves them out)."""
+    import shutil
+    import subprocess
+    import sys
+
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "results")
+    for name in ("pacs", "pacs_kernels", *also):
+        shutil.copytree(os.path.join(repo_root(), name), src / name, ignore=ignore)
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(os.path.join(repo_root(), name), src / name)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                            "-q", str(src), "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    return wheel
+
+
 def run_torchrun(script_args: list[str], what: str, *, nproc: int = 2, timeout: int = 900):
     """``python -m torch.distributed.run --standalone --nproc-per-node=NPROC *script_args`` (one
     process: plain ``python *script_args``) from the repository root, one thread per rank; fails
