@@ -313,10 +313,10 @@ def test_a_model_whose_layers_drop_the_sequence_bounds_is_refused_not_attended_a
                                                                                            PACKED_ATTENTION)
     assert add_pacs_forward(model, PACSLoss(group_size=G), temperature=1.0, padding_free=None) is False
     # a model the list does not know: the attention itself refuses what never reached it
-    from pacs.model import packing
+    from pacs.model import profile
 
     input_ids, attention_mask, batch = left_right_padded(4)
-    monkeypatch.setattr(packing, "BOUNDS_NOT_PASSED_ON", ())
+    monkeypatch.setattr(profile, "BOUNDS_NOT_PASSED_ON", ())
     add_pacs_forward(model, PACSLoss(group_size=G, options=TORCH_BACKEND), temperature=1.0, padding_free=True)
     with pytest.raises(ValueError, match=r"NemotronAttention: a packed row's sequence bounds \(cu_seq_lens_q\) did "
                                          r"not reach this attention layer.*set train.packing=false"):

@@ -483,7 +483,8 @@ def test_grpo_only_options_warn(tmp_path):
 
 
 def test_softcapped_model_gets_the_cap_in_the_kernels(tmp_path):
-    from pacs.model.model_forward import PACSBatch, add_pacs_forward, check_supported_head, logit_scale_of
+    from pacs.model.model_forward import PACSBatch, add_pacs_forward, check_supported_head
+    from pacs.model.profile import ModelProfile
     from pacs_kernels import PACSLoss, pacs_loss
     from pacs_kernels.reference import naive_linear_logprobs
 
@@ -504,7 +505,7 @@ def test_softcapped_model_gets_the_cap_in_the_kernels(tmp_path):
     expected = pacs_loss(logp, old, rewards, mask, group_size=2)
     torch.testing.assert_close(out.loss.double(), expected, rtol=1e-6, atol=1e-8)
     model.config.logits_scaling = 4.0  # a scale and a cap together: refused
-    assert logit_scale_of(model.config) == 0.25
+    assert ModelProfile.from_config(model.config).logit_scale == 0.25
     with pytest.raises(ValueError, match="both scales .* and soft-caps"):
         check_supported_head(model.config)
 

@@ -24,6 +24,8 @@ import contextlib
 
 import torch
 
+from pacs.model.profile import ModelProfile
+
 
 def activation_offload(enabled: bool, device: torch.device):
     """Context manager for a micro-batch's forward: tensors saved for the backward go to host
@@ -62,7 +64,7 @@ def apply_liger_patches(causal_lm: torch.nn.Module, device: torch.device) -> Non
     except ImportError as exc:
         raise ValueError("train.liger_patches=true needs liger-kernel: pip install liger-kernel "
                          f"(import failed: {exc})") from exc
-    model_type = getattr(causal_lm.config, "model_type", None)
+    model_type = ModelProfile.from_config(causal_lm.config).model_type or None
     try:
         _apply_liger_kernel_to_instance(model=causal_lm, **LIGER_KERNELS)
     except Exception as exc:  # Liger raises or logs differently per version for unknown model types

@@ -40,6 +40,7 @@ from transformers.utils import ModelOutput
 
 from pacs.model.packed_attention import PACKED_ATTENTION, packed_call
 from pacs.model.packing import pack_real_tokens, packed_backbone_kwargs, packing_obstacle, switch_attention
+from pacs.model.profile import ModelProfile
 from pacs_kernels import PACSLoss, linear_logprobs
 
 # Batch entries of multimodal models (images): the PACS forwards pass only token ids (refused where they would be
@@ -100,37 +101,13 @@ class PACSModelOutput(ModelOutput):
     logp: torch.Tensor | None = None
 
 
-def logit_scale_of(config) -> float:
-    """The factor a model multiplies its logits by before the softmax (1.0 for most models).
-
-    Read from the text config like the model code does: ``logit_scale`` (Cohere), ``output_multiplier``,
-    ``lm_head_multiplier`` (Falcon-H1), ``logits_scaling`` (Granite divides by it). Applied exactly
-    by dividing the temperature by it.
-    """
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
-        value = getattr(text, name, None)
-        if value is not None:
-            return float(value)
-    scaling = getattr(text, "logits_scaling", None)
-    if scaling is not None:
-        return float(scaling) if getattr(text, "model_type", "") == "hyperclovax" else 1.0 / float(scaling)
-    return 1.0
-
-
-def logit_softcap_of(config) -> float | None:
-    """The model's logit soft-cap c (``final_logit_softcapping``: logits = c * tanh(logits / c), Gemma 2/3), or None."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    softcap = getattr(text, "final_logit_softcapping", None)
-    return None if softcap is None else float(softcap)
-
-
-def check_supported_head(config) -> None:
-    """Refuses LM heads whose logits the fused kernels cannot reproduce (ValueError)."""
-    scale = logit_scale_of(config)
+def check_supported_head(config) -> ModelProfile:
+    """The profile of a model's ``config`` (a transformers config); refuses LM heads whose logits the fused
+    kernels cannot reproduce (ValueError)."""
+    profile = ModelProfile.from_config(config)
+    scale, softcap = profile.logit_scale, profile.logit_softcap
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"the model's logit scale must be a finite number > 0, got {scale}")
-    softcap = logit_softcap_of(config)
     if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"the model's final_logit_softcapping must be a finite number > 0, got {softcap}")
     if softcap is not None and scale != 1.0:
@@ -138,6 +115,7 @@ def check_supported_head(config) -> None:
             f"the model both scales (x{scale}) and soft-caps (final_logit_softcapping={softcap}) its logits; the "
             "kernels apply the cap to the head's output and fold the scale into the temperature, which is exact "
             "for one of the two only. Expected a logit scale of 1 with a soft-cap.")
+    return profile
 
 
 def pacs_head_loss(loss_fn: PACSLoss, hidden, weight, bias, batch: PACSBatch):
@@ -161,7 +139,7 @@ def add_pacs_forward(model, loss_fn: PACSLoss, *, temperature: float, padding_fr
     (``model.get_output_embeddings()``) to serve ``pacs_batch=`` (see the module doc). Patch after
     any change to the head (a PEFT model built afterwards must not wrap ``lm_head``).
 
-    ``temperature``: the sampling temperature; the model's own logit scale (``logit_scale_of``) is
+    ``temperature``: the sampling temperature; the model's own logit scale (``ModelProfile.logit_scale``) is
     folded into it. ``loss_fn.temperature`` is overwritten with the effective value, and
     ``loss_fn.logit_softcap`` with the model's soft-cap (``final_logit_softcapping``, or None).
 
@@ -173,14 +151,14 @@ def add_pacs_forward(model, loss_fn: PACSLoss, *, temperature: float, padding_fr
     None: padding-free wherever that is exact for the model (:func:`pacs.model.packing.packing_obstacle`);
     True for a model where it is not: a ValueError naming ``setting``. Returns whether it is on.
     """
-    check_supported_head(model.config)
+    profile = check_supported_head(model.config)
     attention = padding_free_attention(model, padding_free, setting)  # None: padded rows (nothing changed yet)
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__}.get_output_embeddings() returned None: the fused PACS loss needs "
                          "the model's LM head (a module with a (V, d) weight)")
-    loss_fn.temperature = float(temperature) / logit_scale_of(model.config)
-    loss_fn.logit_softcap = logit_softcap_of(model.config)  # Gemma-style soft-cap, inside the kernels
+    loss_fn.temperature = float(temperature) / profile.logit_scale
+    loss_fn.logit_softcap = profile.logit_softcap  # Gemma-style soft-cap, inside the kernels
     add_pacs_head_forward(head, loss_fn)
 
     padding_free = attention is not None and switch_attention(

@@ -21,6 +21,7 @@ import json
 import torch
 
 from pacs import configs as shipped_configs
+from pacs.model.profile import ModelProfile
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<|im_end|>", "<|im_start|>"]  # pad 0, bos 1, eos 2
 CHAT_TEMPLATE = (
@@ -28,7 +29,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 # the reduced shape: depth and width only
-SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, head_dim=32)
+SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128)
+SMALL_HEAD_DIM = 32
 SMALL_KV_HEADS = 2
 SMALL_SLIDING_WINDOW = 16
 SMALL_EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -75,30 +77,31 @@ def small_config(name: str, tokenizer=None, **overrides):
     from transformers import AutoConfig
 
     data = published_config(name)
+    profile = ModelProfile.from_config(data, name=name)
     tokenizer = tokenizer or build_byte_tokenizer()
-    heads, kv_heads = data["num_attention_heads"], data.get("num_key_value_heads") or data["num_attention_heads"]
-    if heads % kv_heads:
+    heads, kv_heads = profile.heads, profile.kv_heads
+    if not heads or heads % kv_heads:
         raise ValueError(f"{name}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})")
     # 2 key/value heads, each shared by as many query heads as in the real model. A config without head_dim
     # (Qwen2.5) means hidden / heads, as vLLM reads it: there, 1 key/value head and hidden = heads x head_dim.
-    small = dict(SMALL, num_attention_heads=SMALL_KV_HEADS * heads // kv_heads, num_key_value_heads=SMALL_KV_HEADS,
-                 pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+    small = dict(SMALL, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                  eos_token_id=tokenizer.eos_token_id, torch_dtype="float32")
-    if "head_dim" not in data:
+    if profile.explicit_head_dim:
+        small.update(num_attention_heads=SMALL_KV_HEADS * heads // kv_heads, num_key_value_heads=SMALL_KV_HEADS,
+                     head_dim=SMALL_HEAD_DIM)
+    else:
         small.update(num_attention_heads=heads // kv_heads, num_key_value_heads=1,
-                     hidden_size=heads // kv_heads * SMALL["head_dim"])
-        del small["head_dim"]
-    if data.get("sliding_window") and data.get("use_sliding_window", True):
-        small["sliding_window"] = SMALL_SLIDING_WINDOW
+                     hidden_size=heads // kv_heads * SMALL_HEAD_DIM)
+    if profile.sliding_window:
+        small.update(sliding_window=SMALL_SLIDING_WINDOW)
     if "query_pre_attn_scalar" in data:  # Gemma 2: 1/sqrt(this) scales the scores; the real one is head_dim
-        small["query_pre_attn_scalar"] = data["query_pre_attn_scalar"] * SMALL["head_dim"] // data["head_dim"]
-    if "num_experts" in data:
+        small.update(query_pre_attn_scalar=data["query_pre_attn_scalar"] * SMALL_HEAD_DIM // profile.head_dim)
+    if profile.experts:
         small.update(SMALL_EXPERTS)
-    model_type = data.pop("model_type")
     for key in ("architectures", "transformers_version", "torch_dtype", "use_cache", "cache_implementation"):
         data.pop(key, None)
     data.update(small, **overrides)
-    return AutoConfig.for_model(model_type, **data)
+    return AutoConfig.for_model(**data)  # data's model_type picks the config class
 
 
 def build_small_model(name: str, out_dir: str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,

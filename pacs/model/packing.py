@@ -40,6 +40,7 @@ from pacs.model.packed_attention import (
     packed_call,
     register_packed_attention,
 )
+from pacs.model.profile import ModelProfile
 
 # ----------------------------------------------------------------------------- the layout
 
@@ -253,50 +254,6 @@ def fixed_micro_batches(n_rows: int, rows_per_micro: int) -> list[tuple[int, int
 # ----------------------------------------------------------------------------- which models can be packed
 
 
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "attention")  # the layer kinds that attend
-LAYER_KIND_FIELDS = ("layer_types", "block_types", "layers_block_type")  # where configs list their layers' kinds
-# rotary frequencies computed from the call's largest position (dynamic NTK, Phi-3's long/short factors)
-POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
-# classes whose decoder layers call their attention without the forward's keyword arguments, so a packed row's
-# sequence bounds never reach it (transformers 5.19; pacs_packed_sdpa also stops any other such model at its
-# first packed forward)
-BOUNDS_NOT_PASSED_ON = ("NemotronForCausalLM",)
-
-
-def _text_config(model_config):
-    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-
-
-def non_attention_layer_types(model_config) -> list[str]:
-    """The model's layer types that mix tokens other than by attention (state-space, linear attention,
-    recurrence, convolution: hybrid models' ``layer_types``, RecurrentGemma's ``block_types``, Zamba's
-    ``layers_block_type``), sorted; [] for a plain transformer."""
-    text = _text_config(model_config)
-    types = [t for field in LAYER_KIND_FIELDS for t in (getattr(text, field, None) or ()) if isinstance(t, str)]
-    return sorted({t for t in types if t not in ATTENTION_LAYER_TYPES})
-
-
-def position_dependent_rope(model_config) -> str | None:
-    """The rope_type whose frequencies depend on the largest position of the call (``dynamic``, ``longrope``),
-    or None; a config's per-layer-type rope parameters are each looked at."""
-    params = getattr(_text_config(model_config), "rope_parameters", None) or {}
-    for entry in [params, *(v for v in params.values() if isinstance(v, dict))]:
-        if entry.get("rope_type") in POSITION_DEPENDENT_ROPE:
-            return entry["rope_type"]
-    return None
-
-
-def sliding_window_of(model_config) -> int | None:
-    """The window (tokens) some layer of the model attends within, or None when every layer sees its whole
-    sequence (``layer_types`` where the config has them, else ``sliding_window`` unless
-    ``use_sliding_window`` is False)."""
-    text = _text_config(model_config)
-    window, types = getattr(text, "sliding_window", None), getattr(text, "layer_types", None)
-    if types is not None:
-        return window if "sliding_attention" in types else None
-    return None if getattr(text, "use_sliding_window", True) is False else window
-
-
 def causal_lm_class(model_config):
     """The transformers class ``AutoModelForCausalLM`` builds for this config, or None (a model whose code is
     not in transformers: ``trust_remote_code``)."""
@@ -307,53 +264,12 @@ def causal_lm_class(model_config):
 
 def packing_obstacle(model_config, attention: str, model_class=None, left_padded: bool = False) -> str | None:
     """Why packed rows, run with the attention implementation ``attention``, would not compute what
-    padded rows compute for this model; None when they would.
-
-    ``model_class``: the model's class (default: the one transformers builds for the config; unknown, a
-    model with code of its own, is an obstacle). Its attention must go through Hugging Face's attention
-    interface (``_supports_attention_backend``), which hands ``attention`` the packed row's sequence bounds;
-    a model that attends by code of its own (ALiBi models, older ports) would attend across them. No
-    attention keeps a state-space or linear-attention layer from carrying state from one packed sequence
-    into the next. Flash-attention's varlen kernels honour sliding windows and attention soft-caps;
-    ``pacs_packed_sdpa`` (and the sequence-parallel attention) neither. ``left_padded``: the padded rows
-    compared against are left-padded (TRL's prompts) without position ids, so a model with absolute
-    position embeddings counts their positions from the padding while the packed row counts from the first
-    token; rotary embeddings (``rope_parameters``) see only distances.
-    """
-    name = type(model_config).__name__
-    other = non_attention_layer_types(model_config)
-    if other:
-        return (f"the model has layers that are not attention ({', '.join(other)}; {name}.layer_types), which "
-                "would carry state from one packed sequence into the next")
+    padded rows compute for this model (a transformers config); None when they would
+    (:meth:`pacs.model.profile.ModelProfile.packing_obstacle` says when). ``model_class``: the model's class
+    (default: the one transformers builds for the config; unknown, a model with code of its own, is an
+    obstacle). ``left_padded``: the padded rows compared against are left-padded (TRL's prompts)."""
     model_class = causal_lm_class(model_config) if model_class is None else model_class
-    if model_class is None:
-        return (f"{name} is not a transformers model class (code of its own): cannot tell whether its attention "
-                "keeps packed sequences apart")
-    if not getattr(model_class, "_supports_attention_backend", False):
-        return (f"{model_class.__name__} attends by code of its own, not through transformers' attention "
-                "interface, so a packed row's sequences would attend to each other")
-    if model_class.__name__ in BOUNDS_NOT_PASSED_ON:
-        return (f"{model_class.__name__}'s decoder layers do not pass a packed row's sequence bounds on to their "
-                "attention, so its sequences would attend to each other")
-    text = _text_config(model_config)
-    if left_padded and getattr(text, "rope_parameters", None) is None:
-        return (f"{model_class.__name__} has no rotary position embeddings: a left-padded row counts positions "
-                "from its padding, a packed row from its first token")
-    rope = position_dependent_rope(model_config)
-    if left_padded and rope is not None:
-        return (f"its rotary frequencies (rope_type={rope!r}) follow the largest position of the call: a "
-                "left-padded batch's counts its padding, a packed row's does not")
-    if "flash" in attention:
-        return None
-    window = sliding_window_of(model_config)
-    if window is not None:
-        return (f"the model attends within a sliding window of {window} tokens, which {attention} does not "
-                "implement (flash_attention_2 does: CUDA with flash_attn installed)")
-    softcap = getattr(text, "attn_logit_softcapping", None)
-    if softcap is not None:
-        return (f"the model soft-caps its attention scores (attn_logit_softcapping={softcap}), which {attention} "
-                "does not (flash_attention_2 does: CUDA with flash_attn installed)")
-    return None
+    return ModelProfile.from_config(model_config).packing_obstacle(attention, model_class, left_padded)
 
 
 def switch_attention(causal_lm, attention: str, *, required_by: str | None, off: str) -> bool:

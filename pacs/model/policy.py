@@ -23,7 +23,8 @@ from pacs.model.lora import add_lora, has_lora, merged_named_tensors
 from pacs.model.memory import apply_liger_patches, fsdp_kwargs
 from pacs.model.mixed_precision import Precision, resolve_precision
 from pacs.model.model_dir import check_model_dir
-from pacs.model.model_forward import check_supported_head, logit_scale_of, logit_softcap_of
+from pacs.model.model_forward import check_supported_head
+from pacs.model.profile import ModelProfile
 from pacs.model.packing import enable_packed_attention
 from pacs.model.sequence_parallel import enable_sequence_parallel_attention, new_sequence_parallel
 from pacs.model.tiled_mlp import tile_mlp
@@ -142,11 +143,8 @@ def _is_weight_file(name: str) -> bool:
 
 
 def max_positions(model_config) -> int | None:
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(model_config, key, None)
-        if isinstance(value, int):
-            return value
-    return None
+    """The longest sequence a model with this (transformers) config takes (:attr:`ModelProfile.max_positions`)."""
+    return ModelProfile.from_config(model_config).max_positions
 
 
 class Policy(nn.Module):
@@ -168,9 +166,9 @@ class Policy(nn.Module):
         dtype = getattr(causal_lm, "dtype", torch.float32)
         self.precision = precision or Precision(compute=dtype, master=dtype)
         self.autocast_dtype = self.precision.compute if autocast and self.precision.mixed else None
-        check_supported_head(causal_lm.config)
-        self.logit_scale = logit_scale_of(causal_lm.config)
-        self.logit_softcap = logit_softcap_of(causal_lm.config)
+        profile = check_supported_head(causal_lm.config)
+        self.logit_scale = profile.logit_scale
+        self.logit_softcap = profile.logit_softcap
 
     def head_options(self, temperature: float) -> dict:
         """Keyword arguments that make the pacs_kernels functions compute this model's logits at sampling

@@ -45,7 +45,8 @@ from pacs.model.packed_attention import (
     require_causal,
     sequence_bounds,
 )
-from pacs.model.packing import PackedMicroBatch, non_attention_layer_types, pack_rows, position_dependent_rope
+from pacs.model.packing import PackedMicroBatch, pack_rows
+from pacs.model.profile import ModelProfile
 from pacs.model.varlen_attention import loop_causal_attention, varlen_causal_attention
 
 ULYSSES_ATTENTION = "pacs_ulysses_sdpa"
@@ -261,10 +262,9 @@ def check_model_splits(model_config, size: int) -> None:
     must split over them, and every layer must be attention (a layer that mixes tokens otherwise, a
     state-space, linear-attention or convolution layer, would see this rank's tokens only). ValueError naming
     the setting otherwise."""
-    name = type(model_config).__name__
-    heads = getattr(model_config, "num_attention_heads", None)
-    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    if not isinstance(heads, int):
+    profile = ModelProfile.from_config(model_config)
+    name, heads, kv_heads = profile.config_class, profile.heads, profile.kv_heads
+    if not heads:
         raise ValueError(f"train.sequence_parallel_size={size}: cannot find the number of attention heads of the "
                          f"model ({name} has no num_attention_heads)")
     if heads % size or heads % kv_heads:
@@ -272,12 +272,12 @@ def check_model_splits(model_config, size: int) -> None:
             f"train.sequence_parallel_size={size} must divide the model's attention heads "
             f"(num_attention_heads={heads}, num_key_value_heads={kv_heads}): each rank attends with "
             f"num_attention_heads / sequence_parallel_size of them")
-    other = non_attention_layer_types(model_config)
+    other = profile.non_attention_layers
     if other:
         raise ValueError(
             f"train.sequence_parallel_size={size}: the model has layers that are not attention ({', '.join(other)}; "
             f"{name}.layer_types), which would see only this rank's tokens; set train.sequence_parallel_size=1")
-    rope = position_dependent_rope(model_config)
+    rope = profile.position_dependent_rope
     if rope is not None:
         raise ValueError(
             f"train.sequence_parallel_size={size}: the model's rotary frequencies (rope_type={rope!r}) follow the "

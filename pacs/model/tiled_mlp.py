@@ -38,6 +38,7 @@ from torch import nn
 
 from pacs.model.layers import decoder_layers
 from pacs.model.model_forward import unbound_forward
+from pacs.model.profile import ModelProfile
 
 
 class TiledMLPFunction(torch.autograd.Function):
@@ -161,10 +162,8 @@ def tile_mlp(causal_lm: nn.Module, tile_tokens: int | None = None, *,
     one MLP weight). In place; returns the number of MLPs tiled. Any trainer can call it on a Hugging
     Face model (TRL: ``PACSConfig(pacs_tiled_mlp=True)``; verl, a plain loop), best before FSDP wrapping.
     ``setting`` is the name errors give the tile size (the caller's config key)."""
-    if tile_tokens is None:  # multimodal configs keep the decoder's sizes in their text config
-        config = causal_lm.config
-        tile_tokens = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
-                              "hidden_size", None)
+    if tile_tokens is None:  # multimodal configs keep the decoder's sizes in their text config (the profile's)
+        tile_tokens = ModelProfile.from_config(causal_lm.config).hidden or None
         if tile_tokens is None:
             raise ValueError(f"tiled MLP: {type(causal_lm).__name__}'s config has no hidden_size for the default tile: "
                              f"set {setting}")

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pacs.model.policy import resolve_dtype
+from pacs.model.profile import ModelProfile
 from pacs.rollout.sampled import SampledResponses
 
 
@@ -209,7 +210,7 @@ class HFGenerateEngine:
         params.update(dict(self.model.named_buffers()))
         for name, tensor in named_tensors:
             if name not in params:
-                if name == "lm_head.weight" and getattr(self.model.config, "tie_word_embeddings", False):
+                if name == "lm_head.weight" and ModelProfile.from_config(self.model.config).tied_embeddings:
                     continue  # tied: the embedding already carries it
                 raise ValueError(f"sync_weights: the rollout model has no tensor named {name!r}")
             params[name].copy_(tensor.to(params[name].device, params[name].dtype))

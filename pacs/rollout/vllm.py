@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from pacs.model.policy import resolve_dtype
+from pacs.model.profile import ModelProfile
 from pacs.rollout import vllm_compat
 from pacs.rollout.sampled import SampledResponses
 
@@ -82,20 +83,6 @@ def _read_model_config(model_dir: str) -> dict[str, Any]:
         )
     with open(config_path) as handle:
         return json.load(handle)
-
-
-def _text_config(config: dict[str, Any]) -> dict[str, Any]:
-    # multimodal configs keep the language model's values under "text_config"
-    return config.get("text_config", config)
-
-
-def _head_dim(config: dict[str, Any]) -> int | None:
-    config = _text_config(config)
-    if config.get("head_dim"):
-        return int(config["head_dim"])
-    if config.get("hidden_size") and config.get("num_attention_heads"):
-        return int(config["hidden_size"]) // int(config["num_attention_heads"])
-    return None
 
 
 def _expected_weight_names(model_dir: str) -> frozenset[str] | None:
@@ -156,15 +143,15 @@ class VLLMRolloutEngine:
         enforce_eager: bool = True,
     ) -> None:
         model_dir = os.fspath(model_dir)
-        config = _read_model_config(model_dir)
+        profile = ModelProfile.from_config(_read_model_config(model_dir))
         if (
             isinstance(max_model_len, bool)
             or not isinstance(max_model_len, int)
             or max_model_len < 2
         ):
             raise ValueError(f"max_model_len must be an int >= 2; got {max_model_len!r}")
-        max_positions = _text_config(config).get("max_position_embeddings")
-        if max_positions is not None and max_model_len > int(max_positions):
+        max_positions = profile.max_positions
+        if max_positions is not None and max_model_len > max_positions:
             raise ValueError(
                 f"max_model_len must be at most the model's max_position_embeddings "
                 f"({max_positions}); got {max_model_len}"
@@ -182,8 +169,8 @@ class VLLMRolloutEngine:
                 f"gpu_memory_utilization must be in (0, 1]; got {gpu_memory_utilization!r}"
             )
         self.on_gpu = torch.cuda.is_available()
-        head_dim = _head_dim(config)
-        if not self.on_gpu and head_dim is not None and head_dim < 32:
+        head_dim = profile.head_dim  # 0: the config does not say
+        if not self.on_gpu and 0 < head_dim < 32:
             raise ValueError(
                 f"vLLM's CPU attention needs head_dim >= 32; the model in {model_dir!r} has "
                 f"head_dim {head_dim}"
@@ -236,7 +223,7 @@ class VLLMRolloutEngine:
         self._sampling_params_cls = vllm.SamplingParams
         self.vocab_size = int(self._llm.llm_engine.model_config.get_vocab_size())
         # a tied LM head is the embedding: some of vLLM's models (Gemma 2) have no lm_head to load it into
-        self._tied_head = bool(getattr(self._llm.llm_engine.model_config.hf_text_config, "tie_word_embeddings", False))
+        self._tied_head = ModelProfile.from_config(self._llm.llm_engine.model_config.hf_text_config).tied_embeddings
         self._expected_names = _expected_weight_names(model_dir)
 
     # ------------------------------------------------------------------------------------------
