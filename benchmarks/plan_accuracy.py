@@ -1,4 +1,4 @@
-"""How close is ``pacs plan`` (pacs/train/memory_plan.py) to the peak of a real training step? CPU, small scale.
+"""How close is ``pacs plan`` (pacs/train/memory_plan/) to the peak of a real training step? CPU, small scale.
 
     python benchmarks/plan_accuracy.py                 # every probe, writes results/plan_accuracy_cpu.{csv,md}
     python benchmarks/plan_accuracy.py --probes none ckpt

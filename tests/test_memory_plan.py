@@ -1,4 +1,4 @@
-"""pacs plan (pacs/train/memory_plan.py): the arithmetic on known cases, its monotonicity, the presets, the CLI."""
+"""pacs plan (pacs/train/memory_plan/): the arithmetic on known cases, its monotonicity, the presets, the CLI."""
 
 import glob
 import os

@@ -1,4 +1,4 @@
-"""pacs plan that users can trust (pacs/train/memory_plan.py, the plan part of pacs/cli.py): mixtures of experts
+"""pacs plan that users can trust (pacs/train/memory_plan/, the plan part of pacs/cli.py): mixtures of experts
 counted (every expert in weights, gradients and optimizer state; the routed ones in the activations), the blocking
 term named with the lever that removes it, every impossible input refused in one line naming its flag, the flags
 beside --preset applied, shipped model configs found by name and by hub id, and presets found by name."""

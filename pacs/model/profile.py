@@ -69,7 +69,7 @@ class ModelProfile:
     moe_layers: int = 0
     max_positions: int | None = None  # the longest sequence the model takes (max_position_embeddings)
     model_type: str = ""  # the (text) config's model_type
-    config_class: str = "dict"  # the configuration's type read (its class name; "dict" for a config.json)
+    config_class: str = "config.json"  # the configuration read: its class name, or "config.json" for a dict
     explicit_head_dim: bool = False  # the config gives head_dim (else hidden / heads)
     logit_scale: float = 1.0  # the factor the model multiplies its logits by (folded into the temperature)
     logit_softcap: float | None = None  # final_logit_softcapping: logits = c * tanh(logits / c) (Gemma 2/3)
@@ -90,7 +90,7 @@ class ModelProfile:
         of ``intermediate_size``)."""
         if isinstance(config, dict):
             text = config.get("text_config") or config
-            get, config_class = text.get, "dict"
+            get, config_class = text.get, "config.json"
         else:  # a PretrainedConfig, or any object with the config's fields as attributes
             text = config.get_text_config() if hasattr(config, "get_text_config") else config
             get, config_class = (lambda key, default=None: getattr(text, key, default)), type(config).__name__
