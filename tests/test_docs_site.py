@@ -54,7 +54,6 @@ def test_config_reference_is_generated():
 
 def test_config_reference_has_a_row_per_key_with_its_default():
     from pacs.config import ADVANCED_KEYS, config_keys, user_key
-
     from pacs.config.docs import key_tables
 
     page = key_tables()

@@ -16,10 +16,10 @@ import inspect
 import os
 import sys
 
+from pacs.config.fields import settings
 from pacs.config.keys import ADVANCED_KEYS, config_keys
 from pacs.config.load import BUILTIN_TASK_SETTINGS, apply_dict
 from pacs.config.root import Config
-from pacs.config.fields import settings
 
 REGENERATE = "python -m pacs.config.docs"
 BEGIN = f"<!-- config-tables: generated from the fields of pacs/config/ by `{REGENERATE}`; do not edit below -->"

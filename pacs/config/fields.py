@@ -104,8 +104,9 @@ def allowed_text(meta: dict) -> str:
 
 
 def _within(value: float, meta: dict) -> bool:
-    return ((meta["above"] is None or value > meta["above"]) and (meta["at_least"] is None or value >= meta["at_least"])
-            and (meta["below"] is None or value < meta["below"]) and (meta["at_most"] is None or value <= meta["at_most"]))
+    above, at_least, below, at_most = meta["above"], meta["at_least"], meta["below"], meta["at_most"]
+    return ((above is None or value > above) and (at_least is None or value >= at_least)
+            and (below is None or value < below) and (at_most is None or value <= at_most))
 
 
 def check_value(name: str, f: dataclasses.Field, value: Any) -> None:

@@ -93,5 +93,5 @@ def make_rollout_engine(kind: str, model_dir: str, *, max_model_len: int, seed: 
     return HFGenerateEngine(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype)
 
 
-__all__ = ["HFGenerateEngine", "RolloutEngine", "SampledResponses", "check_vllm_available", "engine_kind", "make_rollout_engine",
-           "vllm_available"]
+__all__ = ["HFGenerateEngine", "RolloutEngine", "SampledResponses", "check_vllm_available", "engine_kind",
+           "make_rollout_engine", "vllm_available"]
