@@ -73,6 +73,12 @@ class Registry:
             raise ValueError(f"register({name!r}, ...): a string must be 'module:attribute', got {obj!r}")
         self._entries[name] = obj
 
+    def unregister(self, name: str) -> None:
+        """Take back a name :meth:`register` added (a built-in one stays)."""
+        if name in self.builtin or name not in self._entries:
+            raise ValueError(f"{self.key}: {name!r} is no {self.kind} registered by register()")
+        del self._entries[name]
+
     def check(self, value: Any, where: str | None = None) -> None:
         """A ValueError naming the key unless ``value`` is a choice's name or a user's ``module:Name``."""
         if value in self.names() or is_user_spec(value):
