@@ -28,19 +28,19 @@ def is_user_spec(value: Any) -> bool:
     return bool(sep) and all(part.isidentifier() for part in module.split(".") + attribute.split("."))
 
 
-def import_spec(spec: str, where: str) -> Any:
-    """``module:Name`` -> the object (``Name`` dotted for a nested attribute); a ValueError naming ``where``
-    when the module cannot be imported or has no such attribute."""
+def import_spec(spec: str, label: str) -> Any:
+    """``module:Name`` -> the object (``Name`` dotted for a nested attribute); a ValueError starting with ``label``
+    (what the config said, e.g. ``optim.algo='my_module:MyLoss'``) when the module cannot be imported or has no
+    such attribute."""
     module_name, _, attribute = spec.partition(":")
     try:
         found = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"{where}={spec!r}: cannot import module {module_name!r} ({exc}); it must be importable "
-                         "from where the run starts (on PYTHONPATH)") from exc
+        raise ValueError(f"{label}: cannot import module {module_name!r} ({exc}); it must be importable from where "
+                         "the run starts (on PYTHONPATH)") from exc
     for part in attribute.split("."):
         if not hasattr(found, part):
-            raise ValueError(f"{where}={spec!r}: {getattr(found, '__name__', module_name)!r} has no attribute "
-                             f"{part!r}")
+            raise ValueError(f"{label}: {getattr(found, '__name__', module_name)!r} has no attribute {part!r}")
         found = getattr(found, part)
     return found
 
@@ -91,7 +91,8 @@ class Registry:
         self.check(value, where)
         found = self._entries.get(value, value)
         if isinstance(found, str):
-            return import_spec(found, where or self.key)
+            label = f"{where or self.key}={value!r}" + (f" ({found})" if found != value else "")
+            return import_spec(found, label)
         return found
 
     def describe(self) -> str:

@@ -79,8 +79,8 @@ def test_the_few_rules_across_sections_still_refuse():
         validate(load_config(None, ["optim.master_dtype=bfloat16", "model.dtype=float32"]))
 
 
-NEW_FIELD = ('    my_new_knob: int = setting(7, "a knob added in one file by tests/test_config_fields.py", at_least=1,\n'
-             '                               advanced=True)\n')
+HELP = "a knob added in one file by tests/test_config_fields.py"
+NEW_FIELD = f'    my_new_knob: int = setting(7, "{HELP}", at_least=1, advanced=True)\n'
 
 
 def test_a_key_added_in_one_file_shows_in_help_docs_validation_and_suggestions(tmp_path):
@@ -99,13 +99,12 @@ def test_a_key_added_in_one_file_shows_in_help_docs_validation_and_suggestions(t
 
     shown = run_python(["-m", "pacs", "train", "--help"], copy, cwd=copy)
     assert shown.returncode == 0, shown.stderr
-    assert "advanced.train.my_new_knob = 7\n      a knob added in one file by tests/test_config_fields.py" in shown.stdout
+    assert f"advanced.train.my_new_knob = 7\n      {HELP}" in shown.stdout
 
     written = run_python(["-m", "pacs.config.docs"], copy, cwd=copy)
     assert written.returncode == 0, written.stderr
     page = (tmp_path / "docs" / "config.md").read_text()
-    assert ("| `advanced.train.my_new_knob` | `int` | `7` | `>= 1` | a knob added in one file by "
-            "tests/test_config_fields.py |") in page
+    assert f"| `advanced.train.my_new_knob` | `int` | `7` | `>= 1` | {HELP} |" in page
 
     refused = run_python(["-m", "pacs", "train", "--output-dir", str(tmp_path / "run"),
                           "advanced.train.my_new_knob=0"], copy, cwd=copy)
