@@ -124,6 +124,10 @@ TASKS = Registry("task", "task.name", {
     "math": "pacs.tasks.math_data:MathTask.from_config",
 }, example="my_tasks:MyTask")
 
+# the built-in tasks with a tiny model and prompts of a few tokens: they start from their own toy settings
+# (pacs/config/load.py's BUILTIN_TASK_SETTINGS) and read no data file
+TOY_TASKS = ("embedded", "wordmath")
+
 REWARDS = Registry("reward", "task.reward", {
     "exact_match": "pacs.tasks.rewards:exact_match",
     "math_verify": "pacs.tasks.rewards:math_reward",

@@ -6,11 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pacs.config.fields import check_section, setting
-from pacs.registry import REWARDS, TASKS
+from pacs.registry import REWARDS, TASKS, TOY_TASKS
 
-# the built-in tasks with a tiny model and prompts of a few tokens: they start from their own toy settings
-# (pacs/config/load.py's BUILTIN_TASK_SETTINGS) and refuse a data file
-BUILTIN_TASKS = ("embedded", "wordmath")
+BUILTIN_TASKS = TOY_TASKS  # the built-in tasks with a tiny model: their own toy settings, no data file
 
 
 @dataclass
