@@ -16,8 +16,6 @@ import signal
 import sys
 
 from pacs.config import (
-    ADVANCED_KEYS,
-    BUILTIN_OBJECTIVES,
     BUILTIN_TASK_SETTINGS,
     Config,
     apply_dict,
@@ -25,9 +23,10 @@ from pacs.config import (
     config_keys,
     known_keys,
     load_config,
-    user_key,
+    settings,
 )
 from pacs.model.model_dir import check_model_dir
+from pacs.registry import OBJECTIVES, ROLLOUT_ENGINES
 from pacs.train.console import quiet_third_party
 from pacs.train.run_dir import RunDir, run_of_config_file
 
@@ -41,9 +40,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-dir", help=f"the run directory (pacs eval writes to OUTPUT_DIR/eval) "
                                              f"(default: {DEFAULTS.output_dir})")
     parser.add_argument("--seed", type=int, help=f"(default: {DEFAULTS.seed})")
-    parser.add_argument("--rollout", choices=("auto", "vllm", "hf"),
-                        help="rollout engine: vLLM if importable (auto), forced vLLM, or HF generate "
-                             f"(default: {DEFAULTS.rollout.engine})")
+    parser.add_argument("--rollout", metavar="{" + ",".join(ROLLOUT_ENGINES.names()) + ",MODULE:NAME}",
+                        help="rollout engine (rollout.engine): vLLM if importable (auto), forced vLLM, HF generate, "
+                             f"or your own as module:Name (pacs/registry.py) (default: {DEFAULTS.rollout.engine})")
     parser.add_argument("--verbose", action="store_true",
                         help="show third-party logs and progress bars (vLLM, transformers), hidden by default")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -63,21 +62,26 @@ def _read_by_eval(key: str) -> bool:
 
 
 def _key_list(command: str = "train") -> str:
+    """Every setting a command reads, its default and its help (the config fields' own: pacs/config/)."""
     builtin = dict(config_keys(apply_dict(Config(), BUILTIN_TASK_SETTINGS)))
     lines = ["Every setting (KEY=VALUE overrides, or the same keys in a --config YAML file; precedence:",
              "defaults < --config < KEY=VALUE < named flags). Defaults (a real model's; where the built-in",
              "tasks embedded and wordmath differ, theirs in brackets, as in configs/default.yaml):", ""]
-    keys = config_keys()
+    keys = settings(Config)
     if command == "eval":  # (a run's config.yaml may hold training's too: they are read and ignored)
         lines[0] = ("The settings pacs eval reads (KEY=VALUE overrides, or the same keys in a --config YAML file; "
                     "precedence:")
-        keys = [(key, value) for key, value in keys if _read_by_eval(key)]
+        keys = [s for s in keys if _read_by_eval(s.key)]
+    defaults = dict(config_keys())
     for advanced in (False, True):
         if advanced:
             lines += ["", "Advanced settings (for experts and tests; written under advanced:, e.g.",
                       "advanced.train.preflight=false or advanced: {train: {preflight: false}} in YAML):", ""]
-        lines += [f"  {user_key(key)} = {value}" + (f"  [{builtin[key]}]" if builtin[key] != value else "")
-                  for key, value in keys if (key in ADVANCED_KEYS) == advanced]
+        for s in keys:
+            if s.advanced == advanced:
+                value = defaults[s.key]
+                lines.append(f"  {s.written} = {value}" + (f"  [{builtin[s.key]}]" if builtin[s.key] != value else ""))
+                lines.append(f"      {s.help}")
     return "\n".join(lines)
 
 
@@ -365,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_key_list(), formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_common(train)
     train.add_argument("--max-steps", type=int, help=f"rollout steps (default: {DEFAULTS.max_steps})")
-    train.add_argument("--algo", metavar="{" + ",".join(BUILTIN_OBJECTIVES) + ",MODULE:CLASS}",
+    train.add_argument("--algo", metavar="{" + ",".join(OBJECTIVES.names()) + ",MODULE:CLASS}",
                        help="the objective (optim.algo): a built-in one, or your own as module:Class "
                             f"(docs/objectives.md) (default: {DEFAULTS.optim.algo})")
     train.add_argument("--resume", action="store_true",

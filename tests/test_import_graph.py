@@ -5,10 +5,10 @@ sub-packages, and nothing in ``pacs`` importing the ``benchmarks`` harness.
 Layers, bottom to top (a module may import its own layer and the layers below it):
 
 0. ``pacs_kernels``                       the Triton kernels and the losses built on them
-1. ``pacs`` (the package's ``__init__`` only), ``pacs.configs`` (the shipped configs, by name), ``pacs.model``
-                                          loading the policy, packing, varlen attention, sequence
+1. ``pacs`` (the package's ``__init__`` only), ``pacs.configs`` (the shipped configs, by name),
+   ``pacs.registry`` (the named choices, imported on use), ``pacs.config`` (the settings tree: plain data)
+2. ``pacs.model``                         loading the policy, packing, varlen attention, sequence
                                           parallelism, tiled MLP, memory levers, LoRA, the head's forward
-2. ``pacs.config``                        the settings tree (asks ``pacs.model`` whether packing is exact)
 3. ``pacs.tasks``, ``pacs.rollout``       problems, rewards, datasets; generating responses
 4. ``pacs.eval``                          evaluating a policy on a task, its journal and outputs
 5. ``pacs.train``                         the loop, the run directory, checkpoints, preflight, metrics
@@ -25,8 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("pacs", "pacs_kernels")
 LAYERS = (
     ("pacs_kernels",),
-    ("pacs", "pacs.configs", "pacs.model"),
-    ("pacs.config",),
+    ("pacs", "pacs.configs", "pacs.registry", "pacs.config"),
+    ("pacs.model",),
     ("pacs.tasks", "pacs.rollout"),
     ("pacs.eval",),
     ("pacs.train",),

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from pacs.config import Config, load_config, use_packing, user_key, validate
+from pacs.config import Config, load_config, user_key, validate
 from pacs.model.packed_attention import packed_attention_implementation
 from pacs.model.packing import (
     enable_packed_attention,
@@ -15,6 +15,7 @@ from pacs.model.packing import (
     pack_rows,
     plan_micro_batches,
     real_token_spans,
+    use_packing,
 )
 from pacs.model.policy import Policy
 from pacs.train.trainer import build_batch, old_policy_logprobs, policy_loss

@@ -9,10 +9,10 @@ import torch
 import transformers
 import trl_helpers as helpers
 
-from pacs.config import load_config, use_packing
+from pacs.config import load_config
 from pacs.model.model_forward import PACSBatch, add_pacs_forward
 from pacs.model.packed_attention import PACKED_ATTENTION
-from pacs.model.packing import packing_obstacle
+from pacs.model.packing import packing_obstacle, use_packing
 from pacs_kernels import LossOptions, PACSLoss
 
 V, G = 23, 3

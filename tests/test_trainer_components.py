@@ -188,7 +188,8 @@ def test_engine_choice_and_errors(tiny_model_dir, monkeypatch):
     assert isinstance(engine, HFGenerateEngine) and "vLLM is not installed" in notices[0]
     with pytest.raises(ValueError, match="--rollout vllm was requested but vLLM cannot be imported"):
         make_rollout_engine("vllm", tiny_model_dir, max_model_len=32)
-    with pytest.raises(ValueError, match="'auto', 'vllm' or 'hf'"):
+    with pytest.raises(ValueError, match="rollout engine must be one of auto, vllm, hf, or a user's rollout engine as "
+                                         "module:Name"):
         make_rollout_engine("sglang", tiny_model_dir, max_model_len=32)
 
 

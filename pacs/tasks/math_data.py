@@ -69,6 +69,12 @@ class MathTask(Task):
 
     name = "math"
 
+    @classmethod
+    def from_config(cls, cfg) -> MathTask:
+        """The task of a run's config (a pacs.config.Config): ``task.name=math`` (pacs/registry.py)."""
+        t = cfg.task
+        return cls(t.data_path, eval_path=t.eval_path, eval_size=t.eval_size, seed=cfg.seed)
+
     def __init__(self, data_path: str, *, eval_path: str | None = None, eval_size: int = 200, seed: int = 0):
         # a question asked twice is one problem: repeated rows are dropped (and said), so that no held-out problem
         # is a training one too

@@ -62,6 +62,11 @@ class WordProblemTask(Task):
 
     name = "wordmath"
 
+    @classmethod
+    def from_config(cls, cfg) -> WordProblemTask:
+        """The task of a run's config (a pacs.config.Config): ``task.name=wordmath`` (pacs/registry.py)."""
+        return cls(cfg.task.word_steps, seed=cfg.seed, eval_size=cfg.task.eval_size)
+
     def __init__(self, steps: int = 2, seed: int = 0, eval_size: int = 200):
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")

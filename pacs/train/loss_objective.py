@@ -16,53 +16,51 @@ Each built-in objective's settings come from the config (pacs_kernels/objectives
     cispo    advanced.optim.eps_low, .eps_high (None: CISPO's 1.0 and 0.28, on the IS weight)
 
 A user's objective, ``optim.algo=my_package.my_module:MyObjective`` (the module importable from where ``pacs train``
-runs): a class is built with no arguments (give its fields defaults); any other callable is used as it is. It must
-satisfy pacs_kernels' ``Objective`` protocol (docs/objectives.md). What the trainer needs to know of an objective
-it reads from the objective (:func:`token_mean`), never from its name.
+runs) or a name registered with ``pacs.registry.OBJECTIVES.register``: a class is built with no arguments (give its
+fields defaults); any other callable is used as it is. It must satisfy pacs_kernels' ``Objective`` protocol
+(docs/objectives.md). What the trainer needs to know of an objective it reads from the objective
+(:func:`token_mean`), never from its name.
 """
 
 from __future__ import annotations
 
-import importlib
-
-from pacs.config import BUILTIN_OBJECTIVES, Config
+from pacs.config import Config
+from pacs.registry import OBJECTIVES
 from pacs_kernels import CISPO, DAPO, GRPO, GSPO, PACS, DrGRPO
 
 
-def loss_objective(cfg: Config):
-    """The objective ``optim.algo`` names, built from its settings (the module docstring); a ValueError naming
-    ``optim.algo`` for a user's objective that cannot be imported or is not callable."""
+def config_settings(cfg: Config) -> dict[type, dict]:
+    """Each built-in objective's class -> its keywords taken from the config (the module docstring)."""
     o = cfg.optim
-    if o.algo == "pacs":
-        return PACS(beta=o.beta, score=o.score, advantage=o.advantage, weighting=o.weighting,
-                    score_function_term=o.score_function_term)
-    if o.algo == "grpo":
-        return GRPO(clip_eps=o.clip_eps, clip_eps_high=o.eps_high, aggregation=o.aggregation)
     clip = {name: value for name, value in (("eps_low", o.eps_low), ("eps_high", o.eps_high)) if value is not None}
-    if o.algo == "dapo":
-        return DAPO(**clip)
-    if o.algo == "dr_grpo":
-        return DrGRPO(max_completion_length=cfg.rollout.max_new_tokens, **clip)
-    if o.algo == "gspo":
-        return GSPO(**clip)
-    if o.algo == "cispo":
-        return CISPO(**clip)
-    return user_objective(o.algo)
+    return {PACS: dict(beta=o.beta, score=o.score, advantage=o.advantage, weighting=o.weighting,
+                       score_function_term=o.score_function_term),
+            GRPO: dict(clip_eps=o.clip_eps, clip_eps_high=o.eps_high, aggregation=o.aggregation),
+            DAPO: clip, DrGRPO: dict(max_completion_length=cfg.rollout.max_new_tokens, **clip), GSPO: clip,
+            CISPO: clip}
 
 
-# each built-in objective's class, by the name optim.algo gives it (their settings: pacs_kernels/objectives/*.py)
-OBJECTIVE_CLASSES = {"pacs": PACS, "grpo": GRPO, "dapo": DAPO, "dr_grpo": DrGRPO, "gspo": GSPO, "cispo": CISPO}
+def loss_objective(cfg: Config):
+    """The objective ``optim.algo`` names (pacs/registry.py's OBJECTIVES, or a user's ``module:Class``), a
+    built-in one built from its settings (the module docstring); a ValueError naming ``optim.algo`` for a user's
+    objective that cannot be imported or is not callable."""
+    found = OBJECTIVES.resolve(cfg.optim.algo, "optim.algo")
+    settings = config_settings(cfg)
+    if isinstance(found, type) and found in settings:
+        return found(**settings[found])
+    return built_objective(found, cfg.optim.algo, None, "optim.algo")
 
 
 def named_objective(name: str, settings: dict | None = None, *, where: str = "optim.algo"):
-    """The objective ``name`` (a built-in one's, or a user's ``module:Class``) built with ``settings``, the keywords
-    of its class (for a built-in one: pacs_kernels/objectives/*.py); a ValueError naming ``where`` for an unknown
-    name or setting. For the integrations, whose settings are a mapping (the trainer's: :func:`loss_objective`)."""
-    settings = dict(settings or {})
-    if name not in OBJECTIVE_CLASSES:
-        return user_objective(name, settings, where=where)
+    """The objective ``name`` (a registered one's, or a user's ``module:Class``) built with ``settings``, the
+    keywords of its class (for a built-in one: pacs_kernels/objectives/*.py); a ValueError naming ``where`` for an
+    unknown name or setting. For the integrations, whose settings are a mapping (the trainer's:
+    :func:`loss_objective`)."""
+    found = OBJECTIVES.resolve(name, where)
+    if name not in OBJECTIVES.builtin:
+        return built_objective(found, name, settings, where)
     try:
-        return OBJECTIVE_CLASSES[name](**settings)
+        return found(**dict(settings or {}))
     except TypeError as exc:
         raise ValueError(f"{where}={name!r}: {exc}") from exc
 
@@ -70,21 +68,13 @@ def named_objective(name: str, settings: dict | None = None, *, where: str = "op
 def user_objective(spec: str, settings: dict | None = None, *, where: str = "optim.algo"):
     """``module:Name`` -> the objective: ``Name`` (dotted for a nested attribute) of the imported module, built with
     ``settings`` (none: no arguments) when it is a class."""
+    return built_objective(OBJECTIVES.resolve(spec, where), spec, settings, where)
+
+
+def built_objective(found, spec: str, settings: dict | None, where: str):
+    """A user's objective as found (a class, built with ``settings`` or no arguments; any other callable as it
+    is), checked to be callable."""
     settings = dict(settings or {})
-    module_name, sep, attribute = spec.partition(":")
-    if not (sep and module_name and attribute):
-        raise ValueError(f"{where} must be one of {', '.join(BUILTIN_OBJECTIVES)} or a user's objective "
-                         f"as module:Class, got {spec!r}")
-    try:
-        found = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"{where}={spec!r}: cannot import module {module_name!r} ({exc}); it must be importable "
-                         "from where the run starts (on PYTHONPATH)") from exc
-    for part in attribute.split("."):
-        if not hasattr(found, part):
-            raise ValueError(f"{where}={spec!r}: {getattr(found, '__name__', module_name)!r} has no attribute "
-                             f"{part!r}")
-        found = getattr(found, part)
     if isinstance(found, type):
         try:
             found = found(**settings)

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pacs.config import Config, check_lengths, use_packing, validate, validate_train
+from pacs.config import Config, check_lengths, validate, validate_train
 from pacs.model.lora import check_lora_targets
 from pacs.model.packed_attention import packed_attention_implementation
-from pacs.model.packing import packing_obstacle
+from pacs.model.packing import packing_obstacle, use_packing
 from pacs.model.policy import DistInfo, check_model_path, max_positions, resolve_dtype
 from pacs.model.sequence_parallel import ULYSSES_ATTENTION, check_model_splits
 from pacs.model.varlen_attention import check_requested_engine, requested_engine

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from pacs.config import Config, micro_batch_groups, save_config, use_packing
+from pacs.config import Config, micro_batch_groups, save_config
 from pacs.eval.evaluate import decode_response, encode_prompts, evaluate
 from pacs.model.memory import activation_offload
 from pacs.model.mixed_precision import rounding_warning, share_frozen_by_rounding
@@ -41,6 +41,7 @@ from pacs.model.packing import (
     response_positions,
     same_count_on_every_rank,
     to_layout,
+    use_packing,
 )
 from pacs.model.policy import DistInfo, check_model_path, full_named_tensors, load_policy, setup_distributed
 from pacs.model.reference_policy import ReferenceSnapshot, is_reset_step
