@@ -1,4 +1,4 @@
-"""20 PACS updates at lr 1e-6 of the trainer's own update (pacs.train.trainer.update_policy) on one fixed batch,
+"""20 PACS updates at lr 1e-6 of the trainer's own update (pacs.train.update.update_policy) on one fixed batch,
 with the policy loaded as ``pacs train`` loads it (1 process, or one FSDP2 rank under torchrun).
 
 usage: python mixed_precision_worker.py OUT.pt MODEL_DIR MODEL_DTYPE MASTER_DTYPE
@@ -19,7 +19,9 @@ from trainer_helpers import leave_distributed_run  # the script's folder is on s
 from pacs.config import load_config
 from pacs.model.mixed_precision import rounding_warning, share_frozen_by_rounding
 from pacs.model.policy import full_named_tensors, load_policy, setup_distributed
-from pacs.train.trainer import build_batch, old_policy_logprobs, update_policy
+from pacs.train.batch import build_batch
+from pacs.train.old_policy import old_policy_logprobs
+from pacs.train.update import update_policy
 
 STEPS, LR, GROUP, GROUPS = 20, 1e-6, 4, 4
 
@@ -48,7 +50,7 @@ def main() -> None:
     dist_info = setup_distributed()
     policy = load_policy(model_dir, dtype=model_dtype, master_dtype=master_dtype, dist_info=dist_info)
     said = io.StringIO()
-    if policy.precision.steps_16_bit_weights:  # what pacs train says (pacs/train/trainer.py)
+    if policy.precision.steps_16_bit_weights:  # what pacs train says (pacs/train/start.py)
         with contextlib.redirect_stdout(said):
             print(rounding_warning(share_frozen_by_rounding(policy.parameters(), LR), LR, policy.precision.master,
                                    f"optim.master_dtype={master_dtype}"))

@@ -47,7 +47,7 @@ import torch
 from pacs.config import micro_batch_groups
 from pacs.train.batch import build_batch
 from pacs.train.memory_plan import planned_training_gib
-from pacs.train.training_errors import TrainingStopped
+from pacs.run.training_errors import TrainingStopped
 
 GiB = 2**30
 
@@ -77,7 +77,7 @@ class _NoSchedulerStep:
 
 @dataclass(frozen=True)
 class TrainerSteps:
-    """The trainer's own steps that the preflight runs (pacs/train/trainer.py's ``preflight_steps()``):
+    """The trainer's own steps that the preflight runs (pacs/train/update.py's ``preflight_steps()``):
     its no-grad old-policy pass, the micro-batch ranges of that pass, and its update."""
 
     old_policy_logprobs: Callable
