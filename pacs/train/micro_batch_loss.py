@@ -18,16 +18,7 @@ from pacs.train.mini_batches import MiniBatch, UpdateData
 from pacs.train.rollout_correction import both_valid
 from pacs.train.single_label_groups import loss_valid
 from pacs.train.split_groups import loss_gradient, part_of_a_group
-from pacs_kernels import (
-    GRPO,
-    PACS,
-    GatheredLogprobs,
-    KnownGradient,
-    LossOptions,
-    fused_linear_grpo_loss,
-    fused_linear_objective_loss,
-    fused_linear_pacs_loss,
-)
+from pacs_kernels import GatheredLogprobs, KnownGradient, LossOptions, fused_linear_objective_loss
 
 
 # statistics of the objectives' optional regularizers: NaN when their input is absent (pacs_kernels/objectives)
@@ -50,34 +41,27 @@ class MicroBatchLoss:
 def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: torch.Tensor,
                 old_lse: torch.Tensor | None = None, piece=None, valid_rows: torch.Tensor | None = None):
     """The configured objective's loss (pacs/train/loss_objective.py) of one micro-batch (padded rows or packed),
-    straight from hidden states; old_logp/old_lse in the micro-batch's layout. ``old_lse`` (PACS, weights
-    unchanged since the old-policy pass): the one-sweep first step. ``piece`` (:func:`loss_piece`): the
-    micro-batch holds a piece of the loss's batch (part of a group, or this rank's tokens under sequence
-    parallelism). The one place in this module that calls the fused losses: the objective and the options go to
-    the engine, which does the rest (PACS through its own entry, which takes old_lse and the validity mask; GRPO
-    through its own; any other objective, a user's included, through fused_linear_objective_loss).
-    ``valid_rows``: the micro-batch's rows of ``Batch.valid`` (responses the rollout correction dropped)."""
+    straight from hidden states; old_logp/old_lse in the micro-batch's layout. ``old_lse`` (weights unchanged
+    since the old-policy pass, an objective whose capabilities allow it): the one-sweep first step. ``piece``
+    (:func:`loss_piece`): the micro-batch holds a piece of the loss's batch (part of a group, or this rank's
+    tokens under sequence parallelism). ``valid_rows``: the micro-batch's rows of ``Batch.valid`` (responses the
+    rollout correction dropped; PACS's, None for any other objective).
+
+    The one call to the loss engine, the same for every objective (PACS, the GRPO family, a user's): the
+    objective, the options and the batch's optional inputs go to ``fused_linear_objective_loss``, and the engine
+    plans from the capabilities the objective declares (pacs_kernels/objectives/protocol.py)."""
     hidden, weight, bias = forward_micro_batch(policy, part)
     if piece is None and not bool(part.mask.any()):  # the rollout correction dropped every token: no loss term
         return hidden.sum() * 0.0, {}  # (the forward ran: FSDP's collectives are the same on every rank)
     o, group = cfg.optim, cfg.rollout.group_size
     options = LossOptions(**policy.head_options(cfg.rollout.temperature), backend=o.logprob_backend,
                           chunk_budget_mib=cfg.train.loss_chunk_mib)
-    inputs = dict(old_logp=old_logp, rewards=part.rewards, bias=bias, piece=piece)
-    if isinstance(part, PackedMicroBatch) and piece is None:
-        inputs["cu_seqlens"] = part.cu_seqlens
-    objective, fused_loss = loss_objective(cfg), fused_linear_objective_loss
-    if isinstance(objective, PACS):
-        fused_loss = fused_linear_pacs_loss
-        inputs.update(old_lse=old_lse, valid=both_valid(loss_valid(part.rewards, group, o.drop_single_label_groups),
-                                                        valid_rows), return_stats=True)
-    elif isinstance(objective, GRPO) and objective.entropy_coef == 0:
-        fused_loss = fused_linear_grpo_loss
-        inputs.update(return_stats=True)
-    loss, stats = fused_loss(hidden, weight, part.targets, part.mask, group_size=group, objective=objective,
-                             options=options, **inputs)
-    if not isinstance(stats, dict):
-        stats = stats.as_dict()
+    packed = isinstance(part, PackedMicroBatch) and piece is None
+    valid = both_valid(loss_valid(part.rewards, group, o.drop_single_label_groups), valid_rows)  # (None: all count)
+    loss, stats = fused_linear_objective_loss(hidden, weight, part.targets, part.mask, old_logp, part.rewards,
+                                              objective=loss_objective(cfg), group_size=group, options=options,
+                                              old_lse=old_lse, cu_seqlens=part.cu_seqlens if packed else None,
+                                              bias=bias, valid=valid, piece=piece)
     # a regularizer the objective has no input for (no reference model, no entropy asked) reports NaN: left out
     return loss, {k: v for k, v in stats.items() if not (k in ABSENT_WHEN_NAN and v != v)}
 

@@ -20,7 +20,7 @@ from pacs.model.varlen_attention import new_decisions as new_attention_decisions
 from pacs.run.checkpoint import latest_checkpoint
 from pacs.run.training_errors import TrainingStopped
 from pacs.train.batch import Batch
-from pacs.train.loss_objective import loss_objective
+from pacs.train.loss_objective import loss_objective, takes_response_validity
 from pacs.train.loss_statistics import LossStatistics
 from pacs.train.micro_batch_loss import loss_scale, micro_batch_loss
 from pacs.train.mini_batches import UpdateData, losses_at_zero, mini_batch_rows, most_on_any_rank, plan_mini_batch
@@ -31,7 +31,6 @@ from pacs.train.rollout_correction import correct as correct_rollouts
 from pacs.train.single_label_groups import plan_group_skips, skip_rules
 from pacs.train.training import Training
 from pacs.train.weight_updates import UpdateMonitor
-from pacs_kernels import PACS
 
 
 @dataclass
@@ -82,7 +81,7 @@ def update_step(t: Training, step: int, batch: Batch) -> tuple[UpdateResult, flo
                                                      t.packed, dist_info.sp)
     # the sampler's log-probs against the policy that sampled: measured; masked by advanced.rollout_correction.mode
     batch, mismatch = correct_rollouts(batch, old_logp, cfg.rollout_correction.mode, Band.of(cfg),
-                                       response_valid=isinstance(loss_objective(cfg), PACS))
+                                       response_valid=takes_response_validity(loss_objective(cfg)))
     t.mismatch = mismatch.all_ranks(dist_info.device, dist_info.world_size).columns()
     rollout_logp = None
     if reference is not None:
