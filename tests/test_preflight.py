@@ -69,13 +69,13 @@ def test_a_run_with_the_preflight_trains_exactly_as_one_without(tmp_path, monkey
     seen = []
     real_update = update.update_policy
 
-    def recording_update(cfg, policy, optimizer, scheduler, batch, *args, **kwargs):
+    def recording_update(cfg, policy, optimizer, scheduler, data, *args, **kwargs):
         if step_of(args) == 0:
-            seen.append((batch.attention_mask.sum(1).tolist(), type(optimizer).__name__))
-        return real_update(cfg, policy, optimizer, scheduler, batch, *args, **kwargs)
+            seen.append((data.batch.attention_mask.sum(1).tolist(), type(optimizer).__name__))
+        return real_update(cfg, policy, optimizer, scheduler, data, *args, **kwargs)
 
     def step_of(args):
-        return args[4]  # (old_logp, old_lse, state, dist_info, step)
+        return args[2]  # (state, dist_info, step)
 
     monkeypatch.setattr(update, "update_policy", recording_update)
     cache = tmp_path / "cache"
@@ -193,7 +193,8 @@ def test_a_reference_kept_across_steps_preflights_the_usual_first_mini_batch(mon
     monkeypatch.setattr(update, "old_policy_logprobs", lambda policy, batch, ranges, *a, **k: (
         (torch.zeros(batch.targets.shape),) * 2 + (0.0,)))
     monkeypatch.setattr(update, "update_policy",
-                        lambda *a, **k: seen.append(k.get("rollout_logp") is not None))
+                        lambda cfg, policy, optimizer, scheduler, data, *a, **k: seen.append(
+                            data.rollout_logp is not None))
 
     class Policy:
         causal_lm = tiny_model()

@@ -18,10 +18,10 @@ from trainer_helpers import leave_distributed_run  # the script's folder is on s
 
 import pacs.train.start as start
 import pacs.train.update as update
-from pacs.run import TrainingPreempted
-from pacs.train import train
 from pacs.config import load_config
 from pacs.model.policy import full_named_tensors
+from pacs.run import TrainingPreempted
+from pacs.train import train
 
 
 def checksum(named) -> dict[str, list[float]]:
@@ -62,13 +62,13 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     signal_at = int(os.environ.get("PACS_TEST_SIGTERM_RANK0_AT_UPDATE", "0"))
     if signal_at and rank == 0:
-        update, calls = update.update_policy, []
+        real_update, calls = update.update_policy, []
 
         def signalled_update(*args, **kwargs):
             calls.append(1)
             if len(calls) == signal_at:
                 os.kill(os.getpid(), signal.SIGTERM)  # the handler only sets a flag
-            return update(*args, **kwargs)
+            return real_update(*args, **kwargs)
 
         update.update_policy = signalled_update
     cfg = load_config(None, overrides)

@@ -11,13 +11,14 @@ import torch.distributed as dist
 from pacs.config import Config
 from pacs.model.packing import PackedMicroBatch, forward_micro_batch, is_part_of_a_group, to_layout
 from pacs.model.policy import DistInfo
-from pacs.model.sequence_parallel import SequenceParallel, reduce_over_group, slice_micro_batch, whole_micro_batch
+from pacs.model.sequence_parallel import reduce_over_group, whole_micro_batch
 from pacs.train.batch import Batch
 from pacs.train.loss_objective import loss_objective
-from pacs.train.mini_batches import MiniBatch, UpdateData
+from pacs.train.mini_batches import MiniBatch
 from pacs.train.rollout_correction import both_valid
 from pacs.train.single_label_groups import loss_valid
 from pacs.train.split_groups import loss_gradient, part_of_a_group
+from pacs.train.update_batch import UpdateBatch
 from pacs_kernels import GatheredLogprobs, KnownGradient, LossOptions, fused_linear_objective_loss
 
 
@@ -66,8 +67,7 @@ def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: t
     return loss, {k: v for k, v in stats.items() if not (k in ABSENT_WHEN_NAN and v != v)}
 
 
-def loss_piece(cfg: Config, data: UpdateData, mini: MiniBatch, part, lo: int, hi: int,
-               sp: SequenceParallel | None):
+def loss_piece(cfg: Config, data: UpdateBatch, mini: MiniBatch, part, lo: int, hi: int):
     """What the loss engine needs beyond micro-batch rows [lo, hi)'s tokens, and the rows its loss is a mean
     over: a part of a group over the token budget gets its group's known log-prob gradients
     (pacs/train/split_groups.py); under sequence parallelism the first step's gradients are known from
@@ -76,14 +76,14 @@ def loss_piece(cfg: Config, data: UpdateData, mini: MiniBatch, part, lo: int, hi
     group, batch = cfg.rollout.group_size, data.batch
     if is_part_of_a_group(lo, hi, group):  # a group over the token budget: its log-prob gradients are known
         return part_of_a_group(part, lo, mini.split, lo - lo % group), group
-    if sp is None:
+    if data.sp is None:
         return None, hi - lo
     if mini.first_step:  # the weights are still the rollout's: the loss and its gradient from old_logp
         grad_logp = torch.zeros_like(data.old_logp)
         loss, stats = loss_gradient(cfg, batch, slice(lo, hi), data.old_logp, data.old_logp, grad_logp)
 
         def agree(drift):  # every rank of the group stops, or none
-            reduce_over_group([drift], sp, op=dist.ReduceOp.MAX)
+            reduce_over_group([drift], data.sp, op=dist.ReduceOp.MAX)
             return drift
 
         return KnownGradient(to_layout(part, lo, grad_logp), to_layout(part, lo, data.old_lse), loss, stats,
@@ -93,12 +93,12 @@ def loss_piece(cfg: Config, data: UpdateData, mini: MiniBatch, part, lo: int, hi
                             batch.mask[lo:hi], part.rewards), hi - lo
 
 
-def micro_batch_loss(cfg: Config, policy, data: UpdateData, mini: MiniBatch, lo: int, hi: int,
-                     sp: SequenceParallel | None) -> MicroBatchLoss:
+def micro_batch_loss(cfg: Config, policy, data: UpdateBatch, mini: MiniBatch, lo: int, hi: int) -> MicroBatchLoss:
     """The loss of micro-batch rows [lo, hi): one call to the loss engine (:func:`policy_loss`) with the piece of
-    the loss's batch it holds, if any (:func:`loss_piece`); on the first step without one, PACS's one sweep."""
-    part = slice_micro_batch(data.batch, lo, hi, data.packed, sp)
-    piece, rows = loss_piece(cfg, data, mini, part, lo, hi, sp)
+    the loss's batch it holds, if any (:func:`loss_piece`); on the first step without one, the one sweep
+    (an objective whose capabilities allow it: :func:`pacs.train.loss_objective.one_sweep_first_step`)."""
+    part = data.micro_batch(lo, hi)  # in the batch's layout
+    piece, rows = loss_piece(cfg, data, mini, part, lo, hi)
     # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
     lse = to_layout(part, lo, data.old_lse) if mini.first_step and piece is None else None
     valid_rows = None if data.batch.valid is None else data.batch.valid[lo:hi]

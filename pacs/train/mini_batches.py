@@ -18,28 +18,14 @@ from pacs.train.old_policy import old_policy_logprobs
 from pacs.train.rollout_correction import both_valid
 from pacs.train.single_label_groups import group_losses_at_zero, loss_valid
 from pacs.train.split_groups import GroupGradients, group_gradients, split_group_rows
-
-
-@dataclass
-class UpdateData:
-    """What one rollout step's updates learn from (the arguments of :func:`update_policy`): the batch, the
-    reference's log-probs ``old_logp``, the rollout-time log-sum-exp ``old_lse``, the rollout-time log-probs
-    ``rollout_logp`` where the reference is older (None: it is the rollout's policy), per mini-batch the number
-    of groups that run (``groups_run``; None: all), and whether micro-batches are packed."""
-
-    batch: Batch
-    old_logp: torch.Tensor
-    old_lse: torch.Tensor
-    rollout_logp: torch.Tensor | None
-    groups_run: list[int] | None
-    packed: bool
+from pacs.train.update_batch import UpdateBatch
 
 
 @dataclass
 class MiniBatch:
     """One mini-batch's plan: its micro-batches (row ranges, the same count on every rank), the log-prob
     gradients of its groups that run in parts (None: no token budget, no parts), the loss values of its groups
-    not run (a gradient of exactly 0), ``first_step``: PACS on weights still the rollout's (every psi 0), and
+    not run (a gradient of exactly 0), ``first_step``: the one sweep on weights still the rollout's (logp = old_logp), and
     ``tokens``: the GRPO token mean's denominator, the response tokens of the mini-batch on every data rank
     (None: the loss is a mean over responses)."""
 
@@ -64,7 +50,7 @@ def mini_batch_rows(cfg: Config, dist_info: DistInfo) -> int:
     return cfg.rollout.prompts_per_step // dist_info.dp_size // cfg.optim.mini_batches_per_step * cfg.rollout.group_size
 
 
-def split_group_gradients(cfg: Config, policy, data: UpdateData, micro_batches: list[tuple[int, int]],
+def split_group_gradients(cfg: Config, policy, data: UpdateBatch, micro_batches: list[tuple[int, int]],
                           dist_info: DistInfo, *, first_mini_batch: bool) -> GroupGradients:
     """Phases 1-2 of pacs/train/split_groups.py for the groups this mini-batch runs in parts: their
     log-probs under the current weights (the rollout-time pass's on the first mini-batch after a
@@ -80,14 +66,14 @@ def split_group_gradients(cfg: Config, policy, data: UpdateData, micro_batches: 
         if count:
             first = micro_batches[0][0]  # a rank without (enough) parts repeats a one-row forward
             current_logp, current_lse, _ = old_policy_logprobs(policy, batch, parts, cfg.rollout.temperature,
-                                                               cfg.optim.logprob_backend, data.packed, dist_info.sp,
+                                                               cfg.optim.logprob_backend, data.packed, data.sp,
                                                                fillers=[(first, first + 1)] * (count - len(parts)))
     return group_gradients(cfg, batch, split_group_rows(micro_batches, group), current_logp, current_lse,
                            data.old_logp)
 
 
-def plan_mini_batch(cfg: Config, policy, data: UpdateData, mini: int, dist_info: DistInfo,
-                    losses_at_zero: list[float] | None) -> MiniBatch:
+def plan_mini_batch(cfg: Config, policy, data: UpdateBatch, mini: int, dist_info: DistInfo,
+                    losses_at_zero: list[float] | None, groups_run: list[int] | None) -> MiniBatch:
     """Mini-batch ``mini``: the rows of its groups that run (those not run, a gradient of exactly 0, sit behind
     them: pacs/train/single_label_groups.py) cut into micro-batches of whole groups (at most
     ``micro_batch_groups`` groups and ``train.max_tokens_per_micro_batch`` tokens; a group larger than that in
@@ -95,7 +81,7 @@ def plan_mini_batch(cfg: Config, policy, data: UpdateData, mini: int, dist_info:
     o, tr, group = cfg.optim, cfg.train, cfg.rollout.group_size
     rows_per_mini = mini_batch_rows(cfg, dist_info)
     first = mini * rows_per_mini
-    last = first + (rows_per_mini if data.groups_run is None else data.groups_run[mini] * group)
+    last = first + (rows_per_mini if groups_run is None else groups_run[mini] * group)
     skipped = [] if losses_at_zero is None else losses_at_zero[last // group:(first + rows_per_mini) // group]
     micro_batches = micro_batch_ranges(
         data.batch.attention_mask.sum(1).tolist(), first, last, group_size=group,

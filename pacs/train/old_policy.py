@@ -1,6 +1,6 @@
 """The old policy's log-probs: one no-grad pass of the current policy over a rollout step's responses, in
 chunks of whole groups, before its updates (PACS's reference, reset every rollout step; GRPO's ratio's
-denominator)."""
+denominator); the rollout correction measured against them; PACS's reference kept across rollout steps."""
 
 from __future__ import annotations
 
@@ -9,8 +9,14 @@ import torch
 from pacs.config import Config, micro_batch_groups
 from pacs.model.packing import forward_micro_batch, micro_batch_ranges, response_positions, same_count_on_every_rank
 from pacs.model.policy import DistInfo
+from pacs.model.reference_policy import is_reset_step
 from pacs.model.sequence_parallel import SequenceParallel, backend_for, reduce_over_group, slice_micro_batch
 from pacs.train.batch import Batch
+from pacs.train.loss_objective import loss_objective, takes_response_validity
+from pacs.train.rollout_correction import Band
+from pacs.train.rollout_correction import correct as correct_rollouts
+from pacs.train.training import Training
+from pacs.train.update_batch import UpdateBatch
 from pacs_kernels import linear_logprobs
 
 
@@ -57,3 +63,32 @@ def old_policy_logprobs(policy, batch: Batch, ranges: list[tuple[int, int]], tem
         reduce_over_group([old_logp, old_lse, totals], sp)
         entropy_sum, tokens = float(totals[0]), int(totals[1])
     return old_logp, old_lse, entropy_sum / max(tokens, 1)
+
+
+def old_policy_pass(t: Training, step: int, batch: Batch) -> tuple[UpdateBatch, float]:
+    """The old-policy log-probs of the step's response tokens (the policy that sampled), the rollout correction
+    measured against them (``t.mismatch``; the batch it leaves, masked by advanced.rollout_correction.mode), then
+    PACS's reference: reset every optim.ref_reset_every rollout steps, in between its own no-grad pass. Returns
+    the batch as the updates learn from it, in the run's layout, and the policy's mean entropy over the response
+    tokens."""
+    cfg, o, r, dist_info, reference = t.cfg, t.cfg.optim, t.cfg.rollout, t.dist_info, t.reference
+    ranges = old_policy_ranges(cfg, batch, dist_info, t.packed)
+    old_logp, old_lse, entropy = old_policy_logprobs(t.policy, batch, ranges, r.temperature, o.logprob_backend,
+                                                     t.packed, dist_info.sp)
+    # the sampler's log-probs against the policy that sampled: measured; masked by advanced.rollout_correction.mode
+    batch, mismatch = correct_rollouts(batch, old_logp, cfg.rollout_correction.mode, Band.of(cfg),
+                                       response_valid=takes_response_validity(loss_objective(cfg)))
+    t.mismatch = mismatch.all_ranks(dist_info.device, dist_info.world_size).columns()
+    rollout_logp = None
+    if reference is not None:
+        if reference.weights is None and not is_reset_step(step, o.ref_reset_every):
+            t.say(f"[train] step {step}: the checkpoint kept no reference weights (written with "
+                  "advanced.optim.ref_reset_every=1?): the reference is reset to the current policy now")
+        if reference.weights is None or is_reset_step(step, o.ref_reset_every):
+            reference.take(step)
+        else:
+            rollout_logp = old_logp
+            with reference.weights_in():
+                old_logp, _, _ = old_policy_logprobs(t.policy, batch, ranges, r.temperature, o.logprob_backend,
+                                                     t.packed, dist_info.sp)
+    return UpdateBatch(batch, old_logp, old_lse, rollout_logp, t.packed, dist_info.sp), entropy

@@ -15,21 +15,18 @@ import torch.distributed as dist
 from pacs.config import Config
 from pacs.model.memory import activation_offload
 from pacs.model.policy import DistInfo
-from pacs.model.reference_policy import is_reset_step
 from pacs.model.varlen_attention import new_decisions as new_attention_decisions
 from pacs.run.checkpoint import latest_checkpoint
 from pacs.run.training_errors import TrainingStopped
 from pacs.train.batch import Batch
-from pacs.train.loss_objective import loss_objective, takes_response_validity
 from pacs.train.loss_statistics import LossStatistics
 from pacs.train.micro_batch_loss import loss_scale, micro_batch_loss
-from pacs.train.mini_batches import UpdateData, losses_at_zero, mini_batch_rows, most_on_any_rank, plan_mini_batch
-from pacs.train.old_policy import old_policy_logprobs, old_policy_ranges
+from pacs.train.mini_batches import losses_at_zero, mini_batch_rows, most_on_any_rank, plan_mini_batch
+from pacs.train.old_policy import old_policy_logprobs, old_policy_pass, old_policy_ranges
 from pacs.train.preflight import TrainerSteps
-from pacs.train.rollout_correction import Band
-from pacs.train.rollout_correction import correct as correct_rollouts
 from pacs.train.single_label_groups import plan_group_skips, skip_rules
 from pacs.train.training import Training
+from pacs.train.update_batch import UpdateBatch
 from pacs.train.weight_updates import UpdateMonitor
 
 
@@ -72,69 +69,47 @@ def preflight_steps() -> TrainerSteps:
 
 
 def update_step(t: Training, step: int, batch: Batch) -> tuple[UpdateResult, float]:
-    """Old-policy log-probs (the policy that sampled; PACS's reference, reset every optim.ref_reset_every rollout
-    steps, in between the reference's own no-grad pass), then the updates (NaN-skipping; groups whose gradient is
-    exactly 0 not run). Returns the update and the old policy's mean entropy over the response tokens."""
-    cfg, o, r, dist_info, reference = t.cfg, t.cfg.optim, t.cfg.rollout, t.dist_info, t.reference
-    ranges = old_policy_ranges(cfg, batch, dist_info, t.packed)
-    old_logp, old_lse, entropy = old_policy_logprobs(t.policy, batch, ranges, r.temperature, o.logprob_backend,
-                                                     t.packed, dist_info.sp)
-    # the sampler's log-probs against the policy that sampled: measured; masked by advanced.rollout_correction.mode
-    batch, mismatch = correct_rollouts(batch, old_logp, cfg.rollout_correction.mode, Band.of(cfg),
-                                       response_valid=takes_response_validity(loss_objective(cfg)))
-    t.mismatch = mismatch.all_ranks(dist_info.device, dist_info.world_size).columns()
-    rollout_logp = None
-    if reference is not None:
-        if reference.weights is None and not is_reset_step(step, o.ref_reset_every):
-            t.say(f"[train] step {step}: the checkpoint kept no reference weights (written with "
-                  "advanced.optim.ref_reset_every=1?): the reference is reset to the current policy now")
-        if reference.weights is None or is_reset_step(step, o.ref_reset_every):
-            reference.take(step)
-        else:
-            rollout_logp = old_logp
-            with reference.weights_in():
-                old_logp, _, _ = old_policy_logprobs(t.policy, batch, ranges, r.temperature, o.logprob_backend,
-                                                     t.packed, dist_info.sp)
+    """The old policy's log-probs (:func:`old_policy_pass`: the batch from then on carried to the loss by one
+    :class:`UpdateBatch`), the groups whose gradient is exactly 0 this step planned out, then the updates
+    (NaN-skipping). Returns the update and the old policy's mean entropy over the response tokens."""
+    cfg, o, r, dist_info = t.cfg, t.cfg.optim, t.cfg.rollout, t.dist_info
+    data, entropy = old_policy_pass(t, step, batch)
     # groups whose gradient is exactly 0 this step (single-label ones after a reset) are not run:
     # moved behind the others within their mini-batch (pacs/train/single_label_groups.py)
-    skip_first, skip_every = skip_rules(cfg, reference_is_current=rollout_logp is None)
+    skip_first, skip_every = skip_rules(cfg, reference_is_current=data.rollout_logp is None)
     groups_run = None
     if skip_first or skip_every:
-        order, groups_run = plan_group_skips(batch.rewards, r.group_size, o.mini_batches_per_step,
+        order, groups_run = plan_group_skips(data.batch.rewards, r.group_size, o.mini_batches_per_step,
                                              skip_first=skip_first, skip_every=skip_every)
         groups_run = most_on_any_rank(groups_run, dist_info)
         if order is not None:
-            batch, old_logp, old_lse = batch.select(order), old_logp[order], old_lse[order]
-            rollout_logp = None if rollout_logp is None else rollout_logp[order]
-    update = update_policy(cfg, t.policy, t.optimizer, t.scheduler, batch, old_logp, old_lse, t.state, dist_info,
-                           step, t.say, packed=t.packed, rollout_logp=rollout_logp, groups_run=groups_run)
+            data = data.select(order)
+    update = update_policy(cfg, t.policy, t.optimizer, t.scheduler, data, t.state, dist_info, step, t.say,
+                           groups_run=groups_run)
     if t.packed and (attention := new_attention_decisions(dist_info.device)):  # once per configuration
         t.say(f"[train] packed attention: {attention}")
     return update, entropy
 
 
-def update_policy(cfg: Config, policy, optimizer, scheduler, batch: Batch, old_logp: torch.Tensor,
-                  old_lse: torch.Tensor, state: dict, dist_info: DistInfo, step: int, say=print, *,
-                  packed: bool = False, rollout_logp: torch.Tensor | None = None,
-                  groups_run: list[int] | None = None) -> UpdateResult:
-    """Step 4: for each mini-batch of whole groups, its micro-batches' losses (each through
+def update_policy(cfg: Config, policy, optimizer, scheduler, data: UpdateBatch, state: dict, dist_info: DistInfo,
+                  step: int, say=print, *, groups_run: list[int] | None = None) -> UpdateResult:
+    """For each mini-batch of whole groups of ``data``, its micro-batches' losses (each through
     :func:`micro_batch_loss`), their gradients accumulated, clipped and applied; a non-finite loss or gradient
-    on any rank skips the update on every rank (:func:`skip_non_finite`). ``old_logp``: the reference's
-    log-probs; ``old_lse``: the rollout-time log-sum-exp; ``rollout_logp``, ``groups_run``: see :class:`UpdateData`."""
-    data = UpdateData(batch, old_logp, old_lse, rollout_logp, groups_run, packed)
+    on any rank skips the update on every rank (:func:`skip_non_finite`). ``groups_run``: per mini-batch, the
+    groups that run (those after them: a gradient of exactly 0); None: all."""
     o, group, rows_per_mini = cfg.optim, cfg.rollout.group_size, mini_batch_rows(cfg, dist_info)
     skipped = None if groups_run is None else rows_per_mini // group * o.mini_batches_per_step - sum(groups_run)
     update = UpdateResult([], [], [], {}, float("nan"), skipped_groups=skipped, lr=optimizer.param_groups[0]["lr"])
-    statistics, at_zero = LossStatistics(), losses_at_zero(cfg, batch, groups_run)
+    statistics, at_zero = LossStatistics(), losses_at_zero(cfg, data.batch, groups_run)
     # weights that a step leaves where they are, though they have a gradient: updates that rounded away
     monitor = UpdateMonitor(policy.parameters(), distributed=dist_info.world_size > 1)
     for m in range(o.mini_batches_per_step):
-        mini = plan_mini_batch(cfg, policy, data, m, dist_info, at_zero)
+        mini = plan_mini_batch(cfg, policy, data, m, dist_info, at_zero, groups_run)
         update.skipped_losses += mini.skipped_losses
         update.split_groups += 0 if mini.split is None else len(mini.split.losses)
         for lo, hi in mini.micro_batches:
             with activation_offload(cfg.train.offload_activations, dist_info.device):
-                loss = micro_batch_loss(cfg, policy, data, mini, lo, hi, dist_info.sp)
+                loss = micro_batch_loss(cfg, policy, data, mini, lo, hi)
                 (loss.to_backward * loss_scale(loss, mini, rows_per_mini, dist_info)).backward()
             update.losses.append(loss.value)
             # its weight in the step's loss: the groups it held (a part: its share); a token mean: their tokens
