@@ -193,7 +193,7 @@ def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.
     from pacs.model.memory import activation_offload
     from pacs.model.packing import forward_micro_batch, to_layout
     from pacs.model.sequence_parallel import slice_micro_batch
-    from pacs.train.micro_batch_loss import policy_loss
+    from pacs.train.update import policy_loss
     from pacs_kernels import pacs_loss
 
     gen = torch.Generator().manual_seed(1)

@@ -106,15 +106,15 @@ def test_pacs_train_gives_the_grpo_family_the_one_sweep_first_step(tmp_path, cap
                                                                     algo):  # noqa: F811
     """The trainer's one loss call passes the rollout's log-sum-exp on the first mini-batch after each rollout
     (and only there) to any objective whose capabilities allow it: the engine then runs the one sweep."""
-    import pacs.train.micro_batch_loss as micro_batch_loss
+    import pacs.train.update as update
 
-    real, first_steps = micro_batch_loss.fused_linear_objective_loss, []
+    real, first_steps = update.fused_linear_objective_loss, []
 
     def recording(*args, old_lse=None, **kwargs):
         first_steps.append(old_lse is not None)
         return real(*args, old_lse=old_lse, **kwargs)
 
-    monkeypatch.setattr(micro_batch_loss, "fused_linear_objective_loss", recording)
+    monkeypatch.setattr(update, "fused_linear_objective_loss", recording)
     argv = ["train", "--output-dir", str(tmp_path / "run"), "--model", tiny_model, "--algo", algo, "--max-steps", "2",
             *TINY_RUN, "optim.mini_batches_per_step=2", "advanced.optim.one_sweep_first_step=true"]
     code, _, err = run_cli(capsys, *argv)

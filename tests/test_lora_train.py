@@ -20,7 +20,7 @@ from pacs.model.packing import pack_rows
 from pacs.model.policy import full_named_tensors, load_policy
 from pacs.train.metrics import read_metrics
 from pacs.train import train
-from pacs.train.micro_batch_loss import policy_loss
+from pacs.train.update import policy_loss
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2"]
 

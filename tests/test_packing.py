@@ -18,7 +18,7 @@ from pacs.model.packing import (
 )
 from pacs.model.policy import Policy
 from pacs.train.batch import build_batch
-from pacs.train.micro_batch_loss import policy_loss
+from pacs.train.update import policy_loss
 from pacs.train.old_policy import old_policy_logprobs
 
 VOCAB, GROUP = 48, 3

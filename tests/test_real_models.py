@@ -115,11 +115,11 @@ def reference_loss_and_grads(model_dir, batch, old_logp, temperature):
 
 
 def pacs_train_loss_and_grads(model_dir, batch, old_logp, temperature, dtype, packed):
-    """The loss and gradients ``pacs train`` computes for this micro-batch (pacs.train.micro_batch_loss.policy_loss)."""
+    """The loss and gradients ``pacs train`` computes for this micro-batch (pacs.train.update.policy_loss)."""
     from pacs.config import load_config
     from pacs.model.packing import pack_rows
     from pacs.model.policy import load_policy
-    from pacs.train.micro_batch_loss import policy_loss
+    from pacs.train.update import policy_loss
 
     policy = load_policy(model_dir, dtype=dtype, packed_attention=packed)
     cfg = load_config(None, [f"rollout.group_size={GROUP}", f"rollout.temperature={temperature}",

@@ -87,8 +87,8 @@ def test_each_micro_batch_loss_goes_through_one_call():
 def test_the_trainer_calls_the_loss_engine_from_one_place_with_one_entry():
     users = sorted(f"{os.path.basename(path)}:{name}" for path in glob.glob(os.path.join(TRAIN, "*.py"))
                    for name, node in top_level_functions(path).items() if names_used(node) & FUSED_LOSSES)
-    assert users == ["micro_batch_loss.py:policy_loss"], f"functions of pacs/train that reach the fused losses: {users}"
-    policy_loss = top_level_functions(os.path.join(TRAIN, "micro_batch_loss.py"))["policy_loss"]
+    assert users == ["update.py:policy_loss"], f"functions of pacs/train that reach the fused losses: {users}"
+    policy_loss = top_level_functions(UPDATE)["policy_loss"]
     assert names_used(policy_loss) & FUSED_LOSSES == {"fused_linear_objective_loss"}, "one entry for every objective"
     # one call with an objective and options, whatever the objective: no choice of entry by type
     calls = [n for n in ast.walk(policy_loss) if isinstance(n, ast.Call)

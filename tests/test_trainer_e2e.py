@@ -12,7 +12,7 @@ import torch
 from trainer_helpers import comparable, repo_root, tiny_config
 
 import pacs.train.loop as loop
-import pacs.train.micro_batch_loss as micro_batch_loss
+import pacs.train.update as update_module
 from pacs.run.checkpoint import checkpoint_steps, latest_checkpoint
 from pacs.train.metrics import read_metrics
 from pacs.run import TrainingStopped
@@ -170,7 +170,7 @@ def test_checkpoints_also_come_by_time_since_the_last_one(tmp_path, cache_dir, m
 
 @pytest.mark.slow
 def test_nan_step_is_skipped_and_repeated_nans_stop(tmp_path, cache_dir, monkeypatch):
-    real_loss = micro_batch_loss.fused_linear_objective_loss
+    real_loss = update_module.fused_linear_objective_loss
     calls = {"n": 0, "poison": set()}
 
     def poisoned(*args, **kwargs):
@@ -180,7 +180,7 @@ def test_nan_step_is_skipped_and_repeated_nans_stop(tmp_path, cache_dir, monkeyp
             loss = loss * float("nan")
         return loss, stats
 
-    monkeypatch.setattr(micro_batch_loss, "fused_linear_objective_loss", poisoned)
+    monkeypatch.setattr(update_module, "fused_linear_objective_loss", poisoned)
     # 4 groups per step, 2 mini-batches of 2 micro-batches: calls 1-4 are step 1, 5-8 step 2, ... (every
     # group run: none skipped for a gradient of 0)
     calls["poison"] = {3}  # second mini-batch of step 1

@@ -1,7 +1,7 @@
 """The configured loss as an objective: ``optim.algo`` and its settings -> ``PACS(...)``, ``GRPO(...)``, ``DAPO(...)``,
 ``DrGRPO(...)``, ``GSPO(...)``, ``CISPO(...)``, or a user's objective named ``module:Class``.
 
-Built in one place for every route a micro-batch's loss takes (pacs/train/micro_batch_loss.py):
+Built in one place for every route a micro-batch's loss takes (pacs/train/update.py's ``policy_loss``):
 the fused loss straight from hidden states, and the group loss on log-probs known or gathered first (groups
 run in parts, pacs/train/split_groups.py; sequence parallelism).
 

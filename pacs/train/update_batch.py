@@ -1,9 +1,10 @@
 """A rollout step's batch as its updates learn from it: one object from the old-policy pass to the loss.
 
 It carries the step's rows (:class:`~pacs.train.batch.Batch`: prompt + response, right-padded, groups contiguous),
-per response token the log-probs the loss compares against, and the layout its micro-batches take, decided once
-for the run (pacs/train/start.py): padded rows, or the rows' real tokens packed into one row (pacs/model/packing.py),
-each rank of a sequence-parallel group holding a slice of them (pacs/model/sequence_parallel.py).
+per response token the log-probs the loss compares against, and the layout its micro-batches take
+(``pacs.model.sequence_parallel.slice_micro_batch``), decided once for the run (pacs/train/start.py): padded rows,
+or the rows' real tokens packed into one row (pacs/model/packing.py), each rank of a sequence-parallel group
+holding a slice of them (pacs/model/sequence_parallel.py).
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pacs.model.packing import PackedMicroBatch
-from pacs.model.sequence_parallel import SequenceParallel, slice_micro_batch
+from pacs.model.sequence_parallel import SequenceParallel
 from pacs.train.batch import Batch
 
 
@@ -31,11 +31,6 @@ class UpdateBatch:
     rollout_logp: torch.Tensor | None = None
     packed: bool = False
     sp: SequenceParallel | None = None
-
-    def micro_batch(self, lo: int, hi: int) -> Batch | PackedMicroBatch:
-        """Rows [lo, hi) in the batch's layout: padded rows, or packed (this rank's slice under sequence
-        parallelism)."""
-        return slice_micro_batch(self.batch, lo, hi, self.packed, self.sp)
 
     def select(self, rows: torch.Tensor) -> UpdateBatch:
         """The rows in the order ``rows`` (a permutation): the batch and every per-token tensor alike."""
