@@ -10,7 +10,7 @@ import torch.distributed as dist
 from pacs.config import Config
 from pacs.eval.evaluate import evaluate
 from pacs.model.policy import DistInfo
-from pacs.run.run_setup import Run
+from pacs.run import Run
 
 
 def step_seed(seed: int, step: int, first_row: int = 0) -> int:

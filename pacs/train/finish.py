@@ -10,11 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pacs.run.checkpoint import resume_hint
-from pacs.run.disk_space import NoSpaceLeft
+from pacs.run import NoSpaceLeft, RunDir, TrainingInterrupted, TrainingStopped, resume_hint
 from pacs.run.export import export_hf
-from pacs.run.run_dir import RunDir
-from pacs.run.training_errors import TrainingInterrupted, TrainingStopped
 from pacs.train.health import health_lines
 from pacs.train.metrics import plot_metrics, read_metrics
 from pacs.train.step_metrics import peak_memory_mib

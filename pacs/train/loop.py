@@ -25,10 +25,8 @@ from pacs.eval.evaluate import decode_response, encode_prompts
 from pacs.model.policy import full_named_tensors, setup_distributed
 from pacs.model.sequence_parallel import gather_rollouts, prompt_share
 from pacs.rollout.sampled import SampledResponses
-from pacs.run.checkpoint import resume_hint, save_checkpoint
+from pacs.run import StopSignals, TrainingPreempted, resume_hint, save_checkpoint
 from pacs.run.run_lock import abandon_run_directory
-from pacs.run.stop_signals import StopSignals
-from pacs.run.training_errors import TrainingPreempted
 from pacs.train.batch import Batch, build_batch
 from pacs.train.evaluation import evaluate_policy, step_seed
 from pacs.train.finish import TrainResult, finish_training, stopped_training

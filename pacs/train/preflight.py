@@ -45,7 +45,7 @@ from typing import Callable
 import torch
 
 from pacs.config import micro_batch_groups
-from pacs.run.training_errors import TrainingStopped
+from pacs.run import TrainingStopped
 from pacs.train.batch import build_batch
 from pacs.train.memory_plan import planned_training_gib
 from pacs.train.update_batch import UpdateBatch

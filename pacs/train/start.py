@@ -19,14 +19,24 @@ from pacs.model.mixed_precision import rounding_warning, share_frozen_by_roundin
 from pacs.model.policy import DistInfo, check_model_path, full_named_tensors, load_policy
 from pacs.model.reference_policy import ReferenceSnapshot
 from pacs.rollout import engine_kind, make_rollout_engine
+from pacs.run import (
+    Run,
+    RunDir,
+    apply_torch_threads,
+    check_config,
+    engine_options,
+    find_checkpoint,
+    load_checkpoint,
+    lock_run_directory,
+    prepare_run,
+)
 from pacs.run.checkpoint import KEEP as CHECKPOINTS_KEPT
-from pacs.run.checkpoint import checkpoint_steps, find_checkpoint, load_checkpoint, load_reference_state
+from pacs.run.checkpoint import checkpoint_steps, load_reference_state
 from pacs.run.console import hide_progress_bars
 from pacs.run.disk_space import check_checkpoint_space
 from pacs.run.resume_check import apply_optimizer_settings, plan_resume, record_resume
-from pacs.run.run_dir import RunDir
-from pacs.run.run_lock import abandon_run_directory, check_no_other_holder, lock_run_directory
-from pacs.run.run_setup import Run, apply_torch_threads, check_config, engine_options, packed_attention_for, prepare_run
+from pacs.run.run_lock import abandon_run_directory, check_no_other_holder
+from pacs.run.run_setup import packed_attention_for
 from pacs.train.evaluation import evaluate_policy
 from pacs.train.loss_objective import loss_objective
 from pacs.train.metrics import MetricsLog

@@ -12,8 +12,7 @@ import torch
 from pacs.config import Config
 from pacs.model.policy import DistInfo
 from pacs.model.reference_policy import ReferenceSnapshot
-from pacs.run.run_dir import RunDir
-from pacs.run.run_setup import Run
+from pacs.run import Run, RunDir
 from pacs.train.metrics import MetricsLog
 
 

@@ -28,8 +28,8 @@ from pacs.model.packing import (
 from pacs.model.policy import DistInfo
 from pacs.model.sequence_parallel import reduce_over_group, slice_micro_batch, whole_micro_batch
 from pacs.model.varlen_attention import new_decisions as new_attention_decisions
+from pacs.run import TrainingStopped
 from pacs.run.checkpoint import latest_checkpoint
-from pacs.run.training_errors import TrainingStopped
 from pacs.train.batch import Batch
 from pacs.train.loss_objective import loss_objective, one_sweep_first_step, token_mean
 from pacs.train.loss_statistics import LossStatistics
