@@ -126,7 +126,7 @@ def response_lengths(longest: int) -> list[int]:
 
 
 def make_batch(longest: int, prompt_len: int, vocab: int, seed: int, device):
-    from pacs.train.trainer import build_batch
+    from pacs.train.batch import build_batch
 
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, vocab, (prompt_len,), generator=gen).tolist()
@@ -193,7 +193,7 @@ def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.
     from pacs.model.memory import activation_offload
     from pacs.model.packing import forward_micro_batch, to_layout
     from pacs.model.sequence_parallel import slice_micro_batch
-    from pacs.train.trainer import policy_loss
+    from pacs.train.update import policy_loss
     from pacs_kernels import pacs_loss
 
     gen = torch.Generator().manual_seed(1)
@@ -204,7 +204,7 @@ def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.
     cfg.train.loss_chunk_mib = loss_chunk_mib
     if "split" in levers:  # one response per part; the group's per-token gradients first
         from pacs.train.split_groups import group_gradients, part_of_a_group
-        from pacs.train.trainer import old_policy_logprobs
+        from pacs.train.old_policy import old_policy_logprobs
 
         parts = [(row, row + 1) for row in range(GROUP)]
         logp, lse, _ = old_policy_logprobs(policy, batch, parts, cfg.rollout.temperature, cfg.optim.logprob_backend,

@@ -112,7 +112,7 @@ def real_model_config(dry_run: bool) -> dict:
 
 def equal_rows_batch(response: int, seed: int, vocab: int | None = None, rows: int = GROUP):
     """``rows`` (default: one group of GROUP) full-length rows (the planner's worst case)."""
-    from pacs.train.trainer import build_batch
+    from pacs.train.batch import build_batch
 
     gen = torch.Generator().manual_seed(seed)
     vocab = vocab or MODEL["vocab_size"]
@@ -145,9 +145,9 @@ def build_policy(levers, dtype: str, model: dict | None = None, device: torch.de
 
 
 def old_policy_worker(request: dict) -> None:
-    """The trainer's no-grad old-policy pass (pacs.train.trainer.old_policy_logprobs) over OLD_POLICY_ROWS rows
+    """The trainer's no-grad old-policy pass (pacs.train.old_policy.old_policy_logprobs) over OLD_POLICY_ROWS rows
     in one chunk, after a warm-up pass."""
-    from pacs.train.trainer import old_policy_logprobs
+    from pacs.train.old_policy import old_policy_logprobs
 
     levers, _, response, dtype = PROBES[request["probe"]]
     model = probe_model(request["probe"])

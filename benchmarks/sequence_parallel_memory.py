@@ -53,7 +53,7 @@ def step(policy, batch, sp, loss_chunk_mib: float) -> tuple[float, float]:
     from pacs.config import Config
     from pacs.model.packing import to_layout
     from pacs.model.sequence_parallel import slice_micro_batch, whole_micro_batch
-    from pacs.train.trainer import policy_loss
+    from pacs.train.update import policy_loss
     from pacs_kernels import GatheredLogprobs
 
     cfg = Config()

@@ -1,6 +1,6 @@
 """pacs: a lean RLVR trainer (PACS or GRPO) on top of the pacs_kernels fused losses.
 
-Entry point: ``pacs train | eval | bench`` (pacs/cli.py); the loop is pacs/train/trainer.py.
+Entry point: ``pacs train | eval | bench`` (pacs/cli.py); the loop is pacs/train/loop.py.
 """
 
 

@@ -3,7 +3,7 @@
 Exit codes: 0 done (``pacs plan``: a lever set fits); 1 ``pacs plan``: nothing fits; 2 a setting, path or
 file that cannot work (one line on stderr, before any work when it can be known then; also another process
 using the run directory, a full disk mid-run); 3 training stopped by repeated non-finite updates; 130 Ctrl-C;
-143 / 138 training stopped by SIGTERM / SIGUSR1 after checkpointing its step (pacs/train/stop_signals.py).
+143 / 138 training stopped by SIGTERM / SIGUSR1 after checkpointing its step (pacs/run/stop_signals.py).
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from pacs.config import (
 )
 from pacs.model.model_dir import check_model_dir
 from pacs.registry import OBJECTIVES, ROLLOUT_ENGINES
-from pacs.train.console import quiet_third_party
-from pacs.train.run_dir import RunDir, run_of_config_file
+from pacs.run import RunDir, quiet_third_party, run_of_config_file
 
 DEFAULTS = Config()
 
@@ -154,8 +153,8 @@ def _is_main_rank() -> bool:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from pacs.model.policy import close_distributed
-    from pacs.train.disk_space import NoSpaceLeft
-    from pacs.train.trainer import TrainingInterrupted, TrainingPreempted, TrainingStopped, resume_hint, train
+    from pacs.run import NoSpaceLeft, TrainingInterrupted, TrainingPreempted, TrainingStopped, resume_hint
+    from pacs.train import train
 
     cfg = build_config(args)
     change = changed_keys(args.change or [], resume=cfg.resume)
@@ -164,7 +163,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         close_distributed()  # under torchrun: every rank leaves the process group together
     except KeyboardInterrupt:  # outside the training loop (warm-up, model loading, export)
         if _is_main_rank():
-            print(f"pacs train: interrupted; {resume_hint(cfg)}", file=sys.stderr)
+            print(f"pacs train: interrupted; {resume_hint(cfg.output_dir)}", file=sys.stderr)
         return 130
     except TrainingStopped as exc:
         if _is_main_rank():
@@ -172,7 +171,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 3
     except NoSpaceLeft as exc:  # a full disk mid-run: one line, and how to continue once space is freed
         if _is_main_rank():
-            print(f"pacs train: error: {exc}; {resume_hint(cfg)}", file=sys.stderr)
+            print(f"pacs train: error: {exc}; {resume_hint(cfg.output_dir)}", file=sys.stderr)
         return 2
     except TrainingInterrupted as exc:
         if _is_main_rank():
@@ -194,9 +193,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from pacs.eval.journal import EvalJournal, model_files, problems_digest
     from pacs.eval.outputs import write_eval_outputs
     from pacs.rollout import make_rollout_engine
-    from pacs.train.run_lock import lock_run_directory
-    from pacs.train.run_setup import apply_torch_threads, check_config, engine_options, prepare_run
-    from pacs.train.stop_signals import Terminated, sigterm_raises
+    from pacs.run import (
+        Terminated,
+        apply_torch_threads,
+        check_config,
+        engine_options,
+        lock_run_directory,
+        prepare_run,
+        sigterm_raises,
+    )
 
     if args.data is not None and not args.data.startswith("hf:") and not os.path.isfile(args.data):
         raise ValueError(f"--data: no such file {args.data!r}")

@@ -1,4 +1,4 @@
-"""A tiny training-like loop over pacs.train.checkpoint and pacs.train.metrics, for tests/test_fault_injection.py.
+"""A tiny training-like loop over pacs.run.checkpoint and pacs.train.metrics, for tests/test_fault_injection.py.
 
 Each step changes a 1 MiB float32 state with draws from a generator, writes the step's metrics row
 (the state's sum), then a checkpoint of the state and the generator (the trainer's order). A run
@@ -13,8 +13,8 @@ import signal
 
 import torch
 
-from pacs.train import checkpoint as ck
-from pacs.train import durable
+from pacs.run import checkpoint as ck
+from pacs.run import durable
 from pacs.train.metrics import MetricsLog
 
 SHAPE = (256, 1024)
@@ -22,10 +22,10 @@ KEEP = 2
 
 
 def die_on_call(name: str, call: int, when: str) -> None:
-    """SIGKILL this process on the ``call``-th call of ``name`` (a pacs.train.checkpoint function, or
+    """SIGKILL this process on the ``call``-th call of ``name`` (a pacs.run.checkpoint function, or
     ``os.rename`` / ``os.replace`` / ``rmtree``), ``before`` or ``after`` the call itself."""
     owners = {"rename": [(os, "rename")], "replace": [(os, "replace")], "rmtree": [(ck.shutil, "rmtree")],
-              # called by the checkpoint module and by pacs.train.durable's replace_dir: one count over both
+              # called by the checkpoint module and by pacs.run.durable's replace_dir: one count over both
               "fsync_dir": [(ck, "fsync_dir"), (durable, "fsync_dir")]}.get(name, [(ck, name)])
     original = getattr(*owners[0])
     calls = {"n": 0}

@@ -1,4 +1,4 @@
-"""20 PACS updates at lr 1e-6 of the trainer's own update (pacs.train.trainer.update_policy) on one fixed batch,
+"""20 PACS updates at lr 1e-6 of the trainer's own update (pacs.train.update.update_policy) on one fixed batch,
 with the policy loaded as ``pacs train`` loads it (1 process, or one FSDP2 rank under torchrun).
 
 usage: python mixed_precision_worker.py OUT.pt MODEL_DIR MODEL_DTYPE MASTER_DTYPE
@@ -19,7 +19,10 @@ from trainer_helpers import leave_distributed_run  # the script's folder is on s
 from pacs.config import load_config
 from pacs.model.mixed_precision import rounding_warning, share_frozen_by_rounding
 from pacs.model.policy import full_named_tensors, load_policy, setup_distributed
-from pacs.train.trainer import build_batch, old_policy_logprobs, update_policy
+from pacs.train.batch import build_batch
+from pacs.train.old_policy import old_policy_logprobs
+from pacs.train.update import update_policy
+from pacs.train.update_batch import UpdateBatch
 
 STEPS, LR, GROUP, GROUPS = 20, 1e-6, 4, 4
 
@@ -48,7 +51,7 @@ def main() -> None:
     dist_info = setup_distributed()
     policy = load_policy(model_dir, dtype=model_dtype, master_dtype=master_dtype, dist_info=dist_info)
     said = io.StringIO()
-    if policy.precision.steps_16_bit_weights:  # what pacs train says (pacs/train/trainer.py)
+    if policy.precision.steps_16_bit_weights:  # what pacs train says (pacs/train/start.py)
         with contextlib.redirect_stdout(said):
             print(rounding_warning(share_frozen_by_rounding(policy.parameters(), LR), LR, policy.precision.master,
                                    f"optim.master_dtype={master_dtype}"))
@@ -62,8 +65,8 @@ def main() -> None:
     state = {"consecutive_nan": 0, "skipped_updates": 0}
     losses, fractions = [], []
     for step in range(1, STEPS + 1):
-        update = update_policy(cfg, policy, optimizer, scheduler, batch, reference_logp, old_lse, state, dist_info,
-                               step, say=lambda *a, **k: None)
+        update = update_policy(cfg, policy, optimizer, scheduler, UpdateBatch(batch, reference_logp, old_lse), state,
+                               dist_info, step, say=lambda *a, **k: None)
         loss = torch.tensor(update.mean_loss(), dtype=torch.float64)
         if dist_info.world_size > 1:
             dist.all_reduce(loss)

@@ -49,7 +49,7 @@ def build_model(heads: int, kv_heads: int):
 
 
 def make_batch():
-    from pacs.train.trainer import build_batch
+    from pacs.train.batch import build_batch
 
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, V, (3,), generator=gen).tolist() for _ in range(2)]
@@ -101,7 +101,7 @@ def main() -> None:
         results[layout] = mine
     # the old-policy pass with a filler forward (a rank with fewer chunks than another runs as many): row 0
     # alone splits over the ranks otherwise than rows 0-1 do, and its results must not be added in again
-    from pacs.train.trainer import old_policy_logprobs
+    from pacs.train.old_policy import old_policy_logprobs
 
     with torch.no_grad():
         plain = old_policy_logprobs(policy, batch, [(0, 2), (2, 4)], 1.0, "torch", packed=True, sp=sp)

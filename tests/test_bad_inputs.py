@@ -122,7 +122,7 @@ def test_lora_targets_the_model_lacks_or_a_rank_wider_than_its_layers_are_refuse
 def test_a_full_disk_during_the_final_export_ends_in_one_line_and_leaves_no_tmp(tmp_path, capsys, tiny_model,
                                                                                   monkeypatch):
     """A full disk while final_model was written: a 27-line traceback and final_model.tmp/ left behind."""
-    import pacs.train.export as export
+    import pacs.run.export as export
 
     def full_disk(path):
         with open(os.path.join(path, "model.safetensors"), "ab") as fh:
@@ -339,7 +339,7 @@ def test_help_texts_read_as_text_and_belong_to_their_command(capsys):
 def test_a_run_refused_as_its_model_loads_leaves_no_config(tmp_path, capsys, tiny_model, monkeypatch):
     """Refused after config.yaml was written (here: too little disk for its checkpoints), the same command,
     mended, was refused as "already holds a run"."""
-    import pacs.train.disk_space as disk_space
+    import pacs.run.disk_space as disk_space
 
     out = tmp_path / "run"
     out.mkdir()

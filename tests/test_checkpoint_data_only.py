@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_run_errors import TINY_RUN, one_error_line, run_cli, tiny_model  # noqa: F401  (a fixture)
 
-import pacs.train.checkpoint as ck
+import pacs.run.checkpoint as ck
 
 
 class _RunsACommand:

@@ -18,10 +18,10 @@ import torch
 import transformers
 from tiny_models import save_tiny_qwen2
 
-import pacs.train.checkpoint as ck
-import pacs.train.durable as durable
+import pacs.run.checkpoint as ck
+import pacs.run.durable as durable
 from pacs.model.policy import load_policy
-from pacs.train.export import export_hf, is_complete_export, recover_export
+from pacs.run.export import export_hf, is_complete_export, recover_export
 
 
 class Killed(BaseException):
@@ -226,7 +226,7 @@ def test_a_kill_between_the_renames_of_an_export_is_recovered(tmp_path, monkeypa
 def test_a_reader_of_an_export_killed_between_its_renames_puts_it_back(tmp_path, monkeypatch, policy):
     """pacs eval / pacs train --model final_model right after a kill: the export is put back before it is read."""
     from pacs.config import load_config
-    from pacs.train.run_setup import check_config
+    from pacs.run.run_setup import check_config
 
     out = str(tmp_path / "final_model")
     export_hf(policy, None, out)

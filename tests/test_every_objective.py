@@ -15,7 +15,7 @@ from test_run_errors import TINY_RUN, one_error_line, run_cli, tiny_model  # noq
 from trainer_helpers import comparable
 
 from pacs.config import BUILTIN_OBJECTIVES, load_config, validate
-from pacs.train.loss_objective import loss_objective, named_objective, token_mean
+from pacs.train.loss_objective import loss_objective, named_objective, one_sweep_first_step, token_mean
 from pacs.train.metrics import read_metrics
 from pacs_kernels import CISPO, DAPO, GRPO, GSPO, PACS, DrGRPO
 
@@ -90,6 +90,36 @@ def test_what_the_trainer_reads_is_declared_by_the_objective():
     assert token_mean(GRPO()) and not token_mean(GRPO(aggregation="seq_mean"))
     assert token_mean(DAPO()) and token_mean(CISPO()) and token_mean(LeaveOneOutPG())
     assert not token_mean(GSPO()) and not token_mean(DrGRPO(max_completion_length=4)) and not token_mean(PACS())
+
+
+def test_the_one_sweep_first_step_is_what_the_objective_declares():
+    """PACS and the GRPO family declare ``Capabilities(one_sweep=...)``: a loss of the log-probs alone takes the first
+    mini-batch after a rollout in one vocabulary sweep; an entropy bonus does not. A user's objective that declares
+    nothing runs as the engine runs it: one sweep unless it uses the entropy."""
+    for objective in (PACS(), GRPO(), DAPO(), DrGRPO(max_completion_length=4), GSPO(), CISPO(), LeaveOneOutPG()):
+        assert one_sweep_first_step(objective), objective
+    assert not one_sweep_first_step(GRPO(entropy_coef=0.01)) and not one_sweep_first_step(DAPO(entropy_coef=0.01))
+
+
+@pytest.mark.parametrize("algo", ["dapo", PLUGIN])
+def test_pacs_train_gives_the_grpo_family_the_one_sweep_first_step(tmp_path, capsys, tiny_model, monkeypatch,
+                                                                    algo):  # noqa: F811
+    """The trainer's one loss call passes the rollout's log-sum-exp on the first mini-batch after each rollout
+    (and only there) to any objective whose capabilities allow it: the engine then runs the one sweep."""
+    import pacs.train.update as update
+
+    real, first_steps = update.fused_linear_objective_loss, []
+
+    def recording(*args, old_lse=None, **kwargs):
+        first_steps.append(old_lse is not None)
+        return real(*args, old_lse=old_lse, **kwargs)
+
+    monkeypatch.setattr(update, "fused_linear_objective_loss", recording)
+    argv = ["train", "--output-dir", str(tmp_path / "run"), "--model", tiny_model, "--algo", algo, "--max-steps", "2",
+            *TINY_RUN, "optim.mini_batches_per_step=2", "advanced.optim.one_sweep_first_step=true"]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert first_steps == [True, False, True, False]  # 2 rollout steps x 2 mini-batches of one micro-batch each
 
 
 def test_pacs_train_names_a_bad_objective_in_one_line_before_any_work(tmp_path, capsys):

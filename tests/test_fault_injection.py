@@ -16,7 +16,7 @@ import fault_worker
 import pytest
 import torch
 
-from pacs.train import checkpoint as ck
+from pacs.run import checkpoint as ck
 from pacs.train.metrics import MetricsLog, read_metrics
 
 STEPS = 40
@@ -29,7 +29,7 @@ def forkserver():
     """Children forked from one server that imported torch and pacs once: a child starts in
     milliseconds (a fresh interpreter takes 5-10 s on the 2-core CI machine)."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "pacs.train.checkpoint", "pacs.train.metrics", "fault_worker"])
+    ctx.set_forkserver_preload(["torch", "pacs.run.checkpoint", "pacs.train.metrics", "fault_worker"])
     return ctx
 
 

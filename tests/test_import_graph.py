@@ -11,9 +11,10 @@ Layers, bottom to top (a module may import its own layer and the layers below it
                                           parallelism, tiled MLP, memory levers, LoRA, the head's forward
 3. ``pacs.tasks``, ``pacs.rollout``       problems, rewards, datasets; generating responses
 4. ``pacs.eval``                          evaluating a policy on a task, its journal and outputs
-5. ``pacs.train``                         the loop, the run directory, checkpoints, preflight, metrics
-6. ``pacs.integrations``                  TRL and verl on top of the trainer's pieces
-7. ``pacs.cli``, ``pacs.__main__``        the ``pacs`` command
+5. ``pacs.run``                           a run's directory, lock, checkpoints, stop signals, set-up
+6. ``pacs.train``                         the loop, the update, preflight, metrics
+7. ``pacs.integrations``                  TRL and verl on top of the trainer's pieces
+8. ``pacs.cli``, ``pacs.__main__``        the ``pacs`` command
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ LAYERS = (
     ("pacs.model",),
     ("pacs.tasks", "pacs.rollout"),
     ("pacs.eval",),
+    ("pacs.run",),
     ("pacs.train",),
     ("pacs.integrations",),
     ("pacs.cli", "pacs.__main__"),

@@ -19,7 +19,8 @@ from pacs.config import load_config, validate
 from pacs.model.packing import pack_rows
 from pacs.model.policy import full_named_tensors, load_policy
 from pacs.train.metrics import read_metrics
-from pacs.train.trainer import policy_loss, train
+from pacs.train import train
+from pacs.train.update import policy_loss
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2"]
 
@@ -196,8 +197,8 @@ def test_a_lora_run_over_a_16_bit_base_says_rollouts_lag_by_the_merge_rounding(m
     engine (advanced.rollout.dtype) serves the merge unrounded, and Hugging Face generate on one process
     samples the policy itself (nothing merged)."""
     from pacs.model.policy import DistInfo
-    from pacs.train.run_setup import Run
-    from pacs.train.trainer import load_training_policy
+    from pacs.run.run_setup import Run
+    from pacs.train.start import load_training_policy
 
     cfg = load_config(None, [*LORA, f"model.dtype={dtype}", f"advanced.rollout.dtype={rollout_dtype}",
                              f"rollout.engine={engine}"])
@@ -213,7 +214,7 @@ def test_a_lora_run_over_a_16_bit_base_says_rollouts_lag_by_the_merge_rounding(m
 
 def test_a_float32_engine_serves_small_adapter_changes_that_bfloat16_rounds_away(model_dir):
     from pacs.rollout import make_rollout_engine
-    from pacs.train.run_setup import engine_options
+    from pacs.run.run_setup import engine_options
 
     policy = load_policy(model_dir, dtype="bfloat16", lora=lora())
     with torch.no_grad():  # a few steps' worth of adapter change, below most of the base's bfloat16 half-ulps

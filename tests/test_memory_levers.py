@@ -15,7 +15,7 @@ from trainer_helpers import comparable, repo_root, tiny_config
 from pacs.model.memory import activation_offload, apply_liger_patches, fsdp_kwargs
 from pacs.model.packing import pack_rows
 from pacs.model.tiled_mlp import is_tiled
-from pacs.train.trainer import policy_loss
+from pacs.train.update import policy_loss
 
 
 def packed_grads(policy, batch, old_logp, offload: bool):
@@ -63,7 +63,7 @@ from test_packing import config, random_batch, tiny_policy
 from pacs.model.memory import fsdp_kwargs
 from pacs.model.packing import pack_rows
 from pacs.model.layers import decoder_layers
-from pacs.train.trainer import policy_loss
+from pacs.train.update import policy_loss
 
 reference = tiny_policy(21, dtype=torch.float32)
 sharded = copy.deepcopy(reference)
@@ -143,9 +143,8 @@ def test_trainer_packed_with_levers_matches_padded(tmp_path, monkeypatch):
     groups; packed token-budget micro-batches with checkpointing, activation offload, the tiled MLP and
     the old-policy pass in small chunks (a different cut of the mini-batch): every metric (each the step's
     whole batch's, pacs/train/loss_statistics.py) and the weights equal, up to float rounding."""
-    from pacs.train import trainer as trainer_module
+    from pacs.train import old_policy, train, update
     from pacs.train.metrics import read_metrics
-    from pacs.train.trainer import train
 
     cuts = []  # the token-budget run's micro-batches (row ranges)
 
@@ -160,8 +159,9 @@ def test_trainer_packed_with_levers_matches_padded(tmp_path, monkeypatch):
         "padded": train(tiny_config(tmp_path / "padded", cache, *common, "train.packing=false")),
         "packed": train(tiny_config(tmp_path / "packed", cache, *common, "train.packing=true")),
     }
-    real = trainer_module.micro_batch_ranges
-    monkeypatch.setattr(trainer_module, "micro_batch_ranges", recorded)
+    real = update.micro_batch_ranges  # (the old-policy pass's cut and the mini-batches')
+    monkeypatch.setattr(old_policy, "micro_batch_ranges", recorded)
+    monkeypatch.setattr(update, "micro_batch_ranges", recorded)
     runs |= {
         "budget": train(tiny_config(
             tmp_path / "budget", cache, *common, "train.packing=true", "train.max_tokens_per_micro_batch=72",

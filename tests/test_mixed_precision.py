@@ -15,7 +15,7 @@ from trainer_helpers import repo_root, run_torchrun
 from pacs.config import load_config, validate
 from pacs.model.mixed_precision import Precision, half_ulp, resolve_precision, share_frozen_by_rounding
 from pacs.model.policy import load_policy
-from pacs.train.export import export_hf
+from pacs.run.export import export_hf
 from pacs.train.weight_updates import UpdateMonitor
 
 
@@ -224,7 +224,7 @@ def test_pacs_train_in_bfloat16_keeps_float32_weights_resumes_exactly_and_export
     from trainer_helpers import comparable, tiny_config
 
     from pacs.train.metrics import read_metrics
-    from pacs.train.trainer import train
+    from pacs.train import train
 
     cache = tmp_path / "cache"
     steps = ["rollout.engine=hf", "model.dtype=bfloat16", "checkpoint_every=2", "optim.lr_schedule=constant"]

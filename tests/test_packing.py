@@ -18,7 +18,9 @@ from pacs.model.packing import (
     use_packing,
 )
 from pacs.model.policy import Policy
-from pacs.train.trainer import build_batch, old_policy_logprobs, policy_loss
+from pacs.train.batch import build_batch
+from pacs.train.update import policy_loss
+from pacs.train.old_policy import old_policy_logprobs
 
 VOCAB, GROUP = 48, 3
 ARCH = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

@@ -287,7 +287,7 @@ def test_pacs_train_refuses_packing_a_sliding_window_model_before_any_work(tmp_p
     """``pacs train``'s config check reads the model's config and class: train.packing=true for a model with a
     sliding window (no flash attention here) is refused, naming the setting; unset, it is accepted (padded
     rows); sequence parallelism, which needs packed rows, is refused for it."""
-    from pacs.train.run_setup import check_config
+    from pacs.run.run_setup import check_config
 
     model_dir = tmp_path / "mistral"
     tiny(transformers.MistralConfig, transformers.MistralForCausalLM, vocab_size=V, hidden_size=32,

@@ -9,6 +9,8 @@ import torch
 from trainer_helpers import comparable, tiny_config
 
 from pacs.config import Config, load_config
+from pacs.run import TrainingStopped
+from pacs.train import train
 from pacs.train.preflight import WorstCase, adamw_state_gib, levers_off, preflight_enabled, worst_cases
 
 
@@ -61,25 +63,25 @@ def test_a_run_with_the_preflight_trains_exactly_as_one_without(tmp_path, monkey
     """Same metrics and weights; the preflight's update saw full-length rows only (every prompt
     max_prompt_len tokens, every response max_new_tokens), as many groups as one micro-batch holds in
     each of two mini-batches (the run has two), in parts when the token budget is below a group."""
-    import pacs.train.trainer as trainer
+    import pacs.train.update as update
     from pacs.train.metrics import read_metrics
 
     seen = []
-    real_update = trainer.update_policy
+    real_update = update.update_policy
 
-    def recording_update(cfg, policy, optimizer, scheduler, batch, *args, **kwargs):
+    def recording_update(cfg, policy, optimizer, scheduler, data, *args, **kwargs):
         if step_of(args) == 0:
-            seen.append((batch.attention_mask.sum(1).tolist(), type(optimizer).__name__))
-        return real_update(cfg, policy, optimizer, scheduler, batch, *args, **kwargs)
+            seen.append((data.batch.attention_mask.sum(1).tolist(), type(optimizer).__name__))
+        return real_update(cfg, policy, optimizer, scheduler, data, *args, **kwargs)
 
     def step_of(args):
-        return args[4]  # (old_logp, old_lse, state, dist_info, step)
+        return args[2]  # (state, dist_info, step)
 
-    monkeypatch.setattr(trainer, "update_policy", recording_update)
+    monkeypatch.setattr(update, "update_policy", recording_update)
     cache = tmp_path / "cache"
     common = ["max_steps=2", "rollout.engine=hf", "eval.every=0", "checkpoint_every=0", "train.packing=true",
               "rollout.max_prompt_len=12", "train.max_tokens_per_micro_batch=40"]  # a group (4 x 15) in parts
-    runs = {flag: trainer.train(tiny_config(tmp_path / flag, cache, *common, f"advanced.train.preflight={flag}"))
+    runs = {flag: train(tiny_config(tmp_path / flag, cache, *common, f"advanced.train.preflight={flag}"))
             for flag in ("false", "true")}
     out = capsys.readouterr().out
     assert "[preflight] the largest steps these settings allow ran (full length: 1 group(s) of 4 x 15 tokens; " \
@@ -93,16 +95,16 @@ def test_a_run_with_the_preflight_trains_exactly_as_one_without(tmp_path, monkey
 
 
 def test_running_out_of_memory_stops_with_the_settings_still_off(tmp_path, monkeypatch):
-    import pacs.train.trainer as trainer
+    import pacs.train.update as update
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.50 GiB.")
 
-    monkeypatch.setattr(trainer, "update_policy", out_of_memory)
+    monkeypatch.setattr(update, "update_policy", out_of_memory)
     cfg = tiny_config(tmp_path / "run", tmp_path / "cache", "max_steps=1", "rollout.engine=hf", "eval.every=0",
                       "advanced.train.preflight=true", "model.gradient_checkpointing=true")
-    with pytest.raises(trainer.TrainingStopped) as stopped:
-        trainer.train(cfg)
+    with pytest.raises(TrainingStopped) as stopped:
+        train(cfg)
     message = str(stopped.value)
     assert ("preflight: the largest step these settings allow (groups of 4 responses, prompts of 32 and responses "
             "of 3 tokens)") in message
@@ -116,18 +118,18 @@ def test_every_random_stream_is_as_it_was_after_the_preflight(tmp_path, monkeypa
     Python's random streams, or a run with dropout would train differently with the preflight on."""
     import random
 
-    import pacs.train.trainer as trainer
+    import pacs.train.update as update
     from pacs.model.policy import DistInfo, load_policy
     from pacs.train.preflight import run_preflight
 
-    real_update = trainer.update_policy
+    real_update = update.update_policy
 
     def drawing_update(*args, **kwargs):
         torch.rand(3)
         random.random()
         return real_update(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "update_policy", drawing_update)
+    monkeypatch.setattr(update, "update_policy", drawing_update)
     model_dir = tmp_path / "model"
     tiny_model().save_pretrained(model_dir)
     policy = load_policy(str(model_dir), packed_attention=True)
@@ -141,7 +143,7 @@ def test_every_random_stream_is_as_it_was_after_the_preflight(tmp_path, monkeypa
     random.seed(11)
     before = [p.detach().clone() for p in policy.parameters()]
     run_preflight(cfg, policy, optimizer, 0, DistInfo(), packed=True, say=lambda *a: None,
-                  steps=trainer.preflight_steps())
+                  steps=update.preflight_steps())
     assert torch.equal(torch.rand(2), expected[0]) and random.random() == expected[1]
     assert all(torch.equal(a, p) for a, p in zip(before, policy.parameters()))
     assert all(p.grad is None for p in policy.parameters()) and not optimizer.state
@@ -150,14 +152,14 @@ def test_every_random_stream_is_as_it_was_after_the_preflight(tmp_path, monkeypa
 def test_the_old_policy_pass_gets_its_own_largest_chunk(monkeypatch):
     """train.old_policy_max_tokens above the training budget: the no-grad pass runs a chunk of its own
     budget, larger than any update micro-batch."""
-    import pacs.train.trainer as trainer
+    import pacs.train.update as update
     from pacs.model.policy import DistInfo
     from pacs.train.preflight import run_preflight
 
     calls = []
-    monkeypatch.setattr(trainer, "old_policy_logprobs", lambda policy, batch, ranges, *a, **k: (
+    monkeypatch.setattr(update, "old_policy_logprobs", lambda policy, batch, ranges, *a, **k: (
         calls.append(batch.attention_mask.sum().item()) or (torch.zeros(batch.targets.shape),) * 2 + (0.0,)))
-    monkeypatch.setattr(trainer, "update_policy", lambda *a, **k: None)
+    monkeypatch.setattr(update, "update_policy", lambda *a, **k: None)
 
     class Policy:
         causal_lm = tiny_model()
@@ -166,7 +168,7 @@ def test_the_old_policy_pass_gets_its_own_largest_chunk(monkeypatch):
                    "rollout.max_new_tokens=5", "optim.mini_batches_per_step=1", "train.max_tokens_per_micro_batch=20",
                    "advanced.train.old_policy_max_tokens=80")
     run_preflight(cfg, Policy(), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]), 0, DistInfo(),
-                  packed=True, say=lambda *a: None, steps=trainer.preflight_steps())
+                  packed=True, say=lambda *a: None, steps=update.preflight_steps())
     assert calls[0] == 80 and max(calls[1:]) == 20  # its own 4 groups of 2 x 10, then the update's
 
 
@@ -183,15 +185,16 @@ def test_a_reference_kept_across_steps_preflights_the_usual_first_mini_batch(mon
     """optim.ref_reset_every > 1: steps between resets take the usual path (not one sweep) on their first
     mini-batch, reset steps the one sweep; with a single mini-batch per step the preflight runs both (a
     second mini-batch always runs the usual path)."""
-    import pacs.train.trainer as trainer
+    import pacs.train.update as update
     from pacs.model.policy import DistInfo
     from pacs.train.preflight import run_preflight
 
     seen = []
-    monkeypatch.setattr(trainer, "old_policy_logprobs", lambda policy, batch, ranges, *a, **k: (
+    monkeypatch.setattr(update, "old_policy_logprobs", lambda policy, batch, ranges, *a, **k: (
         (torch.zeros(batch.targets.shape),) * 2 + (0.0,)))
-    monkeypatch.setattr(trainer, "update_policy",
-                        lambda *a, **k: seen.append(k.get("rollout_logp") is not None))
+    monkeypatch.setattr(update, "update_policy",
+                        lambda cfg, policy, optimizer, scheduler, data, *a, **k: seen.append(
+                            data.rollout_logp is not None))
 
     class Policy:
         causal_lm = tiny_model()
@@ -200,5 +203,5 @@ def test_a_reference_kept_across_steps_preflights_the_usual_first_mini_batch(mon
                    "rollout.max_new_tokens=5", f"optim.mini_batches_per_step={minis}",
                    f"advanced.optim.ref_reset_every={every}")
     run_preflight(cfg, Policy(), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]), 0, DistInfo(),
-                  packed=True, say=lambda *a: None, steps=trainer.preflight_steps())
+                  packed=True, say=lambda *a: None, steps=update.preflight_steps())
     assert seen and len(seen) % len(firsts) == 0 and seen == firsts * (len(seen) // len(firsts))

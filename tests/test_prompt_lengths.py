@@ -11,7 +11,7 @@ from pacs.cli import main
 from pacs.config import Config, load_config, validate
 from pacs.model.model_zoo import build_byte_tokenizer, build_small_model
 from pacs.tasks import MathTask, make_task
-from pacs.train.prompt_lengths import fit_prompt_length
+from pacs.run.prompt_lengths import fit_prompt_length
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,7 +87,7 @@ def test_measured_lengths_are_those_of_the_prompts_the_run_encodes(tmp_path, mod
 
     from pacs.eval.evaluate import encode_prompt
     from pacs.tasks import Problem
-    from pacs.train.prompt_lengths import prompt_lengths
+    from pacs.run.prompt_lengths import prompt_lengths
 
     tokenizer = AutoTokenizer.from_pretrained(build_small_model(model, str(tmp_path / "m")))
     problems = [Problem(f"What is {i} + {i}?" + " Think. Then answer in \\boxed{}." * i, str(2 * i)) for i in range(7)]
@@ -118,11 +118,11 @@ def test_a_limit_some_prompt_exceeds_is_refused_unless_truncation_is_asked_for(t
 
 
 def test_pacs_train_refuses_a_long_prompt_before_the_model_loads(tmp_path, capsys, monkeypatch):
-    import pacs.train.trainer
+    import pacs.train.start
 
     model_dir = build_small_model("qwen3-0.6b", str(tmp_path / "model"))
     data = write_rows(tmp_path / "rows.jsonl", ["What is 1 + 1?"] * 3 + ["W" * 300] + ["What is 2 + 2?"] * 4)
-    monkeypatch.setattr(pacs.train.trainer, "load_policy", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(pacs.train.start, "load_policy", lambda *a, **k: pytest.fail("the model was loaded"))
     out = tmp_path / "run"
     capsys.readouterr()
     code = main(["train", "--model", model_dir, "--output-dir", str(out), "task.name=math",

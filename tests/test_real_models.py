@@ -82,7 +82,7 @@ def test_reduced_models_keep_what_makes_the_architecture(zoo):
 def random_batch(vocab: int, seed: int, n_groups: int = 2):
     """Groups of GROUP responses; prompts 5..12 tokens, responses 3..10 tokens, ids anywhere in the
     vocabulary (the highest ids included); both labels in every group."""
-    from pacs.train.trainer import build_batch
+    from pacs.train.batch import build_batch
 
     gen = torch.Generator().manual_seed(seed)
     prompts, responses = [], []
@@ -115,11 +115,11 @@ def reference_loss_and_grads(model_dir, batch, old_logp, temperature):
 
 
 def pacs_train_loss_and_grads(model_dir, batch, old_logp, temperature, dtype, packed):
-    """The loss and gradients ``pacs train`` computes for this micro-batch (pacs.train.trainer.policy_loss)."""
+    """The loss and gradients ``pacs train`` computes for this micro-batch (pacs.train.update.policy_loss)."""
     from pacs.config import load_config
     from pacs.model.packing import pack_rows
     from pacs.model.policy import load_policy
-    from pacs.train.trainer import policy_loss
+    from pacs.train.update import policy_loss
 
     policy = load_policy(model_dir, dtype=dtype, packed_attention=packed)
     cfg = load_config(None, [f"rollout.group_size={GROUP}", f"rollout.temperature={temperature}",
@@ -156,7 +156,7 @@ TOLERANCE = {"float32": (3e-4, 3e-4), "bfloat16": (0.3, 0.4)}
 def test_one_step_loss_and_gradients_equal_a_float64_reference(zoo, tmp_path, name, dtype):
     from pacs.model.packing import packing_obstacle
     from pacs.model.policy import load_policy
-    from pacs.train.run_setup import packed_attention_for
+    from pacs.run.run_setup import packed_attention_for
 
     model_dir = sharpened(zoo(name), str(tmp_path / "sharp"))
     config = load_policy(model_dir, dtype="float32").causal_lm.config
@@ -242,11 +242,11 @@ def check_two_steps(out):
 def test_pacs_train_two_bf16_steps(zoo, tmp_path, capsys, monkeypatch, name, packing):
     """Two steps with mixed rewards (the random model earns no math reward: here a response is right when its
     token ids add up to an odd number), lr 1e-3 so that bf16 weights move: the exported model differs."""
-    import pacs.train.trainer
+    import pacs.train.loop
     from pacs.cli import main
     from pacs.tasks import MathTask
 
-    monkeypatch.setattr(pacs.train.trainer, "decode_response", lambda tokenizer, tokens: str(sum(tokens) % 2))
+    monkeypatch.setattr(pacs.train.loop, "decode_response", lambda tokenizer, tokens: str(sum(tokens) % 2))
     monkeypatch.setattr(MathTask, "reward", lambda self, text, problem: float(text == "1"))
     data = write_math_data(tmp_path / "math.jsonl")
     out = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""A resumed run stays the run it was (pacs/train/resume_check.py, issue #26 items 2, 3): settings that change what
+"""A resumed run stays the run it was (pacs/run/resume_check.py, issue #26 items 2, 3): settings that change what
 the run is are refused before any write, listing each difference, unless named with --change (recorded with
 the step it took effect at); settings that do not are accepted and recorded; config.yaml is never rewritten;
 a model that does not fit the checkpoint is refused in one line before any write, and the resume command the
@@ -16,7 +16,7 @@ from pacs.cli import main
 from pacs.config import Config
 from pacs.tasks.embedded import build_model, build_tokenizer
 from pacs.train.metrics import read_metrics
-from pacs.train.resume_check import HISTORY_NAME, changes_what_the_run_is, resume_command
+from pacs.run.resume_check import HISTORY_NAME, changes_what_the_run_is, resume_command
 
 TINY_RUN = ["advanced.task.digits=1", "rollout.engine=hf", "rollout.prompts_per_step=2", "rollout.group_size=2",
             "rollout.max_new_tokens=3", "optim.mini_batches_per_step=1", "optim.micro_batch_groups=1",
@@ -159,7 +159,7 @@ def test_a_resume_recorded_after_a_torn_line_takes_effect(tmp_path):
     """A crash mid-append leaves config_history.jsonl without its last newline; the next resume's record must
     not be glued onto that line (it would not parse, and the run would silently go back to older settings)."""
     from pacs.config import save_config, to_user_dict
-    from pacs.train.resume_check import ResumePlan, record_resume, settings_in_effect
+    from pacs.run.resume_check import ResumePlan, record_resume, settings_in_effect
 
     out = tmp_path / "run"
     out.mkdir()

@@ -17,7 +17,7 @@ from pacs.tasks.embedded import build_model, build_tokenizer
 from pacs.train.batch import build_batch
 from pacs.train.metrics import read_metrics
 from pacs.train.rollout_correction import COLUMNS, Band, correct, keep_masks, measure
-from pacs.train.trainer import old_policy_logprobs
+from pacs.train.old_policy import old_policy_logprobs
 
 TINY_RUN = ["advanced.task.digits=1", "rollout.prompts_per_step=2", "rollout.group_size=2",
             "rollout.max_new_tokens=3", "optim.mini_batches_per_step=1", "optim.micro_batch_groups=1",

@@ -1,4 +1,4 @@
-"""The run directory (pacs/train/run_dir.py): its layout, the refusal of a directory that holds a run, and
+"""The run directory (pacs/run/run_dir.py): its layout, the refusal of a directory that holds a run, and
 that no other module of the trainer builds a path under a run's directory itself."""
 
 import ast
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from pacs.train.run_dir import RUN_FILES, RunDir
+from pacs.run.run_dir import RUN_FILES, RunDir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUT_NAMES = {"config.yaml", "config_history.jsonl", "metrics.jsonl", "metrics.png", "checkpoints", "final_model",
@@ -91,4 +91,4 @@ def paths_built_outside_run_dir() -> list[str]:
 
 def test_every_path_under_a_run_directory_comes_from_run_dir():
     found = paths_built_outside_run_dir()
-    assert not found, "paths under a run's directory built outside RunDir (pacs/train/run_dir.py):\n" + "\n".join(found)
+    assert not found, "paths under a run's directory built outside RunDir (pacs/run/run_dir.py):\n" + "\n".join(found)

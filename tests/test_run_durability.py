@@ -14,10 +14,10 @@ import fault_worker
 import pytest
 import test_run_errors
 
-import pacs.train.checkpoint as ck
-import pacs.train.disk_space as disk_space
+import pacs.run.checkpoint as ck
+import pacs.run.disk_space as disk_space
 from pacs.cli import main
-from pacs.train.disk_space import NoSpaceLeft
+from pacs.run.disk_space import NoSpaceLeft
 from pacs.train.metrics import read_metrics
 
 TINY_RUN = test_run_errors.TINY_RUN

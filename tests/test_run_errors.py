@@ -13,12 +13,12 @@ import signal
 import pytest
 import torch
 
-import pacs.train.trainer as trainer
+import pacs.train.update as update
 from pacs.cli import main
 from pacs.config import Config
 from pacs.tasks.embedded import build_model, build_tokenizer
-from pacs.train import stop_signals
-from pacs.train.checkpoint import latest_checkpoint
+from pacs.run import stop_signals
+from pacs.run.checkpoint import latest_checkpoint
 from pacs.train.metrics import read_metrics
 
 TINY_RUN = ["advanced.task.digits=1", "rollout.engine=hf", "rollout.prompts_per_step=2", "rollout.group_size=2",
@@ -174,7 +174,7 @@ def test_train_help_shows_defaults_and_every_key(capsys):
 def test_ctrl_c_resume_and_overwrite(tmp_path, capsys, tiny_model, monkeypatch):
     out = tmp_path / "run"
     argv = ["train", "--model", tiny_model, "--output-dir", str(out), "--max-steps", "3", *TINY_RUN]
-    real_update, calls = trainer.update_policy, {"n": 0}
+    real_update, calls = update.update_policy, {"n": 0}
 
     def interrupted_at_step_3(*args, **kwargs):
         calls["n"] += 1
@@ -183,7 +183,7 @@ def test_ctrl_c_resume_and_overwrite(tmp_path, capsys, tiny_model, monkeypatch):
             os.kill(os.getpid(), signal.SIGINT)  # KeyboardInterrupt from here
         return real_update(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "update_policy", interrupted_at_step_3)
+    monkeypatch.setattr(update, "update_policy", interrupted_at_step_3)
     monkeypatch.setattr(stop_signals, "REPEAT_SECONDS", 0.0)  # the second Ctrl-C is a second request, not a repeat
     code, _, err = run_cli(capsys, *argv)
     config = out / "config.yaml"
@@ -191,7 +191,7 @@ def test_ctrl_c_resume_and_overwrite(tmp_path, capsys, tiny_model, monkeypatch):
     assert one_error_line(err) == (
         f"pacs train: interrupted at step 3; the last checkpoint is {out}/checkpoints/step_000002 (step 2); "
         f"resume with: pacs train --config {config} --resume")
-    monkeypatch.setattr(trainer, "update_policy", real_update)
+    monkeypatch.setattr(update, "update_policy", real_update)
 
     code, _, err = run_cli(capsys, *argv)  # the same command again: refused, nothing lost
     assert code == 2 and "already holds a run" in err
@@ -223,7 +223,7 @@ def test_a_crash_mid_run_says_how_to_resume_and_keeps_its_traceback(tmp_path, ca
     setting: the CLI lets it out with its traceback (a ValueError too, not the settings' one line, exit 2),
     after a line naming the last checkpoint and the command that continues the run."""
     out = tmp_path / "run"
-    real_update, calls = trainer.update_policy, {"n": 0}
+    real_update, calls = update.update_policy, {"n": 0}
 
     def crashes_at_step_3(*args, **kwargs):
         calls["n"] += 1
@@ -231,7 +231,7 @@ def test_a_crash_mid_run_says_how_to_resume_and_keeps_its_traceback(tmp_path, ca
             raise error("something broke inside the step")
         return real_update(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "update_policy", crashes_at_step_3)
+    monkeypatch.setattr(update, "update_policy", crashes_at_step_3)
     with pytest.raises(error, match="something broke inside the step"):
         main(["train", "--model", tiny_model, "--output-dir", str(out), "--max-steps", "4", *TINY_RUN])
     err = capsys.readouterr().err

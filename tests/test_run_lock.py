@@ -1,4 +1,4 @@
-"""One process per run directory (pacs/train/run_lock.py, issue #26 item 1): a second ``pacs train`` on a directory
+"""One process per run directory (pacs/run/run_lock.py, issue #26 item 1): a second ``pacs train`` on a directory
 another process holds, a ``pacs eval`` on its eval directory and a PACSTrainer on its output directory are
 refused in one line naming the holder's pid (exit 2), before anything there is read or written; a holder
 killed with -9 leaves no stale lock."""
@@ -14,10 +14,10 @@ import pytest
 from trainer_helpers import repo_root
 
 from pacs.cli import main
-from pacs.train.run_lock import LOCK_NAME, RunDirectoryLocked, lock_run_directory, release_run_directory
+from pacs.run.run_lock import LOCK_NAME, RunDirectoryLocked, lock_run_directory, release_run_directory
 
 HOLD = ("import sys, time\n"
-        "from pacs.train.run_lock import lock_run_directory\n"
+        "from pacs.run.run_lock import lock_run_directory\n"
         "lock_run_directory(sys.argv[1])\n"
         "print('locked', flush=True)\n"
         "time.sleep(120)\n")

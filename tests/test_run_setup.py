@@ -11,8 +11,8 @@ from pacs.eval.evaluate import encode_prompts, evaluate
 from pacs.model.policy import DistInfo, resolve_dtype
 from pacs.tasks import AdditionTask
 from pacs.tasks.embedded import build_tokenizer
-from pacs.train.run_setup import Run
-from pacs.train.trainer import evaluate_policy
+from pacs.run.run_setup import Run
+from pacs.train.evaluation import evaluate_policy
 
 
 class RecordingEngine:

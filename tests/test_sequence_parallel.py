@@ -10,7 +10,7 @@ from trainer_helpers import repo_root, run_torchrun
 
 from pacs.model.packing import pack_rows
 from pacs.model.sequence_parallel import SequenceParallel, shard_packed
-from pacs.train.trainer import build_batch
+from pacs.train.batch import build_batch
 
 
 def test_shards_cover_the_row_once_padded_to_a_multiple_of_the_ranks():
@@ -214,7 +214,7 @@ def test_models_that_cannot_split_are_refused_before_any_work():
 
     from pacs.config import load_config
     from pacs.model.sequence_parallel import check_model_splits
-    from pacs.train.run_setup import check_config
+    from pacs.run.run_setup import check_config
 
     # the embedded model (task.num_heads=2 by default) over 4 ranks: refused by the config check, before its
     # warm-up or any rank's work

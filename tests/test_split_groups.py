@@ -10,7 +10,9 @@ from test_packing import GROUP, config, loss_and_grads, random_batch, tiny_polic
 from pacs.model.packing import is_part_of_a_group, plan_micro_batches, split_to_count
 from pacs.model.policy import DistInfo
 from pacs.train.split_groups import split_group_rows
-from pacs.train.trainer import old_policy_logprobs, update_policy
+from pacs.train.old_policy import old_policy_logprobs
+from pacs.train.update import update_policy
+from pacs.train.update_batch import UpdateBatch
 
 
 def test_plan_splits_only_groups_larger_than_the_budget():
@@ -58,8 +60,8 @@ def one_update(cfg, batch, packed: bool, reference_seed: int | None = None):
         old_logp, _, _ = old_policy_logprobs(tiny_policy(reference_seed), batch, [(0, n)], cfg.rollout.temperature,
                                              "torch", packed=packed)
     state = {"consecutive_nan": 0, "skipped_updates": 0}
-    update = update_policy(cfg, policy, optimizer, scheduler, batch, old_logp, old_lse, state,
-                           DistInfo(device=torch.device("cpu")), step=1, packed=packed, rollout_logp=rollout_logp)
+    data = UpdateBatch(batch, old_logp, old_lse, rollout_logp, packed=packed)
+    update = update_policy(cfg, policy, optimizer, scheduler, data, state, DistInfo(device=torch.device("cpu")), step=1)
     return policy, update
 
 
@@ -173,7 +175,7 @@ def test_the_loss_chunk_setting_reaches_the_fused_loss(caplog):
     from test_packing import loss_and_grads
 
     from pacs.config import validate
-    from pacs.train.trainer import old_policy_logprobs as old_pass
+    from pacs.train.old_policy import old_policy_logprobs as old_pass
 
     policy = tiny_policy(9)
     batch = random_batch(12)

@@ -7,8 +7,8 @@ import signal
 import pytest
 import torch
 
-from pacs.train import stop_signals as module
-from pacs.train.stop_signals import STOP_SIGNALS, StopSignals
+from pacs.run import stop_signals as module
+from pacs.run.stop_signals import STOP_SIGNALS, StopSignals
 
 CPU = torch.device("cpu")
 

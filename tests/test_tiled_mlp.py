@@ -15,7 +15,7 @@ from pacs.model.memory import activation_offload
 from pacs.model.packing import pack_rows
 from pacs.model.policy import Policy
 from pacs.model.tiled_mlp import is_tiled, tile_mlp
-from pacs.train.trainer import policy_loss
+from pacs.train.update import policy_loss
 
 
 def loss_and_grads(policy, batch, old_logp, packed: bool, offload: bool = False):

@@ -8,7 +8,9 @@ from pacs.config import Config
 from pacs.model.policy import check_model_path, load_policy
 from pacs.rollout import HFGenerateEngine, make_rollout_engine
 from pacs.tasks.embedded import build_model, build_tokenizer
-from pacs.train.trainer import build_batch, lr_lambda, old_policy_logprobs
+from pacs.train.batch import build_batch
+from pacs.train.old_policy import old_policy_logprobs
+from pacs.train.start import lr_lambda
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,13 @@ import pytest
 import torch
 from trainer_helpers import comparable, repo_root, tiny_config
 
-import pacs.train.trainer as trainer
-from pacs.train.checkpoint import checkpoint_steps, latest_checkpoint
+import pacs.train.loop as loop
+import pacs.train.update as update_module
+from pacs.run.checkpoint import checkpoint_steps, latest_checkpoint
 from pacs.train.metrics import read_metrics
-from pacs.train.trainer import TrainingStopped, lr_lambda, train
+from pacs.run import TrainingStopped
+from pacs.train import train
+from pacs.train.start import lr_lambda
 
 
 @pytest.fixture(scope="module")
@@ -147,16 +150,16 @@ def test_checkpoints_also_come_by_time_since_the_last_one(tmp_path, cache_dir, m
     due (120 s), step 3 is not (60 s after step 2's checkpoint), step 4 is (and is the last); null: by step
     count only."""
     reads = iter(range(0, 10**6, 60))
-    monkeypatch.setattr(trainer, "checkpoint_clock", lambda: next(reads))
+    monkeypatch.setattr(loop, "checkpoint_clock", lambda: next(reads))
     steps = ["max_steps=4", "rollout.engine=hf", "checkpoint_every=100", "eval.every=0"]
     written = []
-    real_save = trainer.save_checkpoint
+    real_save = loop.save_checkpoint
 
     def recording_save(output_dir, step, *args, **kwargs):
         written.append(step)
         return real_save(output_dir, step, *args, **kwargs)
 
-    monkeypatch.setattr(trainer, "save_checkpoint", recording_save)
+    monkeypatch.setattr(loop, "save_checkpoint", recording_save)
     train(tiny_config(tmp_path / "by_time", cache_dir, *steps, "advanced.checkpoint_minutes=1.5"))
     assert written == [2, 4]
     assert [step for step, _ in checkpoint_steps(str(tmp_path / "by_time"))] == [2, 4]
@@ -167,7 +170,7 @@ def test_checkpoints_also_come_by_time_since_the_last_one(tmp_path, cache_dir, m
 
 @pytest.mark.slow
 def test_nan_step_is_skipped_and_repeated_nans_stop(tmp_path, cache_dir, monkeypatch):
-    real_loss = trainer.fused_linear_pacs_loss
+    real_loss = update_module.fused_linear_objective_loss
     calls = {"n": 0, "poison": set()}
 
     def poisoned(*args, **kwargs):
@@ -177,7 +180,7 @@ def test_nan_step_is_skipped_and_repeated_nans_stop(tmp_path, cache_dir, monkeyp
             loss = loss * float("nan")
         return loss, stats
 
-    monkeypatch.setattr(trainer, "fused_linear_pacs_loss", poisoned)
+    monkeypatch.setattr(update_module, "fused_linear_objective_loss", poisoned)
     # 4 groups per step, 2 mini-batches of 2 micro-batches: calls 1-4 are step 1, 5-8 step 2, ... (every
     # group run: none skipped for a gradient of 0)
     calls["poison"] = {3}  # second mini-batch of step 1
@@ -232,7 +235,7 @@ def test_a_preempted_run_checkpoints_its_step_and_resumes_as_if_never_stopped(tm
     what a run that was never stopped logs. The handlers are gone afterwards."""
     from trainer_helpers import TINY
 
-    import pacs.train.trainer as trainer
+    import pacs.train.update as update
     from pacs.cli import main
 
     steps = [*TINY, f"advanced.task.cache_dir={cache_dir}", "rollout.engine=hf", "checkpoint_every=100", "max_steps=5"]
@@ -242,7 +245,7 @@ def test_a_preempted_run_checkpoints_its_step_and_resumes_as_if_never_stopped(tm
     assert all(r["grad_norm"] > 0 for r in expected[1:])  # the steps train: the comparison below is not vacuous
 
     out = tmp_path / "preempted"
-    real_update, calls = trainer.update_policy, {"n": 0}
+    real_update, calls = update.update_policy, {"n": 0}
 
     def signalled_during_step_3(*args, **kwargs):
         calls["n"] += 1
@@ -250,10 +253,10 @@ def test_a_preempted_run_checkpoints_its_step_and_resumes_as_if_never_stopped(tm
             os.kill(os.getpid(), stop_signal)  # delivered now; the handler only sets a flag
         return real_update(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "update_policy", signalled_during_step_3)
+    monkeypatch.setattr(update, "update_policy", signalled_during_step_3)
     capsys.readouterr()
     assert main(["train", "--output-dir", str(out), *steps]) == 128 + stop_signal
-    monkeypatch.setattr(trainer, "update_policy", real_update)
+    monkeypatch.setattr(update, "update_policy", real_update)
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("pacs train:")]
     assert errors == [
         f"pacs train: {stop_signal.name} received: stopped after step 3, its checkpoint written; the last "
@@ -276,7 +279,7 @@ def test_a_signal_in_the_last_step_lets_the_run_end_as_usual(tmp_path, cache_dir
 
     from pacs.cli import main
 
-    real_update, calls = trainer.update_policy, {"n": 0}
+    real_update, calls = update.update_policy, {"n": 0}
 
     def signalled_in_the_last_step(*args, **kwargs):
         calls["n"] += 1
@@ -284,7 +287,7 @@ def test_a_signal_in_the_last_step_lets_the_run_end_as_usual(tmp_path, cache_dir
             os.kill(os.getpid(), signal.SIGTERM)
         return real_update(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "update_policy", signalled_in_the_last_step)
+    monkeypatch.setattr(update, "update_policy", signalled_in_the_last_step)
     out = tmp_path / "run"
     steps = [*TINY, f"advanced.task.cache_dir={cache_dir}", "rollout.engine=hf", "checkpoint_every=100", "max_steps=3",
              "eval.every=0"]

@@ -664,7 +664,7 @@ def test_a_signal_saves_the_step_and_the_resumed_run_equals_an_uninterrupted_one
     from it, the run ends with the uninterrupted run's weights. The handlers are put back."""
     from transformers import TrainerCallback
 
-    from pacs.train.stop_signals import StoppedBySignal
+    from pacs.run.stop_signals import StoppedBySignal
 
     whole = helpers.trainer(tmp_path / "whole", max_steps=4)
     whole.train()

@@ -16,9 +16,12 @@ import sys
 import torch
 from trainer_helpers import leave_distributed_run  # the script's folder is on sys.path
 
-import pacs.train.trainer as trainer
+import pacs.train.start as start
+import pacs.train.update as update
 from pacs.config import load_config
 from pacs.model.policy import full_named_tensors
+from pacs.run import TrainingPreempted
+from pacs.train import train
 
 
 def checksum(named) -> dict[str, list[float]]:
@@ -41,7 +44,7 @@ def tiled_mlps(policy) -> int:
 def main() -> None:
     out_dir, overrides = sys.argv[1], sys.argv[2:]
     pushes: list[dict] = []
-    make_engine = trainer.make_rollout_engine
+    make_engine = start.make_rollout_engine
 
     def recording_engine(*args, **kwargs):
         engine = make_engine(*args, **kwargs)
@@ -55,24 +58,24 @@ def main() -> None:
         engine.sync_weights = sync_and_record
         return engine
 
-    trainer.make_rollout_engine = recording_engine
+    start.make_rollout_engine = recording_engine
     rank = int(os.environ.get("RANK", "0"))
     signal_at = int(os.environ.get("PACS_TEST_SIGTERM_RANK0_AT_UPDATE", "0"))
     if signal_at and rank == 0:
-        update, calls = trainer.update_policy, []
+        real_update, calls = update.update_policy, []
 
         def signalled_update(*args, **kwargs):
             calls.append(1)
             if len(calls) == signal_at:
                 os.kill(os.getpid(), signal.SIGTERM)  # the handler only sets a flag
-            return update(*args, **kwargs)
+            return real_update(*args, **kwargs)
 
-        trainer.update_policy = signalled_update
+        update.update_policy = signalled_update
     cfg = load_config(None, overrides)
     cfg.output_dir = out_dir
     try:
-        result = trainer.train(cfg)
-    except trainer.TrainingPreempted as stopped:
+        result = train(cfg)
+    except TrainingPreempted as stopped:
         with open(os.path.join(out_dir, f"sync_rank{rank}.json"), "w") as fh:
             json.dump({"preempted_by": stopped.signal_name, "message": str(stopped)}, fh)
         leave_distributed_run()

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trl_helpers as helpers  # noqa: E402
 from trainer_helpers import full_weights, leave_distributed_run  # noqa: E402
 
-from pacs.train.stop_signals import StoppedBySignal  # noqa: E402
+from pacs.run.stop_signals import StoppedBySignal  # noqa: E402
 
 MODES = ("ddp", "fsdp2")
 # Plain SGD (momentum 0) without clipping: see the module doc.

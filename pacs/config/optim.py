@@ -61,8 +61,9 @@ class OptimConfig:
     logprob_backend: str = setting("auto", "the log-prob kernels: auto | triton | torch | naive (logits "
                                    "materialized)", choices=("auto", "triton", "torch", "naive"), advanced=True)
     one_sweep_first_step: bool = setting(
-        True, "PACS only: on the first mini-batch after each rollout (weights unchanged since the old-policy pass), "
-        "get loss and gradients in one vocabulary sweep (fused_linear_pacs_loss(old_lse=...))", advanced=True)
+        True, "an objective that declares it (PACS, the GRPO family without an entropy bonus): on the first "
+        "mini-batch after each rollout (weights unchanged since the old-policy pass), get loss and gradients in one "
+        "vocabulary sweep (the loss's old_lse=)", advanced=True)
 
     def check(self) -> None:
         """Each setting in its range, and each objective setting set only for an objective that reads it."""

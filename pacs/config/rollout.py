@@ -23,7 +23,7 @@ class RolloutConfig:
                            advanced=True)
     max_new_tokens: int = setting(4096, "the paper's response budget (the built-in tasks: 6)", above=0)
     max_prompt_len: int | None = setting(
-        None, "None: the longest prompt of the task's data, tokenized as the run will (pacs/train/prompt_lengths.py; "
+        None, "None: the longest prompt of the task's data, tokenized as the run will (pacs/run/prompt_lengths.py; "
         "the built-in tasks: 32); a prompt longer than a number set here is refused before any work, unless "
         "truncate_prompts", above=0)
     truncate_prompts: bool = setting(False, "cut prompts longer than max_prompt_len to their last max_prompt_len "

@@ -68,16 +68,15 @@ from pacs.model.mixed_precision import rounding_warning, share_frozen_by_roundin
 from pacs.model.model_forward import MULTIMODAL_KEYS, LogprobRequest, PACSBatch, add_pacs_forward, check_supported_head
 from pacs.model.tiled_mlp import tile_mlp
 from pacs.model.varlen_attention import new_decisions as new_attention_decisions
+from pacs.run import RunDirectoryLocked, StoppedBySignal, StopSignals, lock_run_directory
 from pacs.train.loss_statistics import LossStatistics
 from pacs.train.rollout_correction import Band, measure
-from pacs.train.run_lock import RunDirectoryLocked, lock_run_directory
 from pacs.train.single_label_groups import (
     group_losses_at_zero,
     groups_that_must_run,
     single_label,
     zero_gradient_at_psi_zero,
 )
-from pacs.train.stop_signals import StoppedBySignal, StopSignals
 from pacs.train.weight_updates import UpdateMonitor
 from pacs_kernels import PACS, LossOptions, PACSLoss
 from pacs_kernels.loss_inputs import check_beta

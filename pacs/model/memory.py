@@ -11,7 +11,7 @@
     gradients and the optimizer state live in host memory, each layer's parameters are copied to
     the device for its forward and backward only (the optimizer steps on the CPU);
   * the old-policy pass in no-grad chunks: ``train.old_policy_max_tokens`` (pacs/model/packing.py plans
-    the chunks, pacs/train/trainer.py runs them);
+    the chunks, pacs/train/update.py runs them);
   * ``train.liger_patches``: :func:`apply_liger_patches`, Liger-Kernel's Triton RMSNorm, SwiGLU and
     RoPE in the model (CUDA only; never its loss: the loss is ours);
   * ``train.tiled_mlp``: each decoder layer's MLP over tiles of ``train.mlp_tile_tokens`` tokens,

@@ -152,7 +152,7 @@ def pack_real_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> P
 
 
 def pack_rows(batch, lo: int, hi: int) -> PackedMicroBatch:
-    """Pack rows ``[lo, hi)`` of ``batch`` (a :class:`pacs.train.trainer.Batch`: right-padded
+    """Pack rows ``[lo, hi)`` of ``batch`` (a :class:`pacs.train.batch.Batch`: right-padded
     input_ids/attention_mask/targets/mask (B, L) and rewards (B,)) into a :class:`PackedMicroBatch`.
 
     The target and mask of each packed position are those of the padded batch at the same place:

@@ -30,7 +30,7 @@ class Task:
 
     def labeled_problems(self, sample: int) -> list[tuple[str, Problem]]:
         """The problems a run may see, each with where it is, for the prompt-length check
-        (pacs/train/prompt_lengths.py). A generated stream: its held-out problems and its first ``sample``
+        (pacs/run/prompt_lengths.py). A generated stream: its held-out problems and its first ``sample``
         training problems (one format)."""
         held = [(f"held-out problem {i}", p) for i, p in enumerate(self.eval_problems())]
         return held + [(f"training problem {i}", self.train_problem(i)) for i in range(sample)]

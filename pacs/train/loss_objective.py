@@ -1,7 +1,7 @@
 """The configured loss as an objective: ``optim.algo`` and its settings -> ``PACS(...)``, ``GRPO(...)``, ``DAPO(...)``,
 ``DrGRPO(...)``, ``GSPO(...)``, ``CISPO(...)``, or a user's objective named ``module:Class``.
 
-Built in one place for every route a micro-batch's loss takes (pacs/train/trainer.py's ``micro_batch_loss``):
+Built in one place for every route a micro-batch's loss takes (pacs/train/update.py's ``policy_loss``):
 the fused loss straight from hidden states, and the group loss on log-probs known or gathered first (groups
 run in parts, pacs/train/split_groups.py; sequence parallelism).
 
@@ -106,5 +106,18 @@ def token_mean(objective) -> bool:
 
 def one_sweep_first_step(objective) -> bool:
     """Whether the objective can take the first mini-batch after a rollout (weights still the sampler's) in one
-    vocabulary sweep from the rollout's log-sum-exp: PACS's (``fused_linear_pacs_loss(old_lse=...)``)."""
+    vocabulary sweep from the rollout's log-sum-exp (``old_lse``): what its declared ``Capabilities`` say
+    (``one_sweep``: a loss of the log-probs alone; PACS and the GRPO family without an entropy bonus). An objective
+    that declares none is run as the engine runs it (pacs_kernels/objectives/rows.py): one sweep unless it uses
+    the entropy."""
+    declared = getattr(objective, "capabilities", None)
+    if declared is not None:
+        return bool(declared.one_sweep)
+    return not getattr(objective, "uses_entropy", False)
+
+
+def takes_response_validity(objective) -> bool:
+    """Whether the objective takes a per-response validity mask (``valid=``: PACS's, which leaves a response out of
+    its group's class counts): the rollout correction then drops a response by it and keeps its tokens; for any
+    other objective it takes the response's tokens out of the mask (pacs/train/rollout_correction.py)."""
     return isinstance(objective, PACS)

@@ -6,7 +6,7 @@ import json
 import math
 import os
 
-from pacs.train.durable import fsync_dir
+from pacs.run.durable import fsync_dir
 
 CURVES = (
     ("reward_mean", "training reward (mean)"),
@@ -71,7 +71,7 @@ class MetricsLog:
                 fh.flush()
                 os.fsync(fh.fileno())
         except OSError as exc:
-            from pacs.train.disk_space import DISK_FULL, NoSpaceLeft, no_space_message
+            from pacs.run.disk_space import DISK_FULL, NoSpaceLeft, no_space_message
 
             if exc.errno in DISK_FULL:  # a torn row is dropped on resume
                 raise NoSpaceLeft(no_space_message("metrics row to", self.path, None)) from exc

@@ -45,9 +45,10 @@ from typing import Callable
 import torch
 
 from pacs.config import micro_batch_groups
+from pacs.run import TrainingStopped
 from pacs.train.batch import build_batch
 from pacs.train.memory_plan import planned_training_gib
-from pacs.train.training_errors import TrainingStopped
+from pacs.train.update_batch import UpdateBatch
 
 GiB = 2**30
 
@@ -77,7 +78,7 @@ class _NoSchedulerStep:
 
 @dataclass(frozen=True)
 class TrainerSteps:
-    """The trainer's own steps that the preflight runs (pacs/train/trainer.py's ``preflight_steps()``):
+    """The trainer's own steps that the preflight runs (pacs/train/update.py's ``preflight_steps()``):
     its no-grad old-policy pass, the micro-batch ranges of that pass, and its update."""
 
     old_policy_logprobs: Callable
@@ -228,10 +229,10 @@ def _run_worst_cases(cfg, policy, optimizer, pad_token_id: int, dist_info, *, pa
         # mini-batch runs anyway: with a single one, the step runs once more with the usual first mini-batch
         firsts = [None, old_logp] if o.ref_reset_every > 1 and n_minis == 1 else [None]
         for rollout_logp in firsts:
-            update_policy(step_cfg, policy, _NoOptimizerStep(optimizer), _NoSchedulerStep(), batch, old_logp,
-                          old_lse, scratch, dist_info, 0, say=lambda *a, **k: None, packed=packed,
-                          rollout_logp=rollout_logp)
-        del batch, old_logp, old_lse
+            data = UpdateBatch(batch, old_logp, old_lse, rollout_logp, packed, dist_info.sp)
+            update_policy(step_cfg, policy, _NoOptimizerStep(optimizer), _NoSchedulerStep(), data, scratch, dist_info,
+                          0, say=lambda *a, **k: None)
+        del batch, old_logp, old_lse, data
     seconds = time.perf_counter() - start
     reserved_gib = adamw_state_gib(optimizer) if reserve else 0.0
     del reserve

@@ -3,7 +3,7 @@ drop (mask) what lies too far, for any objective (``advanced.rollout_correction`
 
 The rollout engine (vLLM, HF generate) returns each sampled token's log-prob as it computed it,
 ``sampler_logp`` (``q``); the trainer's old-policy pass computes the same tokens' log-probs, ``old_logp``
-(``p``, :func:`pacs.train.trainer.old_policy_logprobs`). In exact arithmetic they agree (same weights, same
+(``p``, :func:`pacs.train.old_policy.old_policy_logprobs`). In exact arithmetic they agree (same weights, same
 temperature); in 16-bit, with other kernels, they do not, and the rollouts are then slightly off-policy.
 Per response token ``t`` of response ``i`` (``m[i,t]`` its mask):
 

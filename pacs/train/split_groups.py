@@ -31,7 +31,7 @@ from pacs.model.packing import is_part_of_a_group, to_layout
 from pacs.train.loss_objective import loss_objective
 from pacs.train.rollout_correction import both_valid
 from pacs.train.single_label_groups import loss_valid
-from pacs_kernels import PACS, KnownGradient
+from pacs_kernels import KnownGradient
 from pacs_kernels.pieces import group_loss_on_rows
 
 
@@ -54,14 +54,13 @@ def split_group_rows(micro_batches: list[tuple[int, int]], group_size: int) -> l
 
 def group_loss_on_logprobs(cfg: Config, logp: torch.Tensor, old_logp: torch.Tensor, rewards: torch.Tensor,
                            mask: torch.Tensor, valid_rows: torch.Tensor | None = None):
-    """The configured loss (PACS or GRPO) of whole groups from their (rows, L) log-probs: (loss, stats dict), as
-    the loss engine computes it on gathered log-probs (pacs_kernels.pieces.group_loss_on_rows). ``valid_rows``:
-    their rows of ``Batch.valid`` (PACS: the responses the rollout correction dropped)."""
-    objective, group = loss_objective(cfg), cfg.rollout.group_size
-    valid = None
-    if isinstance(objective, PACS):
-        valid = both_valid(loss_valid(rewards, group, cfg.optim.drop_single_label_groups), valid_rows)
-    return group_loss_on_rows(objective, logp, old_logp, rewards, mask, group_size=group, valid=valid)
+    """The configured loss of whole groups from their (rows, L) log-probs: (loss, stats dict), as the loss engine
+    computes it on gathered log-probs (pacs_kernels.pieces.group_loss_on_rows). ``valid_rows``: their rows of
+    ``Batch.valid`` (PACS: the responses the rollout correction dropped; None for any other objective, which
+    neither drops single-label groups)."""
+    group = cfg.rollout.group_size
+    valid = both_valid(loss_valid(rewards, group, cfg.optim.drop_single_label_groups), valid_rows)
+    return group_loss_on_rows(loss_objective(cfg), logp, old_logp, rewards, mask, group_size=group, valid=valid)
 
 
 def group_gradients(cfg: Config, batch, first_rows: list[int], current_logp: torch.Tensor,

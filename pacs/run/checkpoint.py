@@ -11,7 +11,7 @@ fsynced; then ``manifest.json`` (each file's size and SHA-256, and the step) is 
 fsynced last; then the directory is renamed to ``step_X`` and its parent fsynced. A process killed
 at any moment therefore leaves either no ``step_X`` or one whose manifest verifies. A ``step_X`` that
 exists already (a resumed run writing the same step again) is first renamed to ``step_X.replaced.tmp``
-and deleted once the new one is in place (pacs/train/durable.py ``replace_dir``); a process killed
+and deleted once the new one is in place (pacs/run/durable.py ``replace_dir``); a process killed
 between those two renames leaves no ``step_X``, and every scan (:func:`checkpoint_steps`) and the next
 write first put one back (:func:`recover_checkpoints`): the new ``step_X.tmp`` when its manifest
 verifies, else the old one. Only then are other ``*.tmp`` directories (unfinished writes) deleted.
@@ -42,10 +42,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from pacs.model.policy import DistInfo
-from pacs.train.disk_space import NoSpaceLeft, is_disk_full, no_space_message, tensor_bytes
-from pacs.train.durable import REPLACED_SUFFIX, fsync_dir, recover_replaced, replace_dir
-from pacs.train.resume_check import check_model_matches
-from pacs.train.run_dir import CHECKPOINT_DIR, RunDir, checkpoint_name
+from pacs.run.disk_space import NoSpaceLeft, is_disk_full, no_space_message, tensor_bytes
+from pacs.run.durable import REPLACED_SUFFIX, fsync_dir, recover_replaced, replace_dir
+from pacs.run.resume_check import check_model_matches, resume_command
+from pacs.run.run_dir import CHECKPOINT_DIR, RunDir, checkpoint_name
 
 MANIFEST = "manifest.json"
 _CHUNK = 1 << 22
@@ -170,7 +170,7 @@ def recover_checkpoints(root: str) -> list[str]:
     """Put back each ``step_X`` under ``root`` (a checkpoints directory) that a write killed between its two
     renames left missing (module docstring): ``step_X.tmp`` when its manifest verifies (checksums too), else the
     old ``step_X.replaced.tmp``. Returns the checkpoints put back. Any process may call it, several at once
-    (pacs/train/durable.py ``recover_replaced``: the first rename stands)."""
+    (pacs/run/durable.py ``recover_replaced``: the first rename stands)."""
     if not os.path.isdir(root):
         return []
     recovered = []
@@ -234,6 +234,16 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return find_checkpoint(output_dir).path
 
 
+def resume_hint(output_dir: str) -> str:
+    """Where the run's last checkpoint is and the command that continues the run. (Manifests and sizes checked,
+    not checksums: said within a scheduler's grace period or as a crashed run ends; --resume verifies all.)"""
+    last = find_checkpoint(output_dir, checksums=False)
+    command = resume_command(output_dir)
+    if last.path is None:
+        return f"no checkpoint was written yet; start again with {command.replace('--resume', '--overwrite')}"
+    return f"the last checkpoint is {last.path} (step {last.step}); resume with: {command}"
+
+
 # ---------------------------------------------------------------------------------------------
 # writing, rotating, loading
 
@@ -248,7 +258,7 @@ def write_checkpoint_files(root: str, step: int, write_files, dist_info: DistInf
     ``write_files(tmp_dir)`` writes this rank's files (with :func:`save_torch` / :func:`save_json`).
     Every rank calls this; rank 0 creates the temporary directory, writes the manifest, renames,
     points ``latest`` at the new checkpoint and rotates old ones. A full disk (ENOSPC, EDQUOT) on this
-    rank removes the unfinished ``step_X.tmp`` and raises :class:`~pacs.train.disk_space.NoSpaceLeft` naming
+    rank removes the unfinished ``step_X.tmp`` and raises :class:`~pacs.run.disk_space.NoSpaceLeft` naming
     the checkpoint, ``expected_bytes`` (what it needs) and the bytes free; older checkpoints are kept.
     """
     try:

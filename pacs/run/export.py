@@ -8,15 +8,15 @@ import os
 import shutil
 
 from pacs.model.policy import DistInfo, Policy, full_named_tensors
-from pacs.train.disk_space import NoSpaceLeft, is_disk_full, no_space_message, tensor_bytes
-from pacs.train.durable import REPLACED_SUFFIX, fsync_tree, recover_replaced, replace_dir
+from pacs.run.disk_space import NoSpaceLeft, is_disk_full, no_space_message, tensor_bytes
+from pacs.run.durable import REPLACED_SUFFIX, fsync_tree, recover_replaced, replace_dir
 
 
 def export_hf(policy: Policy, tokenizer, out_dir: str, dist_info: DistInfo | None = None) -> None:
     """Save the policy in Hugging Face format (config, safetensors, tokenizer); rank 0 writes.
 
     Written to ``out_dir.tmp``, every file fsynced, then renamed into place
-    (:func:`pacs.train.durable.replace_dir`: an existing export is moved aside to ``out_dir.replaced.tmp``
+    (:func:`pacs.run.durable.replace_dir`: an existing export is moved aside to ``out_dir.replaced.tmp``
     first and deleted after), so that a reader never sees half an export and a kill at any moment leaves one
     at ``out_dir`` or, killed between the two renames, one that the next export or reader
     (:func:`recover_export`) puts back first. Float32 master weights are written

@@ -4,7 +4,7 @@
 checks it holds weights and that prompt + response fit its positions, builds the task (checking
 that it has a held-out set) and loads the tokenizer. :func:`engine_options` gives the rollout
 engine's arguments. Prompts are measured with the tokenizer before the model loads
-(pacs/train/prompt_lengths.py); where ``rollout.truncate_prompts`` allows it they are cut to ``rollout.max_prompt_len``
+(pacs/run/prompt_lengths.py); where ``rollout.truncate_prompts`` allows it they are cut to ``rollout.max_prompt_len``
 by one function for training and both evaluations: :func:`pacs.eval.evaluate.encode_prompts`.
 """
 
@@ -29,8 +29,8 @@ from pacs.tasks import Task, make_task
 from pacs.tasks.datasets import HF_PREFIX
 from pacs.tasks.embedded import build_tokenizer, prepare_embedded_model
 from pacs.tasks.embedded import model_config as embedded_config
-from pacs.train.export import recover_export
-from pacs.train.prompt_lengths import fit_prompt_length
+from pacs.run.export import recover_export
+from pacs.run.prompt_lengths import fit_prompt_length
 
 
 @dataclass
@@ -52,7 +52,7 @@ class Run:
 def check_config(cfg: Config, world_size: int = 1) -> None:
     """Checks that need no model: settings, vLLM when asked for, the model directory's config and
     weights and its positions (a local or hub model; the embedded one is checked once built). A model
-    directory that an export killed between its renames left missing is put back first (pacs/train/export.py)."""
+    directory that an export killed between its renames left missing is put back first (pacs/run/export.py)."""
     validate(cfg, world_size)
     if cfg.task.name == "math":  # a missing data file first: it is what the user has to mend
         for key in ("data_path", "eval_path"):
@@ -116,7 +116,7 @@ def prepare_run(cfg: Config, dist_info: DistInfo | None = None, log=print) -> Ru
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    # the prompts measured with the run's tokenizer, before the model loads (pacs/train/prompt_lengths.py)
+    # the prompts measured with the run's tokenizer, before the model loads (pacs/run/prompt_lengths.py)
     measured = cfg.rollout.max_prompt_len is None
     fit_prompt_length(cfg, task, tokenizer, log=log if dist_info.is_main else (lambda *_: None))
     if measured:

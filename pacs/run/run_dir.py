@@ -6,10 +6,10 @@ Every path under a run's directory comes from :class:`RunDir`::
       config.yaml             the settings the run started with (``pacs train --config ... --resume``)
       config_history.jsonl    each resume's changed settings
       metrics.jsonl           one row per step (pacs/train/metrics.py), metrics.png its curves
-      checkpoints/step_000010/ ...  checkpoints (pacs/train/checkpoint.py), ``latest`` names the newest
+      checkpoints/step_000010/ ...  checkpoints (pacs/run/checkpoint.py), ``latest`` names the newest
       final_model/            the trained policy in Hugging Face format
       eval/                   ``pacs eval``'s journal and outputs for this run's model
-      .lock                   held by the process training here (pacs/train/run_lock.py)
+      .lock                   held by the process training here (pacs/run/run_lock.py)
 
 A directory "holds a run" when it has a ``metrics.jsonl``, a ``checkpoints/`` directory, a
 ``config.yaml`` or a ``final_model/``. Starting a run there needs ``--resume`` (continue it) or

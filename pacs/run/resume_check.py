@@ -36,7 +36,7 @@ from pacs.config import (
     to_user_dict,
     user_key,
 )
-from pacs.train.run_dir import HISTORY_NAME, RunDir
+from pacs.run.run_dir import HISTORY_NAME, RunDir
 
 # settings that do not change what a run is: how long it runs, what it evaluates and logs, how often it
 # checkpoints, how it uses memory and which engine generates (a dotted prefix ending in "." covers a section;

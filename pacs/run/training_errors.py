@@ -3,7 +3,7 @@ interrupted (a second Ctrl-C) or preempted (a signal: the step in progress finis
 
 from __future__ import annotations
 
-from pacs.train.stop_signals import StoppedBySignal
+from pacs.run.stop_signals import StoppedBySignal
 
 
 class TrainingStopped(RuntimeError):
@@ -17,5 +17,5 @@ class TrainingInterrupted(RuntimeError):
 
 class TrainingPreempted(TrainingInterrupted, StoppedBySignal):
     """SIGTERM / SIGUSR1 (a scheduler's preemption or time-limit warning) or a first Ctrl-C: the step in
-    progress was finished and checkpointed (pacs/train/stop_signals.py); the message says how to resume.
+    progress was finished and checkpointed (pacs/run/stop_signals.py); the message says how to resume.
     (Constructed as StoppedBySignal(message, signal_name).)"""

@@ -17,7 +17,7 @@ import fcntl
 import os
 import sys
 
-from pacs.train.run_dir import CHECKPOINTS_NAME, CONFIG_NAME, LOCK_NAME, RunDir  # noqa: F401  (LOCK_NAME: the lock file's name)
+from pacs.run.run_dir import CHECKPOINTS_NAME, CONFIG_NAME, LOCK_NAME, RunDir  # noqa: F401  (LOCK_NAME: the lock file's name)
 
 _held: dict[str, int] = {}  # real path of the lock file -> its open descriptor, in this process
 

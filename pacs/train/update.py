@@ -1,0 +1,390 @@
+"""A rollout step's policy update, top to bottom: the old policy's log-probs (pacs/train/old_policy.py: the
+batch from then on carried to the loss by one :class:`~pacs.train.update_batch.UpdateBatch`), the groups whose
+gradient is exactly 0 planned out; then, for each mini-batch of whole groups, its micro-batches (whole groups
+within the token budget; a group over it in parts, made exact by its known log-prob gradients:
+pacs/train/split_groups.py), each micro-batch's loss through the one call to the loss engine
+(:func:`policy_loss`), their gradients accumulated, clipped and applied by AdamW; a non-finite loss or gradient
+skips the update."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pacs.config import Config, micro_batch_groups
+from pacs.model.memory import activation_offload
+from pacs.model.packing import (
+    PackedMicroBatch,
+    forward_micro_batch,
+    is_part_of_a_group,
+    micro_batch_ranges,
+    same_count_on_every_rank,
+    to_layout,
+)
+from pacs.model.policy import DistInfo
+from pacs.model.sequence_parallel import reduce_over_group, slice_micro_batch, whole_micro_batch
+from pacs.model.varlen_attention import new_decisions as new_attention_decisions
+from pacs.run import TrainingStopped
+from pacs.run.checkpoint import latest_checkpoint
+from pacs.train.batch import Batch
+from pacs.train.loss_objective import loss_objective, one_sweep_first_step, token_mean
+from pacs.train.loss_statistics import LossStatistics
+from pacs.train.old_policy import old_policy_logprobs, old_policy_pass, old_policy_ranges
+from pacs.train.preflight import TrainerSteps
+from pacs.train.rollout_correction import both_valid
+from pacs.train.single_label_groups import group_losses_at_zero, loss_valid, plan_group_skips, skip_rules
+from pacs.train.split_groups import GroupGradients, group_gradients, loss_gradient, part_of_a_group, split_group_rows
+from pacs.train.training import Training
+from pacs.train.update_batch import UpdateBatch
+from pacs.train.weight_updates import UpdateMonitor
+from pacs_kernels import GatheredLogprobs, KnownGradient, LossOptions, fused_linear_objective_loss
+
+
+@dataclass
+class UpdateResult:
+    """What one rollout step's updates produced: every micro-batch loss and how many groups it held
+    (a part of a group: its share; GRPO's token mean: times their tokens per response), the grad norm of
+    each update that was applied, each loss statistic over the micro-batches that ran and every rank's
+    (pacs/train/loss_statistics.py), and the last mini-batch's mean loss per group (what the progress bar
+    shows: the first mini-batch after a rollout always reads ln 2 for PACS, as the policy still equals the
+    old one). Groups not run (a gradient of exactly 0) count in the loss at their value, one group each."""
+
+    losses: list[float]
+    loss_groups: list[float]
+    grad_norms: list[float]
+    stats: dict[str, float]
+    last_loss: float
+    split_groups: int = 0  # groups larger than the token budget, run in parts (pacs/train/split_groups.py)
+    skipped_groups: int | None = None  # groups whose gradient is exactly 0, not run (None: not planned)
+    skipped_losses: list[float] = dataclasses.field(default_factory=list)  # their loss values, one per group
+    # per applied update: the share of (sampled) weights with a gradient that the step changed (weight_updates.py)
+    update_nonzero_fracs: list[float] = dataclasses.field(default_factory=list)
+    lr: float = math.nan  # the learning rate the step's first update ran at
+
+    def mean_loss(self) -> float:
+        """The step's loss: the mean over groups (each micro-batch's loss weighs the groups it held)."""
+        return weighted_mean(self.losses + self.skipped_losses, self.loss_groups + [1.0] * len(self.skipped_losses))
+
+
+def weighted_mean(values: list[float], weights: list[float]) -> float:
+    total = sum(weights)
+    return sum(v * w for v, w in zip(values, weights)) / total if total else float("nan")
+
+
+def preflight_steps() -> TrainerSteps:
+    """The trainer's own old-policy pass and update, as the preflight runs them (looked up now: a test's
+    stand-in for one of them is what the preflight gets)."""
+    return TrainerSteps(old_policy_logprobs=old_policy_logprobs, old_policy_ranges=old_policy_ranges,
+                        update_policy=update_policy)
+
+
+def update_step(t: Training, step: int, batch: Batch) -> tuple[UpdateResult, float]:
+    """The old policy's log-probs (:func:`old_policy_pass`: the batch from then on carried to the loss by one
+    :class:`UpdateBatch`), the groups whose gradient is exactly 0 this step planned out, then the updates
+    (NaN-skipping). Returns the update and the old policy's mean entropy over the response tokens."""
+    cfg, o, r, dist_info = t.cfg, t.cfg.optim, t.cfg.rollout, t.dist_info
+    data, entropy = old_policy_pass(t, step, batch)
+    # groups whose gradient is exactly 0 this step (single-label ones after a reset) are not run:
+    # moved behind the others within their mini-batch (pacs/train/single_label_groups.py)
+    skip_first, skip_every = skip_rules(cfg, reference_is_current=data.rollout_logp is None)
+    groups_run = None
+    if skip_first or skip_every:
+        order, groups_run = plan_group_skips(data.batch.rewards, r.group_size, o.mini_batches_per_step,
+                                             skip_first=skip_first, skip_every=skip_every)
+        groups_run = most_on_any_rank(groups_run, dist_info)
+        if order is not None:
+            data = data.select(order)
+    update = update_policy(cfg, t.policy, t.optimizer, t.scheduler, data, t.state, dist_info, step, t.say,
+                           groups_run=groups_run)
+    if t.packed and (attention := new_attention_decisions(dist_info.device)):  # once per configuration
+        t.say(f"[train] packed attention: {attention}")
+    return update, entropy
+
+
+def update_policy(cfg: Config, policy, optimizer, scheduler, data: UpdateBatch, state: dict, dist_info: DistInfo,
+                  step: int, say=print, *, groups_run: list[int] | None = None) -> UpdateResult:
+    """For each mini-batch of whole groups of ``data``, its micro-batches' losses (each through
+    :func:`micro_batch_loss`), their gradients accumulated, clipped and applied; a non-finite loss or gradient
+    on any rank skips the update on every rank (:func:`skip_non_finite`). ``groups_run``: per mini-batch, the
+    groups that run (those after them: a gradient of exactly 0); None: all."""
+    o, group, rows_per_mini = cfg.optim, cfg.rollout.group_size, mini_batch_rows(cfg, dist_info)
+    skipped = None if groups_run is None else rows_per_mini // group * o.mini_batches_per_step - sum(groups_run)
+    update = UpdateResult([], [], [], {}, float("nan"), skipped_groups=skipped, lr=optimizer.param_groups[0]["lr"])
+    statistics, at_zero = LossStatistics(), losses_at_zero(cfg, data.batch, groups_run)
+    # weights that a step leaves where they are, though they have a gradient: updates that rounded away
+    monitor = UpdateMonitor(policy.parameters(), distributed=dist_info.world_size > 1)
+    for m in range(o.mini_batches_per_step):
+        mini = plan_mini_batch(cfg, policy, data, m, dist_info, at_zero, groups_run)
+        update.skipped_losses += mini.skipped_losses
+        update.split_groups += 0 if mini.split is None else len(mini.split.losses)
+        for lo, hi in mini.micro_batches:
+            with activation_offload(cfg.train.offload_activations, dist_info.device):
+                loss = micro_batch_loss(cfg, policy, data, mini, lo, hi)
+                (loss.to_backward * loss_scale(loss, mini, rows_per_mini, dist_info)).backward()
+            update.losses.append(loss.value)
+            # its weight in the step's loss: the groups it held (a part: its share); a token mean: their tokens
+            update.loss_groups.append((hi - lo) / group * (1.0 if mini.tokens is None else loss.tokens / loss.rows))
+            statistics.add(loss.stats, loss.rows, loss.tokens)
+        here = slice(len(update.losses) - len(mini.micro_batches), None)  # this mini-batch's micro-batches
+        update.last_loss = weighted_mean(update.losses[here] + mini.skipped_losses,
+                                         update.loss_groups[here] + [1.0] * len(mini.skipped_losses))
+        grad_norm = clipped_grad_norm(policy, o.max_grad_norm)
+        if skip_non_finite(cfg, optimizer, state, update.losses[here], grad_norm, dist_info, step, say):
+            scheduler.step()  # the schedule counts planned updates: a skipped one leaves it where it would be
+            continue
+        update.grad_norms.append(float(grad_norm))
+        update.update_nonzero_fracs.append(optimizer_step(optimizer, scheduler, monitor))
+    update.stats = statistics.means(distributed=dist_info.world_size > 1, device=dist_info.device)
+    return update
+
+
+# ----------------------------------------------------------------- mini-batches
+
+
+@dataclass
+class MiniBatch:
+    """One mini-batch's plan: its micro-batches (row ranges, the same count on every rank), the log-prob
+    gradients of its groups that run in parts (None: no token budget, no parts), the loss values of its groups
+    not run (a gradient of exactly 0), ``first_step``: the one sweep on weights still the rollout's (logp = old_logp), and
+    ``tokens``: the GRPO token mean's denominator, the response tokens of the mini-batch on every data rank
+    (None: the loss is a mean over responses)."""
+
+    micro_batches: list[tuple[int, int]]
+    split: GroupGradients | None
+    skipped_losses: list[float]
+    first_step: bool
+    tokens: int | None = None
+
+
+def most_on_any_rank(counts: list[int], dist_info: DistInfo) -> list[int]:
+    """Each count's largest value over the ranks (FSDP: every rank runs as many groups per mini-batch)."""
+    if dist_info.world_size <= 1:
+        return counts
+    shared = torch.tensor(counts, dtype=torch.int64, device=dist_info.device)
+    dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+    return shared.tolist()
+
+
+def mini_batch_rows(cfg: Config, dist_info: DistInfo) -> int:
+    """Rows of one mini-batch on this rank: its share of the step's groups, split into the mini-batches."""
+    return cfg.rollout.prompts_per_step // dist_info.dp_size // cfg.optim.mini_batches_per_step * cfg.rollout.group_size
+
+
+def plan_mini_batch(cfg: Config, policy, data: UpdateBatch, mini: int, dist_info: DistInfo,
+                    losses_at_zero: list[float] | None, groups_run: list[int] | None) -> MiniBatch:
+    """Mini-batch ``mini``: the rows of its groups that run (those not run, a gradient of exactly 0, sit behind
+    them: pacs/train/single_label_groups.py) cut into micro-batches of whole groups (at most
+    ``micro_batch_groups`` groups and ``train.max_tokens_per_micro_batch`` tokens; a group larger than that in
+    parts, made exact by its log-prob gradients, known first: pacs/train/split_groups.py)."""
+    o, tr, group = cfg.optim, cfg.train, cfg.rollout.group_size
+    rows_per_mini = mini_batch_rows(cfg, dist_info)
+    first = mini * rows_per_mini
+    last = first + (rows_per_mini if groups_run is None else groups_run[mini] * group)
+    skipped = [] if losses_at_zero is None else losses_at_zero[last // group:(first + rows_per_mini) // group]
+    micro_batches = micro_batch_ranges(
+        data.batch.attention_mask.sum(1).tolist(), first, last, group_size=group,
+        rows_per_micro=micro_batch_groups(cfg) * group, max_tokens=tr.max_tokens_per_micro_batch, packed=data.packed)
+    micro_batches = same_count_on_every_rank(micro_batches, group, dist_info.world_size, dist_info.device)
+    split = None  # only token budgets cut groups
+    if tr.max_tokens_per_micro_batch is not None:
+        split = split_group_gradients(cfg, policy, data, micro_batches, dist_info, first_mini_batch=mini == 0)
+    # one vocabulary sweep needs every psi to be 0 on the first mini-batch: reference = current weights
+    objective = loss_objective(cfg)
+    first_step = (mini == 0 and one_sweep_first_step(objective) and o.one_sweep_first_step
+                  and data.rollout_logp is None)
+    tokens = None
+    if token_mean(objective):  # one token mean over the whole mini-batch (GRPO's token_mean, DAPO, CISPO, ...)
+        tokens = mini_batch_tokens(data.batch.mask[first:first + rows_per_mini], dist_info)
+    return MiniBatch(micro_batches, split, skipped, first_step, tokens)
+
+
+def split_group_gradients(cfg: Config, policy, data: UpdateBatch, micro_batches: list[tuple[int, int]],
+                          dist_info: DistInfo, *, first_mini_batch: bool) -> GroupGradients:
+    """Phases 1-2 of pacs/train/split_groups.py for the groups this mini-batch runs in parts: their
+    log-probs under the current weights (the rollout-time pass's on the first mini-batch after a
+    rollout: ``rollout_logp``, or ``old_logp`` itself when the reference is that policy; else a no-grad
+    pass over their parts, the same number of forwards on every rank), then each group's loss and
+    per-token gradient."""
+    group, batch = cfg.rollout.group_size, data.batch
+    parts = [(lo, hi) for lo, hi in micro_batches if is_part_of_a_group(lo, hi, group)]
+    current_logp = data.old_logp if data.rollout_logp is None else data.rollout_logp
+    current_lse = data.old_lse
+    if not first_mini_batch:
+        count = most_on_any_rank([len(parts)], dist_info)[0]  # FSDP: every rank runs as many no-grad forwards
+        if count:
+            first = micro_batches[0][0]  # a rank without (enough) parts repeats a one-row forward
+            current_logp, current_lse, _ = old_policy_logprobs(policy, batch, parts, cfg.rollout.temperature,
+                                                               cfg.optim.logprob_backend, data.packed, data.sp,
+                                                               fillers=[(first, first + 1)] * (count - len(parts)))
+    return group_gradients(cfg, batch, split_group_rows(micro_batches, group), current_logp, current_lse,
+                           data.old_logp)
+
+
+def mini_batch_tokens(mask: torch.Tensor, dist_info: DistInfo) -> int:
+    """The response tokens of a mini-batch whose rows on this rank hold ``mask``, on every data rank (the ranks of
+    a sequence-parallel group hold the same rows)."""
+    tokens = torch.tensor([int(mask.sum())], dtype=torch.int64, device=dist_info.device)
+    if dist_info.world_size > 1:
+        dist.all_reduce(tokens)
+    return int(tokens) // dist_info.sp_size
+
+
+def losses_at_zero(cfg: Config, batch: Batch, groups_run: list[int] | None) -> list[float] | None:
+    """Each group's loss value at psi = 0: what a group not run (a gradient of exactly 0) counts in the
+    metrics; None when every group runs."""
+    if groups_run is None:
+        return None
+    o, group = cfg.optim, cfg.rollout.group_size
+    valid = both_valid(loss_valid(batch.rewards, group, o.drop_single_label_groups), batch.valid)
+    return group_losses_at_zero(batch.rewards, valid, group, o.weighting).tolist()
+
+
+# --------------------------------------------------------- a micro-batch's loss
+
+
+@dataclass
+class MicroBatchLoss:
+    """One micro-batch's loss: what its backward runs on (the loss, or a surrogate whose gradient is the loss's),
+    the loss value, the rows its mean is over (a part of a group: the whole group's), their response tokens and
+    its statistics."""
+
+    to_backward: torch.Tensor
+    value: float
+    rows: int
+    stats: dict[str, float]
+    tokens: int = 0
+
+
+def micro_batch_loss(cfg: Config, policy, data: UpdateBatch, mini: MiniBatch, lo: int, hi: int) -> MicroBatchLoss:
+    """The loss of micro-batch rows [lo, hi): one call to the loss engine (:func:`policy_loss`) with the piece of
+    the loss's batch it holds, if any (:func:`loss_piece`); on the first step without one, the one sweep
+    (an objective whose capabilities allow it: :func:`pacs.train.loss_objective.one_sweep_first_step`)."""
+    part = slice_micro_batch(data.batch, lo, hi, data.packed, data.sp)  # in the layout the batch carries
+    piece, rows = loss_piece(cfg, data, mini, part, lo, hi)
+    # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
+    lse = to_layout(part, lo, data.old_lse) if mini.first_step and piece is None else None
+    valid_rows = None if data.batch.valid is None else data.batch.valid[lo:hi]
+    loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, data.old_logp), lse, piece, valid_rows)
+    group = cfg.rollout.group_size
+    first = lo - lo % group if is_part_of_a_group(lo, hi, group) else lo  # a part of a group: the whole group's
+    tokens = int(data.batch.mask[first:first + rows].sum())
+    return MicroBatchLoss(loss, float(loss.detach()), rows, stats, tokens)
+
+
+def loss_piece(cfg: Config, data: UpdateBatch, mini: MiniBatch, part, lo: int, hi: int):
+    """What the loss engine needs beyond micro-batch rows [lo, hi)'s tokens, and the rows its loss is a mean
+    over: a part of a group over the token budget gets its group's known log-prob gradients
+    (pacs/train/split_groups.py); under sequence parallelism the first step's gradients are known from
+    old_logp (psi = 0: the whole micro-batch as the "group"), and later steps gather every rank's log-probs;
+    else nothing (None)."""
+    group, batch = cfg.rollout.group_size, data.batch
+    if is_part_of_a_group(lo, hi, group):  # a group over the token budget: its log-prob gradients are known
+        return part_of_a_group(part, lo, mini.split, lo - lo % group), group
+    if data.sp is None:
+        return None, hi - lo
+    if mini.first_step:  # the weights are still the rollout's: the loss and its gradient from old_logp
+        grad_logp = torch.zeros_like(data.old_logp)
+        loss, stats = loss_gradient(cfg, batch, slice(lo, hi), data.old_logp, data.old_logp, grad_logp)
+
+        def agree(drift):  # every rank of the group stops, or none
+            reduce_over_group([drift], data.sp, op=dist.ReduceOp.MAX)
+            return drift
+
+        return KnownGradient(to_layout(part, lo, grad_logp), to_layout(part, lo, data.old_lse), loss, stats,
+                             expected_logp=to_layout(part, lo, data.old_logp), agree=agree), hi - lo
+    width = data.old_logp.shape[1]  # the loss couples the tokens of a group: gathered over the group's ranks
+    return GatheredLogprobs(lambda logp: whole_micro_batch(part, logp, lo, width), data.old_logp[lo:hi],
+                            batch.mask[lo:hi], part.rewards), hi - lo
+
+
+# statistics of the objectives' optional regularizers: NaN when their input is absent (pacs_kernels/objectives)
+ABSENT_WHEN_NAN = frozenset({"kl_mean", "entropy_mean"})
+
+
+def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: torch.Tensor,
+                old_lse: torch.Tensor | None = None, piece=None, valid_rows: torch.Tensor | None = None):
+    """The configured objective's loss (pacs/train/loss_objective.py) of one micro-batch (padded rows or packed),
+    straight from hidden states; old_logp/old_lse in the micro-batch's layout. ``old_lse`` (weights unchanged
+    since the old-policy pass, an objective whose capabilities allow it): the one-sweep first step. ``piece``
+    (:func:`loss_piece`): the micro-batch holds a piece of the loss's batch (part of a group, or this rank's
+    tokens under sequence parallelism). ``valid_rows``: the micro-batch's rows of ``Batch.valid`` (responses the
+    rollout correction dropped; PACS's, None for any other objective).
+
+    The one call to the loss engine, the same for every objective (PACS, the GRPO family, a user's): the
+    objective, the options and the batch's optional inputs go to ``fused_linear_objective_loss``, and the engine
+    plans from the capabilities the objective declares (pacs_kernels/objectives/protocol.py)."""
+    hidden, weight, bias = forward_micro_batch(policy, part)
+    if piece is None and not bool(part.mask.any()):  # the rollout correction dropped every token: no loss term
+        return hidden.sum() * 0.0, {}  # (the forward ran: FSDP's collectives are the same on every rank)
+    o, group = cfg.optim, cfg.rollout.group_size
+    options = LossOptions(**policy.head_options(cfg.rollout.temperature), backend=o.logprob_backend,
+                          chunk_budget_mib=cfg.train.loss_chunk_mib)
+    packed = isinstance(part, PackedMicroBatch) and piece is None
+    valid = both_valid(loss_valid(part.rewards, group, o.drop_single_label_groups), valid_rows)  # (None: all count)
+    loss, stats = fused_linear_objective_loss(hidden, weight, part.targets, part.mask, old_logp, part.rewards,
+                                              objective=loss_objective(cfg), group_size=group, options=options,
+                                              old_lse=old_lse, cu_seqlens=part.cu_seqlens if packed else None,
+                                              bias=bias, valid=valid, piece=piece)
+    # a regularizer the objective has no input for (no reference model, no entropy asked) reports NaN: left out
+    return loss, {k: v for k, v in stats.items() if not (k in ABSENT_WHEN_NAN and v != v)}
+
+
+def loss_scale(loss: MicroBatchLoss, mini: MiniBatch, rows_per_mini: int, dist_info: DistInfo) -> float:
+    """What a micro-batch's loss is multiplied by before its backward, so that the gradients add up to the
+    mini-batch loss's: a mean over rows weighs its rows' share of the mini-batch; GRPO's token mean its tokens'
+    share of every data rank's (FSDP averages gradients over the ranks: times their number). A
+    sequence-parallel group's ranks each hold a part of a micro-batch: times the group's size."""
+    if mini.tokens is None:
+        return dist_info.sp_size * loss.rows / rows_per_mini
+    return dist_info.world_size * loss.tokens / max(mini.tokens, 1)
+
+
+# ----------------------------------------------------------- the optimizer step
+
+
+def clipped_grad_norm(policy, max_norm: float) -> torch.Tensor:
+    """The gradient's norm before clipping it to ``max_norm`` (a plain tensor, also under FSDP2)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+        grad_norm = grad_norm.full_tensor()
+    return grad_norm
+
+
+def skip_non_finite(cfg: Config, optimizer, state: dict, losses: list[float], grad_norm: torch.Tensor,
+                    dist_info: DistInfo, step: int, say) -> bool:
+    """Skip this update? Yes (gradients dropped) after a non-finite loss or gradient on any rank, on every rank
+    together (or the shards diverge); ``max_consecutive_nan`` skips in a row raise TrainingStopped. Counts the
+    skips in ``state``."""
+    bad = torch.tensor([0.0 if all(math.isfinite(x) for x in losses) else 1.0,
+                        0.0 if torch.isfinite(grad_norm) else 1.0], device=dist_info.device)
+    if dist_info.world_size > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if not bad.any():
+        state["consecutive_nan"] = 0
+        return False
+    state["consecutive_nan"] += 1
+    state["skipped_updates"] += 1
+    say(f"[warning] step {step}: non-finite {'loss' if bad[0] else 'gradient'}; "
+        f"update skipped ({state['consecutive_nan']} in a row)")
+    optimizer.zero_grad(set_to_none=True)
+    if state["consecutive_nan"] >= cfg.max_consecutive_nan:
+        last = latest_checkpoint(cfg.output_dir)
+        raise TrainingStopped(
+            f"{state['consecutive_nan']} non-finite updates in a row at step {step}: stopping. "
+            f"The last good checkpoint is {last or '(none written yet)'}; resume from it "
+            "with a lower optim.lr or check the data")
+    return True
+
+
+def optimizer_step(optimizer, scheduler, monitor: UpdateMonitor) -> float:
+    """AdamW's step and the schedule's; returns the share of (sampled) weights with a gradient that it moved."""
+    monitor.before()
+    optimizer.step()
+    moved = monitor.after()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return moved
