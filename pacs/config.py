@@ -175,6 +175,7 @@ class RolloutCorrectionConfig:
     pi_trainer / pi_sampler, for any objective."""
 
     mode: str = "none"              # none | token_mask (tokens out of the band) | sequence_mask (whole responses)
+                                    # | token_truncate / sequence_truncate (each token's term x its clamped ratio)
     c_min: float = 0.0              # the band's low end (0: none; the ratio is > 0)
     c_max: float = 3.0              # the band's high end (TRL's vllm_importance_sampling_clip_max default)
     # a response's ratio: product (exp of the summed log-ratios, TRL's sequence modes) | geometric (exp of their mean)
@@ -512,7 +513,8 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
 
 def validate_rollout_correction(cfg: Config) -> None:
     c = cfg.rollout_correction
-    _choice("advanced.rollout_correction.mode", c.mode, ("none", "token_mask", "sequence_mask"))
+    _choice("advanced.rollout_correction.mode", c.mode, ("none", "token_mask", "sequence_mask", "token_truncate",
+                                                         "sequence_truncate"))
     _choice("advanced.rollout_correction.sequence_ratio", c.sequence_ratio, ("product", "geometric"))
     if not 0 <= c.c_min < 1 < c.c_max:
         raise ValueError("advanced.rollout_correction needs 0 <= c_min < 1 < c_max (a band around the on-policy "

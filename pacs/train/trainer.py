@@ -221,7 +221,8 @@ def old_policy_logprobs(policy, batch: Batch, ranges: list[tuple[int, int]], tem
 
 
 def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: torch.Tensor,
-                old_lse: torch.Tensor | None = None, piece=None, valid_rows: torch.Tensor | None = None):
+                old_lse: torch.Tensor | None = None, piece=None, valid_rows: torch.Tensor | None = None,
+                token_weights: torch.Tensor | None = None):
     """The configured objective's loss (pacs/train/loss_objective.py) of one micro-batch (padded rows or packed),
     straight from hidden states; old_logp/old_lse in the micro-batch's layout. ``old_lse`` (PACS, weights
     unchanged since the old-policy pass): the one-sweep first step. ``piece`` (:func:`loss_piece`): the
@@ -229,14 +230,18 @@ def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: t
     parallelism). The one place in this module that calls the fused losses: the objective and the options go to
     the engine, which does the rest (PACS through its own entry, which takes old_lse and the validity mask; GRPO
     through its own; any other objective, a user's included, through fused_linear_objective_loss).
-    ``valid_rows``: the micro-batch's rows of ``Batch.valid`` (responses the rollout correction dropped)."""
+    ``valid_rows``: the micro-batch's rows of ``Batch.valid`` (responses the rollout correction dropped);
+    ``token_weights``: the rollout correction's truncated weights in the micro-batch's layout (None: none)."""
     hidden, weight, bias = forward_micro_batch(policy, part)
     if piece is None and not bool(part.mask.any()):  # the rollout correction dropped every token: no loss term
         return hidden.sum() * 0.0, {}  # (the forward ran: FSDP's collectives are the same on every rank)
     o, group = cfg.optim, cfg.rollout.group_size
     options = LossOptions(**policy.head_options(cfg.rollout.temperature), backend=o.logprob_backend,
                           chunk_budget_mib=cfg.train.loss_chunk_mib)
-    inputs = dict(old_logp=old_logp, rewards=part.rewards, bias=bias, piece=piece)
+    if piece is not None and token_weights is not None:
+        raise ValueError(f"advanced.rollout_correction.mode={cfg.rollout_correction.mode} needs whole groups in a "
+                         "micro-batch: not yet with groups split over the token budget or sequence parallelism")
+    inputs = dict(old_logp=old_logp, rewards=part.rewards, bias=bias, piece=piece, token_weights=token_weights)
     if isinstance(part, PackedMicroBatch) and piece is None:
         inputs["cu_seqlens"] = part.cu_seqlens
     objective, fused_loss = loss_objective(cfg), fused_linear_objective_loss
@@ -479,7 +484,8 @@ def micro_batch_loss(cfg: Config, policy, data: UpdateData, mini: MiniBatch, lo:
     # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
     lse = to_layout(part, lo, data.old_lse) if mini.first_step and piece is None else None
     valid_rows = None if data.batch.valid is None else data.batch.valid[lo:hi]
-    loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, data.old_logp), lse, piece, valid_rows)
+    weights = None if data.batch.token_weights is None else to_layout(part, lo, data.batch.token_weights)
+    loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, data.old_logp), lse, piece, valid_rows, weights)
     group = cfg.rollout.group_size
     first = lo - lo % group if is_part_of_a_group(lo, hi, group) else lo  # a part of a group: the whole group's
     tokens = int(data.batch.mask[first:first + rows].sum())
