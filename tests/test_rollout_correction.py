@@ -141,25 +141,25 @@ def test_truncated_weights_on_known_ratios():
     """token_truncate / sequence_truncate: TRL's clamp(ratio, c_min, c_max), per token or per response; nothing is
     masked; the weights ride on the batch (Batch.token_weights) to the loss."""
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
-    delta = torch.tensor([[0.0, 2.0, -3.0, 0.0], [0.5, 0.2, 0.0, 0.0], [0.0] * 4])
-    old = torch.randn(3, 4)
+    delta = torch.tensor([[0.0, 2.0, -3.0, 0.0], [0.5, 0.2, 0.0, 0.0], [0.0] * 4], dtype=torch.float64)
+    old = torch.randn(3, 4, dtype=torch.float64)
     sampler = torch.where(mask, old - delta, torch.zeros(()))
     band = Band(c_min=0.1, c_max=2.0)
     token = truncated_weights(old, sampler, mask, "token_truncate", band)
     expected = torch.where(mask, torch.exp(delta).clamp(0.1, 2.0), torch.zeros(()))
     torch.testing.assert_close(token, expected)
     sequence = truncated_weights(old, sampler, mask, "sequence_truncate", band)  # sums -1.0, 0.7, (none)
-    torch.testing.assert_close(sequence[0, :3], torch.full((3,), math.exp(-1.0)))
-    torch.testing.assert_close(sequence[1, :2], torch.full((2,), 2.0))  # exp(0.7) = 2.01 > c_max
+    torch.testing.assert_close(sequence[0, :3], torch.full((3,), math.exp(-1.0), dtype=torch.float64))
+    torch.testing.assert_close(sequence[1, :2], torch.full((2,), 2.0, dtype=torch.float64))  # exp(0.7) > c_max
     assert float(sequence[2].abs().sum()) == 0.0 and float(sequence[0, 3]) == 0.0
     geometric = truncated_weights(old, sampler, mask, "sequence_truncate", Band(0.1, 2.0, "geometric"))
-    torch.testing.assert_close(geometric[1, :2], torch.full((2,), math.exp(0.35)))
+    torch.testing.assert_close(geometric[1, :2], torch.full((2,), math.exp(0.35), dtype=torch.float64))
     batch = build_batch([[1]] * 3, [[5, 6, 7], [5, 6], []], [1.0, 0.0, 0.0], pad_token_id=0)
     batch.sampler_logp = torch.where(batch.mask, torch.randn(batch.mask.shape), torch.zeros(()))
     old = torch.where(batch.mask, batch.sampler_logp + 0.5, torch.zeros(()))
     corrected, sums = correct(batch, old, "token_truncate", Band(0.0, 1.5), response_valid=True)
     assert torch.equal(corrected.mask, batch.mask) and corrected.valid is None
-    torch.testing.assert_close(corrected.token_weights[batch.mask], torch.full((5,), 1.5))
+    torch.testing.assert_close(corrected.token_weights[batch.mask], torch.full((5,), 1.5, dtype=torch.float64))
     assert sums.columns()["mismatch_masked_token_frac"] == 0.0
 
 

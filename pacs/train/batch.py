@@ -16,7 +16,7 @@ class Batch:
     mask: (B, L) bool, True where ``targets`` is a response token; rewards: (B,) float32.
     valid: (B,) bool or None: False for a response the loss leaves out (PACS: weight 0, out of the class counts;
     pacs/train/rollout_correction.py), None: all count. sampler_logp: (B, L) float32 or None: the rollout engine's
-    log-prob of each response token as it sampled it (0 off the mask). token_weights: (B, L) float32 or None: the
+    log-prob of each response token as it sampled it (0 off the mask). token_weights: (B, L) float64 or None: the
     rollout correction's truncated importance weight of each response token (the loss's ``token_weights=``).
     """
 

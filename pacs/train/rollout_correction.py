@@ -41,6 +41,9 @@ multiplied by a constant weight, an input of the loss engine (``token_weights=``
 (TRL: ``torch.clamp(ratio, min=clip_min, max=clip_max)``; the ratio formed as above, the sequence ratio by
 ``sequence_ratio``). What a weight means for each objective: pacs_kernels/objectives/pacs.py (PACS's score) and
 grpo_math.py (the GRPO family's per-token term).
+
+TRL's ``vllm_importance_sampling_*`` (``PACSTrainer``) weigh the kept samples of its mask modes by their ratio
+too (masked importance sampling): :func:`importance_weights` gives TRL's ratio tensor for its four modes.
 """
 
 from __future__ import annotations
@@ -149,7 +152,7 @@ def measure(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tens
 
 def truncated_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, mode: str,
                       band: Band) -> torch.Tensor:
-    """(B, L) float32 weights of ``mode`` (token_truncate / sequence_truncate): the token's or its response's
+    """(B, L) float64 weights of ``mode`` (token_truncate / sequence_truncate): the token's or its response's
     ratio clamped to [c_min, c_max], 0 off ``mask``. Clamped in log space first (a long response's product never
     overflows), then exponentiated."""
     delta = token_log_ratio(old_logp, sampler_logp, mask)
@@ -162,7 +165,27 @@ def truncated_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: 
     low = math.log(band.c_min) if band.c_min > 0 else -math.inf
     high = math.log(band.c_max) if math.isfinite(band.c_max) else math.inf
     weights = torch.exp(log_ratio.clamp(min=low, max=high))
-    return torch.where(mask, weights, torch.zeros((), dtype=weights.dtype, device=weights.device)).float()
+    return torch.where(mask, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
+
+
+TRL_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def importance_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, mode: str,
+                       band: Band) -> torch.Tensor:
+    """(B, L) float64: TRL's ``vllm_importance_sampling_ratio`` for ``vllm_importance_sampling_mode`` ``mode``,
+    broadcast over the tokens, 0 off ``mask``: the ratio (token, or the response's product) clamped to
+    [c_min, c_max] (``*_truncate``), or kept where it lies inside the band and 0 outside (``*_mask``)."""
+    if mode in TRUNCATE_MODES:
+        return truncated_weights(old_logp, sampler_logp, mask, mode, band)
+    if mode not in MASK_MODES:
+        raise ValueError(f"vllm_importance_sampling_mode must be one of {', '.join(TRL_MODES)}, got {mode!r}")
+    delta = token_log_ratio(old_logp, sampler_logp, mask)
+    if mode == "sequence_mask":
+        delta = sequence_log_ratio(delta, mask, band.sequence_ratio)[:, None].expand_as(mask)
+    inside = ~band.outside(delta) & mask
+    weights = torch.exp(torch.where(inside, delta, torch.zeros((), dtype=delta.dtype, device=delta.device)))
+    return torch.where(inside, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
 
 
 def keep_masks(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, mode: str,
