@@ -180,6 +180,9 @@ class RolloutCorrectionConfig:
     c_max: float = 3.0              # the band's high end (TRL's vllm_importance_sampling_clip_max default)
     # a response's ratio: product (exp of the summed log-ratios, TRL's sequence modes) | geometric (exp of their mean)
     sequence_ratio: str = "product"
+    # sample the training rollouts at this temperature instead of rollout.temperature, the trainer's log-probs
+    # staying at rollout.temperature: a deliberately mismatched sampler, for experiments (None: the same)
+    sampler_temperature: float | None = None
 
 
 @dataclass
@@ -228,7 +231,7 @@ ADVANCED_KEYS = (
     "train.distributed_timeout_minutes",
     "eval.top_p",
     "rollout_correction.mode", "rollout_correction.c_min", "rollout_correction.c_max",
-    "rollout_correction.sequence_ratio",
+    "rollout_correction.sequence_ratio", "rollout_correction.sampler_temperature",
 )
 ADVANCED = "advanced"  # the section of a YAML file (and the first part of an override's key) that holds them
 
@@ -519,6 +522,9 @@ def validate_rollout_correction(cfg: Config) -> None:
     if not 0 <= c.c_min < 1 < c.c_max:
         raise ValueError("advanced.rollout_correction needs 0 <= c_min < 1 < c_max (a band around the on-policy "
                          f"ratio 1), got c_min={c.c_min}, c_max={c.c_max}")
+    t = c.sampler_temperature
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf")):
+        raise ValueError(f"advanced.rollout_correction.sampler_temperature must be a number > 0 or null, got {t!r}")
 
 
 def micro_batch_groups(cfg: Config) -> int:

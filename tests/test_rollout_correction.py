@@ -211,6 +211,14 @@ def test_each_masking_mode_trains_each_objective(tmp_path, capsys, monkeypatch, 
         assert any(row["valid_frac"] < 1 for row in rows)
 
 
+def test_sampler_temperature_makes_a_mismatched_sampler(tmp_path, capsys, tiny_model_dir):
+    """advanced.rollout_correction.sampler_temperature: the rollouts sampled at 1.3, the trainer at 1.0 (the
+    benchmark's mismatched sampler): the mismatch is measured (without it the engine is the policy: < 1e-4)."""
+    rows = train(tmp_path, capsys, tiny_model_dir, "hot", "rollout.engine=hf",
+                 "advanced.rollout_correction.sampler_temperature=1.3", steps=1)
+    assert rows[0]["mismatch_logp_diff_max"] > 0.01 and rows[0]["mismatch_kl"] > 1e-4
+
+
 @pytest.mark.parametrize("algo", ["pacs", "grpo", "cispo"])
 def test_truncate_modes_weigh_each_objectives_gradient(tmp_path, capsys, monkeypatch, tiny_model_dir, algo):
     """Same seed, same rollouts: token_truncate and sequence_truncate change the first step's gradient (the weights
