@@ -272,3 +272,16 @@ def test_a_response_dropped_through_valid_moves_only_as_the_others_baseline():
     d_r = g - (g.sum() - g) / (G - 1)
     torch.testing.assert_close(logp.grad, d_r[:, None] * mask, rtol=1e-9, atol=1e-12)
     assert g[2] == 0 and d_r[2] != 0  # no term of its own, still the others' baseline
+
+
+def test_truncate_modes_with_split_groups_are_refused_by_name(tmp_path, capsys, monkeypatch, tiny_model_dir):
+    """A group split over the token budget is a piece of the loss's batch, which takes no weights yet: the run
+    stops with the mode named (docs/rollout-correction.md, "Not yet")."""
+    from pacs.tasks.base import Task
+
+    sampler_at(monkeypatch, 1.3)
+    monkeypatch.setattr(Task, "reward", lambda self, text, problem: float(sum(map(ord, text)) % 2))  # mixed groups
+    with pytest.raises(ValueError, match="rollout_correction.mode=token_truncate needs whole groups in a micro-batch"):
+        main(["train", "--model", tiny_model_dir, "--output-dir", str(tmp_path / "split"), "--max-steps", "1",
+              *TINY_RUN, "rollout.engine=hf", "advanced.rollout_correction.mode=token_truncate",
+              "train.max_tokens_per_micro_batch=36", "rollout.group_size=8", "rollout.max_new_tokens=4"])
