@@ -9,8 +9,8 @@ terms: docs/rollout-correction.md), the same seeds.
     python benchmarks/rollout_correction.py --dry-run            # 2 steps, seed 0 (plumbing)
 
 Each run is a fresh process (1 torch thread); the warmed-up model is cached once (--cache-dir). Held-out accuracy
-(greedy, eval.num_problems problems) is measured every --eval-every steps. Writes OUT/runs.json (the curves and
-the mismatch columns' means), OUT/heldout_accuracy.png and OUT/README.md (machine, date, conditions, numbers).
+(greedy, eval.num_problems problems) is measured every --eval-every steps. Writes OUT/runs.jsonl (the curves and
+the mismatch columns' means: one JSON line per run, with the conditions), OUT/heldout_accuracy.png and OUT/README.md (machine, date, conditions, numbers).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def report(runs: list[dict], args, date: str) -> str:
     mean_c = statistics.mean(run_of("corrected", s)["final_accuracy"] for s in seeds)
     start = statistics.mean(run["heldout_accuracy"][0][1] for run in runs)
     lines += ["", f"Mean final held-out accuracy: uncorrected {mean_u:.3f}, corrected {mean_c:.3f} "
-              f"(start {start:.3f}). Curves: `heldout_accuracy.png`; every number: `runs.json`.", ""]
+              f"(start {start:.3f}). Curves: `heldout_accuracy.png`; every number: `runs.jsonl`.", ""]
     return "\n".join(lines)
 
 
@@ -145,10 +145,11 @@ def main(argv=None) -> int:
                       flush=True)
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "runs.json"), "w") as fh:
-        json.dump({"date": date, "cpu": cpu_model(), "steps": args.steps, "seeds": args.seeds,
-                   "sampler_temperature": args.sampler_temperature, "trainer_temperature": 1.0,
-                   "c_max": args.c_max, "overrides": args.overrides, "runs": runs}, fh, indent=1)
+    conditions = {"date": date, "cpu": cpu_model(), "sampler_temperature": args.sampler_temperature,
+                  "trainer_temperature": 1.0, "c_max": args.c_max, "overrides": args.overrides}
+    with open(os.path.join(args.out, "runs.jsonl"), "w") as fh:
+        for run in runs:
+            fh.write(json.dumps({**conditions, **run}) + "\n")
     plot(runs, os.path.join(args.out, "heldout_accuracy.png"),
          f"sampler at T={args.sampler_temperature}, trainer at T=1.0 ({args.steps} steps)")
     text = report(runs, args, date)

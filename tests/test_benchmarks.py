@@ -172,7 +172,7 @@ def test_rollout_correction_benchmark_runs_both_modes_and_writes_its_results(tmp
                                   "advanced.task.warmup_target_accuracy=0.3", "rollout.prompts_per_step=8",
                                   "rollout.group_size=4"])
     assert rc == 0
-    runs = json.loads((tmp_path / "runs.json").read_text())["runs"]
+    runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert sorted(run["mode"] for run in runs) == ["none", "sequence_truncate"]
     assert all(run["steps"] == 2 and run["mismatch_kl_mean"] > 1e-4 for run in runs)  # the sampler differs
     assert (tmp_path / "heldout_accuracy.png").stat().st_size > 0
