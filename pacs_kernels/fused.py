@@ -72,7 +72,7 @@ def _historical_order(function):
 @moved_keywords("fused_linear_objective_loss")
 def fused_linear_objective_loss(hidden, weight, targets, mask, old_logp, rewards, *, objective, group_size: int,
                                 options: LossOptions | None = None, ref_logp=None, old_lse=None, cu_seqlens=None,
-                                bias=None, valid=None, group_ids=None, piece=None):
+                                bias=None, valid=None, group_ids=None, piece=None, token_weights=None):
     """``objective`` (see :class:`~pacs_kernels.objectives.Objective`) on the log-probs of
     ``softmax((hidden @ weight.T + bias) / temperature)``, straight from hidden states and the LM head. The
     arguments in the order of every fused entry (``fused_linear_pacs_loss``, ``fused_linear_grpo_loss``).
@@ -95,6 +95,10 @@ def fused_linear_objective_loss(hidden, weight, targets, mask, old_logp, rewards
             checked to be contiguous groups of ``group_size``.
         piece: these tokens are a piece of a batch whose loss is completed elsewhere (:class:`KnownGradient`,
             :class:`GatheredLogprobs`; rewards and old_logp unused then).
+        token_weights: laid out like targets, constant weights (finite, >= 0; read on the response tokens only)
+            multiplying each token's policy term (rollout correction's truncated importance weights,
+            docs/rollout-correction.md); None: every weight 1. The objective must take them
+            (``Capabilities(token_weights=True)``: every built-in one); every path honours them.
 
     Returns:
         ``(loss, stats)``: a 0-d float32 (float64 for float64 inputs) loss, differentiable in hidden, weight and
@@ -103,13 +107,13 @@ def fused_linear_objective_loss(hidden, weight, targets, mask, old_logp, rewards
     loss, stats, engine, _ = run_loss(hidden, weight, targets, mask, old_logp, rewards, objective,
                                       group_size=group_size, options=options, ref_logp=ref_logp, old_lse=old_lse,
                                       cu_seqlens=cu_seqlens, bias=bias, valid=valid, group_ids=group_ids,
-                                      piece=piece)
+                                      piece=piece, token_weights=token_weights)
     return loss, engine.as_objective_stats(loss, stats) if hasattr(engine, "as_objective_stats") else stats
 
 
 def run_loss(hidden, weight, targets, mask, old_logp, rewards, objective, *, group_size, options, ref_logp=None,
              old_lse=None, cu_seqlens=None, bias=None, valid=None, group_ids=None, piece=None,
-             with_entropy: bool = False):
+             with_entropy: bool = False, token_weights=None):
     """Batch, loss, plan, path (the module docstring) -> (loss, stats, the engine loss, the path that ran)."""
     options = LossOptions() if options is None else options
     if not isinstance(options, LossOptions):
@@ -122,7 +126,8 @@ def run_loss(hidden, weight, targets, mask, old_logp, rewards, objective, *, gro
         source = engine_objective(objective)
     batch = LossBatch.build(hidden, weight, targets, mask, old_logp, rewards, group_size=group_size,
                             cu_seqlens=cu_seqlens, bias=bias, ref_logp=ref_logp, old_lse=old_lse, valid=valid,
-                            group_ids=group_ids, piece=None if piece is None else piece.kind)
+                            group_ids=group_ids, piece=None if piece is None else piece.kind,
+                            token_weights=token_weights)
     profile = device_profile(weight.device, weight.dtype, dispatch_table=options.dispatch_table)
     engine = source.engine_loss(batch, options, with_entropy=with_entropy)
     plan = plan_loss(batch.shape, engine.capabilities, options, profile)
@@ -151,12 +156,12 @@ def run_loss(hidden, weight, targets, mask, old_logp, rewards, objective, *, gro
 def fused_linear_pacs_loss(hidden, weight, targets, mask, old_logp, rewards, *, group_size: int,
                            objective: PACS | None = None, options: LossOptions | None = None, cu_seqlens=None,
                            bias=None, group_ids=None, valid=None, old_lse=None, return_stats: bool = False,
-                           with_entropy: bool = False, piece=None):
+                           with_entropy: bool = False, piece=None, token_weights=None):
     """The PACS loss straight from final hidden states and the LM head (:func:`fused_linear_objective_loss` with
     ``objective=PACS(...)``, the arguments in the order of every fused entry).
 
-    ``hidden``, ``weight``, ``targets``, ``mask``, ``old_logp``, ``cu_seqlens``, ``bias``, ``old_lse`` and ``piece``
-    are as in :func:`fused_linear_objective_loss`; ``group_ids`` and ``valid`` as in :func:`pacs_loss`. A keyword
+    ``hidden``, ``weight``, ``targets``, ``mask``, ``old_logp``, ``cu_seqlens``, ``bias``, ``old_lse``, ``piece`` and
+    ``token_weights`` are as in :func:`fused_linear_objective_loss`; ``group_ids`` and ``valid`` as in :func:`pacs_loss`. A keyword
     that moved (``beta=``, ``path=``, ...) still works, with a DeprecationWarning naming its new home.
 
     Args:
@@ -178,7 +183,8 @@ def fused_linear_pacs_loss(hidden, weight, targets, mask, old_logp, rewards, *, 
     loss, stats, engine, path = run_loss(hidden, weight, targets, mask, old_logp, rewards, objective,
                                          group_size=group_size, options=options, old_lse=old_lse,
                                          cu_seqlens=cu_seqlens, bias=bias, valid=valid, group_ids=group_ids,
-                                         piece=piece, with_entropy=with_entropy and return_stats)
+                                         piece=piece, with_entropy=with_entropy and return_stats,
+                                         token_weights=token_weights)
     if not return_stats:
         return loss
     return loss, stats if piece is not None else replace(stats, path=path)
@@ -187,12 +193,13 @@ def fused_linear_pacs_loss(hidden, weight, targets, mask, old_logp, rewards, *, 
 @moved_keywords("fused_linear_grpo_loss", default_objective=GRPO)
 def fused_linear_grpo_loss(hidden, weight, targets, mask, old_logp, rewards, *, group_size: int,
                            objective: GRPO | None = None, options: LossOptions | None = None, cu_seqlens=None,
-                           bias=None, ref_logp=None, return_stats: bool = False, piece=None):
+                           bias=None, ref_logp=None, return_stats: bool = False, piece=None, token_weights=None):
     """``grpo_loss`` straight from hidden states and the LM head (:func:`fused_linear_objective_loss` with
     ``objective=GRPO(...)``, the arguments in the order of every fused entry; ``old_logp=None`` means on-policy).
 
     ``objective``: ``GRPO(clip_eps=, clip_eps_high=, aggregation=, kl_coef=)`` (None: ``GRPO()``; an
     entropy_coef needs :func:`fused_linear_objective_loss`). ``ref_logp``: for the KL term, laid out like old_logp;
+    ``token_weights``: as in :func:`fused_linear_objective_loss` (each token's clipped surrogate times its weight);
     ``return_stats``: -> ``(loss, GRPOStats)``; the others as in :func:`fused_linear_objective_loss`.
     The GRPO term of a token depends only on its own log-prob once the advantages and the normaliser are
     fixed, so the single pass (the default) cuts the response tokens into chunks of the budget whatever the
@@ -207,7 +214,8 @@ def fused_linear_grpo_loss(hidden, weight, targets, mask, old_logp, rewards, *, 
                          "fused_linear_objective_loss")
     return_stats = _flag("return_stats", return_stats)
     loss, stats, _, _ = run_loss(hidden, weight, targets, mask, old_logp, rewards, objective, group_size=group_size,
-                                 options=options, ref_logp=ref_logp, cu_seqlens=cu_seqlens, bias=bias, piece=piece)
+                                 options=options, ref_logp=ref_logp, cu_seqlens=cu_seqlens, bias=bias, piece=piece,
+                                 token_weights=token_weights)
     return (loss, stats) if return_stats else loss
 
 
@@ -279,13 +287,14 @@ class PACSLoss(nn.Module):
 
     def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
                 old_logp: torch.Tensor | None, rewards: torch.Tensor, *, cu_seqlens=None, bias=None, group_ids=None,
-                valid=None, old_lse=None, return_stats: bool = False, with_entropy: bool = False, piece=None):
+                valid=None, old_lse=None, return_stats: bool = False, with_entropy: bool = False, piece=None,
+                token_weights=None):
         """Arguments as in :func:`fused_linear_pacs_loss` (``old_logp=None``: on-policy)."""
         return fused_linear_pacs_loss(hidden, lm_head_weight, targets, mask, old_logp, rewards,
                                       group_size=self.group_size, objective=self.objective, options=self.options,
                                       cu_seqlens=cu_seqlens, bias=bias, group_ids=group_ids, valid=valid,
                                       old_lse=old_lse, return_stats=return_stats, with_entropy=with_entropy,
-                                      piece=piece)
+                                      piece=piece, token_weights=token_weights)
 
     def extra_repr(self) -> str:
         return f"group_size={self.group_size}, objective={self.objective}, options={self.options}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import re
 
 import pytest
@@ -159,6 +160,23 @@ def test_zero_gradient_groups_benchmark_runs_both_settings_and_writes_its_table(
     assert float(next(r for r in rows if r["skip"] == "False")["skipped_frac"]) == 0.0
     table = (tmp_path / "zero_gradient_groups_cpu.md").read_text()
     assert "| addition | 0 |" in table and "rollout.engine=hf" in table
+
+
+def test_rollout_correction_benchmark_runs_both_modes_and_writes_its_results(tmp_path):
+    """benchmarks/rollout_correction.py end to end at 2 steps (tiny task settings, the HF engine): an uncorrected
+    and a corrected run with the mismatched sampler, and the JSON, plot and table."""
+    from benchmarks import rollout_correction
+
+    rc = rollout_correction.main(["--dry-run", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache"),
+                                  "rollout.engine=hf", "advanced.task.digits=1", "advanced.task.warmup_steps=300",
+                                  "advanced.task.warmup_target_accuracy=0.3", "rollout.prompts_per_step=8",
+                                  "rollout.group_size=4"])
+    assert rc == 0
+    runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert sorted(run["mode"] for run in runs) == ["none", "sequence_truncate"]
+    assert all(run["steps"] == 2 and run["mismatch_kl_mean"] > 1e-4 for run in runs)  # the sampler differs
+    assert (tmp_path / "heldout_accuracy.png").stat().st_size > 0
+    assert "| 0 |" in (tmp_path / "README.md").read_text()
 
 
 def test_tile_buffer_benchmark_pairs_shared_and_fresh_tiles(tmp_path, capsys):

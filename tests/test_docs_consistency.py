@@ -167,7 +167,7 @@ def test_trl_page_lists_every_pacs_config_field_with_its_default():
     added = [row for row in table_rows(read("README.md"), "What differs from `GRPOTrainer`") if row[0] == "added"][0]
     assert set(re.findall(r"`(pacs_\w+)`", added[1])) == set(fields)
     defaults = {f.name: f.default for f in dataclasses.fields(PACSConfig)}
-    assert defaults["loss_type"] == "pacs" and defaults["vllm_importance_sampling_correction"] is False
+    assert defaults["loss_type"] == "pacs" and defaults["vllm_importance_sampling_correction"] is True
     for page in ("README.md", "docs/trl.md"):
         assert "`loss_type`" in read(page) and "`vllm_importance_sampling_correction`" in read(page)
 

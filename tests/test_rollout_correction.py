@@ -16,8 +16,8 @@ from pacs.rollout import HFGenerateEngine, SampledResponses, vllm_available
 from pacs.tasks.embedded import build_model, build_tokenizer
 from pacs.train.batch import build_batch
 from pacs.train.metrics import read_metrics
-from pacs.train.rollout_correction import COLUMNS, Band, correct, keep_masks, measure
 from pacs.train.old_policy import old_policy_logprobs
+from pacs.train.rollout_correction import COLUMNS, Band, correct, keep_masks, measure, truncated_weights
 
 TINY_RUN = ["advanced.task.digits=1", "rollout.prompts_per_step=2", "rollout.group_size=2",
             "rollout.max_new_tokens=3", "optim.mini_batches_per_step=1", "optim.micro_batch_groups=1",
@@ -31,9 +31,10 @@ def tiny_model_dir(tmp_path_factory):
     """The embedded model's architecture with random, non-trivial weights (no warm-up: fast)."""
     path = tmp_path_factory.mktemp("tiny_model")
     model = build_model(Config().task, len(build_tokenizer()), seed=5)
+    noise = torch.Generator().manual_seed(2)  # the same weights whatever ran before (the global RNG is shared)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+            p.add_(0.05 * torch.randn(p.shape, generator=noise, dtype=p.dtype))
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return str(path)
@@ -136,6 +137,32 @@ def test_masking_modes_on_known_ratios():
     assert same is batch and sums.columns()["mismatch_response_out_frac"] == 1.0
 
 
+def test_truncated_weights_on_known_ratios():
+    """token_truncate / sequence_truncate: TRL's clamp(ratio, c_min, c_max), per token or per response; nothing is
+    masked; the weights ride on the batch (Batch.token_weights) to the loss."""
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    delta = torch.tensor([[0.0, 2.0, -3.0, 0.0], [0.5, 0.2, 0.0, 0.0], [0.0] * 4], dtype=torch.float64)
+    old = torch.randn(3, 4, dtype=torch.float64)
+    sampler = torch.where(mask, old - delta, torch.zeros(()))
+    band = Band(c_min=0.1, c_max=2.0)
+    token = truncated_weights(old, sampler, mask, "token_truncate", band)
+    expected = torch.where(mask, torch.exp(delta).clamp(0.1, 2.0), torch.zeros(()))
+    torch.testing.assert_close(token, expected)
+    sequence = truncated_weights(old, sampler, mask, "sequence_truncate", band)  # sums -1.0, 0.7, (none)
+    torch.testing.assert_close(sequence[0, :3], torch.full((3,), math.exp(-1.0), dtype=torch.float64))
+    torch.testing.assert_close(sequence[1, :2], torch.full((2,), 2.0, dtype=torch.float64))  # exp(0.7) > c_max
+    assert float(sequence[2].abs().sum()) == 0.0 and float(sequence[0, 3]) == 0.0
+    geometric = truncated_weights(old, sampler, mask, "sequence_truncate", Band(0.1, 2.0, "geometric"))
+    torch.testing.assert_close(geometric[1, :2], torch.full((2,), math.exp(0.35), dtype=torch.float64))
+    batch = build_batch([[1]] * 3, [[5, 6, 7], [5, 6], []], [1.0, 0.0, 0.0], pad_token_id=0)
+    batch.sampler_logp = torch.where(batch.mask, torch.randn(batch.mask.shape), torch.zeros(()))
+    old = torch.where(batch.mask, batch.sampler_logp + 0.5, torch.zeros(()))
+    corrected, sums = correct(batch, old, "token_truncate", Band(0.0, 1.5), response_valid=True)
+    assert torch.equal(corrected.mask, batch.mask) and corrected.valid is None
+    torch.testing.assert_close(corrected.token_weights[batch.mask], torch.full((5,), 1.5, dtype=torch.float64))
+    assert sums.columns()["mismatch_masked_token_frac"] == 0.0
+
+
 def sampler_at(monkeypatch, factor: float) -> None:
     """The training rollouts sampled at ``factor`` times the configured temperature: a mismatched sampler."""
     generate = HFGenerateEngine.generate
@@ -184,6 +211,36 @@ def test_each_masking_mode_trains_each_objective(tmp_path, capsys, monkeypatch, 
         assert any(row["valid_frac"] < 1 for row in rows)
 
 
+def test_sampler_temperature_makes_a_mismatched_sampler(tmp_path, capsys, tiny_model_dir):
+    """advanced.rollout_correction.sampler_temperature: the rollouts sampled at 1.3, the trainer at 1.0 (the
+    benchmark's mismatched sampler): the mismatch is measured (without it the engine is the policy: < 1e-4)."""
+    rows = train(tmp_path, capsys, tiny_model_dir, "hot", "rollout.engine=hf",
+                 "advanced.rollout_correction.sampler_temperature=1.3", steps=1)
+    assert rows[0]["mismatch_logp_diff_max"] > 0.01 and rows[0]["mismatch_kl"] > 1e-4
+
+
+@pytest.mark.parametrize("algo", ["pacs", "grpo", "cispo"])
+def test_truncate_modes_weigh_each_objectives_gradient(tmp_path, capsys, monkeypatch, tiny_model_dir, algo):
+    """Same seed, same rollouts: token_truncate and sequence_truncate change the first step's gradient (the weights
+    reach the loss), drop nothing, and train."""
+    from pacs.tasks.base import Task
+
+    sampler_at(monkeypatch, 1.3)
+    # the random tiny model answers nothing right: a reward of its text's parity, so that groups mix labels
+    monkeypatch.setattr(Task, "reward", lambda self, text, problem: float(sum(map(ord, text)) % 2))
+    common = ["rollout.engine=hf", f"optim.algo={algo}", "rollout.prompts_per_step=4", "rollout.group_size=4",
+              "rollout.max_new_tokens=4", "advanced.rollout_correction.c_max=1.2"]
+    norms = {}
+    for mode in ("none", "token_truncate", "sequence_truncate"):
+        rows = train(tmp_path, capsys, tiny_model_dir, f"{algo}-{mode}", *common,
+                     f"advanced.rollout_correction.mode={mode}", steps=1)
+        assert rows[0]["mismatch_masked_token_frac"] == rows[0]["mismatch_masked_response_frac"] == 0.0
+        assert math.isfinite(rows[0]["loss"]) and math.isfinite(rows[0]["grad_norm"])
+        norms[mode] = rows[0]["grad_norm"]
+    assert norms["token_truncate"] != pytest.approx(norms["none"], rel=1e-4), norms
+    assert norms["sequence_truncate"] != pytest.approx(norms["none"], rel=1e-4), norms
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not vllm_available(), reason="vllm is not importable")
 def test_every_row_of_a_vllm_run_carries_the_mismatch(tmp_path, capsys, tiny_model_dir):
@@ -215,3 +272,16 @@ def test_a_response_dropped_through_valid_moves_only_as_the_others_baseline():
     d_r = g - (g.sum() - g) / (G - 1)
     torch.testing.assert_close(logp.grad, d_r[:, None] * mask, rtol=1e-9, atol=1e-12)
     assert g[2] == 0 and d_r[2] != 0  # no term of its own, still the others' baseline
+
+
+def test_truncate_modes_with_split_groups_are_refused_by_name(tmp_path, capsys, monkeypatch, tiny_model_dir):
+    """A group split over the token budget is a piece of the loss's batch, which takes no weights yet: the run
+    stops with the mode named (docs/rollout-correction.md, "Not yet")."""
+    from pacs.tasks.base import Task
+
+    sampler_at(monkeypatch, 1.3)
+    monkeypatch.setattr(Task, "reward", lambda self, text, problem: float(sum(map(ord, text)) % 2))  # mixed groups
+    with pytest.raises(ValueError, match="rollout_correction.mode=token_truncate needs whole groups in a micro-batch"):
+        main(["train", "--model", tiny_model_dir, "--output-dir", str(tmp_path / "split"), "--max-steps", "1",
+              *TINY_RUN, "rollout.engine=hf", "advanced.rollout_correction.mode=token_truncate",
+              "train.max_tokens_per_micro_batch=36", "rollout.group_size=8", "rollout.max_new_tokens=4"])

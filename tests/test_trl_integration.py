@@ -435,7 +435,7 @@ def test_shuffle_groups_and_split_keeps_groups():
     (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
     (dict(loss_type="dapo"), "loss_type must be 'pacs'"),
     (dict(num_generations_eval=2), "num_generations_eval"),
-    (dict(use_vllm=True, vllm_importance_sampling_correction=True), "vllm_importance_sampling_correction"),
+    (dict(vllm_importance_sampling_mode="sequence_clip"), "vllm_importance_sampling_mode must be one of"),
     (dict(pacs_tiled_mlp=True, pacs_mlp_tile_tokens=0), "pacs_mlp_tile_tokens must be a positive integer"),
     (dict(pacs_checkpoint_minutes=0), "pacs_checkpoint_minutes must be a number of minutes > 0"),
 ])
@@ -457,18 +457,22 @@ def test_continuous_batching_generation_keeps_padded_rows(tmp_path):
     assert trainer.pacs_padding_free is False and trainer.model.config._attn_implementation == "sdpa"
 
 
-def test_use_vllm_alone_is_accepted(tmp_path):
-    """PACSConfig turns off TRL's vLLM importance-sampling correction (GRPOConfig's default is on, which
-    PACSTrainer refuses), so use_vllm=True needs no other setting."""
+def test_use_vllm_keeps_trls_importance_sampling_defaults(tmp_path):
+    """PACSConfig keeps GRPOConfig's vLLM importance-sampling settings and their defaults (on, sequence_mask,
+    clip_max 3.0, no clip_min): use_vllm=True alone is accepted, with the correction on, as in GRPOTrainer."""
     from dataclasses import fields
 
     from trl import GRPOConfig
 
-    from pacs.integrations.trl import check_pacs_config
+    from pacs.integrations.trl import PACSConfig, check_pacs_config
 
-    assert next(f.default for f in fields(GRPOConfig) if f.name == "vllm_importance_sampling_correction") is True
+    names = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+             "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")
+    trl_defaults = {f.name: f.default for f in fields(GRPOConfig) if f.name in names}
+    assert trl_defaults == {f.name: f.default for f in fields(PACSConfig) if f.name in names}
+    assert trl_defaults == dict(zip(names, (True, "sequence_mask", None, 3.0)))
     args = helpers.config(tmp_path, use_vllm=True)
-    assert not args.vllm_importance_sampling_correction
+    assert args.vllm_importance_sampling_correction and args.vllm_importance_sampling_mode == "sequence_mask"
     check_pacs_config(args)
 
 

@@ -187,8 +187,11 @@ def generates_from_the_trained_policy(trainer, initial_policy) -> None:
     for step, ((batch, policy_logp, initial_logp), completions) in enumerate(zip(batches, vllm_outputs)):
         mask = batch["completion_mask"].bool()
         assert [ids[m].tolist() for ids, m in zip(batch["completion_ids"], mask)] == completions
-        # on-policy: TRL keeps no old log-probs, so PACS's are the trainer's own (psi = 0 below)
-        assert "old_per_token_logps" not in batch
+        # TRL's default importance-sampling correction (sequence_mask, clip_max 3): TRL keeps the trainer's own
+        # old log-probs (never vLLM's: psi = 0 below) and the ratio of each response, which weighs PACS's score
+        assert (batch["old_per_token_logps"] - policy_logp)[mask].abs().max().item() < 1e-5
+        ratio = batch["importance_sampling_ratio"]
+        assert ratio.shape == (mask.shape[0], 1) and bool(((ratio - 1).abs() < 0.1).all())
         # vLLM's log-probs of what it sampled are the log-probs, at the trainer's temperature, of the
         # policy as it was when the batch was generated (after `step` optimizer steps): the weights synced
         off = (batch["sampling_per_token_logps"] - policy_logp)[mask].abs().max().item()
@@ -206,9 +209,10 @@ def generates_from_the_trained_policy(trainer, initial_policy) -> None:
         assert row["pacs/mismatch_logp_diff_max"] == pytest.approx(off, abs=1e-4)
         assert 0 <= row["pacs/mismatch_kl"] < row["pacs/mismatch_logp_diff_mean"] <= off
         assert row["pacs/mismatch_token_out_frac"] == row["pacs/mismatch_response_out_frac"] == 0.0
+        assert row["pacs/mismatch_masked_response_frac"] == 0.0  # sequence_mask dropped nothing inside the band
         assert {"reward", "entropy", "pacs/weight_mean", "pacs/sigmoid_psi_mean"} <= row.keys()
         # old = current at every step: vLLM's bf16 sampling log-probs (up to 7e-3 off) would give psi != 0
-        assert row["pacs/psi_mean"] == 0.0 and row["pacs/psi_std"] == 0.0
+        assert abs(row["pacs/psi_mean"]) < 1e-5 and row["pacs/psi_std"] < 1e-5
     assert 0 < sum(row["reward"] for row in rows) < 3, "the rewards were all 0 or all 1: no PACS gradient"
     assert any(not torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
 

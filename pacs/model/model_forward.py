@@ -60,6 +60,8 @@ class PACSBatch:
     old_logp: (B, C) float32 rollout-policy log-probs, or None for on-policy (the weights are
         still those that sampled: old = current, detached).
     group_ids: optional (B,) int, checked to hold whole groups contiguously.
+    token_weights: optional (B, C) float >= 0, each completion token's weight in the loss (the rollout
+        correction's importance weights: the loss's ``token_weights=``, docs/rollout-correction.md).
     return_stats: also compute the PACS stats (with the policy's mean token entropy) for logging.
 
     A plain class, not a dataclass: FSDP2's mixed precision (``cast_forward_inputs``, on in
@@ -67,13 +69,14 @@ class PACSBatch:
     arguments to the parameter dtype, and ``old_logp`` in bf16 would bias psi by up to 2^-8 of each
     log-prob. Tensors inside a plain object reach the loss as the caller made them.
     """
-    __slots__ = ("targets", "mask", "rewards", "valid", "old_logp", "group_ids", "return_stats")
+    __slots__ = ("targets", "mask", "rewards", "valid", "old_logp", "group_ids", "token_weights", "return_stats")
 
     def __init__(self, targets: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor, valid: torch.Tensor,
                  old_logp: torch.Tensor | None = None, group_ids: torch.Tensor | None = None,
-                 return_stats: bool = True):
+                 return_stats: bool = True, token_weights: torch.Tensor | None = None):
         self.targets, self.mask, self.rewards, self.valid = targets, mask, rewards, valid
         self.old_logp, self.group_ids, self.return_stats = old_logp, group_ids, return_stats
+        self.token_weights = token_weights
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{name}={None if getattr(self, name) is None else tuple(getattr(self, name).shape)}"
@@ -128,7 +131,7 @@ def pacs_head_loss(loss_fn: PACSLoss, hidden, weight, bias, batch: PACSBatch):
     """
     result = loss_fn(hidden, weight, batch.targets, batch.mask, batch.old_logp, batch.rewards, bias=bias,
                      return_stats=batch.return_stats, with_entropy=batch.return_stats,
-                     group_ids=batch.group_ids, valid=batch.valid)
+                     group_ids=batch.group_ids, valid=batch.valid, token_weights=batch.token_weights)
     loss, stats = result if batch.return_stats else (result, None)
     return loss, None if stats is None else stats.as_dict()
 

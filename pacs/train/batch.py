@@ -16,7 +16,8 @@ class Batch:
     mask: (B, L) bool, True where ``targets`` is a response token; rewards: (B,) float32.
     valid: (B,) bool or None: False for a response the loss leaves out (PACS: weight 0, out of the class counts;
     pacs/train/rollout_correction.py), None: all count. sampler_logp: (B, L) float32 or None: the rollout engine's
-    log-prob of each response token as it sampled it (0 off the mask).
+    log-prob of each response token as it sampled it (0 off the mask). token_weights: (B, L) float64 or None: the
+    rollout correction's truncated importance weight of each response token (the loss's ``token_weights=``).
     """
 
     input_ids: torch.Tensor
@@ -26,10 +27,12 @@ class Batch:
     rewards: torch.Tensor
     valid: torch.Tensor | None = None
     sampler_logp: torch.Tensor | None = None
+    token_weights: torch.Tensor | None = None
 
     def _map(self, fn) -> "Batch":
         return Batch(*(None if t is None else fn(t) for t in (self.input_ids, self.attention_mask, self.targets,
-                                                               self.mask, self.rewards, self.valid, self.sampler_logp)))
+                                                               self.mask, self.rewards, self.valid, self.sampler_logp,
+                                                               self.token_weights)))
 
     def rows(self, start: int, stop: int) -> "Batch":
         """Rows [start, stop), trimmed to their longest row."""

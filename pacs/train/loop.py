@@ -115,8 +115,10 @@ def generate_rollouts(t: Training, step: int) -> tuple[list, list, list, int, in
         t.progress.write(f"[warning] prompts longer than rollout.max_prompt_len={r.max_prompt_len} tokens "
                          "are cut to their last max_prompt_len tokens")
     start, stop = prompt_share(per_rank, dist_info.sp)
-    # with the sampler's log-prob of each token: the mismatch with the trainer's (pacs/train/rollout_correction.py)
-    outputs = t.engine.generate(prompts[start:stop], r.group_size, temperature=r.temperature, top_p=r.top_p,
+    # with the sampler's log-prob of each token: the mismatch with the trainer's (pacs/train/rollout_correction.py);
+    # advanced.rollout_correction.sampler_temperature: a sampler mismatched on purpose (None: the trainer's)
+    temperature = cfg.rollout_correction.sampler_temperature or r.temperature
+    outputs = t.engine.generate(prompts[start:stop], r.group_size, temperature=temperature, top_p=r.top_p,
                                 max_new_tokens=r.max_new_tokens, stop_token_ids=t.run.stop_ids,
                                 seed=step_seed(cfg.seed, step, (dist_info.dp_rank * per_rank + start) * r.group_size),
                                 return_logprobs=True) if stop > start else SampledResponses([], [])

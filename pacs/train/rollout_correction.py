@@ -1,5 +1,6 @@
 """The sampler is not the trainer: measure how far the rollout engine's log-probs are from the trainer's, and
-drop (mask) what lies too far, for any objective (``advanced.rollout_correction``; docs/rollout-correction.md).
+drop (mask) what lies too far or weigh each token by its truncated ratio, for any objective
+(``advanced.rollout_correction``; docs/rollout-correction.md).
 
 The rollout engine (vLLM, HF generate) returns each sampled token's log-prob as it computed it,
 ``sampler_logp`` (``q``); the trainer's old-policy pass computes the same tokens' log-probs, ``old_logp``
@@ -30,6 +31,19 @@ Correction by masking (the modes, ``advanced.rollout_correction.mode``):
   of the class counts; its score stays in the group's baseline, as ``valid`` defines); any other objective
   through the token mask (the response adds nothing; its reward stays in the group's advantage baseline,
   as in TRL, where the masked response's weight is 0 after the advantages are computed).
+
+Correction by truncated importance weights (TRL's ``*_truncate``, verl's TIS): each token's policy term is
+multiplied by a constant weight, an input of the loss engine (``token_weights=`` of the fused entries):
+
+- ``token_truncate``:    w[i,t] = clamp(rho[i,t], c_min, c_max)
+- ``sequence_truncate``: w[i,t] = clamp(rho[i], c_min, c_max) for every token of response i
+
+(TRL: ``torch.clamp(ratio, min=clip_min, max=clip_max)``; the ratio formed as above, the sequence ratio by
+``sequence_ratio``). What a weight means for each objective: pacs_kernels/objectives/pacs.py (PACS's score) and
+grpo_math.py (the GRPO family's per-token term).
+
+TRL's ``vllm_importance_sampling_*`` (``PACSTrainer``) weigh the kept samples of its mask modes by their ratio
+too (masked importance sampling): :func:`importance_weights` gives TRL's ratio tensor for its four modes.
 """
 
 from __future__ import annotations
@@ -41,7 +55,9 @@ import torch
 
 from pacs.train.batch import Batch
 
-MODES = ("none", "token_mask", "sequence_mask")
+MASK_MODES = ("token_mask", "sequence_mask")
+TRUNCATE_MODES = ("token_truncate", "sequence_truncate")
+MODES = ("none", *MASK_MODES, *TRUNCATE_MODES)
 COLUMNS = ("mismatch_kl", "mismatch_logp_diff_mean", "mismatch_logp_diff_max", "mismatch_token_out_frac",
            "mismatch_response_out_frac", "mismatch_masked_token_frac", "mismatch_masked_response_frac")
 
@@ -134,12 +150,50 @@ def measure(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tens
         responses=float(responses.sum()), responses_out=float(sequence_out.sum()))
 
 
+def truncated_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, mode: str,
+                      band: Band) -> torch.Tensor:
+    """(B, L) float64 weights of ``mode`` (token_truncate / sequence_truncate): the token's or its response's
+    ratio clamped to [c_min, c_max], 0 off ``mask``. Clamped in log space first (a long response's product never
+    overflows), then exponentiated."""
+    delta = token_log_ratio(old_logp, sampler_logp, mask)
+    if mode == "token_truncate":
+        log_ratio = delta
+    elif mode == "sequence_truncate":
+        log_ratio = sequence_log_ratio(delta, mask, band.sequence_ratio)[:, None].expand_as(delta)
+    else:
+        raise ValueError(f"truncated weights need mode token_truncate or sequence_truncate, got {mode!r}")
+    low = math.log(band.c_min) if band.c_min > 0 else -math.inf
+    high = math.log(band.c_max) if math.isfinite(band.c_max) else math.inf
+    weights = torch.exp(log_ratio.clamp(min=low, max=high))
+    return torch.where(mask, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
+
+
+TRL_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def importance_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, mode: str,
+                       band: Band) -> torch.Tensor:
+    """(B, L) float64: TRL's ``vllm_importance_sampling_ratio`` for ``vllm_importance_sampling_mode`` ``mode``,
+    broadcast over the tokens, 0 off ``mask``: the ratio (token, or the response's product) clamped to
+    [c_min, c_max] (``*_truncate``), or kept where it lies inside the band and 0 outside (``*_mask``)."""
+    if mode in TRUNCATE_MODES:
+        return truncated_weights(old_logp, sampler_logp, mask, mode, band)
+    if mode not in MASK_MODES:
+        raise ValueError(f"vllm_importance_sampling_mode must be one of {', '.join(TRL_MODES)}, got {mode!r}")
+    delta = token_log_ratio(old_logp, sampler_logp, mask)
+    if mode == "sequence_mask":
+        delta = sequence_log_ratio(delta, mask, band.sequence_ratio)[:, None].expand_as(mask)
+    inside = ~band.outside(delta) & mask
+    weights = torch.exp(torch.where(inside, delta, torch.zeros((), dtype=delta.dtype, device=delta.device)))
+    return torch.where(inside, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
+
+
 def keep_masks(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, mode: str,
                band: Band) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens kept (B, L) bool, responses kept (B,) bool) under ``mode``. token_mask: the tokens inside the band
     (a response with none left: not kept); sequence_mask: the responses whose ratio is inside it."""
     keep_tokens, keep_responses = mask.clone(), torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
-    if mode == "none":
+    if mode == "none" or mode in TRUNCATE_MODES:
         return keep_tokens, keep_responses
     delta = token_log_ratio(old_logp, sampler_logp, mask)
     if mode == "token_mask":
@@ -156,7 +210,7 @@ def correct(batch: Batch, old_logp: torch.Tensor, mode: str, band: Band, *,
             response_valid: bool) -> tuple[Batch, MismatchSums]:
     """The batch the loss learns from under ``mode``, and the step's mismatch (this rank's sums).
 
-    ``batch.sampler_logp`` must be set. ``response_valid``: the objective takes a response validity (PACS's
+    ``batch.sampler_logp`` must be set. A truncate mode sets ``batch.token_weights`` (every token kept). ``response_valid``: the objective takes a response validity (PACS's
     ``valid``): a dropped response gets ``valid`` False and keeps its tokens; otherwise its tokens leave the mask.
     """
     if batch.sampler_logp is None:
@@ -173,6 +227,9 @@ def correct(batch: Batch, old_logp: torch.Tensor, mode: str, band: Band, *,
     sums.masked_tokens = float((batch.mask & ~(mask & keep_responses[:, None])).sum())
     if mode == "none":
         return batch, sums
+    if mode in TRUNCATE_MODES:
+        return replace(batch, token_weights=truncated_weights(old_logp, batch.sampler_logp, batch.mask, mode,
+                                                              band)), sums
     return replace(batch, mask=mask, valid=valid), sums
 
 

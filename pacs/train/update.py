@@ -268,7 +268,8 @@ def micro_batch_loss(cfg: Config, policy, data: UpdateBatch, mini: MiniBatch, lo
     # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
     lse = to_layout(part, lo, data.old_lse) if mini.first_step and piece is None else None
     valid_rows = None if data.batch.valid is None else data.batch.valid[lo:hi]
-    loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, data.old_logp), lse, piece, valid_rows)
+    weights = None if data.batch.token_weights is None else to_layout(part, lo, data.batch.token_weights)
+    loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, data.old_logp), lse, piece, valid_rows, weights)
     group = cfg.rollout.group_size
     first = lo - lo % group if is_part_of_a_group(lo, hi, group) else lo  # a part of a group: the whole group's
     tokens = int(data.batch.mask[first:first + rows].sum())
@@ -306,13 +307,15 @@ ABSENT_WHEN_NAN = frozenset({"kl_mean", "entropy_mean"})
 
 
 def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: torch.Tensor,
-                old_lse: torch.Tensor | None = None, piece=None, valid_rows: torch.Tensor | None = None):
+                old_lse: torch.Tensor | None = None, piece=None, valid_rows: torch.Tensor | None = None,
+                token_weights: torch.Tensor | None = None):
     """The configured objective's loss (pacs/train/loss_objective.py) of one micro-batch (padded rows or packed),
     straight from hidden states; old_logp/old_lse in the micro-batch's layout. ``old_lse`` (weights unchanged
     since the old-policy pass, an objective whose capabilities allow it): the one-sweep first step. ``piece``
     (:func:`loss_piece`): the micro-batch holds a piece of the loss's batch (part of a group, or this rank's
     tokens under sequence parallelism). ``valid_rows``: the micro-batch's rows of ``Batch.valid`` (responses the
-    rollout correction dropped; PACS's, None for any other objective).
+    rollout correction dropped; PACS's, None for any other objective). ``token_weights``: the rollout
+    correction's truncated weights in the micro-batch's layout (None: none).
 
     The one call to the loss engine, the same for every objective (PACS, the GRPO family, a user's): the
     objective, the options and the batch's optional inputs go to ``fused_linear_objective_loss``, and the engine
@@ -323,12 +326,15 @@ def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: t
     o, group = cfg.optim, cfg.rollout.group_size
     options = LossOptions(**policy.head_options(cfg.rollout.temperature), backend=o.logprob_backend,
                           chunk_budget_mib=cfg.train.loss_chunk_mib)
+    if piece is not None and token_weights is not None:
+        raise ValueError(f"advanced.rollout_correction.mode={cfg.rollout_correction.mode} needs whole groups in a "
+                         "micro-batch: not yet with groups split over the token budget or sequence parallelism")
     packed = isinstance(part, PackedMicroBatch) and piece is None
     valid = both_valid(loss_valid(part.rewards, group, o.drop_single_label_groups), valid_rows)  # (None: all count)
     loss, stats = fused_linear_objective_loss(hidden, weight, part.targets, part.mask, old_logp, part.rewards,
                                               objective=loss_objective(cfg), group_size=group, options=options,
                                               old_lse=old_lse, cu_seqlens=part.cu_seqlens if packed else None,
-                                              bias=bias, valid=valid, piece=piece)
+                                              bias=bias, valid=valid, piece=piece, token_weights=token_weights)
     # a regularizer the objective has no input for (no reference model, no entropy asked) reports NaN: left out
     return loss, {k: v for k, v in stats.items() if not (k in ABSENT_WHEN_NAN and v != v)}
 

@@ -3,11 +3,11 @@
 Every fused entry builds one :class:`LossBatch` (``LossBatch.build``): the layout (padded or packed), the
 response tokens (mask == 1, in order: their hidden rows are gathered and only they reach the LM head),
 the LM head (weight, bias) and every optional input a batch can carry (old_logp, ref_logp, old_lse,
-valid, group_ids), each checked here and nowhere after. What the batch IS for the planner (shapes,
+token_weights, valid, group_ids), each checked here and nowhere after. What the batch IS for the planner (shapes,
 dtypes, response lengths: no tensor data) is :meth:`LossBatch.shape`.
 
 Layouts of the fused losses' inputs:
-    padded: hidden (B, T, d); targets, mask, old_logp, ref_logp, old_lse (B, T).
+    padded: hidden (B, T, d); targets, mask, old_logp, ref_logp, old_lse, token_weights (B, T).
     packed: hidden (N, d) or (1, N, d); targets, mask, ... (N,) or (1, N);
             cu_seqlens (B + 1,) int: response i owns tokens cu_seqlens[i]:cu_seqlens[i+1].
     piece:  any (..., d) with a mask selecting tokens; no responses (``LossBatch.build(..., piece=kind)``).
@@ -38,7 +38,8 @@ class BatchShape:
     (selected tokens); ``n_tokens``: the input's tokens, selected or not; ``d``, ``vocab``: the LM head's
     width and vocabulary; ``dtype``: the head's (the GEMMs' input) dtype; ``device_type``: "cpu", "cuda", ...;
     ``group_size``; ``has_old_lse``: the rollout's log-sum-exp came with the batch; ``piece``: the kind of
-    piece (None: whole groups; "known_gradient" / "gathered_logprobs")."""
+    piece (None: whole groups; "known_gradient" / "gathered_logprobs"); ``has_token_weights``: per-token weights
+    came with the batch (the objective must declare ``Capabilities(token_weights=True)``)."""
 
     counts: tuple[int, ...]
     n_tokens: int
@@ -49,6 +50,7 @@ class BatchShape:
     group_size: int
     has_old_lse: bool = False
     piece: str | None = None
+    has_token_weights: bool = False
 
     @property
     def n_selected(self) -> int:
@@ -60,7 +62,8 @@ class LossBatch:
     """A micro-batch checked once, its response tokens selected (mask == 1, in order).
 
     hidden (N_sel, d) in the head's dtype, targets (N_sel,); old_logp, ref_logp, old_lse (N_sel,) or None
-    (on-policy / no KL reference / no one sweep); counts (B,) int64 response lengths (a piece: one entry, its
+    (on-policy / no KL reference / no one sweep); token_weights (N_sel,) or None: a constant weight >= 0 on each
+    token's term (rollout correction's truncated importance weights; None: 1); counts (B,) int64 response lengths (a piece: one entry, its
     selected tokens); layout: the packed layout of the selected tokens; weight (V, d), bias (V,) or None;
     rewards (B,), valid (B,) and group_ids (B,) as given (the objective checks them its way); group_size;
     index: the selected positions of the flattened input (None: all); token_shape: the input's per-token shape;
@@ -74,6 +77,7 @@ class LossBatch:
     old_logp: torch.Tensor | None
     ref_logp: torch.Tensor | None
     old_lse: torch.Tensor | None
+    token_weights: torch.Tensor | None
     counts: torch.Tensor
     layout: ResponseLayout
     rewards: torch.Tensor | None
@@ -86,7 +90,8 @@ class LossBatch:
 
     @classmethod
     def build(cls, hidden, weight, targets, mask, old_logp, rewards, *, group_size, cu_seqlens=None, bias=None,
-              ref_logp=None, old_lse=None, valid=None, group_ids=None, piece: str | None = None) -> "LossBatch":
+              ref_logp=None, old_lse=None, valid=None, group_ids=None, piece: str | None = None,
+              token_weights=None) -> "LossBatch":
         """Check a batch and select its tokens: whole responses, padded (B, T, d) or packed (N, d) with
         ``cu_seqlens``; or, with ``piece`` ("known_gradient" / "gathered_logprobs"), a piece of a batch in any
         (..., d) layout whose mask selects its tokens (no responses; old_logp and rewards unused)."""
@@ -100,7 +105,7 @@ class LossBatch:
         else:
             token_shape, width = _check_layout(hidden, cu_seqlens)
         for name, value in (("targets", targets), ("mask", mask), ("old_logp", old_logp), ("ref_logp", ref_logp),
-                            ("old_lse", old_lse)):
+                            ("old_lse", old_lse), ("token_weights", token_weights)):
             _check_per_token(name, value, token_shape, hidden.device, floating=name not in ("targets", "mask"))
         if old_lse is not None and old_logp is None:
             raise ValueError("old_lse goes with the old_logp it was computed with; got old_lse with old_logp=None")
@@ -111,6 +116,9 @@ class LossBatch:
             check_no_inf_where("old_logp", old_logp, bool_mask)
         if ref_logp is not None:
             check_no_inf_where("ref_logp", ref_logp, bool_mask)
+        if token_weights is not None and piece is not None:
+            raise ValueError("token_weights= cannot go with piece=: a piece's loss is completed on the whole batch, "
+                             "pass the weights there")
         if piece is not None:  # a piece may select nothing: always an index (its gradient still reaches hidden)
             counts, index = flat_mask.sum().reshape(1), flat_mask.nonzero().squeeze(1)
         elif cu_seqlens is None:
@@ -123,12 +131,13 @@ class LossBatch:
             index = selected_index(flat_mask)
         flat_targets = pick(targets.reshape(-1), index)
         check_targets_in_range(flat_targets, weight.shape[0])
+        flat_weights = check_token_weights(_picked(token_weights, index))
         vocab, d = weight.shape
         shape = BatchShape(tuple(counts.tolist()), int(torch.Size(token_shape).numel()), d, vocab, weight.dtype,
-                           weight.device.type, group_size, old_lse is not None, piece)
+                           weight.device.type, group_size, old_lse is not None, piece, token_weights is not None)
         return cls(pick(hidden.reshape(-1, width), index), weight, bias, flat_targets, _picked(old_logp, index),
-                   _picked(ref_logp, index), _picked(old_lse, index), counts, ResponseLayout.from_counts(counts),
-                   rewards, valid, group_ids, group_size, index, token_shape, shape)
+                   _picked(ref_logp, index), _picked(old_lse, index), flat_weights, counts,
+                   ResponseLayout.from_counts(counts), rewards, valid, group_ids, group_size, index, token_shape, shape)
 
     @property
     def n_responses(self) -> int:
@@ -199,6 +208,19 @@ def _check_per_token(name: str, value, token_shape: tuple, device: torch.device,
         raise ValueError(f"{name} must have shape hidden.shape[:-1] = {token_shape}, got {tuple(value.shape)}")
     if value.device != device:
         raise ValueError(f"all tensors must be on one device: hidden is on {device}, but {name} is on {value.device}")
+
+
+def check_token_weights(selected: torch.Tensor | None) -> torch.Tensor | None:
+    """The response tokens' weights (N_sel,): finite and >= 0 (the tokens outside the mask are never read);
+    returned detached (a weight is a constant of the loss)."""
+    if selected is None:
+        return None
+    if not bool(torch.isfinite(selected).all()):
+        raise ValueError("token_weights must be finite on the response tokens (mask == 1); got a NaN or an inf")
+    if bool((selected < 0).any()):
+        raise ValueError(f"token_weights must be >= 0 on the response tokens (mask == 1); got "
+                         f"{float(selected.min()):.6g}")
+    return selected.detach()
 
 
 def _picked(values: torch.Tensor | None, index: torch.Tensor | None) -> torch.Tensor | None:

@@ -271,6 +271,10 @@ def plan_loss(shape: BatchShape, capabilities: Capabilities, options: LossOption
         if chunk_elements is None and options.chunk_budget_mib is not None:
             chunk_elements = max(1, int(options.chunk_budget_mib * 2**20) // 4)
         return Plan("two_pass", backend=backend, chunk_elements=chunk_elements)
+    if shape.has_token_weights and not capabilities.token_weights:
+        raise ValueError("token_weights= needs an objective that takes per-token weights (it declares "
+                         "Capabilities(token_weights=True) and accepts token_weights= in its __call__); this one "
+                         "does not")
     usual = usual_plan(shape, capabilities, options, profile)
     if not shape.has_old_lse:
         return usual

@@ -18,7 +18,8 @@ from ..loss_inputs import check_group_size, check_token_tensors
 class GroupBatch:
     """logp (B, T) differentiable and old_logp (B, T) detached, both in the compute dtype (float64 for
     float64 logp, else float32); rewards (B,) in that dtype; mask (B, T) bool; counts (B,) int64 masked
-    tokens per response; ref_logp (detached) and entropy (differentiable) (B, T) or None."""
+    tokens per response; ref_logp (detached) and entropy (differentiable) (B, T) or None; token_weights (B, T)
+    detached, >= 0, 0 outside the mask, or None (every weight 1)."""
 
     logp: torch.Tensor
     old_logp: torch.Tensor
@@ -28,6 +29,7 @@ class GroupBatch:
     group_size: int
     ref_logp: torch.Tensor | None
     entropy: torch.Tensor | None
+    token_weights: torch.Tensor | None = None
 
     @property
     def n_responses(self) -> int:
@@ -57,7 +59,8 @@ def _check_like(name: str, value, like: torch.Tensor) -> None:
 
 
 def check_group_batch(logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None,
-                      kl_coef: float = 0.0, entropy_coef: float = 0.0, advantage: str = "grpo") -> GroupBatch:
+                      kl_coef: float = 0.0, entropy_coef: float = 0.0, advantage: str = "grpo",
+                      token_weights=None) -> GroupBatch:
     """Check an objective's inputs (padded layout) -> GroupBatch; rewards may be any finite reals.
     ``advantage``: the objective's group estimator, which sets the smallest group ("naive": 1)."""
     check_tensor("logp", logp, dtypes=FLOAT_DTYPES)
@@ -95,4 +98,11 @@ def check_group_batch(logp, old_logp, rewards, mask, *, group_size, ref_logp=Non
     elif entropy_coef > 0:
         raise ValueError(f"entropy_coef = {entropy_coef} > 0 needs entropy (the policy's token entropy; "
                          "fused_linear_objective_loss computes it)")
-    return GroupBatch(logp.to(cdt), old.detach().to(cdt), values, mask, counts, group_size, ref_logp, entropy)
+    if token_weights is not None:
+        _check_like("token_weights", token_weights, logp)
+        token_weights = torch.where(mask, token_weights.detach().to(cdt), torch.zeros((), dtype=cdt,
+                                                                                    device=logp.device))
+        if not bool(torch.isfinite(token_weights).all()) or bool((token_weights < 0).any()):
+            raise ValueError("token_weights must be finite and >= 0 on the response tokens (mask == 1)")
+    return GroupBatch(logp.to(cdt), old.detach().to(cdt), values, mask, counts, group_size, ref_logp, entropy,
+                      token_weights)

@@ -26,6 +26,7 @@ from .regularizers import (
     masked,
     reference_regularizer_terms,
     token_mean,
+    weighted,
 )
 
 
@@ -36,12 +37,13 @@ class CISPO(ClippedRatioObjective):
     eps_low: float = 1.0
     eps_high: float = 0.28
 
-    def __call__(self, logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None):
-        batch = self.checked(logp, old_logp, rewards, mask, group_size, ref_logp, entropy)
+    def __call__(self, logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None,
+                 token_weights=None):
+        batch = self.checked(logp, old_logp, rewards, mask, group_size, ref_logp, entropy, token_weights)
         adv = group_normalized_advantages(batch.rewards, group_size)[:, None]
         ratio = torch.exp(masked(batch.logp.detach() - batch.old_logp, batch.mask))
         weight = torch.clamp(ratio, 1.0 - self.eps_low, 1.0 + self.eps_high)  # built from detached logp: sg()
-        loss = token_mean(-weight * adv * batch.logp, batch)
+        loss = token_mean(weighted(-weight * adv * batch.logp, batch), batch)
         loss, extra = add_regularizers(loss, batch, token_mean, kl_coef=self.kl_coef, entropy_coef=self.entropy_coef)
         clipped = masked((weight != ratio).to(ratio.dtype), batch.mask)
         return loss, as_floats({"loss": loss.detach(), "clip_frac": token_mean(clipped, batch),

@@ -28,11 +28,13 @@ class DAPO(ClippedRatioObjective):
     eps_low: float = 0.2
     eps_high: float = 0.28
 
-    def __call__(self, logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None):
-        batch = self.checked(logp, old_logp, rewards, mask, group_size, ref_logp, entropy)
+    def __call__(self, logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None,
+                 token_weights=None):
+        batch = self.checked(logp, old_logp, rewards, mask, group_size, ref_logp, entropy, token_weights)
         loss, stats = grpo_loss(batch.logp, batch.old_logp, batch.rewards, batch.mask, group_size=group_size,
                                 clip_eps=self.eps_low, clip_eps_high=self.eps_high, aggregation="token_mean",
-                                ref_logp=batch.ref_logp, kl_coef=self.kl_coef, return_stats=True)
+                                ref_logp=batch.ref_logp, kl_coef=self.kl_coef, return_stats=True,
+                                token_weights=batch.token_weights)
         loss, extra = add_regularizers(loss, batch, token_mean, kl_coef=self.kl_coef, entropy_coef=self.entropy_coef,
                                        add_kl=False)
         return loss, as_floats({**stats.as_dict(), **extra, "loss": loss.detach()})

@@ -49,15 +49,17 @@ class DrGRPO(ClippedRatioObjective):
             raise ValueError(f"max_completion_length must be an int >= 1 (the rollout's maximum response length), "
                              f"got {length!r}")
 
-    def __call__(self, logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None):
-        batch = self.checked(logp, old_logp, rewards, mask, group_size, ref_logp, entropy)
+    def __call__(self, logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None,
+                 token_weights=None):
+        batch = self.checked(logp, old_logp, rewards, mask, group_size, ref_logp, entropy, token_weights)
         longest = int(batch.counts.max())
         if longest > self.max_completion_length:
             raise ValueError(f"max_completion_length = {self.max_completion_length} is shorter than a response "
                              f"of the batch ({longest} masked tokens)")
         adv = group_centred_advantages(batch.rewards, group_size)
         terms = grpo_token_terms(batch.logp, batch.old_logp, adv[:, None], batch.ref_logp, batch.mask,
-                                 low=self.eps_low, high=self.eps_high, kl_coef=self.kl_coef)
+                                 low=self.eps_low, high=self.eps_high, kl_coef=self.kl_coef,
+                                 token_weights=batch.token_weights)
 
         def aggregate(values, batch_):
             return constant_length_mean(values, batch_, self.max_completion_length)

@@ -53,7 +53,7 @@ class GRPO(RegularizedObjective):
     def capabilities(self) -> Capabilities:
         """Token-separable once the advantages and the normaliser are fixed: any run of tokens is a chunk."""
         return Capabilities(chunking="tokens" if self.entropy_coef == 0 else "batch", uses_entropy=self.uses_entropy,
-                            one_sweep=not self.uses_entropy)
+                            one_sweep=not self.uses_entropy, token_weights=True)
 
     def engine_loss(self, batch, options, *, with_entropy: bool = False):
         """The loss on the engine's selected tokens (objectives/protocol.py): GRPO's own token terms, or, with an
@@ -72,12 +72,13 @@ class GRPO(RegularizedObjective):
                                 kl_coef=self.kl_coef, return_stats=True)
         return loss, stats.as_dict()
 
-    def __call__(self, logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None):
-        batch = self.checked(logp, old_logp, rewards, mask, group_size, ref_logp, entropy)
+    def __call__(self, logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None,
+                 token_weights=None):
+        batch = self.checked(logp, old_logp, rewards, mask, group_size, ref_logp, entropy, token_weights)
         loss, stats = grpo_loss(batch.logp, batch.old_logp, batch.rewards, batch.mask, group_size=group_size,
                                 clip_eps=self.clip_eps, clip_eps_high=self.clip_eps_high,
                                 aggregation=self.aggregation, ref_logp=batch.ref_logp, kl_coef=self.kl_coef,
-                                return_stats=True)
+                                return_stats=True, token_weights=batch.token_weights)
         aggregate = token_mean if self.aggregation == "token_mean" else sequence_mean
         loss, extra = add_regularizers(loss, batch, aggregate, kl_coef=self.kl_coef,
                                        entropy_coef=self.entropy_coef, add_kl=False)
@@ -120,8 +121,9 @@ class GRPOTokens:
         batch, cdt = self.batch, self.cdt
         old = logp.detach() if batch.old_logp is None else batch.old_logp[t0:t1].detach().to(cdt)
         ref = None if batch.ref_logp is None else batch.ref_logp[t0:t1].detach().to(cdt)
+        weights = None if batch.token_weights is None else batch.token_weights[t0:t1].to(cdt)
         terms = grpo_token_terms(logp.to(cdt), old, self.token_adv[t0:t1], ref, None, low=self.low, high=self.high,
-                                 kl_coef=self.kl_coef)
+                                 kl_coef=self.kl_coef, token_weights=weights)
         return (terms.per_token * self.token_coef[t0:t1]).sum(), terms
 
     def chunk_loss(self, logp, chunk):

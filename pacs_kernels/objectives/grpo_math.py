@@ -112,6 +112,7 @@ def grpo_loss(
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     return_stats: bool = False,
+    token_weights: torch.Tensor | None = None,
 ):
     """Clipped GRPO surrogate with group-normalized advantages.
 
@@ -125,6 +126,8 @@ def grpo_loss(
         ref_logp: optional (B, T) reference-model log-probs for the k3 KL penalty (constant).
         kl_coef: weight of the KL penalty (>= 0; > 0 needs ref_logp).
         return_stats: also return a :class:`GRPOStats`.
+        token_weights: optional (B, T) constant weights >= 0 multiplying each token's clipped surrogate (not its KL
+            term), as TRL multiplies ``per_token_loss`` by its importance-sampling ratio; the normalisers unchanged.
 
     Returns:
         0-d loss in float32 (float64 for float64 logp), or ``(loss, GRPOStats)``.
@@ -149,9 +152,11 @@ def grpo_loss(
     if n and not bool(torch.isfinite(values).all()):
         raise ValueError("rewards must be finite (no NaN or inf)")
     adv = group_normalized_advantages(values, group_size)[:, None]
+    if token_weights is not None:
+        token_weights = token_weights.detach().to(cdt)
     terms = grpo_token_terms(logp.to(cdt), old_logp.detach().to(cdt), adv,
                              None if ref_logp is None else ref_logp.detach().to(cdt), mask,
-                             low=low, high=high, kl_coef=kl_coef)
+                             low=low, high=high, kl_coef=kl_coef, token_weights=token_weights)
     if aggregation == "token_mean":
         loss = terms.per_token.sum() / counts.sum().clamp(min=1).to(cdt)
     else:
@@ -182,8 +187,10 @@ class GRPOTokenTerms:
         return torch.stack([self.clip_active.sum().to(self.ratio.dtype), self.ratio.sum(), kl]).double().tolist()
 
 
-def grpo_token_terms(logp, old_logp, adv, ref_logp, mask, *, low, high, kl_coef) -> GRPOTokenTerms:
+def grpo_token_terms(logp, old_logp, adv, ref_logp, mask, *, low, high, kl_coef,
+                     token_weights=None) -> GRPOTokenTerms:
     """The clipped surrogate (+ k3 KL) per token; any shapes that broadcast, mask None = all tokens.
+    ``token_weights`` (constant, None: 1) multiply the surrogate, not the KL term (TRL's order).
 
     The log-ratio is zeroed outside the mask BEFORE exp, so garbage there never reaches the gradient
     as NaN.
@@ -194,6 +201,8 @@ def grpo_token_terms(logp, old_logp, adv, ref_logp, mask, *, low, high, kl_coef)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - low, 1.0 + high)
     per_token = torch.maximum(unclipped, clipped)
+    if token_weights is not None:
+        per_token = per_token * inside(token_weights)
     kl = None
     if ref_logp is not None:
         delta = inside(ref_logp - logp)

@@ -34,8 +34,9 @@ class GSPO(ClippedRatioObjective):
     eps_low: float = 3e-4
     eps_high: float = 4e-4
 
-    def __call__(self, logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None):
-        batch = self.checked(logp, old_logp, rewards, mask, group_size, ref_logp, entropy)
+    def __call__(self, logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None,
+                 token_weights=None):
+        batch = self.checked(logp, old_logp, rewards, mask, group_size, ref_logp, entropy, token_weights)
         adv = group_normalized_advantages(batch.rewards, group_size)
         lengths = batch.counts.clamp(min=1).to(batch.logp.dtype)
         mean_log_ratio = masked(batch.logp - batch.old_logp, batch.mask).sum(-1) / lengths
@@ -43,7 +44,10 @@ class GSPO(ClippedRatioObjective):
         unclipped = -adv * ratio
         clipped = -adv * torch.clamp(ratio, 1.0 - self.eps_low, 1.0 + self.eps_high)
         nonempty = (batch.counts > 0).to(batch.logp.dtype)  # an empty-mask response is a zero-loss response
-        loss = (torch.maximum(unclipped, clipped) * nonempty).mean()
+        per_response = torch.maximum(unclipped, clipped) * nonempty
+        if batch.token_weights is not None:  # l[i] spread over its tokens, each weighted: l[i] * mean_t m w
+            per_response = per_response * batch.token_weights.sum(-1) / lengths
+        loss = per_response.mean()
         loss, extra = add_regularizers(loss, batch, sequence_mean, kl_coef=self.kl_coef,
                                        entropy_coef=self.entropy_coef)
         return loss, as_floats({"loss": loss.detach(), "clip_frac": (clipped > unclipped).double().mean(),

@@ -6,6 +6,24 @@
 
 Rewards must be 0/1 labels (``pacs_loss`` refuses anything else unless weighting="none", which takes
 [0, 1]). No validity mask here: ``fused_linear_pacs_loss`` (``valid=``) or ``pacs_loss`` take one.
+
+Per-token weights w[i,t] >= 0 (``token_weights=``, constants: rollout correction's truncated importance
+weights, docs/rollout-correction.md) weigh each token's term of the score. The score is taken at the weighted
+log-probs (:func:`weighted_logprobs`)
+
+    logp_w[i,t] = old_logp + w (logp - old_logp)        so   r[i] = beta * sum_t m w (logp - old_logp)  (log_ratio)
+
+Derivation: logp_w is affine in logp with slope w, so d r[i] / d logp[i,t] = beta m w (log_ratio; beta m w / n_i
+for mean_logp), and the loss's chain rule gives
+
+    dloss/dlogp[j,t] = w[j,t] * beta * m[j,t] * dloss/dr[j]        (dloss/dr[j] as without weights)
+
+i.e. each token's policy-gradient term (score-function estimator with the group's BCE slope and baseline as its
+advantage) multiplied by its weight: for a sequence weight w[j] = rho(o_j) = pi_old(o_j) / q(o_j) this is the
+importance-sampled estimator of the on-policy gradient. At logp = old_logp (the first mini-batch after a
+rollout) logp_w = old_logp, so every score, the loss's value (ln 2 per group) and its statistics are unchanged;
+only the gradient is weighted. On later mini-batches the score sums the weighted log-ratios. With
+``score="mean_logp"`` the score is beta * mean_t logp_w (its value at the rollout unchanged too).
 """
 
 from __future__ import annotations
@@ -62,7 +80,7 @@ class PACS(RegularizedObjective):
         """Group-coupled (a response's score enters its group's advantages): chunks of whole groups; a function
         of the log-probs alone without the entropy bonus: the one sweep from the rollout's log-sum-exp."""
         return Capabilities(chunking="groups" if self.is_plain() else "batch", uses_entropy=self.uses_entropy,
-                            one_sweep=not self.uses_entropy)
+                            one_sweep=not self.uses_entropy, token_weights=True)
 
     def is_plain(self) -> bool:
         """No KL or entropy term: the engine runs the PACS loss of loss.py on its own layout (PACSTokens)."""
@@ -84,9 +102,10 @@ class PACS(RegularizedObjective):
             raise ValueError("PACS(kl_coef=, entropy_coef=) needs ref_logp / entropy rows: not on gathered pieces")
         return loss, stats.as_dict()
 
-    def __call__(self, logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None):
-        batch = self.checked(logp, old_logp, rewards, mask, group_size, ref_logp, entropy)
-        loss, stats = pacs_loss(batch.logp, batch.old_logp, rewards, batch.mask, group_size=group_size,
+    def __call__(self, logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None,
+                 token_weights=None):
+        batch = self.checked(logp, old_logp, rewards, mask, group_size, ref_logp, entropy, token_weights)
+        loss, stats = pacs_loss(weighted_logprobs(batch.logp, batch.old_logp, batch.token_weights), batch.old_logp, rewards, batch.mask, group_size=group_size,
                                 beta=self.beta, score=self.score, advantage=self.advantage, weighting=self.weighting,
                                 score_function_term=self.score_function_term, backend=self.backend,
                                 return_stats=True)
@@ -118,11 +137,17 @@ class PACSTokens:
         old = self.batch.old_logp
         return logp.detach() if old is None else old[t0:t1].detach()
 
+    def _weighted(self, logp, t0: int, t1: int):
+        """logp at the batch's token weights (module docstring); logp itself without weights."""
+        weights = self.batch.token_weights
+        return logp if weights is None else weighted_logprobs(logp, self._old(logp, t0, t1), weights[t0:t1])
+
     def chunk_loss(self, logp, chunk):
         """A chunk of whole groups' share: their loss over the whole batch's B."""
         r0, r1, counts = chunk.r0, chunk.r1, self.batch.counts
         full = torch.ones_like(logp, dtype=torch.bool)
-        return pacs_group_loss(logp, self._old(logp, chunk.tok0, chunk.tok1), full, counts[r0:r1],
+        old = self._old(logp, chunk.tok0, chunk.tok1)
+        return pacs_group_loss(self._weighted(logp, chunk.tok0, chunk.tok1), old, full, counts[r0:r1],
                                self.rewards[r0:r1], ResponseLayout.from_counts(counts[r0:r1]),
                                valid=None if self.valid is None else self.valid[r0:r1],
                                n_total=self.batch.n_responses, **self.settings)
@@ -133,7 +158,8 @@ class PACSTokens:
 
     def two_pass_result(self, logp, entropy):
         full_mask = torch.ones_like(logp, dtype=torch.bool)
-        return pacs_loss_on_layout(logp, self._old(logp, 0, logp.shape[0]), full_mask, self.rewards,
+        old = self._old(logp, 0, logp.shape[0])
+        return pacs_loss_on_layout(self._weighted(logp, 0, logp.shape[0]), old, full_mask, self.rewards,
                                    self.batch.layout, return_stats=True, group_ids=None, backend=self.backend,
                                    counts=self.batch.counts, mask_is_full=True, valid=self.valid,
                                    entropy=None if entropy is None else entropy.detach(), **self.settings)
@@ -141,7 +167,8 @@ class PACSTokens:
     def first_step(self, at_old):
         """The loss at logp = old_logp (``at_old``, a leaf) -> (loss, its stats)."""
         full_mask = torch.ones_like(at_old, dtype=torch.bool)
-        loss, per_response = pacs_group_loss(at_old, self.batch.old_logp.detach(), full_mask, self.batch.counts,
+        loss, per_response = pacs_group_loss(self._weighted(at_old, 0, at_old.shape[0]), self.batch.old_logp.detach(),
+                                             full_mask, self.batch.counts,
                                              self.rewards, self.batch.layout, valid=self.valid, **self.settings)
         return loss, lambda total: self._stats(total, per_response, None)
 
@@ -154,6 +181,15 @@ class PACSTokens:
         values = stats.as_dict()
         values.pop("entropy_mean", None)
         return {**values, "kl_mean": float("nan"), "entropy_mean": float("nan"), "loss": float(loss.detach())}
+
+
+def weighted_logprobs(logp: torch.Tensor, old_logp: torch.Tensor, token_weights: torch.Tensor | None) -> torch.Tensor:
+    """old_logp + w (logp - old_logp): the log-probs PACS's score is taken at under per-token weights w (constants;
+    None: logp). Equal to logp at logp = old_logp; its gradient in logp is w (the module docstring's derivation)."""
+    if token_weights is None:
+        return logp
+    old = old_logp.detach().to(logp.dtype)
+    return old + token_weights.detach().to(logp.dtype) * (logp - old)
 
 
 def reference_pacs_objective(objective: PACS, logp, old_logp, rewards, mask, *, group_size, ref_logp=None,

@@ -22,6 +22,11 @@ Call::
     ref_logp  (B, T) or None: a reference model's log-probs, for a k3 KL penalty
     entropy   (B, T) or None, differentiable: the policy's token entropy, for an entropy bonus
 
+and, only where the caller gives per-token weights (``token_weights=`` of the fused entries; rollout
+correction's truncated importance weights), ``token_weights=`` (B, T) >= 0, constant: each token's policy term
+multiplied by its weight (the regularizers' terms are not). An objective that takes them declares
+``Capabilities(token_weights=True)``; the engine refuses weights for one that does not.
+
 Optional attribute ``uses_entropy`` (bool, default False): when True the fused entry computes the
 token entropy alongside the log-probs and passes it as ``entropy``.
 
@@ -78,11 +83,14 @@ class Capabilities:
     one_sweep: the loss is a function of the log-probs alone, so on the first step after a rollout
     (logp == old_logp) its gradient is known before any logits are built, and one vocabulary sweep from the
     rollout's log-sum-exp (``old_lse``) gives the loss and its gradients.
+    token_weights: the objective takes ``token_weights=`` (a constant weight on each token's policy term); every
+    path honours them (they are an input of the engine loss, whichever path runs it).
     """
 
     chunking: str = "batch"
     uses_entropy: bool = False
     one_sweep: bool = True
+    token_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.chunking not in CHUNKINGS:

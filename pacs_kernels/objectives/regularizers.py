@@ -24,6 +24,12 @@ from dataclasses import dataclass
 import torch
 
 from .batch import GroupBatch, check_group_batch, check_nonnegative, check_unit_interval
+from .protocol import Capabilities
+
+
+def weighted(values: torch.Tensor, batch: GroupBatch) -> torch.Tensor:
+    """values (B, T) times the batch's token weights (values itself without weights)."""
+    return values if batch.token_weights is None else values * batch.token_weights
 
 
 def masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -89,10 +95,17 @@ class RegularizedObjective:
     def uses_entropy(self) -> bool:
         return self.entropy_coef > 0
 
-    def checked(self, logp, old_logp, rewards, mask, group_size, ref_logp, entropy) -> GroupBatch:
+    @property
+    def capabilities(self) -> Capabilities:
+        """On padded rows (objectives/rows.py): chunks checked to add up; takes ``token_weights=``."""
+        return Capabilities(chunking="batch", uses_entropy=self.uses_entropy, one_sweep=not self.uses_entropy,
+                            token_weights=True)
+
+    def checked(self, logp, old_logp, rewards, mask, group_size, ref_logp, entropy,
+                token_weights=None) -> GroupBatch:
         return check_group_batch(logp, old_logp, rewards, mask, group_size=group_size, ref_logp=ref_logp,
                                  entropy=entropy, kl_coef=self.kl_coef, entropy_coef=self.entropy_coef,
-                                 advantage=getattr(self, "advantage", "grpo"))
+                                 advantage=getattr(self, "advantage", "grpo"), token_weights=token_weights)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,8 @@ objective(all at the filler). For a loss whose groups interact only through cons
 counts) these shares add up to the loss and each chunk's gradient is exact; the sum is checked against the
 objective on all the log-probs, and an objective that couples groups through their log-probs is refused
 (explicit ``path="single_pass"``) or rerun on two passes (``"auto"``: ``single_pass_result`` returns None).
-The filler is old_logp (0 on-policy).
+The filler is old_logp (0 on-policy). Per-token weights (the batch's ``token_weights``) go to the objective as
+``token_weights=`` rows, on every path, where it declares ``Capabilities(token_weights=True)``.
 """
 
 from __future__ import annotations
@@ -61,12 +62,16 @@ class RowsLoss:
         declared = getattr(objective, "capabilities", None)
         # a declared token or group chunking is the objective's own engine loss's; on rows the sum is checked
         self.capabilities = Capabilities(chunking="batch", uses_entropy=uses_entropy, one_sweep=not uses_entropy) \
-            if declared is None else Capabilities("batch", declared.uses_entropy, declared.one_sweep)
+            if declared is None else Capabilities("batch", declared.uses_entropy, declared.one_sweep,
+                                                  declared.token_weights)
         self.with_entropy = uses_entropy
         self.objective, self.batch, self.path = objective, batch, options.path
         self.rows = ResponseRows(batch.counts)
         self.ref_rows = None if batch.ref_logp is None else self.rows(batch.ref_logp.detach())
         self.old_rows = None if batch.old_logp is None else self.rows(batch.old_logp).detach()
+        # passed only where given: an objective without weights keeps the protocol's plain call
+        self.weight_keywords = {} if batch.token_weights is None else \
+            {"token_weights": self.rows(batch.token_weights.detach())}
         self.cdt = torch.float64 if batch.weight.dtype == torch.float64 else torch.float32
         self.filler = torch.zeros(n_selected, dtype=self.cdt, device=batch.hidden.device) \
             if batch.old_logp is None else batch.old_logp.detach().to(self.cdt)
@@ -74,7 +79,8 @@ class RowsLoss:
 
     def call(self, logp_rows, entropy_rows=None):
         result = self.objective(logp_rows, self.old_rows, self.batch.rewards, self.rows.mask,
-                                group_size=self.batch.group_size, ref_logp=self.ref_rows, entropy=entropy_rows)
+                                group_size=self.batch.group_size, ref_logp=self.ref_rows, entropy=entropy_rows,
+                                **self.weight_keywords)
         if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)
                 and result[0].dim() == 0 and isinstance(result[1], dict)):
             raise TypeError("objective must return (loss, stats): a 0-d tensor and a dict, "
