@@ -43,8 +43,8 @@ def make_objective(name: str, max_length: int):
 
 def advantages(name: str, rewards, group_size: int):
     """(B,) the advantages objective ``name`` computes from ``rewards`` (what Liger's loss is given)."""
-    from pacs_kernels.objectives.grpo_math import group_normalized_advantages
     from pacs_kernels.objectives.dr_grpo import group_centred_advantages
+    from pacs_kernels.objectives.grpo_math import group_normalized_advantages
 
     check_objective(name)
     values = rewards.float()

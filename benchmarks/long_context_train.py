@@ -203,8 +203,8 @@ def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.
     cfg.rollout.group_size = GROUP
     cfg.train.loss_chunk_mib = loss_chunk_mib
     if "split" in levers:  # one response per part; the group's per-token gradients first
-        from pacs.train.split_groups import group_gradients, part_of_a_group
         from pacs.train.old_policy import old_policy_logprobs
+        from pacs.train.split_groups import group_gradients, part_of_a_group
 
         parts = [(row, row + 1) for row in range(GROUP)]
         logp, lse, _ = old_policy_logprobs(policy, batch, parts, cfg.rollout.temperature, cfg.optim.logprob_backend,

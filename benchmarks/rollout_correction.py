@@ -10,7 +10,8 @@ terms: docs/rollout-correction.md), the same seeds.
 
 Each run is a fresh process (1 torch thread); the warmed-up model is cached once (--cache-dir). Held-out accuracy
 (greedy, eval.num_problems problems) is measured every --eval-every steps. Writes OUT/runs.jsonl (the curves and
-the mismatch columns' means: one JSON line per run, with the conditions), OUT/heldout_accuracy.png and OUT/README.md (machine, date, conditions, numbers).
+the mismatch columns' means: one JSON line per run, with the conditions), OUT/heldout_accuracy.png and OUT/README.md
+(machine, date, conditions, numbers).
 """
 
 from __future__ import annotations

@@ -161,7 +161,8 @@ def fused_linear_pacs_loss(hidden, weight, targets, mask, old_logp, rewards, *, 
     ``objective=PACS(...)``, the arguments in the order of every fused entry).
 
     ``hidden``, ``weight``, ``targets``, ``mask``, ``old_logp``, ``cu_seqlens``, ``bias``, ``old_lse``, ``piece`` and
-    ``token_weights`` are as in :func:`fused_linear_objective_loss`; ``group_ids`` and ``valid`` as in :func:`pacs_loss`. A keyword
+    ``token_weights`` are as in :func:`fused_linear_objective_loss`; ``group_ids`` and ``valid`` as in
+    :func:`pacs_loss`. A keyword
     that moved (``beta=``, ``path=``, ...) still works, with a DeprecationWarning naming its new home.
 
     Args:

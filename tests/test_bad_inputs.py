@@ -11,10 +11,10 @@ import subprocess
 import sys
 
 import pytest
+from test_run_errors import TINY_RUN, one_error_line, run_cli, tiny_model  # noqa: F401  (a fixture)
 
 from pacs.tasks.math_data import MathTask, load_problems
 from pacs.train.metrics import read_metrics
-from test_run_errors import TINY_RUN, one_error_line, run_cli, tiny_model  # noqa: F401  (a fixture)
 
 
 def test_a_learning_rate_above_one_is_refused_before_any_work(tmp_path, capsys, tiny_model):
@@ -224,7 +224,6 @@ def _string_labels(completions, **kwargs):
 def test_a_trl_reward_function_returning_nan_or_strings_is_named(tmp_path, reward, error, message):
     pytest.importorskip("trl")
     import trl_helpers
-
     from accelerate.state import GradientState
 
     trainer = trl_helpers.trainer(tmp_path, reward=reward, max_steps=1, seed=3)

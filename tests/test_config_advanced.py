@@ -12,8 +12,8 @@ import yaml
 
 from pacs.cli import main
 from pacs.config import ADVANCED_KEYS, Config, apply_override, config_keys, load_config, save_config, to_dict, user_key
-from pacs.tasks.embedded import build_model, build_tokenizer
 from pacs.run.resume_check import HISTORY_NAME, plan_resume, resume_command, settings_in_effect
+from pacs.tasks.embedded import build_model, build_tokenizer
 
 TINY_RUN = ["advanced.task.digits=1", "rollout.engine=hf", "rollout.prompts_per_step=2", "rollout.group_size=2",
             "rollout.max_new_tokens=3", "optim.mini_batches_per_step=1", "optim.micro_batch_groups=1",

@@ -9,10 +9,10 @@ import torch
 
 from benchmarks import dispatch_table
 from pacs_kernels import dispatch
-from pacs_kernels.logprobs import resolve_backend
 from pacs_kernels.engine.batch import BatchShape
 from pacs_kernels.engine.device import DEFAULT_COSTS, DeviceProfile, device_profile
 from pacs_kernels.engine.plan import measured_faster
+from pacs_kernels.logprobs import resolve_backend
 
 
 def _profile(device: str, dtype=torch.bfloat16):

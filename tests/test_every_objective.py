@@ -15,7 +15,13 @@ from test_run_errors import TINY_RUN, one_error_line, run_cli, tiny_model  # noq
 from trainer_helpers import comparable
 
 from pacs.config import BUILTIN_OBJECTIVES, load_config, validate
-from pacs.train.loss_objective import loss_objective, named_objective, one_sweep_first_step, token_mean
+from pacs.train.loss_objective import (
+    loss_objective,
+    named_objective,
+    one_sweep_first_step,
+    takes_response_validity,
+    token_mean,
+)
 from pacs.train.metrics import read_metrics
 from pacs_kernels import CISPO, DAPO, GRPO, GSPO, PACS, DrGRPO
 
@@ -90,6 +96,30 @@ def test_what_the_trainer_reads_is_declared_by_the_objective():
     assert token_mean(GRPO()) and not token_mean(GRPO(aggregation="seq_mean"))
     assert token_mean(DAPO()) and token_mean(CISPO()) and token_mean(LeaveOneOutPG())
     assert not token_mean(GSPO()) and not token_mean(DrGRPO(max_completion_length=4)) and not token_mean(PACS())
+
+
+def test_a_response_validity_mask_goes_to_an_objective_that_declares_it():
+    """valid= (a per-response mask) is read from Capabilities(response_validity=...): PACS declares it; the GRPO
+    family and a user's objective do not, and the engine refuses the mask for them by name (no silent drop)."""
+    import torch
+
+    from pacs_kernels import LossOptions, fused_linear_objective_loss
+
+    assert takes_response_validity(PACS())
+    assert not any(takes_response_validity(o) for o in (GRPO(), DAPO(), CISPO(), GSPO(), LeaveOneOutPG()))
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(4, 3, 8, generator=g, dtype=torch.float64), torch.randn(11, 8, generator=g,
+                                                                                          dtype=torch.float64)
+    targets, mask = torch.randint(0, 11, (4, 3), generator=g), torch.ones(4, 3, dtype=torch.bool)
+    old_logp, rewards = -torch.rand(4, 3, generator=g, dtype=torch.float64), torch.tensor([1.0, 0.0, 1.0, 0.0])
+    valid = torch.tensor([True, True, False, True])
+    loss, _ = fused_linear_objective_loss(hidden, weight, targets, mask, old_logp, rewards, objective=PACS(),
+                                          group_size=2, options=LossOptions(backend="torch"), valid=valid)
+    assert torch.isfinite(loss)
+    for objective in (GRPO(), DAPO()):
+        with pytest.raises(ValueError, match="valid= needs an objective that takes a per-response validity mask"):
+            fused_linear_objective_loss(hidden, weight, targets, mask, old_logp, rewards, objective=objective,
+                                        group_size=2, options=LossOptions(backend="torch"), valid=valid)
 
 
 def test_the_one_sweep_first_step_is_what_the_objective_declares():

@@ -18,8 +18,8 @@ from trainer_helpers import comparable, tiny_config
 from pacs.config import load_config, validate
 from pacs.model.packing import pack_rows
 from pacs.model.policy import full_named_tensors, load_policy
-from pacs.train.metrics import read_metrics
 from pacs.train import train
+from pacs.train.metrics import read_metrics
 from pacs.train.update import policy_loss
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2"]

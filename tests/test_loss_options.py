@@ -14,6 +14,7 @@ import torch
 import pacs_kernels
 from pacs_kernels import GRPO, PACS, LossOptions, PACSLoss, fused_linear_grpo_loss, fused_linear_pacs_loss
 
+
 def public_callables():
     """Every public function of pacs_kernels and every public method of its public classes."""
     for name in pacs_kernels.__all__:

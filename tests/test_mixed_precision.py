@@ -223,8 +223,8 @@ def test_pacs_trainer_warns_for_a_bfloat16_model_at_a_rate_that_rounds_away_and_
 def test_pacs_train_in_bfloat16_keeps_float32_weights_resumes_exactly_and_exports_bfloat16(tmp_path):
     from trainer_helpers import comparable, tiny_config
 
-    from pacs.train.metrics import read_metrics
     from pacs.train import train
+    from pacs.train.metrics import read_metrics
 
     cache = tmp_path / "cache"
     steps = ["rollout.engine=hf", "model.dtype=bfloat16", "checkpoint_every=2", "optim.lr_schedule=constant"]

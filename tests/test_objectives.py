@@ -182,8 +182,13 @@ def test_an_infinite_old_or_reference_log_prob_on_a_loss_token_is_refused():
     """An old_logp of +-inf on a mask == 1 token (a sampler's -inf for a token outside its top-p) made the ratio
     0 or inf: a silently zero gradient for that token, or NaN on one path and a number on the other. On a
     masked-out token it is ignored, as before."""
-    from pacs_kernels import LossOptions, fused_linear_grpo_loss, fused_linear_pacs_loss, pacs_loss
-    from pacs_kernels import fused_linear_objective_loss
+    from pacs_kernels import (
+        LossOptions,
+        fused_linear_grpo_loss,
+        fused_linear_objective_loss,
+        fused_linear_pacs_loss,
+        pacs_loss,
+    )
 
     gen = torch.Generator().manual_seed(5)
     b, t, d, v = 4, 3, 8, 20
@@ -222,8 +227,7 @@ def test_an_infinite_old_or_reference_log_prob_on_a_loss_token_is_refused():
 def test_pacs_with_the_naive_score_takes_groups_of_one_on_every_route():
     """advantage='naive' compares no response with another, so pacs_loss takes group_size=1; the PACS objective
     refused it, naming advantage='grpo' (not its own)."""
-    from pacs_kernels import pacs_loss
-    from pacs_kernels import fused_linear_objective_loss
+    from pacs_kernels import fused_linear_objective_loss, pacs_loss
 
     gen = torch.Generator().manual_seed(6)
     logp, old = -torch.rand(4, 3, generator=gen, dtype=torch.float64), -torch.rand(4, 3, generator=gen,

@@ -9,9 +9,9 @@ import pytest
 import torch
 from seeds import stable_seed
 
-from pacs_kernels import LossOptions
+from pacs_kernels import LossOptions, fused_linear_objective_loss
 from pacs_kernels import fused as fused_module
-from pacs_kernels import fused_linear_objective_loss
+from pacs_kernels.engine.plan import budget_mib_for_tokens
 from pacs_kernels.objectives import CISPO, DAPO, GRPO, GSPO, PACS, DrGRPO
 from pacs_kernels.objectives.cispo import reference_cispo_loss
 from pacs_kernels.objectives.dapo import reference_dapo_loss
@@ -20,7 +20,6 @@ from pacs_kernels.objectives.grpo import reference_grpo_objective
 from pacs_kernels.objectives.gspo import reference_gspo_loss
 from pacs_kernels.objectives.pacs import reference_pacs_objective
 from pacs_kernels.reference import naive_linear_logprobs
-from pacs_kernels.engine.plan import budget_mib_for_tokens
 
 B, T, D, V, G = 8, 6, 13, 37, 4
 TEMPERATURE = 0.8

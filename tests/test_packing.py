@@ -19,8 +19,8 @@ from pacs.model.packing import (
 )
 from pacs.model.policy import Policy
 from pacs.train.batch import build_batch
-from pacs.train.update import policy_loss
 from pacs.train.old_policy import old_policy_logprobs
+from pacs.train.update import policy_loss
 
 VOCAB, GROUP = 48, 3
 ARCH = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

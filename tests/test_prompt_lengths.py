@@ -10,8 +10,8 @@ import pytest
 from pacs.cli import main
 from pacs.config import Config, load_config, validate
 from pacs.model.model_zoo import build_byte_tokenizer, build_small_model
-from pacs.tasks import MathTask, make_task
 from pacs.run.prompt_lengths import fit_prompt_length
+from pacs.tasks import MathTask, make_task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,8 +86,8 @@ def test_measured_lengths_are_those_of_the_prompts_the_run_encodes(tmp_path, mod
     from transformers import AutoTokenizer
 
     from pacs.eval.evaluate import encode_prompt
-    from pacs.tasks import Problem
     from pacs.run.prompt_lengths import prompt_lengths
+    from pacs.tasks import Problem
 
     tokenizer = AutoTokenizer.from_pretrained(build_small_model(model, str(tmp_path / "m")))
     problems = [Problem(f"What is {i} + {i}?" + " Think. Then answer in \\boxed{}." * i, str(2 * i)) for i in range(7)]

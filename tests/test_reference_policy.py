@@ -10,8 +10,8 @@ from trainer_helpers import comparable, tiny_config
 
 from pacs.config import load_config, validate
 from pacs.model.reference_policy import ReferenceSnapshot, is_reset_step
-from pacs.train.metrics import read_metrics
 from pacs.train import train
+from pacs.train.metrics import read_metrics
 
 
 @pytest.fixture(scope="module")

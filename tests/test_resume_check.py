@@ -14,9 +14,9 @@ import pytest
 
 from pacs.cli import main
 from pacs.config import Config
+from pacs.run.resume_check import HISTORY_NAME, changes_what_the_run_is, resume_command
 from pacs.tasks.embedded import build_model, build_tokenizer
 from pacs.train.metrics import read_metrics
-from pacs.run.resume_check import HISTORY_NAME, changes_what_the_run_is, resume_command
 
 TINY_RUN = ["advanced.task.digits=1", "rollout.engine=hf", "rollout.prompts_per_step=2", "rollout.group_size=2",
             "rollout.max_new_tokens=3", "optim.mini_batches_per_step=1", "optim.micro_batch_groups=1",

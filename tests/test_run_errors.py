@@ -16,9 +16,9 @@ import torch
 import pacs.train.update as update
 from pacs.cli import main
 from pacs.config import Config
-from pacs.tasks.embedded import build_model, build_tokenizer
 from pacs.run import stop_signals
 from pacs.run.checkpoint import latest_checkpoint
+from pacs.tasks.embedded import build_model, build_tokenizer
 from pacs.train.metrics import read_metrics
 
 TINY_RUN = ["advanced.task.digits=1", "rollout.engine=hf", "rollout.prompts_per_step=2", "rollout.group_size=2",

@@ -9,9 +9,9 @@ import torch
 from pacs.config import load_config
 from pacs.eval.evaluate import encode_prompts, evaluate
 from pacs.model.policy import DistInfo, resolve_dtype
+from pacs.run.run_setup import Run
 from pacs.tasks import AdditionTask
 from pacs.tasks.embedded import build_tokenizer
-from pacs.run.run_setup import Run
 from pacs.train.evaluation import evaluate_policy
 
 

@@ -10,9 +10,9 @@ import torch
 from trainer_helpers import tiny_config
 
 from pacs.config import load_config, validate
+from pacs.train import train
 from pacs.train.metrics import read_metrics
 from pacs.train.single_label_groups import loss_valid, plan_group_skips, skip_rules
-from pacs.train import train
 from pacs_kernels import pacs_loss
 
 

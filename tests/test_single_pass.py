@@ -21,7 +21,6 @@ from pacs_kernels import (
     grpo_loss,
     linear_logprobs,
 )
-from pacs_kernels.reference import naive_linear_logprobs, reference_grpo_loss, reference_pacs_loss
 from pacs_kernels.engine.plan import (
     Chunk,
     default_chunk_budget_mib,
@@ -31,6 +30,7 @@ from pacs_kernels.engine.plan import (
     recomputed_fraction,
 )
 from pacs_kernels.engine.single_pass import TINY_GRAD
+from pacs_kernels.reference import naive_linear_logprobs, reference_grpo_loss, reference_pacs_loss
 
 SCORES = ("log_ratio", "mean_logp")
 ADVANTAGES = ("rloo", "grpo", "naive")

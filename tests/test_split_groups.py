@@ -9,8 +9,8 @@ from test_packing import GROUP, config, loss_and_grads, random_batch, tiny_polic
 
 from pacs.model.packing import is_part_of_a_group, plan_micro_batches, split_to_count
 from pacs.model.policy import DistInfo
-from pacs.train.split_groups import split_group_rows
 from pacs.train.old_policy import old_policy_logprobs
+from pacs.train.split_groups import split_group_rows
 from pacs.train.update import update_policy
 from pacs.train.update_batch import UpdateBatch
 

@@ -13,10 +13,10 @@ from trainer_helpers import comparable, repo_root, tiny_config
 
 import pacs.train.loop as loop
 import pacs.train.update as update_module
-from pacs.run.checkpoint import checkpoint_steps, latest_checkpoint
-from pacs.train.metrics import read_metrics
 from pacs.run import TrainingStopped
+from pacs.run.checkpoint import checkpoint_steps, latest_checkpoint
 from pacs.train import train
+from pacs.train.metrics import read_metrics
 from pacs.train.start import lr_lambda
 
 
@@ -245,7 +245,7 @@ def test_a_preempted_run_checkpoints_its_step_and_resumes_as_if_never_stopped(tm
     assert all(r["grad_norm"] > 0 for r in expected[1:])  # the steps train: the comparison below is not vacuous
 
     out = tmp_path / "preempted"
-    real_update, calls = update.update_policy, {"n": 0}
+    real_update, calls = update_module.update_policy, {"n": 0}
 
     def signalled_during_step_3(*args, **kwargs):
         calls["n"] += 1
@@ -279,7 +279,7 @@ def test_a_signal_in_the_last_step_lets_the_run_end_as_usual(tmp_path, cache_dir
 
     from pacs.cli import main
 
-    real_update, calls = update.update_policy, {"n": 0}
+    real_update, calls = update_module.update_policy, {"n": 0}
 
     def signalled_in_the_last_step(*args, **kwargs):
         calls["n"] += 1
@@ -287,7 +287,7 @@ def test_a_signal_in_the_last_step_lets_the_run_end_as_usual(tmp_path, cache_dir
             os.kill(os.getpid(), signal.SIGTERM)
         return real_update(*args, **kwargs)
 
-    monkeypatch.setattr(update, "update_policy", signalled_in_the_last_step)
+    monkeypatch.setattr(update_module, "update_policy", signalled_in_the_last_step)
     out = tmp_path / "run"
     steps = [*TINY, f"advanced.task.cache_dir={cache_dir}", "rollout.engine=hf", "checkpoint_every=100", "max_steps=3",
              "eval.every=0"]

@@ -1,6 +1,7 @@
 """Shared settings for the trainer tests: a tiny, fast configuration of the built-in run."""
 
 import os
+import pathlib
 
 from pacs.config import Config, load_config
 

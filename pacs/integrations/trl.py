@@ -69,7 +69,6 @@ from pacs.integrations.trl_config import (  # noqa: F401  (PACSConfig, check_pac
     checked_reward_function,
     is_async,
 )
-
 from pacs.model.memory import activation_offload
 from pacs.model.mixed_precision import rounding_warning, share_frozen_by_rounding
 from pacs.model.model_forward import MULTIMODAL_KEYS, LogprobRequest, PACSBatch, add_pacs_forward, check_supported_head

@@ -24,8 +24,8 @@ from pacs.model.memory import apply_liger_patches, fsdp_kwargs
 from pacs.model.mixed_precision import Precision, resolve_precision
 from pacs.model.model_dir import check_model_dir
 from pacs.model.model_forward import check_supported_head
-from pacs.model.profile import ModelProfile
 from pacs.model.packing import enable_packed_attention
+from pacs.model.profile import ModelProfile
 from pacs.model.sequence_parallel import enable_sequence_parallel_attention, new_sequence_parallel
 from pacs.model.tiled_mlp import tile_mlp
 

@@ -25,12 +25,12 @@ from pacs.model.sequence_parallel import ULYSSES_ATTENTION, check_model_splits
 from pacs.model.varlen_attention import check_requested_engine, requested_engine
 from pacs.rollout import check_vllm_available
 from pacs.rollout.stop_tokens import stop_token_ids
+from pacs.run.export import recover_export
+from pacs.run.prompt_lengths import fit_prompt_length
 from pacs.tasks import Task, make_task
 from pacs.tasks.datasets import HF_PREFIX
 from pacs.tasks.embedded import build_tokenizer, prepare_embedded_model
 from pacs.tasks.embedded import model_config as embedded_config
-from pacs.run.export import recover_export
-from pacs.run.prompt_lengths import fit_prompt_length
 
 
 @dataclass

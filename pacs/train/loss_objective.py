@@ -96,12 +96,9 @@ def token_mean(objective) -> bool:
     DAPO's), not a mean of the micro-batches' token means.
 
     Read from the objective: its ``aggregation`` attribute ("token_mean"; any other value, a mean over responses),
-    which GRPO carries and a user's objective declares the same way; DAPO and CISPO, token means by definition
-    (pacs_kernels/objectives/dapo.py, cispo.py), declare it by what they are. Without a declaration: False."""
-    declared = getattr(objective, "aggregation", None)
-    if declared is not None:
-        return declared == "token_mean"
-    return isinstance(objective, (DAPO, CISPO))
+    which GRPO carries as a setting, DAPO and CISPO as a constant (token means by definition) and a user's objective
+    declares the same way. Without a declaration: False."""
+    return getattr(objective, "aggregation", None) == "token_mean"
 
 
 def one_sweep_first_step(objective) -> bool:
@@ -120,4 +117,5 @@ def takes_response_validity(objective) -> bool:
     """Whether the objective takes a per-response validity mask (``valid=``: PACS's, which leaves a response out of
     its group's class counts): the rollout correction then drops a response by it and keeps its tokens; for any
     other objective it takes the response's tokens out of the mask (pacs/train/rollout_correction.py)."""
-    return isinstance(objective, PACS)
+    declared = getattr(objective, "capabilities", None)
+    return bool(declared is not None and declared.response_validity)

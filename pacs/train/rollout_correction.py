@@ -210,7 +210,8 @@ def correct(batch: Batch, old_logp: torch.Tensor, mode: str, band: Band, *,
             response_valid: bool) -> tuple[Batch, MismatchSums]:
     """The batch the loss learns from under ``mode``, and the step's mismatch (this rank's sums).
 
-    ``batch.sampler_logp`` must be set. A truncate mode sets ``batch.token_weights`` (every token kept). ``response_valid``: the objective takes a response validity (PACS's
+    ``batch.sampler_logp`` must be set. A truncate mode sets ``batch.token_weights`` (every token kept).
+    ``response_valid``: the objective takes a response validity (PACS's
     ``valid``): a dropped response gets ``valid`` False and keeps its tokens; otherwise its tokens leave the mask.
     """
     if batch.sampler_logp is None:

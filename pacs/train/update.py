@@ -149,7 +149,8 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, data: UpdateBatch, 
 class MiniBatch:
     """One mini-batch's plan: its micro-batches (row ranges, the same count on every rank), the log-prob
     gradients of its groups that run in parts (None: no token budget, no parts), the loss values of its groups
-    not run (a gradient of exactly 0), ``first_step``: the one sweep on weights still the rollout's (logp = old_logp), and
+    not run (a gradient of exactly 0), ``first_step``: the one sweep on weights still the rollout's (logp =
+    old_logp), and
     ``tokens``: the GRPO token mean's denominator, the response tokens of the mini-batch on every data rank
     (None: the loss is a mean over responses)."""
 

@@ -39,7 +39,8 @@ class BatchShape:
     width and vocabulary; ``dtype``: the head's (the GEMMs' input) dtype; ``device_type``: "cpu", "cuda", ...;
     ``group_size``; ``has_old_lse``: the rollout's log-sum-exp came with the batch; ``piece``: the kind of
     piece (None: whole groups; "known_gradient" / "gathered_logprobs"); ``has_token_weights``: per-token weights
-    came with the batch (the objective must declare ``Capabilities(token_weights=True)``)."""
+    came with the batch (the objective must declare ``Capabilities(token_weights=True)``); ``has_valid``: a
+    per-response validity mask came with it (``Capabilities(response_validity=True)``)."""
 
     counts: tuple[int, ...]
     n_tokens: int
@@ -51,6 +52,7 @@ class BatchShape:
     has_old_lse: bool = False
     piece: str | None = None
     has_token_weights: bool = False
+    has_valid: bool = False
 
     @property
     def n_selected(self) -> int:
@@ -63,7 +65,8 @@ class LossBatch:
 
     hidden (N_sel, d) in the head's dtype, targets (N_sel,); old_logp, ref_logp, old_lse (N_sel,) or None
     (on-policy / no KL reference / no one sweep); token_weights (N_sel,) or None: a constant weight >= 0 on each
-    token's term (rollout correction's truncated importance weights; None: 1); counts (B,) int64 response lengths (a piece: one entry, its
+    token's term (rollout correction's truncated importance weights; None: 1); counts (B,) int64 response lengths (a
+    piece: one entry, its
     selected tokens); layout: the packed layout of the selected tokens; weight (V, d), bias (V,) or None;
     rewards (B,), valid (B,) and group_ids (B,) as given (the objective checks them its way); group_size;
     index: the selected positions of the flattened input (None: all); token_shape: the input's per-token shape;
@@ -134,7 +137,8 @@ class LossBatch:
         flat_weights = check_token_weights(_picked(token_weights, index))
         vocab, d = weight.shape
         shape = BatchShape(tuple(counts.tolist()), int(torch.Size(token_shape).numel()), d, vocab, weight.dtype,
-                           weight.device.type, group_size, old_lse is not None, piece, token_weights is not None)
+                           weight.device.type, group_size, old_lse is not None, piece, token_weights is not None,
+                           valid is not None)
         return cls(pick(hidden.reshape(-1, width), index), weight, bias, flat_targets, _picked(old_logp, index),
                    _picked(ref_logp, index), _picked(old_lse, index), flat_weights, counts,
                    ResponseLayout.from_counts(counts), rewards, valid, group_ids, group_size, index, token_shape, shape)

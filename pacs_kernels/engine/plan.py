@@ -275,6 +275,9 @@ def plan_loss(shape: BatchShape, capabilities: Capabilities, options: LossOption
         raise ValueError("token_weights= needs an objective that takes per-token weights (it declares "
                          "Capabilities(token_weights=True) and accepts token_weights= in its __call__); this one "
                          "does not")
+    if shape.has_valid and not capabilities.response_validity:
+        raise ValueError("valid= needs an objective that takes a per-response validity mask (it declares "
+                         "Capabilities(response_validity=True), as PACS does); this one does not")
     usual = usual_plan(shape, capabilities, options, profile)
     if not shape.has_old_lse:
         return usual

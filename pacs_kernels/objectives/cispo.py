@@ -15,6 +15,7 @@ puts no lower bound on the weight, hence eps_low = 1.0 (1 - eps_low = 0) by defa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -33,6 +34,8 @@ from .regularizers import (
 @dataclass(frozen=True, kw_only=True)
 class CISPO(ClippedRatioObjective):
     """eps_low in [0, 1], eps_high >= 0: the IS weight is clipped to [1 - eps_low, 1 + eps_high]."""
+
+    aggregation: ClassVar[str] = "token_mean"  # one mean over the batch's tokens, by definition
 
     eps_low: float = 1.0
     eps_high: float = 0.28

@@ -14,6 +14,7 @@ The math is grpo_loss's with these settings; the reference below re-derives it w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -24,6 +25,8 @@ from .regularizers import ClippedRatioObjective, add_regularizers, as_floats, re
 @dataclass(frozen=True, kw_only=True)
 class DAPO(ClippedRatioObjective):
     """eps_low in [0, 1], eps_high >= 0: the ratio is clipped to [1 - eps_low, 1 + eps_high]."""
+
+    aggregation: ClassVar[str] = "token_mean"  # one mean over the batch's tokens, by definition
 
     eps_low: float = 0.2
     eps_high: float = 0.28

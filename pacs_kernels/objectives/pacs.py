@@ -80,7 +80,7 @@ class PACS(RegularizedObjective):
         """Group-coupled (a response's score enters its group's advantages): chunks of whole groups; a function
         of the log-probs alone without the entropy bonus: the one sweep from the rollout's log-sum-exp."""
         return Capabilities(chunking="groups" if self.is_plain() else "batch", uses_entropy=self.uses_entropy,
-                            one_sweep=not self.uses_entropy, token_weights=True)
+                            one_sweep=not self.uses_entropy, token_weights=True, response_validity=True)
 
     def is_plain(self) -> bool:
         """No KL or entropy term: the engine runs the PACS loss of loss.py on its own layout (PACSTokens)."""
@@ -105,7 +105,8 @@ class PACS(RegularizedObjective):
     def __call__(self, logp, old_logp, rewards, mask, *, group_size, ref_logp=None, entropy=None,
                  token_weights=None):
         batch = self.checked(logp, old_logp, rewards, mask, group_size, ref_logp, entropy, token_weights)
-        loss, stats = pacs_loss(weighted_logprobs(batch.logp, batch.old_logp, batch.token_weights), batch.old_logp, rewards, batch.mask, group_size=group_size,
+        logp = weighted_logprobs(batch.logp, batch.old_logp, batch.token_weights)
+        loss, stats = pacs_loss(logp, batch.old_logp, rewards, batch.mask, group_size=group_size,
                                 beta=self.beta, score=self.score, advantage=self.advantage, weighting=self.weighting,
                                 score_function_term=self.score_function_term, backend=self.backend,
                                 return_stats=True)

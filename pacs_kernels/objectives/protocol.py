@@ -85,12 +85,15 @@ class Capabilities:
     rollout's log-sum-exp (``old_lse``) gives the loss and its gradients.
     token_weights: the objective takes ``token_weights=`` (a constant weight on each token's policy term); every
     path honours them (they are an input of the engine loss, whichever path runs it).
+    response_validity: the objective takes ``valid=`` (a per-response mask of the responses that count; PACS's,
+    which leaves a response out of its group's class counts but keeps it as the others' baseline).
     """
 
     chunking: str = "batch"
     uses_entropy: bool = False
     one_sweep: bool = True
     token_weights: bool = False
+    response_validity: bool = False
 
     def __post_init__(self) -> None:
         if self.chunking not in CHUNKINGS:

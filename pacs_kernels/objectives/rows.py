@@ -57,7 +57,9 @@ class RowsLoss:
         if n_responses == 0 or n_selected == 0:
             raise ValueError("mask must select at least one response token")
         if batch.valid is not None:
-            raise ValueError(f"valid= is a PACS input; {type(objective).__name__} takes no validity mask")
+            raise ValueError("valid= needs an objective that takes a per-response validity mask (it declares "
+                             f"Capabilities(response_validity=True), as PACS does); {type(objective).__name__} "
+                             "does not")
         uses_entropy = bool(getattr(objective, "uses_entropy", False))
         declared = getattr(objective, "capabilities", None)
         # a declared token or group chunking is the objective's own engine loss's; on rows the sum is checked
