@@ -87,9 +87,35 @@ def test_cpu_plan_counts_the_chunk_auto_may_raise_to_and_a_set_chunk_pins_it():
     assert loss_chunk_budget(Levers(), cpu) == RAISED_LOSS_CHUNK_SHARE * 64 * GiB
     small = inputs(device="cpu", gpu_gib=1, gpu_memory_utilization=0.0, compute_dtype="float32")
     assert loss_chunk_budget(Levers(), small) == 256 * MiB  # never below the default
-    gpu = inputs()  # CUDA: the default stands (GPU memory belongs to the model)
+    gpu = inputs()  # CUDA, nothing free known: the default
     assert loss_chunk_budget(Levers(), gpu) == 2048 * MiB
-    assert plan_memory(gpu).transient[key] == plan_memory(gpu, Levers(loss_chunk_mib=2048)).transient[key]
+
+
+def test_raised_cuda_loss_chunk_share_is_the_kernels():
+    from pacs.train.memory_plan import CUDA_FREE_LOSS_CHUNK_SHARE
+    from pacs_kernels.engine.device import CUDA_FREE_SHARE
+
+    assert CUDA_FREE_LOSS_CHUNK_SHARE == CUDA_FREE_SHARE
+
+
+def test_cuda_plan_counts_the_chunk_auto_may_raise_to_from_the_free_memory():
+    """On CUDA, with no train.loss_chunk_mib, path="auto" may raise the chunk to hold a whole group, up to a
+    quarter of the memory free when the loss runs (pacs_kernels/engine/device.py): the plan counts that most, a
+    set loss_chunk_mib pins it, and the raise never makes a plan that fits with the default stop fitting."""
+    from pacs.train.memory_plan import CUDA_FREE_LOSS_CHUNK_SHARE
+
+    key = "fused loss (logits chunk, LM head, hidden states)"
+    gpu = inputs(gpu_gib=80)
+    unset, pinned = plan_memory(gpu), plan_memory(gpu, Levers(loss_chunk_mib=2048))
+    all_logits = unset.micro_batch_tokens * gpu.model.vocab * 2  # bf16 logits on CUDA
+    assert unset.transient[key] >= pinned.transient[key]
+    steady = sum(pinned.components.values())
+    beside = pinned.transient[key] - 2048 * MiB * 1.2
+    free = 80 * GiB - steady - beside
+    chunk = min(max(2048 * MiB, CUDA_FREE_LOSS_CHUNK_SHARE * free), all_logits)
+    assert unset.transient[key] == pytest.approx(beside + 1.2 * chunk)
+    if pinned.peak <= 80 * GiB:
+        assert unset.peak <= 80 * GiB
 
 
 def test_weights_gradients_and_adamw_bytes_of_a_known_config():
@@ -373,7 +399,8 @@ def test_an_old_policy_pass_in_larger_chunks_than_the_training_micro_batches_is_
 
     m = load_model_shape("qwen2.5-1.5b")
     common = ["rollout.max_prompt_len=1024", "rollout.max_new_tokens=8192", "optim.micro_batch_groups=1",
-              "model.gradient_checkpointing=true", "train.tiled_mlp=true", "train.max_tokens_per_micro_batch=9216"]
+              "model.gradient_checkpointing=true", "train.tiled_mlp=true", "train.max_tokens_per_micro_batch=9216",
+              "train.loss_chunk_mib=2048"]  # (pinned: unset, the loss may take a quarter of the free memory)
     plain = plan_for_config(load_config(None, common), m, gpu_gib=79)
     assert not any(name.startswith("old-policy") for name in plain.transient)
     big = plan_for_config(load_config(None, [*common, "advanced.train.old_policy_max_tokens=147456"]), m, gpu_gib=79)

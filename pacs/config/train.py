@@ -23,9 +23,9 @@ class TrainConfig:
         None, "token budget of each no-grad old-policy chunk; None: the training micro-batches", above=0,
         expect=TOKENS, advanced=True)
     loss_chunk_mib: float | None = setting(
-        None, "the fused loss's logits working memory (chunk_budget_mib); None: 2 GiB on CUDA; 256 MiB on the CPU, "
-        'which path="auto" may raise to hold a group (up to 1/8 of the memory); lower it for long responses on '
-        "little memory (a group over it is rebuilt in part)", above=0, expect="a positive number of MiB or None")
+        None, "the fused loss's logits working memory (chunk_budget_mib); None: 2 GiB on CUDA, 256 MiB on the CPU, "
+        'which path="auto" may raise to hold a group (up to a quarter of the free GPU memory, 1/8 of the CPU\'s); '
+        "lower it for long responses on little memory (a group over it is rebuilt in part)", above=0, expect="a positive number of MiB or None")
     offload_activations: bool = setting(False, "tensors saved for the backward go to host memory")
     fsdp_cpu_offload: bool = setting(False, "FSDP2 CPUOffloadPolicy: params, grads, optimizer state on the host")
     liger_patches: bool = setting(False, "CUDA: Liger-Kernel RMSNorm, SwiGLU, RoPE in the model (never its loss)")

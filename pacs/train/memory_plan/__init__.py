@@ -31,6 +31,7 @@ from pacs.train.memory_plan.arithmetic import (
     plan_memory,
 )
 from pacs.train.memory_plan.coefficients import (
+    CUDA_FREE_LOSS_CHUNK_SHARE,
     CUDA_RESERVE_GIB,
     DEFAULT_LOSS_CHUNK_MIB,
     FORWARD_COPIES,
@@ -52,7 +53,7 @@ from pacs.train.memory_plan.presets import find_preset, plan_for_config, plan_pr
 from pacs.train.memory_plan.report import config_lines, preset_header, preset_verdict, report
 
 __all__ = [
-    "CUDA_RESERVE_GIB", "DEFAULT_LOSS_CHUNK_MIB", "FORWARD_COPIES", "LOGPROB_CHUNK_BYTES", "MODELS_DIR",
+    "CUDA_FREE_LOSS_CHUNK_SHARE", "CUDA_RESERVE_GIB", "DEFAULT_LOSS_CHUNK_MIB", "FORWARD_COPIES", "LOGPROB_CHUNK_BYTES", "MODELS_DIR",
     "OLD_POLICY_PASS", "RAISED_LOSS_CHUNK_SHARE", "GiB", "Levers", "MemoryPlan", "MiB", "PlanInputs", "blocker",
     "check_positions", "cheapest_fitting_plan", "config_lines", "find_preset", "kv_cache_tokens",
     "layer_forward_bytes", "layer_saved_bytes_per_token", "lever_ladder", "load_model_shape", "loss_chunk_budget",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pacs.model.profile import ModelProfile
 from pacs.train.memory_plan.coefficients import (
     BACKWARD_LAYERS,
+    CUDA_FREE_LOSS_CHUNK_SHARE,
     CUDA_RESERVE_GIB,
     DEFAULT_LOSS_CHUNK_MIB,
     FORWARD_COPIES,
@@ -136,13 +137,17 @@ def old_policy_tokens(inp: PlanInputs, levers: Levers) -> int:
     return min(rank_rows, max(1, levers.old_policy_max_tokens // inp.row_tokens)) * inp.row_tokens
 
 
-def loss_chunk_budget(levers: Levers, inp: PlanInputs) -> float:
-    """Bytes the fused loss's logits chunk may take: ``train.loss_chunk_mib`` where set; else the device's
-    default, or on the CPU the most ``path="auto"`` may raise it to (:data:`RAISED_LOSS_CHUNK_SHARE`)."""
+def loss_chunk_budget(levers: Levers, inp: PlanInputs, free_at_loss: float | None = None) -> float:
+    """Bytes the fused loss's logits chunk may take: ``train.loss_chunk_mib`` where set; else the most
+    ``path="auto"`` may raise the device's default to (pacs_kernels/engine/plan.py, to hold a group whole): on the
+    CPU :data:`RAISED_LOSS_CHUNK_SHARE` of the memory, on CUDA :data:`CUDA_FREE_LOSS_CHUNK_SHARE` of what is free when the loss
+    runs (``free_at_loss`` bytes; None: the default alone)."""
     if levers.loss_chunk_mib is not None:
         return levers.loss_chunk_mib * MiB
     default = DEFAULT_LOSS_CHUNK_MIB[inp.device] * MiB
-    return max(default, RAISED_LOSS_CHUNK_SHARE * inp.gpu_gib * GiB) if inp.device == "cpu" else default
+    if inp.device == "cpu":
+        return max(default, RAISED_LOSS_CHUNK_SHARE * inp.gpu_gib * GiB)
+    return default if free_at_loss is None else max(default, CUDA_FREE_LOSS_CHUNK_SHARE * free_at_loss)
 
 
 def loss_head_bytes(inp: PlanInputs, kind: str) -> int:
@@ -240,9 +245,13 @@ def plan_memory(inp: PlanInputs, levers: Levers = Levers(), tokens: int | None =
         saved = 0 if levers.gradient_checkpointing else one_layer  # one layer in flight
     comp["activations (saved for the backward)"] = saved
     logit_bytes = 2 if (inp.device == "cuda" and compute == 2) else 4
-    chunk = min(loss_chunk_budget(levers, inp), tokens * m.vocab * logit_bytes)
-    loss = (chunk * LOSS_CHUNK_COPIES["16-bit" if logit_bytes == 2 else "float32"]
-            + m.vocab * m.hidden * loss_head_bytes(inp, kind) + LOSS_HIDDEN_COPIES * tokens * m.hidden * stream)
+    beside_chunk = m.vocab * m.hidden * loss_head_bytes(inp, kind) + LOSS_HIDDEN_COPIES * tokens * m.hidden * stream
+    # on CUDA the loss may raise its chunk to a share of the memory free then (all but the steady parts and its own)
+    reserved = (CUDA_RESERVE_GIB * GiB + max(inp.gpu_memory_utilization, 0) * inp.gpu_gib * GiB
+                if inp.device == "cuda" else 0.0)
+    free_at_loss = max(inp.gpu_gib * GiB - sum(comp.values()) - reserved - beside_chunk, 0.0)
+    chunk = min(loss_chunk_budget(levers, inp, free_at_loss), tokens * m.vocab * logit_bytes)
+    loss = chunk * LOSS_CHUNK_COPIES["16-bit" if logit_bytes == 2 else "float32"] + beside_chunk
     if autocast_copies and levers.gradient_checkpointing:
         backward += m.layer_params * compute  # the recomputed layer's own 16-bit copy
     transient = {"fused loss (logits chunk, LM head, hidden states)": loss,

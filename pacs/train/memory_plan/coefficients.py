@@ -48,3 +48,7 @@ DEFAULT_LOSS_CHUNK_MIB = {"cuda": 2048.0, "cpu": 256.0}
 # train.loss_chunk_mib, path="auto" may raise the chunk to hold a whole group or every token, up to this
 # share of the memory; the plan counts that most (setting train.loss_chunk_mib pins the chunk)
 RAISED_LOSS_CHUNK_SHARE = 1 / 8
+# pacs_kernels.engine.device.CUDA_FREE_SHARE (a test keeps them equal): on CUDA, with no train.loss_chunk_mib,
+# path="auto" may raise the chunk to hold a whole group or every token, up to this share of the memory free when
+# the loss runs; the plan counts that most
+CUDA_FREE_LOSS_CHUNK_SHARE = 1 / 4
