@@ -238,13 +238,6 @@ def response_token_counts(mask: torch.Tensor, layout: ResponseLayout) -> torch.T
     return counts.index_add_(0, layout.segment_ids(), mask.to(torch.int64))
 
 
-def check_nonempty_responses(counts: torch.Tensor, what: str) -> None:
-    if counts.numel() and bool((counts == 0).any()):
-        empty = (counts == 0).nonzero().flatten()[:8].tolist()
-        raise ValueError(f"mask must select at least one token of every response with {what}; "
-                         f"responses {empty} have an empty mask")
-
-
 def check_options(score: str, advantage: str, weighting: str) -> None:
     check_choice("score", score, SCORES)
     check_choice("advantage", advantage, ADVANTAGES)

@@ -76,7 +76,7 @@ def reference_pacs_loss(
         if score == "log_ratio":
             scores.append(beta * (logp[i][tokens] - old_logp[i][tokens]).sum())
         else:
-            scores.append(beta * logp[i][tokens].sum() / tokens.sum())
+            scores.append(beta * logp[i][tokens].sum() / max(int(tokens.sum()), 1))  # empty: 0, as TRL's clamp
     psi = []
     for g0 in range(0, n, group_size):
         group = scores[g0:g0 + group_size]

@@ -77,3 +77,29 @@ def test_seq_mean_is_trls_formula():
     fused = fused_linear_grpo_loss(hidden, weight, targets, mask, old, rewards, group_size=G,
                                    objective=GRPO(aggregation="seq_mean"), options=LossOptions(backend="torch"))
     torch.testing.assert_close(fused, trl, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("score", ["log_ratio", "mean_logp"])
+@pytest.mark.parametrize("path", ["single_pass", "two_pass"])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_pacs_counts_an_empty_mask_response_with_score_0(score, path, packed):
+    """PACS: a response with no tokens scores 0 under either score (the log-ratio's sum over none; mean_logp over
+    none taken as 0, TRL's clamp(min=1)); it keeps its BCE term and its place in its group's baseline, and no
+    gradient reaches its row. Every path and layout against the float64 reference."""
+    from pacs_kernels import PACS
+    from pacs_kernels.reference import reference_pacs_loss
+
+    hidden, weight, targets, mask, old, rewards = batch_with_an_empty_response(seed=2)
+    leaf = hidden.clone().requires_grad_()
+    inputs, h, y, m = dict(old_logp=old), leaf, targets, mask
+    if packed:
+        h, y, m = leaf.reshape(B * T, D), targets.reshape(-1), mask.reshape(-1)
+        inputs = dict(old_logp=old.reshape(-1), cu_seqlens=torch.arange(0, B * T + 1, T))
+    loss, _ = fused_linear_objective_loss(h, weight, y, m, rewards=rewards, objective=PACS(score=score),
+                                          group_size=G, options=LossOptions(path=path, backend="torch"), **inputs)
+    loss.backward()
+    logp, _ = naive_linear_logprobs(hidden, weight, targets)
+    expected, parts = reference_pacs_loss(logp, old, rewards, mask, group_size=G, score=score)
+    assert float(parts["score"][1]) == 0.0
+    torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
+    assert torch.isfinite(leaf.grad).all() and not leaf.grad[1].any()

@@ -316,12 +316,20 @@ def test_bad_types():
         _call(score_function_term="yes")
 
 
-def test_empty_mask_under_mean_logp():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_an_empty_mask_response_scores_0_under_mean_logp(backend):
+    """mean_logp over no tokens is 0 (TRL's mask.sum(-1).clamp(min=1)), as the log-ratio's sum over none is: the
+    response keeps its BCE term and its place in the group's baseline, and no gradient reaches its row."""
     logp, old_logp, rewards, mask = make_inputs(2, 4, 5, seed=0)
     mask[5] = False
-    pacs_loss(logp, old_logp, rewards, mask, group_size=4)  # fine for log_ratio
-    with pytest.raises(ValueError, match=r"mask.*\[5\]"):
-        pacs_loss(logp, old_logp, rewards, mask, group_size=4, score="mean_logp")
+    dtype = torch.float64 if backend == "torch" else torch.float32  # (the Triton kernels take up to float32)
+    logp = logp.to(dtype).detach().requires_grad_()
+    loss = pacs_loss(logp, old_logp.to(dtype), rewards, mask, group_size=4, score="mean_logp", backend=backend)
+    expected, parts = reference_pacs_loss(logp, old_logp, rewards, mask, group_size=4, score="mean_logp")
+    assert float(parts["score"][5]) == 0.0
+    torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-5, atol=1e-7)
+    loss.backward()
+    assert torch.isfinite(logp.grad).all() and not logp.grad[5].any()
 
 
 @pytest.mark.parametrize("cu,match", [

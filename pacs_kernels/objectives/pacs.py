@@ -40,7 +40,6 @@ from ..loss_inputs import (
     WEIGHTINGS,
     ResponseLayout,
     check_beta,
-    check_nonempty_responses,
 )
 from ..reference import reference_pacs_loss
 from .pacs_math import check_group_inputs, compute_stats, pacs_group_loss, pacs_loss, pacs_loss_on_layout
@@ -129,8 +128,6 @@ class PACSTokens:
             batch.rewards, batch.valid, batch.layout, batch.hidden.device, group_size=batch.group_size,
             beta=objective.beta, advantage=objective.advantage, weighting=objective.weighting,
             score_function_term=objective.score_function_term, group_ids=batch.group_ids)
-        if objective.score == "mean_logp":
-            check_nonempty_responses(batch.counts, "score='mean_logp' (it divides by the response length)")
         self.settings["beta"] = beta
         self.rewards, self.valid, self.batch, self.with_entropy = rewards, valid, batch, with_entropy
 

@@ -32,7 +32,6 @@ from ..loss_inputs import (
     check_beta,
     check_group_ids,
     check_group_size,
-    check_nonempty_responses,
     check_options,
     check_rewards,
     check_token_tensors,
@@ -171,7 +170,7 @@ def pacs_group_loss(logp, old_logp, mask, counts, rewards, layout, *, group_size
         sum_old = response_sums(old_logp.detach().to(cdt), mask, layout)
         proxy = beta * (sum_logp - sum_old)
     else:
-        proxy = beta * sum_logp / counts.to(cdt)
+        proxy = beta * sum_logp / counts.to(cdt).clamp(min=1)  # an empty response: score 0, as its log-ratio sum
     psi = group_advantage(proxy, group_size, advantage)
     weights = class_weights(rewards, group_size, weighting, valid)
     bce = bce_with_logits(psi, rewards)
@@ -291,7 +290,6 @@ def pacs_loss_on_layout(logp, old_logp, mask, rewards, layout, *, group_size, be
         weighting=weighting, score_function_term=score_function_term, group_ids=group_ids)
     if score == "mean_logp":
         counts = response_token_counts(mask, layout) if counts is None else counts
-        check_nonempty_responses(counts, "score='mean_logp' (it divides by the response length)")
     backend = resolve_loss_backend(backend, logp.device, logp.dtype)
     options = dict(group_size=group_size, beta=beta, score=score, advantage=advantage, weighting=weighting,
                    score_function_term=score_function_term)

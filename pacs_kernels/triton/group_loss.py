@@ -80,7 +80,7 @@ def _group_loss_forward_kernel(
     if SCORE == 0:
         proxy = beta * (sum_logp - sum_old)
     else:
-        proxy = beta * sum_logp / tl.where(j_ok, count, 1.0)
+        proxy = beta * sum_logp / tl.where(j_ok, tl.maximum(count, 1.0), 1.0)  # empty: score 0
     proxy = tl.where(j_ok, proxy, 0.0)
 
     if ADVANTAGE == 0:
@@ -132,7 +132,7 @@ def _group_loss_forward_kernel(
     if SCORE == 0:
         coef = beta * g_proxy
     else:
-        coef = beta * g_proxy / tl.where(j_ok, count, 1.0)
+        coef = beta * g_proxy / tl.where(j_ok, tl.maximum(count, 1.0), 1.0)
     if SCORE_FUNCTION_TERM:
         coef += weight * bce * inv_batch
 
