@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pacs.cli import main
-from pacs.config import Config
+from pacs.config import BUILTIN_OBJECTIVES, Config
 from pacs.model.policy import load_policy
 from pacs.rollout import HFGenerateEngine, SampledResponses, vllm_available
 from pacs.tasks.embedded import build_model, build_tokenizer
@@ -193,7 +193,7 @@ def test_every_row_of_an_hf_run_carries_the_mismatch(tmp_path, capsys, tiny_mode
         assert row["mismatch_masked_token_frac"] == row["mismatch_masked_response_frac"] == 0.0
 
 
-@pytest.mark.parametrize("algo", ["pacs", "grpo"])
+@pytest.mark.parametrize("algo", BUILTIN_OBJECTIVES)
 @pytest.mark.parametrize("mode", ["token_mask", "sequence_mask"])
 def test_each_masking_mode_trains_each_objective(tmp_path, capsys, monkeypatch, tiny_model_dir, algo, mode):
     sampler_at(monkeypatch, 1.3)
@@ -219,7 +219,7 @@ def test_sampler_temperature_makes_a_mismatched_sampler(tmp_path, capsys, tiny_m
     assert rows[0]["mismatch_logp_diff_max"] > 0.01 and rows[0]["mismatch_kl"] > 1e-4
 
 
-@pytest.mark.parametrize("algo", ["pacs", "grpo", "cispo"])
+@pytest.mark.parametrize("algo", BUILTIN_OBJECTIVES)
 def test_truncate_modes_weigh_each_objectives_gradient(tmp_path, capsys, monkeypatch, tiny_model_dir, algo):
     """Same seed, same rollouts: token_truncate and sequence_truncate change the first step's gradient (the weights
     reach the loss), drop nothing, and train."""
