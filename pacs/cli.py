@@ -49,17 +49,6 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                              "(every key and its default: below)")
 
 
-# the settings pacs eval does not read (training's): left out of its --help
-NOT_READ_BY_EVAL = ("optim.", "train.", "rollout_correction.", "model.lora.", "max_steps", "max_minutes",
-                    "checkpoint_every", "checkpoint_minutes", "resume", "overwrite", "max_consecutive_nan",
-                    "eval.every", "rollout.group_size", "rollout.prompts_per_step", "rollout.temperature",
-                    "rollout.top_p", "model.gradient_checkpointing")
-
-
-def _read_by_eval(key: str) -> bool:
-    return not any(key == x or (x.endswith(".") and key.startswith(x)) for x in NOT_READ_BY_EVAL)
-
-
 def _key_list(command: str = "train") -> str:
     """Every setting a command reads, its default and its help (the config fields' own: pacs/config/)."""
     builtin = dict(config_keys(apply_dict(Config(), BUILTIN_TASK_SETTINGS)))
@@ -70,7 +59,7 @@ def _key_list(command: str = "train") -> str:
     if command == "eval":  # (a run's config.yaml may hold training's too: they are read and ignored)
         lines[0] = ("The settings pacs eval reads (KEY=VALUE overrides, or the same keys in a --config YAML file; "
                     "precedence:")
-        keys = [s for s in keys if _read_by_eval(s.key)]
+        keys = [s for s in keys if s.read_by_eval]
     defaults = dict(config_keys())
     for advanced in (False, True):
         if advanced:

@@ -114,3 +114,18 @@ def test_a_key_added_in_one_file_shows_in_help_docs_validation_and_suggestions(t
 
     typo = run_python(["-m", "pacs", "train", "advanced.train.my_new_knb=3"], copy, cwd=copy)
     assert typo.returncode == 2 and "did you mean advanced.train.my_new_knob?" in typo.stderr
+
+
+def test_what_pacs_eval_reads_is_declared_by_the_fields():
+    """A field says it is pacs train's alone (training_only=True), or its section does (TRAINING_ONLY); pacs eval's
+    --help lists the rest, and nothing in pacs/cli.py keeps its own list."""
+    from pacs.cli import _key_list
+    from pacs.config import Config, settings
+
+    read = {s.key: s.read_by_eval for s in settings(Config)}
+    assert not read["optim.lr"] and not read["train.packing"] and not read["model.lora.rank"]
+    assert not read["rollout_correction.mode"] and not read["eval.every"] and not read["max_steps"]
+    assert read["task.name"] and read["eval.n_samples"] and read["model.path"] and read["rollout.max_new_tokens"]
+    eval_help, train_help = _key_list("eval"), _key_list("train")
+    assert "optim.lr =" in train_help and "optim.lr =" not in eval_help
+    assert "eval.n_samples =" in eval_help and "eval.every =" not in eval_help

@@ -9,7 +9,8 @@ from pacs.config.fields import check_section, setting
 
 @dataclass
 class EvalConfig:
-    every: int = setting(25, "rollout steps between held-out evaluations (0: start and end only)", at_least=0)
+    every: int = setting(25, "rollout steps between held-out evaluations (0: start and end only)", at_least=0,
+                         training_only=True)
     num_problems: int = setting(200, "held-out problems per evaluation (at most task.eval_size)", above=0)
     n_samples: int = setting(1, "> 1 with temperature > 0 gives pass@k", above=0)
     temperature: float = setting(0.0, "0: greedy", at_least=0)

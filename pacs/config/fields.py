@@ -16,7 +16,7 @@ from pacs.registry import Registry
 def setting(default: Any, help: str, *, choices: tuple[str, ...] | Registry | None = None,
             at_least: float | None = None, above: float | None = None, at_most: float | None = None,
             below: float | None = None, why: str = "", expect: str = "", flag: str = "",
-            advanced: bool = False) -> Any:
+            advanced: bool = False, training_only: bool = False) -> Any:
     """A config field: its ``default`` and its description.
 
     ``help``: one line of what it does (docs/config.md, ``--help``). ``choices``: the values it may take (a
@@ -24,9 +24,10 @@ def setting(default: Any, help: str, *, choices: tuple[str, ...] | Registry | No
     (a number outside them, NaN or infinite is refused; None passes when the field's type allows it). ``why``:
     the reason of the bounds, said when they are broken; ``expect``: what a value must be, said instead of the
     bounds. ``flag``: the ``pacs`` option that sets it too (named in errors). ``advanced``: written under
-    ``advanced:`` (experts, ablations, tests)."""
+    ``advanced:`` (experts, ablations, tests). ``training_only``: read by ``pacs train`` alone, not by ``pacs eval``
+    (left out of its ``--help``; a whole section says so with a class attribute ``TRAINING_ONLY = True``)."""
     metadata = dict(help=help, choices=choices, at_least=at_least, above=above, at_most=at_most, below=below,
-                    why=why, expect=expect, flag=flag, advanced=advanced)
+                    why=why, expect=expect, flag=flag, advanced=advanced, training_only=training_only)
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -46,6 +47,7 @@ class Setting:
     choices: tuple[str, ...] | Registry | None
     advanced: bool
     allowed: str                   # its choices or bounds as text ("" when any value of its type goes)
+    read_by_eval: bool = True      # False: pacs train's alone (the field's training_only or its section's)
 
     @property
     def written(self) -> str:
@@ -58,18 +60,21 @@ class Setting:
         return self.choices.names() if isinstance(self.choices, Registry) else tuple(self.choices)
 
 
-def settings(cls: type, prefix: str = "") -> list[Setting]:
-    """Every setting of dataclass ``cls`` and its nested sections, in declaration order."""
+def settings(cls: type, prefix: str = "", training_only: bool = False) -> list[Setting]:
+    """Every setting of dataclass ``cls`` and its nested sections, in declaration order. ``training_only``: the
+    enclosing section is ``pacs train``'s alone."""
     found = []
+    training_only = training_only or bool(getattr(cls, "TRAINING_ONLY", False))
     for f in dataclasses.fields(cls):
         if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
-            found += settings(f.default_factory, f"{prefix}{f.name}.")
+            found += settings(f.default_factory, f"{prefix}{f.name}.", training_only)
             continue
         meta = f.metadata
         if "help" not in meta:
             raise TypeError(f"{cls.__name__}.{f.name}: declare it with setting(default, help=...)")
         found.append(Setting(f"{prefix}{f.name}", str(f.type), f.default, meta["help"], meta["choices"],
-                             meta["advanced"], allowed_text(meta)))
+                             meta["advanced"], allowed_text(meta),
+                             read_by_eval=not (training_only or meta.get("training_only", False))))
     return found
 
 

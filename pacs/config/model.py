@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from pacs.config.fields import check_section, section, setting
 
@@ -12,6 +13,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 @dataclass
 class LoraConfig:
     """LoRA adapters instead of full fine-tuning (pacs/model/lora.py); rank 0: off."""
+
+    TRAINING_ONLY: ClassVar[bool] = True  # pacs eval reads none of it
 
     rank: int = setting(0, "adapter rank; 0: full fine-tuning", at_least=0)
     alpha: float = setting(16.0, "the adapters' output is scaled by alpha / rank", above=0)
@@ -30,7 +33,8 @@ class ModelConfig:
     path: str = setting("embedded", '"embedded" (the task builds a tiny model) or an HF dir / hub id')
     dtype: str = setting("auto", "auto: bfloat16 on GPU, float32 on CPU | float32 | bfloat16 | float16",
                          choices=DTYPES)
-    gradient_checkpointing: bool = setting(False, "each decoder layer keeps only its input; the rest is recomputed")
+    gradient_checkpointing: bool = setting(False, "each decoder layer keeps only its input; the rest is recomputed",
+                                           training_only=True)
     trust_remote_code: bool = setting(False, "let transformers run the model repository's own code", advanced=True)
     lora: LoraConfig = section(LoraConfig)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from pacs.config.fields import check_section, setting
 from pacs.registry import CLIP_RANGE_READERS, OBJECTIVES
@@ -10,6 +11,8 @@ from pacs.registry import CLIP_RANGE_READERS, OBJECTIVES
 
 @dataclass
 class OptimConfig:
+    TRAINING_ONLY: ClassVar[bool] = True  # pacs eval reads none of it
+
     algo: str = setting("pacs", "the objective: pacs | grpo | dapo | dr_grpo | gspo | cispo, or a user's as "
                         "module:Class (pacs/train/loss_objective.py)", choices=OBJECTIVES, flag="--algo")
     lr: float = setting(1e-6, "the paper's (the built-in tasks: 2e-4)", above=0, at_most=1,

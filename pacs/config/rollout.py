@@ -15,12 +15,12 @@ class RolloutConfig:
     engine: str = setting("auto", "auto (vLLM if importable, else HF generate) | vllm | hf, or a user's engine as "
                           "module:Name (pacs/registry.py)", choices=ROLLOUT_ENGINES, flag="--rollout")
     group_size: int = setting(8, "responses per prompt (G >= 2)", at_least=2,
-                              why="PACS and GRPO compare responses within a group")
-    prompts_per_step: int = setting(32, "prompts per rollout step (all ranks together)", above=0)
+                              why="PACS and GRPO compare responses within a group", training_only=True)
+    prompts_per_step: int = setting(32, "prompts per rollout step (all ranks together)", above=0, training_only=True)
     temperature: float = setting(1.0, "sampling temperature of the training rollouts (> 0)", above=0,
-                                 why="training rollouts sample")
+                                 why="training rollouts sample", training_only=True)
     top_p: float = setting(1.0, "nucleus sampling of the training rollouts; 1: off", above=0, at_most=1,
-                           advanced=True)
+                           advanced=True, training_only=True)
     max_new_tokens: int = setting(4096, "the paper's response budget (the built-in tasks: 6)", above=0)
     max_prompt_len: int | None = setting(
         None, "None: the longest prompt of the task's data, tokenized as the run will (pacs/run/prompt_lengths.py; "

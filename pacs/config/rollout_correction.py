@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from pacs.config.fields import check_section, setting
 
@@ -12,6 +13,8 @@ class RolloutCorrectionConfig:
     """The sampler is not the trainer (pacs/train/rollout_correction.py, docs/rollout-correction.md): every step
     logs the mismatch of their log-probs; a mode drops what lies outside [c_min, c_max] of the ratio
     pi_trainer / pi_sampler, for any objective."""
+
+    TRAINING_ONLY: ClassVar[bool] = True  # pacs eval reads none of it
 
     mode: str = setting("none", "none | token_mask (tokens out of the band) | sequence_mask (whole responses) | "
                         "token_truncate / sequence_truncate (each token's term x its ratio clamped to the band)",

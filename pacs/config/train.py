@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from pacs.config.fields import check_section, setting
 
@@ -12,6 +13,8 @@ TOKENS = "a positive number of tokens or None"
 @dataclass
 class TrainConfig:
     """Long responses on limited memory (pacs/model/packing.py, pacs/model/memory.py)."""
+
+    TRAINING_ONLY: ClassVar[bool] = True  # pacs eval reads none of it
 
     packing: bool | None = setting(
         None, "padding-free packed micro-batches; None: on wherever packed rows compute what padded rows do for the "
@@ -25,7 +28,8 @@ class TrainConfig:
     loss_chunk_mib: float | None = setting(
         None, "the fused loss's logits working memory (chunk_budget_mib); None: 2 GiB on CUDA, 256 MiB on the CPU, "
         'which path="auto" may raise to hold a group (up to a quarter of the free GPU memory, 1/8 of the CPU\'s); '
-        "lower it for long responses on little memory (a group over it is rebuilt in part)", above=0, expect="a positive number of MiB or None")
+        "lower it for long responses on little memory (a group over it is rebuilt in part)", above=0,
+        expect="a positive number of MiB or None")
     offload_activations: bool = setting(False, "tensors saved for the backward go to host memory")
     fsdp_cpu_offload: bool = setting(False, "FSDP2 CPUOffloadPolicy: params, grads, optimizer state on the host")
     liger_patches: bool = setting(False, "CUDA: Liger-Kernel RMSNorm, SwiGLU, RoPE in the model (never its loss)")
