@@ -90,5 +90,5 @@ def test_the_batch_reaches_the_loss_in_at_most_15_stays_in_6_files(packed):
     assert len(stays) <= MAX_STAYS and len(set(stays)) <= MAX_FILES, (
         f"{len(stays)} stays in {len(set(stays))} files (at most {MAX_STAYS} in {MAX_FILES}): {route}")
     # the measurement is not vacuous: the batch is followed into its layout, through the update, to the loss
-    assert {"train/old_policy.py", "model/sequence_parallel.py", "train/update.py"} <= set(stays)
+    assert {"train/old_policy.py", "model/packing.py", "train/update_batch.py", "train/update.py"} <= set(stays)
     assert ("train/update.py", "policy_loss") in stops

@@ -12,7 +12,7 @@ from pacs.model.policy import DistInfo
 from pacs.train.old_policy import old_policy_logprobs
 from pacs.train.split_groups import split_group_rows
 from pacs.train.update import update_policy
-from pacs.train.update_batch import UpdateBatch
+from pacs.train.update_batch import update_batch
 
 
 def test_plan_splits_only_groups_larger_than_the_budget():
@@ -60,7 +60,7 @@ def one_update(cfg, batch, packed: bool, reference_seed: int | None = None):
         old_logp, _, _ = old_policy_logprobs(tiny_policy(reference_seed), batch, [(0, n)], cfg.rollout.temperature,
                                              "torch", packed=packed)
     state = {"consecutive_nan": 0, "skipped_updates": 0}
-    data = UpdateBatch(batch, old_logp, old_lse, rollout_logp, packed=packed)
+    data = update_batch(cfg, batch, old_logp, old_lse, rollout_logp, packed=packed)
     update = update_policy(cfg, policy, optimizer, scheduler, data, state, DistInfo(device=torch.device("cpu")), step=1)
     return policy, update
 

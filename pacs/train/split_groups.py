@@ -27,10 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from pacs.config import Config
-from pacs.model.packing import is_part_of_a_group, to_layout
+from pacs.model.packing import is_part_of_a_group
 from pacs.train.loss_objective import loss_objective
-from pacs.train.rollout_correction import both_valid
-from pacs.train.single_label_groups import loss_valid
+from pacs.train.update_batch import MicroBatch, UpdateBatch
 from pacs_kernels import KnownGradient
 from pacs_kernels.pieces import group_loss_on_rows
 
@@ -52,46 +51,39 @@ def split_group_rows(micro_batches: list[tuple[int, int]], group_size: int) -> l
     return sorted({lo - lo % group_size for lo, hi in micro_batches if is_part_of_a_group(lo, hi, group_size)})
 
 
-def group_loss_on_logprobs(cfg: Config, logp: torch.Tensor, old_logp: torch.Tensor, rewards: torch.Tensor,
-                           mask: torch.Tensor, valid_rows: torch.Tensor | None = None):
-    """The configured loss of whole groups from their (rows, L) log-probs: (loss, stats dict), as the loss engine
-    computes it on gathered log-probs (pacs_kernels.pieces.group_loss_on_rows). ``valid_rows``: their rows of
-    ``Batch.valid`` (PACS: the responses the rollout correction dropped; None for any other objective, which
-    neither drops single-label groups)."""
-    group = cfg.rollout.group_size
-    valid = both_valid(loss_valid(rewards, group, cfg.optim.drop_single_label_groups), valid_rows)
-    return group_loss_on_rows(loss_objective(cfg), logp, old_logp, rewards, mask, group_size=group, valid=valid)
-
-
-def group_gradients(cfg: Config, batch, first_rows: list[int], current_logp: torch.Tensor,
-                    current_lse: torch.Tensor, old_logp: torch.Tensor) -> GroupGradients:
-    """Phase 2 for every split group: its loss on the current log-probs and g = dloss/dlogp."""
+def group_gradients(cfg: Config, data: UpdateBatch, first_rows: list[int], current_logp: torch.Tensor,
+                    current_lse: torch.Tensor) -> GroupGradients:
+    """Phase 2 for every split group (its first row in ``first_rows``): its loss on the current log-probs and
+    g = dloss/dlogp."""
     group = cfg.rollout.group_size
     grad = torch.zeros_like(current_logp)
     losses, stats = {}, {}
     for lo in first_rows:
-        loss, stats[lo] = loss_gradient(cfg, batch, slice(lo, lo + group), current_logp, old_logp, grad)
+        loss, stats[lo] = loss_gradient(cfg, data, slice(lo, lo + group), current_logp, grad)
         losses[lo] = float(loss)
     return GroupGradients(grad, current_lse, losses, stats)
 
 
-def loss_gradient(cfg: Config, batch, rows: slice, current_logp: torch.Tensor, old_logp: torch.Tensor,
-                  grad_out: torch.Tensor):
-    """The configured loss of ``rows`` (whole groups) on their current log-probs, and its gradient on each of
-    them, written into ``grad_out[rows]`` (0 off the mask). Returns (loss, stats)."""
+def loss_gradient(cfg: Config, data: UpdateBatch, rows: slice, current_logp: torch.Tensor, grad_out: torch.Tensor):
+    """The configured loss of ``rows`` (whole groups) of ``data`` on their current log-probs, as the loss engine
+    computes it on gathered log-probs (pacs_kernels.pieces.group_loss_on_rows, with the rows' validity in the
+    loss), and its gradient on each of them, written into ``grad_out[rows]`` (0 off the mask). Returns
+    (loss, stats)."""
+    batch, group = data.batch, cfg.rollout.group_size
+    valid = None if data.valid is None else data.valid[rows]
     logp = current_logp[rows].detach().clone().requires_grad_(True)
     with torch.enable_grad():
-        loss, stats = group_loss_on_logprobs(cfg, logp, old_logp[rows], batch.rewards[rows], batch.mask[rows],
-                                             None if getattr(batch, "valid", None) is None else batch.valid[rows])
+        loss, stats = group_loss_on_rows(loss_objective(cfg), logp, data.old_logp[rows], batch.rewards[rows],
+                                         batch.mask[rows], group_size=group, valid=valid)
         (g,) = torch.autograd.grad(loss, logp)
     grad_out[rows] = g.to(grad_out.dtype) * batch.mask[rows]
     return loss.detach(), stats
 
 
-def part_of_a_group(part, lo: int, gradients: GroupGradients, group_lo: int) -> KnownGradient:
-    """Phase 3 for the micro-batch ``part`` (rows [lo, ...) of a split group starting at ``group_lo``): the
-    loss engine's known-gradient piece (pacs_kernels.KnownGradient). Its surrogate sum_t g_t logp_t over the
-    part's response tokens (one vocabulary sweep) has as gradient the part's share of the group loss's; the
-    part reports the group's loss value, and the group's statistics on its first part only."""
-    return KnownGradient(to_layout(part, lo, gradients.grad_logp), to_layout(part, lo, gradients.lse),
+def part_of_a_group(micro: MicroBatch, gradients: GroupGradients, group_lo: int) -> KnownGradient:
+    """Phase 3 for ``micro``, a part of the split group whose first row is ``group_lo``: the loss engine's
+    known-gradient piece (pacs_kernels.KnownGradient). Its surrogate sum_t g_t logp_t over the part's response
+    tokens (one vocabulary sweep) has as gradient the part's share of the group loss's; the part reports the
+    group's loss value, and the group's statistics on its first part only."""
+    return KnownGradient(micro.in_layout(gradients.grad_logp), micro.in_layout(gradients.lse),
                          gradients.losses[group_lo], gradients.stats.pop(group_lo, {}))
