@@ -210,7 +210,7 @@ def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.
         logp, lse, _ = old_policy_logprobs(policy, batch, parts, cfg.rollout.temperature, cfg.optim.logprob_backend,
                                            packed=packed)
         data = update_batch(cfg, batch, old_logp, lse, packed=packed)
-        gradients = group_gradients(cfg, data, [0], logp, lse)
+        gradients = group_gradients(cfg, data, [(0, GROUP)], logp, lse)
         for lo, hi in parts:
             with activation_offload("offload" in levers, device):
                 micro = micro_batch(data, lo, hi)

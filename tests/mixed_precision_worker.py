@@ -66,7 +66,8 @@ def main() -> None:
     losses, fractions = [], []
     for step in range(1, STEPS + 1):
         data = update_batch(cfg, batch, reference_logp, old_lse)
-        update = update_policy(cfg, policy, optimizer, scheduler, data, state, dist_info, step, say=lambda *a, **k: None)
+        update = update_policy(cfg, policy, optimizer, scheduler, data, state, dist_info, step,
+                               say=lambda *a, **k: None)
         loss = torch.tensor(update.mean_loss(), dtype=torch.float64)
         if dist_info.world_size > 1:
             dist.all_reduce(loss)

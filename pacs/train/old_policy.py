@@ -53,14 +53,14 @@ def old_policy_logprobs(policy, batch: Batch, ranges: list[tuple[int, int]], tem
     entropy_sum, tokens = 0.0, 0
     for i, (lo, hi) in enumerate([*ranges, *fillers]):
         part = slice_micro_batch(batch, lo, hi, packed, sp)
+        selected, rows, cols = part.mask, *response_positions(part, lo)
+        chunk_backend = backend_for(selected, backend)
         hidden, weight, bias = forward_micro_batch(policy, part)
-        selected = part.mask
         logp, entropy, lse = linear_logprobs(hidden[selected], weight, part.targets[selected], bias=bias,
                                              **policy.head_options(temperature), return_entropy=True, return_lse=True,
-                                             backend=backend_for(selected, backend))
+                                             backend=chunk_backend)
         if i >= len(ranges):  # a filler: under sequence parallelism its tokens may sit on other ranks than in
             continue          # the chunk that wrote them, and the group's sum would count them twice
-        rows, cols = response_positions(part, lo)
         old_logp[rows, cols] = logp.to(old_logp.dtype)  # float32 buffers, also for a float64 model
         old_lse[rows, cols] = lse.to(old_lse.dtype)
         entropy_sum += float(entropy.sum())

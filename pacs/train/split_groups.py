@@ -29,16 +29,15 @@ import torch
 from pacs.config import Config
 from pacs.model.packing import is_part_of_a_group
 from pacs.train.loss_objective import loss_objective
-from pacs.train.update_batch import MicroBatch, UpdateBatch
-from pacs_kernels import KnownGradient
+from pacs.train.update_batch import UpdateBatch
 from pacs_kernels.pieces import group_loss_on_rows
 
 
 @dataclass
 class GroupGradients:
-    """Phase 1-2 for the split groups of one mini-batch: per token (the whole batch's padded layout,
-    0 elsewhere) the gradient g of the group loss and the log-sum-exp of the current weights; per
-    split group (its first row), the loss value and its statistics."""
+    """Phase 1-2 for the split groups of one mini-batch (or the micro-batches of a sequence-parallel first step):
+    per token (the whole batch's padded layout, 0 elsewhere) the gradient g of their loss and the log-sum-exp of
+    the current weights; per group (its first row), the loss value and its statistics."""
 
     grad_logp: torch.Tensor
     lse: torch.Tensor
@@ -51,15 +50,14 @@ def split_group_rows(micro_batches: list[tuple[int, int]], group_size: int) -> l
     return sorted({lo - lo % group_size for lo, hi in micro_batches if is_part_of_a_group(lo, hi, group_size)})
 
 
-def group_gradients(cfg: Config, data: UpdateBatch, first_rows: list[int], current_logp: torch.Tensor,
+def group_gradients(cfg: Config, data: UpdateBatch, row_ranges: list[tuple[int, int]], current_logp: torch.Tensor,
                     current_lse: torch.Tensor) -> GroupGradients:
-    """Phase 2 for every split group (its first row in ``first_rows``): its loss on the current log-probs and
-    g = dloss/dlogp."""
-    group = cfg.rollout.group_size
+    """Phase 2 for each of ``row_ranges`` (whole groups: a split group's rows, or under sequence parallelism a
+    micro-batch's), keyed by its first row: its loss on the current log-probs and g = dloss/dlogp."""
     grad = torch.zeros_like(current_logp)
     losses, stats = {}, {}
-    for lo in first_rows:
-        loss, stats[lo] = loss_gradient(cfg, data, slice(lo, lo + group), current_logp, grad)
+    for lo, hi in row_ranges:
+        loss, stats[lo] = loss_gradient(cfg, data, slice(lo, hi), current_logp, grad)
         losses[lo] = float(loss)
     return GroupGradients(grad, current_lse, losses, stats)
 
@@ -79,11 +77,3 @@ def loss_gradient(cfg: Config, data: UpdateBatch, rows: slice, current_logp: tor
     grad_out[rows] = g.to(grad_out.dtype) * batch.mask[rows]
     return loss.detach(), stats
 
-
-def part_of_a_group(micro: MicroBatch, gradients: GroupGradients, group_lo: int) -> KnownGradient:
-    """Phase 3 for ``micro``, a part of the split group whose first row is ``group_lo``: the loss engine's
-    known-gradient piece (pacs_kernels.KnownGradient). Its surrogate sum_t g_t logp_t over the part's response
-    tokens (one vocabulary sweep) has as gradient the part's share of the group loss's; the part reports the
-    group's loss value, and the group's statistics on its first part only."""
-    return KnownGradient(micro.in_layout(gradients.grad_logp), micro.in_layout(gradients.lse),
-                         gradients.losses[group_lo], gradients.stats.pop(group_lo, {}))

@@ -23,6 +23,7 @@ from pacs.model.packing import (
     is_part_of_a_group,
     micro_batch_ranges,
     same_count_on_every_rank,
+    slice_micro_batch,
 )
 from pacs.model.policy import DistInfo
 from pacs.model.sequence_parallel import reduce_over_group, whole_micro_batch
@@ -35,9 +36,9 @@ from pacs.train.loss_statistics import LossStatistics
 from pacs.train.old_policy import old_policy_logprobs, old_policy_pass, old_policy_ranges
 from pacs.train.preflight import TrainerSteps
 from pacs.train.single_label_groups import group_losses_at_zero, plan_group_skips, skip_rules
-from pacs.train.split_groups import GroupGradients, group_gradients, loss_gradient, part_of_a_group
+from pacs.train.split_groups import GroupGradients, group_gradients
 from pacs.train.training import Training
-from pacs.train.update_batch import MicroBatch, UpdateBatch, micro_batch
+from pacs.train.update_batch import UpdateBatch
 from pacs.train.weight_updates import UpdateMonitor
 from pacs_kernels import GatheredLogprobs, KnownGradient, LossOptions, fused_linear_objective_loss
 
@@ -124,7 +125,7 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, data: UpdateBatch, 
     for m in range(o.mini_batches_per_step):
         mini = plan_mini_batch(cfg, policy, data, m, dist_info, losses_at_zero, groups_run)
         update.skipped_losses += mini.skipped_losses
-        update.split_groups += 0 if mini.split is None else len(mini.split.losses)
+        update.split_groups += len(set(mini.part_of) - {None})
         for i, (lo, hi) in enumerate(mini.micro_batches):
             with activation_offload(cfg.train.offload_activations, dist_info.device):
                 loss = micro_batch_loss(cfg, policy, data, mini, i)
@@ -152,16 +153,15 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, data: UpdateBatch, 
 @dataclass
 class MiniBatch:
     """One mini-batch's plan: its micro-batches (row ranges, the same count on every rank), for each the first
-    row of the group it is a part of (None: it holds whole groups), the log-prob gradients of its groups that run
-    in parts (None: no token budget, no parts), the loss values of its groups
-    not run (a gradient of exactly 0), ``first_step``: the one sweep on weights still the rollout's (logp =
-    old_logp), and
-    ``tokens``: the GRPO token mean's denominator, the response tokens of the mini-batch on every data rank
-    (None: the loss is a mean over responses)."""
+    row of the group it is a part of (None: it holds whole groups), the log-prob gradients known before they run
+    (:func:`known_gradients`; None: none), the loss values of its groups not run (a gradient of exactly 0),
+    ``first_step``: the one sweep on weights still the rollout's (logp = old_logp), and ``tokens``: the GRPO token
+    mean's denominator, the response tokens of the mini-batch on every data rank (None: the loss is a mean over
+    responses)."""
 
     micro_batches: list[tuple[int, int]]
     part_of: list[int | None]
-    split: GroupGradients | None
+    known: GroupGradients | None
     skipped_losses: list[float]
     first_step: bool
     tokens: int | None = None
@@ -197,38 +197,46 @@ def plan_mini_batch(cfg: Config, policy, data: UpdateBatch, mini: int, dist_info
         rows_per_micro=micro_batch_groups(cfg) * group, max_tokens=tr.max_tokens_per_micro_batch, packed=data.packed)
     micro_batches = same_count_on_every_rank(micro_batches, group, dist_info.world_size, dist_info.device)
     part_of = [lo - lo % group if is_part_of_a_group(lo, hi, group) else None for lo, hi in micro_batches]
-    split = None  # only token budgets cut groups
-    if tr.max_tokens_per_micro_batch is not None:
-        split = split_group_gradients(cfg, policy, data, micro_batches, part_of, dist_info, first_mini_batch=mini == 0)
     # one vocabulary sweep needs every psi to be 0 on the first mini-batch: reference = current weights
     objective = loss_objective(cfg)
     first_step = (mini == 0 and one_sweep_first_step(objective) and o.one_sweep_first_step
                   and data.rollout_logp is None)
+    known = known_gradients(cfg, policy, data, micro_batches, part_of, dist_info, first_mini_batch=mini == 0,
+                            first_step=first_step)
     tokens = None
     if token_mean(objective):  # one token mean over the whole mini-batch (GRPO's token_mean, DAPO, CISPO, ...)
         tokens = mini_batch_tokens(data.batch.mask[first:first + rows_per_mini], dist_info)
-    return MiniBatch(micro_batches, part_of, split, skipped, first_step, tokens)
+    return MiniBatch(micro_batches, part_of, known, skipped, first_step, tokens)
 
 
-def split_group_gradients(cfg: Config, policy, data: UpdateBatch, micro_batches: list[tuple[int, int]],
-                          part_of: list[int | None], dist_info: DistInfo, *, first_mini_batch: bool) -> GroupGradients:
-    """Phases 1-2 of pacs/train/split_groups.py for the groups this mini-batch runs in parts: their
-    log-probs under the current weights (the rollout-time pass's on the first mini-batch after a
-    rollout: ``rollout_logp``, or ``old_logp`` itself when the reference is that policy; else a no-grad
-    pass over their parts, the same number of forwards on every rank), then each group's loss and
-    per-token gradient."""
+def known_gradients(cfg: Config, policy, data: UpdateBatch, micro_batches: list[tuple[int, int]],
+                    part_of: list[int | None], dist_info: DistInfo, *, first_mini_batch: bool,
+                    first_step: bool) -> GroupGradients | None:
+    """The per-token log-prob gradients of the mini-batch's loss known before its micro-batches run (phases 1-2
+    of pacs/train/split_groups.py), keyed by their rows' first row: each group it runs in parts (only token
+    budgets cut groups), on their log-probs under the current weights (the rollout-time pass's on the first
+    mini-batch after a rollout: ``rollout_logp``, or ``old_logp`` itself when the reference is that policy; else
+    a no-grad pass over their parts, the same number of forwards on every rank); and under sequence parallelism
+    on the first step each whole micro-batch (the weights are still the rollout's: from old_logp, psi = 0).
+    None: no token budget and no such first step."""
+    group, budget = cfg.rollout.group_size, cfg.train.max_tokens_per_micro_batch
+    sp_first = data.sp is not None and first_step
+    if budget is None and not sp_first:
+        return None
     parts = [rows for rows, group_lo in zip(micro_batches, part_of) if group_lo is not None]
+    known = [(lo, lo + group) for lo in sorted({group_lo for group_lo in part_of if group_lo is not None})]
+    if sp_first:
+        known += [rows for rows, group_lo in zip(micro_batches, part_of) if group_lo is None]
     current_logp = data.old_logp if data.rollout_logp is None else data.rollout_logp
     current_lse = data.old_lse
-    if not first_mini_batch:
+    if budget is not None and not first_mini_batch:
         count = most_on_any_rank([len(parts)], dist_info)[0]  # FSDP: every rank runs as many no-grad forwards
         if count:
             first = micro_batches[0][0]  # a rank without (enough) parts repeats a one-row forward
             current_logp, current_lse, _ = old_policy_logprobs(policy, data.batch, parts, cfg.rollout.temperature,
                                                                cfg.optim.logprob_backend, data.packed, data.sp,
                                                                fillers=[(first, first + 1)] * (count - len(parts)))
-    first_rows = sorted({group_lo for group_lo in part_of if group_lo is not None})
-    return group_gradients(cfg, data, first_rows, current_logp, current_lse)
+    return group_gradients(cfg, data, known, current_logp, current_lse)
 
 
 def mini_batch_tokens(mask: torch.Tensor, dist_info: DistInfo) -> int:
@@ -241,6 +249,37 @@ def mini_batch_tokens(mask: torch.Tensor, dist_info: DistInfo) -> int:
 
 
 # --------------------------------------------------------- a micro-batch's loss
+
+
+@dataclass
+class MicroBatch:
+    """Rows ``[lo, hi)`` of an :class:`UpdateBatch` in its layout. part: the model's inputs (padded rows, trimmed to
+    the longest, or a :class:`~pacs.model.packing.PackedMicroBatch`, under sequence parallelism this rank's slice);
+    index: where its tokens sit in the whole batch, so that ``padded[index]`` is any (B, L) per-token tensor in the
+    layout of ``part`` ((N,) packed: the tokens' rows and columns; (b, T) padded: the rows and the first T columns);
+    old_logp, old_lse, token_weights (the rollout correction's; None: none): per token, in that layout; valid: (b,)
+    the rows' validity in the loss (None: all count)."""
+
+    part: Batch | PackedMicroBatch
+    lo: int
+    hi: int
+    index: tuple
+    old_logp: torch.Tensor
+    old_lse: torch.Tensor
+    token_weights: torch.Tensor | None
+    valid: torch.Tensor | None
+
+
+def micro_batch(data: UpdateBatch, lo: int, hi: int) -> MicroBatch:
+    """Rows ``[lo, hi)`` of ``data`` cut in the layout it carries, with their per-token inputs of the loss."""
+    part = slice_micro_batch(data.batch, lo, hi, data.packed, data.sp)
+    if isinstance(part, PackedMicroBatch):
+        index = (part.rows, part.cols)
+    else:
+        index = (slice(lo, hi), slice(0, part.targets.shape[1]))
+    weights = data.batch.token_weights
+    return MicroBatch(part, lo, hi, index, data.old_logp[index], data.old_lse[index],
+                      None if weights is None else weights[index], None if data.valid is None else data.valid[lo:hi])
 
 
 @dataclass
@@ -278,21 +317,21 @@ def loss_piece(cfg: Config, data: UpdateBatch, mini: MiniBatch, micro: MicroBatc
     (pacs/train/split_groups.py); under sequence parallelism the first step's gradients are known from old_logp
     (psi = 0: the whole micro-batch as the "group"), and later steps gather every rank's log-probs; else nothing
     (None)."""
-    lo, hi = micro.lo, micro.hi
-    if group_lo is not None:  # a group over the token budget: its log-prob gradients are known
-        return part_of_a_group(micro, mini.split, group_lo), cfg.rollout.group_size
+    lo, hi, known = micro.lo, micro.hi, mini.known
+    if group_lo is not None:  # a group over the token budget: its log-prob gradients are known (phase 3 of
+        # pacs/train/split_groups.py): the group's loss value, its statistics on its first part only
+        return KnownGradient(known.grad_logp[micro.index], known.lse[micro.index], known.losses[group_lo],
+                             known.stats.pop(group_lo, {})), cfg.rollout.group_size
     if data.sp is None:
         return None, hi - lo
-    if mini.first_step:  # the weights are still the rollout's: the loss and its gradient from old_logp
-        grad_logp = torch.zeros_like(data.old_logp)
-        loss, stats = loss_gradient(cfg, data, slice(lo, hi), data.old_logp, grad_logp)
+    if mini.first_step:  # the weights are still the rollout's: the loss and its gradient known from old_logp
 
         def agree(drift):  # every rank of the group stops, or none
             reduce_over_group([drift], data.sp, op=dist.ReduceOp.MAX)
             return drift
 
-        return KnownGradient(micro.in_layout(grad_logp), micro.old_lse, loss, stats, expected_logp=micro.old_logp,
-                             agree=agree), hi - lo
+        return KnownGradient(known.grad_logp[micro.index], known.lse[micro.index], known.losses[lo],
+                             known.stats.pop(lo, {}), expected_logp=micro.old_logp, agree=agree), hi - lo
     width = data.old_logp.shape[1]  # the loss couples the tokens of a group: gathered over the group's ranks
     return GatheredLogprobs(lambda logp: whole_micro_batch(micro.part, logp, lo, width), data.old_logp[lo:hi],
                             data.batch.mask[lo:hi], micro.part.rewards), hi - lo

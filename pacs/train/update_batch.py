@@ -1,5 +1,4 @@
-"""A rollout step's batch as its updates learn from it: one object from the old-policy pass to the loss, and the
-micro-batches cut from it.
+"""A rollout step's batch as its updates learn from it: one object from the old-policy pass to the loss.
 
 :class:`UpdateBatch` carries the step's rows (:class:`~pacs.train.batch.Batch`: prompt + response, right-padded,
 groups contiguous), per response token the log-probs the loss compares against, per response whether it counts in
@@ -7,8 +6,8 @@ the loss (computed once, when the batch is built: :func:`update_batch`), and the
 decided once for the run (pacs/train/start.py): padded rows, or the rows' real tokens packed into one row, each rank
 of a sequence-parallel group holding a slice of them (pacs/model/packing.py).
 
-:func:`micro_batch` cuts rows ``[lo, hi)`` out of it in that layout: one :class:`MicroBatch` holding the model's
-inputs and every per-token input of the loss already in the same layout.
+``pacs.train.update.micro_batch`` cuts rows ``[lo, hi)`` out of it in that layout: one ``MicroBatch`` holding the
+model's inputs and every per-token input of the loss already in the same layout.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from dataclasses import dataclass, field
 import torch
 
 from pacs.config import Config
-from pacs.model.packing import PackedMicroBatch, slice_micro_batch, to_layout
 from pacs.model.sequence_parallel import SequenceParallel
 from pacs.train.batch import Batch
 from pacs.train.rollout_correction import both_valid
@@ -57,32 +55,3 @@ def update_batch(cfg: Config, batch: Batch, old_logp: torch.Tensor, old_lse: tor
     pacs/train/single_label_groups.py) and the responses the rollout correction dropped (``batch.valid``)."""
     dropped = loss_valid(batch.rewards, cfg.rollout.group_size, cfg.optim.drop_single_label_groups)
     return UpdateBatch(batch, old_logp, old_lse, rollout_logp, packed, sp, valid=both_valid(dropped, batch.valid))
-
-
-@dataclass
-class MicroBatch:
-    """Rows ``[lo, hi)`` of an :class:`UpdateBatch` in its layout. part: the model's inputs (padded rows, trimmed to
-    the longest, or a :class:`~pacs.model.packing.PackedMicroBatch`, under sequence parallelism this rank's slice);
-    old_logp, old_lse, token_weights (the rollout correction's; None: none): per token, in the layout of ``part``
-    ((N,) packed, (b, T) padded); valid: (b,) the rows' validity in the loss (None: all count)."""
-
-    part: Batch | PackedMicroBatch
-    lo: int
-    hi: int
-    old_logp: torch.Tensor
-    old_lse: torch.Tensor
-    token_weights: torch.Tensor | None
-    valid: torch.Tensor | None
-
-    def in_layout(self, padded: torch.Tensor) -> torch.Tensor:
-        """Another (B, L) per-token tensor of the whole batch in this micro-batch's layout."""
-        return to_layout(self.part, self.lo, padded)
-
-
-def micro_batch(data: UpdateBatch, lo: int, hi: int) -> MicroBatch:
-    """Rows ``[lo, hi)`` of ``data`` cut in the layout it carries, with their per-token inputs of the loss."""
-    part = slice_micro_batch(data.batch, lo, hi, data.packed, data.sp)
-    weights = data.batch.token_weights
-    return MicroBatch(part, lo, hi, to_layout(part, lo, data.old_logp), to_layout(part, lo, data.old_lse),
-                      None if weights is None else to_layout(part, lo, weights),
-                      None if data.valid is None else data.valid[lo:hi])
