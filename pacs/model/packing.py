@@ -13,6 +13,10 @@ offsets) mark where each sequence starts, so that
   * the loss takes the packed layout directly: ``fused_linear_pacs_loss(hidden (N, d), ...,
     cu_seqlens=cu_seqlens)`` with the mask selecting the response tokens of each sequence.
 
+Under sequence parallelism each rank of a group holds an equal slice of a packed row's tokens
+(:func:`shard_packed`; the attention trades the slices: pacs/model/sequence_parallel.py). :func:`slice_micro_batch`
+cuts rows of a batch in either layout, a rank's slice included.
+
 Packed and padded steps compute the same loss and gradients (tests/test_packing.py); what packing saves is the
 padding: a micro-batch costs the sum of its sequence lengths instead of rows x longest row.
 

@@ -3,10 +3,10 @@
 With ``train.sequence_parallel_size = P`` the ranks form groups of P consecutive ranks. The ranks of a
 group hold the same rollouts (each generates a share of the group's prompts and the group gathers them:
 :func:`gather_rollouts`) and split every packed micro-batch of N tokens along the tokens: rank i holds
-tokens [i N/P, (i+1) N/P) (the row padded to a multiple of P). Everything in a decoder layer works token
-by token (embeddings, norms, RoPE at each token's own position, the MLP, the LM head and the fused
-log-probs) except attention, which needs every earlier token of a sequence. So attention trades the
-split, twice per layer:
+tokens [i N/P, (i+1) N/P) (the row padded to a multiple of P: ``pacs.model.packing.shard_packed``).
+Everything in a decoder layer works token by token (embeddings, norms, RoPE at each token's own position,
+the MLP, the LM head and the fused log-probs) except attention, which needs every earlier token of a
+sequence. So attention trades the split, twice per layer:
 
     q, k, v (1, H, N/P, D) on each rank --all-to-all--> (1, H/P, N, D): every token, H/P heads
     causal attention over each packed sequence on those heads (exact: heads are independent)

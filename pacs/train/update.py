@@ -1,10 +1,10 @@
 """A rollout step's policy update, top to bottom: the old policy's log-probs (pacs/train/old_policy.py: the
 batch from then on carried to the loss by one :class:`~pacs.train.update_batch.UpdateBatch`), the groups whose
-gradient is exactly 0 planned out; then, for each mini-batch of whole groups, its micro-batches (whole groups
-within the token budget; a group over it in parts, made exact by its known log-prob gradients:
-pacs/train/split_groups.py), each micro-batch's loss through the one call to the loss engine
-(:func:`policy_loss`), their gradients accumulated, clipped and applied by AdamW; a non-finite loss or gradient
-skips the update."""
+gradient is exactly 0 planned out; then, for each mini-batch of whole groups, its plan (:func:`plan_mini_batch`:
+its micro-batches, whole groups within the token budget, a group over it in parts made exact by its log-prob
+gradients known first, pacs/train/split_groups.py), each micro-batch cut from the batch in its layout
+(:func:`micro_batch`) and its loss taken through the one call to the loss engine (:func:`policy_loss`), their
+gradients accumulated, clipped and applied by AdamW; a non-finite loss or gradient skips the update."""
 
 from __future__ import annotations
 

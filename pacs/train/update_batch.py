@@ -19,7 +19,6 @@ import torch
 from pacs.config import Config
 from pacs.model.sequence_parallel import SequenceParallel
 from pacs.train.batch import Batch
-from pacs.train.rollout_correction import both_valid
 from pacs.train.single_label_groups import loss_valid
 
 
@@ -53,5 +52,7 @@ def update_batch(cfg: Config, batch: Batch, old_logp: torch.Tensor, old_lse: tor
     """The :class:`UpdateBatch` of ``batch`` and its old-policy log-probs, with each response's validity in the loss
     computed once for the step: PACS's single-label groups (optim.drop_single_label_groups,
     pacs/train/single_label_groups.py) and the responses the rollout correction dropped (``batch.valid``)."""
-    dropped = loss_valid(batch.rewards, cfg.rollout.group_size, cfg.optim.drop_single_label_groups)
-    return UpdateBatch(batch, old_logp, old_lse, rollout_logp, packed, sp, valid=both_valid(dropped, batch.valid))
+    kept = loss_valid(batch.rewards, cfg.rollout.group_size, cfg.optim.drop_single_label_groups)  # None: all
+    corrected = batch.valid  # None: the rollout correction dropped none
+    valid = corrected if kept is None else kept if corrected is None else kept & corrected
+    return UpdateBatch(batch, old_logp, old_lse, rollout_logp, packed, sp, valid=valid)
