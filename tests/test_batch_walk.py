@@ -6,7 +6,8 @@ from the old-policy pass to the loss, a micro-batch cut from them (padded rows, 
 first micro-batch enters the loss engine (``fused_linear_objective_loss``).
 
 The batch is carried by one type from the old-policy pass to the loss and its layout (packed or padded) is decided
-once, so it stays in few files. Bound (issue 49): at most 15 stays in at most 6 files, padded and packed.
+once, so it stays in few files. Bound (issue 49): at most 15 stays in at most 6 files, padded and packed; held
+here at what the route measures now (12 stays in 6 files padded, 9 in 5 packed), so that it does not grow back.
 """
 
 import dataclasses
@@ -27,7 +28,7 @@ from pacs.train.update_batch import UpdateBatch
 
 PACKAGE = Path(pacs.__file__).resolve().parent
 LOSS_ENTRY = "fused_linear_objective_loss"
-MAX_STAYS, MAX_FILES = 15, 6
+MAX_STAYS, MAX_FILES = 12, 6
 FORMS = (Batch, UpdateBatch, PackedMicroBatch)
 
 
@@ -77,7 +78,7 @@ def one_step(packed: bool) -> Training:
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_the_batch_reaches_the_loss_in_at_most_15_stays_in_6_files(packed):
+def test_the_batch_reaches_the_loss_in_at_most_12_stays_in_6_files(packed):
     batch = random_batch(1)
     assert batch.rewards.numel() == 2 * GROUP
     batch = dataclasses.replace(batch, sampler_logp=torch.zeros(batch.mask.shape))  # as the rollout engine gives it

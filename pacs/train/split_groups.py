@@ -15,6 +15,10 @@ splits exactly in two phases:
        computed in one vocabulary sweep: the loss engine's known-gradient piece
        (pacs_kernels.KnownGradient; the log-sum-exp of phase 1 is known, 3 matmuls).
 
+The update plans phases 1-2 once per mini-batch (``known_gradients`` in pacs/train/update.py, which also
+gives a sequence-parallel first step each micro-batch's gradient from old_logp) and builds each part's piece
+from them (``loss_piece`` there).
+
 The same holds for GRPO (its token terms depend on the group through the advantages only). The
 cost is one more no-grad forward of the group's parts on later mini-batches, nothing on the first.
 Under FSDP every rank runs the same number of no-grad forwards (those with fewer repeat a small one).
@@ -27,7 +31,6 @@ from dataclasses import dataclass
 import torch
 
 from pacs.config import Config
-from pacs.model.packing import is_part_of_a_group
 from pacs.train.loss_objective import loss_objective
 from pacs.train.update_batch import UpdateBatch
 from pacs_kernels.pieces import group_loss_on_rows
@@ -43,11 +46,6 @@ class GroupGradients:
     lse: torch.Tensor
     losses: dict[int, float]
     stats: dict[int, dict[str, float]]
-
-
-def split_group_rows(micro_batches: list[tuple[int, int]], group_size: int) -> list[int]:
-    """The first row of every group that the plan runs in parts."""
-    return sorted({lo - lo % group_size for lo, hi in micro_batches if is_part_of_a_group(lo, hi, group_size)})
 
 
 def group_gradients(cfg: Config, data: UpdateBatch, row_ranges: list[tuple[int, int]], current_logp: torch.Tensor,
