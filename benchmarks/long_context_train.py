@@ -203,8 +203,10 @@ def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.
     cfg.train.loss_chunk_mib = loss_chunk_mib
     if "split" in levers:  # one response per part; the group's per-token gradients first
         from pacs.train.old_policy import old_policy_logprobs
-        from pacs.train.split_groups import group_gradients, part_of_a_group
-        from pacs.train.update_batch import micro_batch, update_batch
+        from pacs.train.split_groups import group_gradients
+        from pacs.train.update import micro_batch
+        from pacs.train.update_batch import update_batch
+        from pacs_kernels import KnownGradient
 
         parts = [(row, row + 1) for row in range(GROUP)]
         logp, lse, _ = old_policy_logprobs(policy, batch, parts, cfg.rollout.temperature, cfg.optim.logprob_backend,
@@ -213,9 +215,10 @@ def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.
         gradients = group_gradients(cfg, data, [(0, GROUP)], logp, lse)
         for lo, hi in parts:
             with activation_offload("offload" in levers, device):
-                micro = micro_batch(data, lo, hi)
-                surrogate, _ = policy_loss(cfg, policy, micro.part, micro.old_logp,
-                                           piece=part_of_a_group(micro, gradients, 0))
+                micro = micro_batch(data, lo, hi)  # the part's piece, as the trainer's loss_piece builds it
+                piece = KnownGradient(gradients.grad_logp[micro.index], gradients.lse[micro.index],
+                                      gradients.losses[0], gradients.stats.pop(0, {}))
+                surrogate, _ = policy_loss(cfg, policy, micro.part, micro.old_logp, piece=piece)
             surrogate.backward()
             del surrogate
         loss_value = gradients.losses[0]

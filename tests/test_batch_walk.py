@@ -1,9 +1,9 @@
 """The walk of a rollout step's batch through the update, as it runs (issue 49): from ``update_step`` to the loss
 engine, every call of a function of ``pacs`` whose arguments hold the batch in one of its forms is a stop: the
 step's rows (:class:`~pacs.train.batch.Batch`), the :class:`~pacs.train.update_batch.UpdateBatch` that carries them
-from the old-policy pass to the loss, a micro-batch cut from them (padded rows, or a
-:class:`~pacs.model.packing.PackedMicroBatch`). Consecutive stops in one file are one stay. The walk ends where the
-first micro-batch enters the loss engine (``fused_linear_objective_loss``).
+from the old-policy pass to the loss, a micro-batch cut from them (:class:`~pacs.train.update.MicroBatch`, and its
+model inputs: padded rows, or a :class:`~pacs.model.packing.PackedMicroBatch`). Consecutive stops in one file are one
+stay. The walk ends where the first micro-batch enters the loss engine (``fused_linear_objective_loss``).
 
 The batch is carried by one type from the old-policy pass to the loss and its layout (packed or padded) is decided
 once, so it stays in few files. Bound (issue 49): at most 15 stays in at most 6 files, padded and packed; held
@@ -23,13 +23,13 @@ from pacs.model.packing import PackedMicroBatch
 from pacs.model.policy import DistInfo
 from pacs.train.batch import Batch
 from pacs.train.training import Training
-from pacs.train.update import update_step
+from pacs.train.update import MicroBatch, update_step
 from pacs.train.update_batch import UpdateBatch
 
 PACKAGE = Path(pacs.__file__).resolve().parent
 LOSS_ENTRY = "fused_linear_objective_loss"
 MAX_STAYS, MAX_FILES = 12, 6
-FORMS = (Batch, UpdateBatch, PackedMicroBatch)
+FORMS = (Batch, UpdateBatch, MicroBatch, PackedMicroBatch)
 
 
 def walk_of_the_batch(call) -> tuple[list[tuple[str, str]], bool]:
