@@ -191,8 +191,7 @@ def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.
     step, the gradients stay in the parameters' ``.grad``."""
     from pacs.config import Config
     from pacs.model.memory import activation_offload
-    from pacs.model.packing import forward_micro_batch, to_layout
-    from pacs.model.sequence_parallel import slice_micro_batch
+    from pacs.model.packing import forward_micro_batch, slice_micro_batch, to_layout
     from pacs.train.update import policy_loss
     from pacs_kernels import pacs_loss
 
@@ -204,17 +203,22 @@ def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.
     cfg.train.loss_chunk_mib = loss_chunk_mib
     if "split" in levers:  # one response per part; the group's per-token gradients first
         from pacs.train.old_policy import old_policy_logprobs
-        from pacs.train.split_groups import group_gradients, part_of_a_group
+        from pacs.train.split_groups import group_gradients
+        from pacs.train.update import micro_batch
+        from pacs.train.update_batch import update_batch
+        from pacs_kernels import KnownGradient
 
         parts = [(row, row + 1) for row in range(GROUP)]
         logp, lse, _ = old_policy_logprobs(policy, batch, parts, cfg.rollout.temperature, cfg.optim.logprob_backend,
                                            packed=packed)
-        gradients = group_gradients(cfg, batch, [0], logp, lse, old_logp)
+        data = update_batch(cfg, batch, old_logp, lse, packed=packed)
+        gradients = group_gradients(cfg, data, [(0, GROUP)], logp, lse)
         for lo, hi in parts:
             with activation_offload("offload" in levers, device):
-                part = slice_micro_batch(batch, lo, hi, packed)
-                surrogate, _ = policy_loss(cfg, policy, part, to_layout(part, lo, old_logp),
-                                           piece=part_of_a_group(part, lo, gradients, 0))
+                micro = micro_batch(data, lo, hi)  # the part's piece, as the trainer's loss_piece builds it
+                piece = KnownGradient(gradients.grad_logp[micro.index], gradients.lse[micro.index],
+                                      gradients.losses[0], gradients.stats.pop(0, {}))
+                surrogate, _ = policy_loss(cfg, policy, micro.part, micro.old_logp, piece=piece)
             surrogate.backward()
             del surrogate
         loss_value = gradients.losses[0]

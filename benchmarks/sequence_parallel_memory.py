@@ -51,8 +51,8 @@ def step(policy, batch, sp, loss_chunk_mib: float) -> tuple[float, float]:
 
     from benchmarks.long_context_train import GROUP
     from pacs.config import Config
-    from pacs.model.packing import to_layout
-    from pacs.model.sequence_parallel import slice_micro_batch, whole_micro_batch
+    from pacs.model.packing import slice_micro_batch, to_layout
+    from pacs.model.sequence_parallel import whole_micro_batch
     from pacs.train.update import policy_loss
     from pacs_kernels import GatheredLogprobs
 

@@ -22,7 +22,7 @@ from pacs.model.policy import full_named_tensors, load_policy, setup_distributed
 from pacs.train.batch import build_batch
 from pacs.train.old_policy import old_policy_logprobs
 from pacs.train.update import update_policy
-from pacs.train.update_batch import UpdateBatch
+from pacs.train.update_batch import update_batch
 
 STEPS, LR, GROUP, GROUPS = 20, 1e-6, 4, 4
 
@@ -65,8 +65,9 @@ def main() -> None:
     state = {"consecutive_nan": 0, "skipped_updates": 0}
     losses, fractions = [], []
     for step in range(1, STEPS + 1):
-        update = update_policy(cfg, policy, optimizer, scheduler, UpdateBatch(batch, reference_logp, old_lse), state,
-                               dist_info, step, say=lambda *a, **k: None)
+        data = update_batch(cfg, batch, reference_logp, old_lse)
+        update = update_policy(cfg, policy, optimizer, scheduler, data, state, dist_info, step,
+                               say=lambda *a, **k: None)
         loss = torch.tensor(update.mean_loss(), dtype=torch.float64)
         if dist_info.world_size > 1:
             dist.all_reduce(loss)

@@ -23,12 +23,11 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from trainer_helpers import leave_distributed_run  # noqa: E402
 
-from pacs.model.packing import enable_packed_attention, pack_rows, packed_forward  # noqa: E402
+from pacs.model.packing import enable_packed_attention, pack_rows, packed_forward, shard_packed  # noqa: E402
 from pacs.model.policy import Policy  # noqa: E402
 from pacs.model.sequence_parallel import (  # noqa: E402
     enable_sequence_parallel_attention,
     new_sequence_parallel,
-    shard_packed,
     whole_micro_batch,
 )
 from pacs_kernels import pacs_loss  # noqa: E402

@@ -1,12 +1,13 @@
 """The walk of a rollout step's batch through the update, as it runs (issue 49): from ``update_step`` to the loss
 engine, every call of a function of ``pacs`` whose arguments hold the batch in one of its forms is a stop: the
 step's rows (:class:`~pacs.train.batch.Batch`), the :class:`~pacs.train.update_batch.UpdateBatch` that carries them
-from the old-policy pass to the loss, a micro-batch cut from them (padded rows, or a
-:class:`~pacs.model.packing.PackedMicroBatch`). Consecutive stops in one file are one stay. The walk ends where the
-first micro-batch enters the loss engine (``fused_linear_objective_loss``).
+from the old-policy pass to the loss, a micro-batch cut from them (:class:`~pacs.train.update.MicroBatch`, and its
+model inputs: padded rows, or a :class:`~pacs.model.packing.PackedMicroBatch`). Consecutive stops in one file are one
+stay. The walk ends where the first micro-batch enters the loss engine (``fused_linear_objective_loss``).
 
 The batch is carried by one type from the old-policy pass to the loss and its layout (packed or padded) is decided
-once, so it stays in few files. Bound (issue 49): at most 15 stays in at most 6 files, padded and packed.
+once, so it stays in few files. Bound (issue 49): at most 15 stays in at most 6 files, padded and packed; held
+here at what the route measures now (12 stays in 6 files padded, 9 in 5 packed), so that it does not grow back.
 """
 
 import dataclasses
@@ -22,13 +23,13 @@ from pacs.model.packing import PackedMicroBatch
 from pacs.model.policy import DistInfo
 from pacs.train.batch import Batch
 from pacs.train.training import Training
-from pacs.train.update import update_step
+from pacs.train.update import MicroBatch, update_step
 from pacs.train.update_batch import UpdateBatch
 
 PACKAGE = Path(pacs.__file__).resolve().parent
 LOSS_ENTRY = "fused_linear_objective_loss"
-MAX_STAYS, MAX_FILES = 15, 6
-FORMS = (Batch, UpdateBatch, PackedMicroBatch)
+MAX_STAYS, MAX_FILES = 12, 6
+FORMS = (Batch, UpdateBatch, MicroBatch, PackedMicroBatch)
 
 
 def walk_of_the_batch(call) -> tuple[list[tuple[str, str]], bool]:
@@ -77,7 +78,7 @@ def one_step(packed: bool) -> Training:
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_the_batch_reaches_the_loss_in_at_most_15_stays_in_6_files(packed):
+def test_the_batch_reaches_the_loss_in_at_most_12_stays_in_6_files(packed):
     batch = random_batch(1)
     assert batch.rewards.numel() == 2 * GROUP
     batch = dataclasses.replace(batch, sampler_logp=torch.zeros(batch.mask.shape))  # as the rollout engine gives it
@@ -90,5 +91,5 @@ def test_the_batch_reaches_the_loss_in_at_most_15_stays_in_6_files(packed):
     assert len(stays) <= MAX_STAYS and len(set(stays)) <= MAX_FILES, (
         f"{len(stays)} stays in {len(set(stays))} files (at most {MAX_STAYS} in {MAX_FILES}): {route}")
     # the measurement is not vacuous: the batch is followed into its layout, through the update, to the loss
-    assert {"train/old_policy.py", "model/sequence_parallel.py", "train/update.py"} <= set(stays)
+    assert {"train/old_policy.py", "model/packing.py", "train/update_batch.py", "train/update.py"} <= set(stays)
     assert ("train/update.py", "policy_loss") in stops

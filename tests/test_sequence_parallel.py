@@ -8,8 +8,8 @@ import pytest
 import torch
 from trainer_helpers import repo_root, run_torchrun
 
-from pacs.model.packing import pack_rows
-from pacs.model.sequence_parallel import SequenceParallel, shard_packed
+from pacs.model.packing import pack_rows, shard_packed
+from pacs.model.sequence_parallel import SequenceParallel
 from pacs.train.batch import build_batch
 
 

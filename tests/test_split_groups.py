@@ -10,9 +10,8 @@ from test_packing import GROUP, config, loss_and_grads, random_batch, tiny_polic
 from pacs.model.packing import is_part_of_a_group, plan_micro_batches, split_to_count
 from pacs.model.policy import DistInfo
 from pacs.train.old_policy import old_policy_logprobs
-from pacs.train.split_groups import split_group_rows
 from pacs.train.update import update_policy
-from pacs.train.update_batch import UpdateBatch
+from pacs.train.update_batch import update_batch
 
 
 def test_plan_splits_only_groups_larger_than_the_budget():
@@ -20,7 +19,6 @@ def test_plan_splits_only_groups_larger_than_the_budget():
     plan = plan_micro_batches(lengths, GROUP, 60, split_groups=True)
     assert plan == [(0, 3), (3, 4), (4, 5), (5, 6), (6, 9)]
     assert [is_part_of_a_group(lo, hi, GROUP) for lo, hi in plan] == [False, True, True, True, False]
-    assert split_group_rows(plan, GROUP) == [3]
     # a part never shares its micro-batch with another group
     assert plan_micro_batches(lengths, GROUP, 90, split_groups=True) == [(0, 3), (3, 5), (5, 6), (6, 9)]
     with pytest.raises(ValueError, match=r"smaller than group 1 .*does not split groups"):
@@ -60,7 +58,7 @@ def one_update(cfg, batch, packed: bool, reference_seed: int | None = None):
         old_logp, _, _ = old_policy_logprobs(tiny_policy(reference_seed), batch, [(0, n)], cfg.rollout.temperature,
                                              "torch", packed=packed)
     state = {"consecutive_nan": 0, "skipped_updates": 0}
-    data = UpdateBatch(batch, old_logp, old_lse, rollout_logp, packed=packed)
+    data = update_batch(cfg, batch, old_logp, old_lse, rollout_logp, packed=packed)
     update = update_policy(cfg, policy, optimizer, scheduler, data, state, DistInfo(device=torch.device("cpu")), step=1)
     return policy, update
 

@@ -18,7 +18,7 @@ MAX_LINES = 80
 MAX_UPDATE_LINES = 50
 FUSED_LOSSES = {"fused_linear_pacs_loss", "fused_linear_grpo_loss", "fused_linear_objective_loss", "PACSLoss"}
 # the routes a micro-batch's loss may take: only micro_batch_loss picks one
-LOSS_ROUTES = {"policy_loss", "loss_piece", "part_of_a_group"}
+LOSS_ROUTES = {"policy_loss", "loss_piece", "KnownGradient", "GatheredLogprobs"}
 
 
 def top_level_functions(path: str) -> dict[str, ast.FunctionDef]:

@@ -13,6 +13,10 @@ offsets) mark where each sequence starts, so that
   * the loss takes the packed layout directly: ``fused_linear_pacs_loss(hidden (N, d), ...,
     cu_seqlens=cu_seqlens)`` with the mask selecting the response tokens of each sequence.
 
+Under sequence parallelism each rank of a group holds an equal slice of a packed row's tokens
+(:func:`shard_packed`; the attention trades the slices: pacs/model/sequence_parallel.py). :func:`slice_micro_batch`
+cuts rows of a batch in either layout, a rank's slice included.
+
 Packed and padded steps compute the same loss and gradients (tests/test_packing.py); what packing saves is the
 padding: a micro-batch costs the sum of its sequence lengths instead of rows x longest row.
 
@@ -63,7 +67,7 @@ class PackedMicroBatch:
     rewards: torch.Tensor
     rows: torch.Tensor
     cols: torch.Tensor
-    shard: object | None = None  # sequence parallelism: this rank's slice (pacs.model.sequence_parallel.TokenShard)
+    shard: TokenShard | None = None  # sequence parallelism: this rank's slice (:func:`shard_packed`)
 
     @property
     def n_tokens(self) -> int:
@@ -170,6 +174,78 @@ def pack_rows(batch, lo: int, hi: int) -> PackedMicroBatch:
         input_ids=layout.input_ids, position_ids=layout.position_ids, cu_seqlens=layout.cu_seqlens,
         max_seqlen=layout.max_seqlen, targets=batch.targets[rows, cols], mask=batch.mask[rows, cols].bool(),
         rewards=batch.rewards[lo:hi], rows=rows, cols=cols)
+
+
+# ----------------------------------------------------------------------------- a sequence-parallel rank's tokens
+
+
+@dataclass
+class TokenShard:
+    """Where this rank's tokens sit in the whole packed micro-batch (padded to ``P`` x tokens per rank).
+
+    start, stop: this rank's tokens of the padded row; rows, cols, mask: (N_padded,) each token's place in
+    the padded batch and whether it is a response token (padding: False), for every rank's tokens."""
+
+    sp: object  # pacs.model.sequence_parallel.SequenceParallel
+    start: int
+    stop: int
+    rows: torch.Tensor
+    cols: torch.Tensor
+    mask: torch.Tensor
+
+
+def shard_packed(packed: PackedMicroBatch, sp) -> PackedMicroBatch:
+    """This rank's tokens of ``packed``: the row padded to a multiple of ``sp.size`` (the padding is one
+    more sequence, masked out of the loss), then cut into equal slices. The result's per-token fields
+    (input_ids, position_ids, targets, mask, rows, cols) are this rank's slice; ``cu_seqlens`` and
+    ``max_seqlen`` stay those of the whole padded row (attention runs over it after the all-to-all);
+    ``shard`` says where the slice sits."""
+    n = packed.n_tokens
+    pad = -n % sp.size
+    per_rank = (n + pad) // sp.size
+
+    def padded(t: torch.Tensor, fill: torch.Tensor | int | bool) -> torch.Tensor:
+        if not pad:
+            return t
+        extra = fill.expand(pad) if isinstance(fill, torch.Tensor) else torch.full((pad,), fill, dtype=t.dtype,
+                                                                                    device=t.device)
+        return torch.cat([t, extra.to(t.dtype)])
+
+    cu = packed.cu_seqlens
+    if pad:
+        cu = torch.cat([cu, cu[-1:] + pad])
+    # padding tokens point at the row's last real token (any valid place: their mask is False)
+    rows, cols = padded(packed.rows, packed.rows[-1]), padded(packed.cols, packed.cols[-1])
+    mask = padded(packed.mask, False)
+    positions = torch.cat([packed.position_ids[0], torch.arange(pad, device=cu.device)])
+    start, stop = sp.rank * per_rank, (sp.rank + 1) * per_rank
+    return PackedMicroBatch(
+        input_ids=padded(packed.input_ids[0], packed.input_ids[0, -1])[start:stop].unsqueeze(0),
+        position_ids=positions[start:stop].unsqueeze(0), cu_seqlens=cu, max_seqlen=max(packed.max_seqlen, pad),
+        targets=padded(packed.targets, packed.targets[-1])[start:stop], mask=mask[start:stop],
+        rewards=packed.rewards, rows=rows[start:stop], cols=cols[start:stop],
+        shard=TokenShard(sp=sp, start=start, stop=stop, rows=rows, cols=cols, mask=mask))
+
+
+def slice_micro_batch(batch, lo: int, hi: int, packed: bool, sp=None):
+    """Rows ``[lo, hi)`` of ``batch`` as a :class:`PackedMicroBatch`, or as padded rows
+    (``batch.rows``, trimmed to the longest row). ``sp`` (a
+    :class:`pacs.model.sequence_parallel.SequenceParallel`, packed only): this rank's slice of the tokens."""
+    if not packed:
+        if sp is not None:  # (the trainer's config checks refuse this earlier)
+            raise ValueError("sequence parallelism splits packed micro-batches only: set train.packing=true")
+        return batch.rows(lo, hi)
+    part = pack_rows(batch, lo, hi)
+    if sp is None:
+        return part
+    return shard_packed(part, sp)
+
+
+def backend_for(selected: torch.Tensor, backend: str) -> str:
+    """``backend`` for a log-prob call over the ``selected`` tokens, "torch" when there are none (a rank of a
+    sequence-parallel group may hold only prompt tokens: the empty call must still reach autograd, so that
+    this rank's backward runs the layers' exchanges with the others)."""
+    return backend if bool(selected.any()) else "torch"
 
 
 # ----------------------------------------------------------------------------- token budgets
@@ -333,9 +409,9 @@ def packed_forward(policy, packed: PackedMicroBatch):
     """
     # sequence parallelism: this rank's slice of the tokens; the attention trades it (pacs/model/sequence_parallel.py)
     split = {} if packed.shard is None else {SEQUENCE_PARALLEL_KWARG: packed.shard.sp}
+    backbone = packed_backbone_kwargs(packed.position_ids, packed.cu_seqlens, packed.max_seqlen)
     with packed_call(packed.cu_seqlens.tolist()):
-        hidden, weight, bias = policy(packed.input_ids, None, **split, **packed_backbone_kwargs(
-            packed.position_ids, packed.cu_seqlens, packed.max_seqlen))
+        hidden, weight, bias = policy(packed.input_ids, None, **split, **backbone)
     return hidden.reshape(-1, hidden.shape[-1]), weight, bias
 
 

@@ -3,10 +3,10 @@
 With ``train.sequence_parallel_size = P`` the ranks form groups of P consecutive ranks. The ranks of a
 group hold the same rollouts (each generates a share of the group's prompts and the group gathers them:
 :func:`gather_rollouts`) and split every packed micro-batch of N tokens along the tokens: rank i holds
-tokens [i N/P, (i+1) N/P) (the row padded to a multiple of P). Everything in a decoder layer works token
-by token (embeddings, norms, RoPE at each token's own position, the MLP, the LM head and the fused
-log-probs) except attention, which needs every earlier token of a sequence. So attention trades the
-split, twice per layer:
+tokens [i N/P, (i+1) N/P) (the row padded to a multiple of P: ``pacs.model.packing.shard_packed``).
+Everything in a decoder layer works token by token (embeddings, norms, RoPE at each token's own position,
+the MLP, the LM head and the fused log-probs) except attention, which needs every earlier token of a
+sequence. So attention trades the split, twice per layer:
 
     q, k, v (1, H, N/P, D) on each rank --all-to-all--> (1, H/P, N, D): every token, H/P heads
     causal attention over each packed sequence on those heads (exact: heads are independent)
@@ -45,7 +45,7 @@ from pacs.model.packed_attention import (
     require_causal,
     sequence_bounds,
 )
-from pacs.model.packing import PackedMicroBatch, pack_rows
+from pacs.model.packing import PackedMicroBatch
 from pacs.model.profile import ModelProfile
 from pacs.model.varlen_attention import loop_causal_attention, varlen_causal_attention
 
@@ -75,71 +75,6 @@ def new_sequence_parallel(size: int, rank: int, world_size: int, timeout=None) -
         if first <= rank < first + size:
             mine = SequenceParallel(size=size, rank=rank - first, group=group)
     return mine
-
-
-# ----------------------------------------------------------------------------- the tokens of each rank
-
-
-@dataclass
-class TokenShard:
-    """Where this rank's tokens sit in the whole packed micro-batch (padded to ``P`` x tokens per rank).
-
-    start, stop: this rank's tokens of the padded row; rows, cols, mask: (N_padded,) each token's place in
-    the padded batch and whether it is a response token (padding: False), for every rank's tokens."""
-
-    sp: SequenceParallel
-    start: int
-    stop: int
-    rows: torch.Tensor
-    cols: torch.Tensor
-    mask: torch.Tensor
-
-
-def shard_packed(packed: PackedMicroBatch, sp: SequenceParallel) -> PackedMicroBatch:
-    """This rank's tokens of ``packed``: the row padded to a multiple of ``sp.size`` (the padding is one
-    more sequence, masked out of the loss), then cut into equal slices. The result's per-token fields
-    (input_ids, position_ids, targets, mask, rows, cols) are this rank's slice; ``cu_seqlens`` and
-    ``max_seqlen`` stay those of the whole padded row (attention runs over it after the all-to-all);
-    ``shard`` says where the slice sits."""
-    n = packed.n_tokens
-    pad = -n % sp.size
-    per_rank = (n + pad) // sp.size
-
-    def padded(t: torch.Tensor, fill: torch.Tensor | int | bool) -> torch.Tensor:
-        if not pad:
-            return t
-        extra = fill.expand(pad) if isinstance(fill, torch.Tensor) else torch.full((pad,), fill, dtype=t.dtype,
-                                                                                    device=t.device)
-        return torch.cat([t, extra.to(t.dtype)])
-
-    cu = packed.cu_seqlens
-    if pad:
-        cu = torch.cat([cu, cu[-1:] + pad])
-    # padding tokens point at the row's last real token (any valid place: their mask is False)
-    rows, cols = padded(packed.rows, packed.rows[-1]), padded(packed.cols, packed.cols[-1])
-    mask = padded(packed.mask, False)
-    positions = torch.cat([packed.position_ids[0], torch.arange(pad, device=cu.device)])
-    start, stop = sp.rank * per_rank, (sp.rank + 1) * per_rank
-    return PackedMicroBatch(
-        input_ids=padded(packed.input_ids[0], packed.input_ids[0, -1])[start:stop].unsqueeze(0),
-        position_ids=positions[start:stop].unsqueeze(0), cu_seqlens=cu, max_seqlen=max(packed.max_seqlen, pad),
-        targets=padded(packed.targets, packed.targets[-1])[start:stop], mask=mask[start:stop],
-        rewards=packed.rewards, rows=rows[start:stop], cols=cols[start:stop],
-        shard=TokenShard(sp=sp, start=start, stop=stop, rows=rows, cols=cols, mask=mask))
-
-
-def slice_micro_batch(batch, lo: int, hi: int, packed: bool, sp=None):
-    """Rows ``[lo, hi)`` of ``batch`` as a :class:`PackedMicroBatch`, or as padded rows
-    (``batch.rows``, trimmed to the longest row). ``sp`` (a
-    :class:`SequenceParallel`, packed only): this rank's slice of the tokens."""
-    if not packed:
-        if sp is not None:  # (the trainer's config checks refuse this earlier)
-            raise ValueError("sequence parallelism splits packed micro-batches only: set train.packing=true")
-        return batch.rows(lo, hi)
-    part = pack_rows(batch, lo, hi)
-    if sp is None:
-        return part
-    return shard_packed(part, sp)
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -173,13 +108,6 @@ def whole_micro_batch(part: PackedMicroBatch, values: torch.Tensor, lo: int, wid
     every = gather_tokens(dense, shard.sp)
     out = every.new_zeros(int(part.rewards.shape[0]), width)
     return out.index_put((shard.rows[shard.mask] - lo, shard.cols[shard.mask]), every[shard.mask])
-
-
-def backend_for(selected: torch.Tensor, backend: str) -> str:
-    """``backend`` for a log-prob call over the ``selected`` tokens, "torch" when there are none (a rank of a
-    sequence-parallel group may hold only prompt tokens: the empty call must still reach autograd, so that
-    this rank's backward runs the layers' exchanges with the others)."""
-    return backend if bool(selected.any()) else "torch"
 
 
 def reduce_over_group(tensors: list[torch.Tensor], sp: SequenceParallel, op=dist.ReduceOp.SUM) -> None:

@@ -7,16 +7,23 @@ from __future__ import annotations
 import torch
 
 from pacs.config import Config, micro_batch_groups
-from pacs.model.packing import forward_micro_batch, micro_batch_ranges, response_positions, same_count_on_every_rank
+from pacs.model.packing import (
+    backend_for,
+    forward_micro_batch,
+    micro_batch_ranges,
+    response_positions,
+    same_count_on_every_rank,
+    slice_micro_batch,
+)
 from pacs.model.policy import DistInfo
 from pacs.model.reference_policy import is_reset_step
-from pacs.model.sequence_parallel import SequenceParallel, backend_for, reduce_over_group, slice_micro_batch
+from pacs.model.sequence_parallel import SequenceParallel, reduce_over_group
 from pacs.train.batch import Batch
 from pacs.train.loss_objective import loss_objective, takes_response_validity
 from pacs.train.rollout_correction import Band
 from pacs.train.rollout_correction import correct as correct_rollouts
 from pacs.train.training import Training
-from pacs.train.update_batch import UpdateBatch
+from pacs.train.update_batch import UpdateBatch, update_batch
 from pacs_kernels import linear_logprobs
 
 
@@ -46,14 +53,14 @@ def old_policy_logprobs(policy, batch: Batch, ranges: list[tuple[int, int]], tem
     entropy_sum, tokens = 0.0, 0
     for i, (lo, hi) in enumerate([*ranges, *fillers]):
         part = slice_micro_batch(batch, lo, hi, packed, sp)
+        selected, rows, cols = part.mask, *response_positions(part, lo)
+        chunk_backend = backend_for(selected, backend)
         hidden, weight, bias = forward_micro_batch(policy, part)
-        selected = part.mask
         logp, entropy, lse = linear_logprobs(hidden[selected], weight, part.targets[selected], bias=bias,
                                              **policy.head_options(temperature), return_entropy=True, return_lse=True,
-                                             backend=backend_for(selected, backend))
+                                             backend=chunk_backend)
         if i >= len(ranges):  # a filler: under sequence parallelism its tokens may sit on other ranks than in
             continue          # the chunk that wrote them, and the group's sum would count them twice
-        rows, cols = response_positions(part, lo)
         old_logp[rows, cols] = logp.to(old_logp.dtype)  # float32 buffers, also for a float64 model
         old_lse[rows, cols] = lse.to(old_lse.dtype)
         entropy_sum += float(entropy.sum())
@@ -91,4 +98,4 @@ def old_policy_pass(t: Training, step: int, batch: Batch) -> tuple[UpdateBatch, 
             with reference.weights_in():
                 old_logp, _, _ = old_policy_logprobs(t.policy, batch, ranges, r.temperature, o.logprob_backend,
                                                      t.packed, dist_info.sp)
-    return UpdateBatch(batch, old_logp, old_lse, rollout_logp, t.packed, dist_info.sp), entropy
+    return update_batch(cfg, batch, old_logp, old_lse, rollout_logp, t.packed, dist_info.sp), entropy

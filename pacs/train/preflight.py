@@ -48,7 +48,7 @@ from pacs.config import micro_batch_groups
 from pacs.run import TrainingStopped
 from pacs.train.batch import build_batch
 from pacs.train.memory_plan import planned_training_gib
-from pacs.train.update_batch import UpdateBatch
+from pacs.train.update_batch import update_batch
 
 GiB = 2**30
 
@@ -229,7 +229,7 @@ def _run_worst_cases(cfg, policy, optimizer, pad_token_id: int, dist_info, *, pa
         # mini-batch runs anyway: with a single one, the step runs once more with the usual first mini-batch
         firsts = [None, old_logp] if o.ref_reset_every > 1 and n_minis == 1 else [None]
         for rollout_logp in firsts:
-            data = UpdateBatch(batch, old_logp, old_lse, rollout_logp, packed, dist_info.sp)
+            data = update_batch(step_cfg, batch, old_logp, old_lse, rollout_logp, packed, dist_info.sp)
             update_policy(step_cfg, policy, _NoOptimizerStep(optimizer), _NoSchedulerStep(), data, scratch, dist_info,
                           0, say=lambda *a, **k: None)
         del batch, old_logp, old_lse, data

@@ -233,9 +233,3 @@ def correct(batch: Batch, old_logp: torch.Tensor, mode: str, band: Band, *,
                                                               band)), sums
     return replace(batch, mask=mask, valid=valid), sums
 
-
-def both_valid(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-    """Two (B,) response validities (None: all valid) as one."""
-    if a is None or b is None:
-        return b if a is None else a
-    return a & b

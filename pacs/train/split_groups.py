@@ -15,6 +15,10 @@ splits exactly in two phases:
        computed in one vocabulary sweep: the loss engine's known-gradient piece
        (pacs_kernels.KnownGradient; the log-sum-exp of phase 1 is known, 3 matmuls).
 
+The update plans phases 1-2 once per mini-batch (``known_gradients`` in pacs/train/update.py, which also
+gives a sequence-parallel first step each micro-batch's gradient from old_logp) and builds each part's piece
+from them (``loss_piece`` there).
+
 The same holds for GRPO (its token terms depend on the group through the advantages only). The
 cost is one more no-grad forward of the group's parts on later mini-batches, nothing on the first.
 Under FSDP every rank runs the same number of no-grad forwards (those with fewer repeat a small one).
@@ -27,19 +31,16 @@ from dataclasses import dataclass
 import torch
 
 from pacs.config import Config
-from pacs.model.packing import is_part_of_a_group, to_layout
 from pacs.train.loss_objective import loss_objective
-from pacs.train.rollout_correction import both_valid
-from pacs.train.single_label_groups import loss_valid
-from pacs_kernels import KnownGradient
+from pacs.train.update_batch import UpdateBatch
 from pacs_kernels.pieces import group_loss_on_rows
 
 
 @dataclass
 class GroupGradients:
-    """Phase 1-2 for the split groups of one mini-batch: per token (the whole batch's padded layout,
-    0 elsewhere) the gradient g of the group loss and the log-sum-exp of the current weights; per
-    split group (its first row), the loss value and its statistics."""
+    """Phase 1-2 for the split groups of one mini-batch (or the micro-batches of a sequence-parallel first step):
+    per token (the whole batch's padded layout, 0 elsewhere) the gradient g of their loss and the log-sum-exp of
+    the current weights; per group (its first row), the loss value and its statistics."""
 
     grad_logp: torch.Tensor
     lse: torch.Tensor
@@ -47,51 +48,30 @@ class GroupGradients:
     stats: dict[int, dict[str, float]]
 
 
-def split_group_rows(micro_batches: list[tuple[int, int]], group_size: int) -> list[int]:
-    """The first row of every group that the plan runs in parts."""
-    return sorted({lo - lo % group_size for lo, hi in micro_batches if is_part_of_a_group(lo, hi, group_size)})
-
-
-def group_loss_on_logprobs(cfg: Config, logp: torch.Tensor, old_logp: torch.Tensor, rewards: torch.Tensor,
-                           mask: torch.Tensor, valid_rows: torch.Tensor | None = None):
-    """The configured loss of whole groups from their (rows, L) log-probs: (loss, stats dict), as the loss engine
-    computes it on gathered log-probs (pacs_kernels.pieces.group_loss_on_rows). ``valid_rows``: their rows of
-    ``Batch.valid`` (PACS: the responses the rollout correction dropped; None for any other objective, which
-    neither drops single-label groups)."""
-    group = cfg.rollout.group_size
-    valid = both_valid(loss_valid(rewards, group, cfg.optim.drop_single_label_groups), valid_rows)
-    return group_loss_on_rows(loss_objective(cfg), logp, old_logp, rewards, mask, group_size=group, valid=valid)
-
-
-def group_gradients(cfg: Config, batch, first_rows: list[int], current_logp: torch.Tensor,
-                    current_lse: torch.Tensor, old_logp: torch.Tensor) -> GroupGradients:
-    """Phase 2 for every split group: its loss on the current log-probs and g = dloss/dlogp."""
-    group = cfg.rollout.group_size
+def group_gradients(cfg: Config, data: UpdateBatch, row_ranges: list[tuple[int, int]], current_logp: torch.Tensor,
+                    current_lse: torch.Tensor) -> GroupGradients:
+    """Phase 2 for each of ``row_ranges`` (whole groups: a split group's rows, or under sequence parallelism a
+    micro-batch's), keyed by its first row: its loss on the current log-probs and g = dloss/dlogp."""
     grad = torch.zeros_like(current_logp)
     losses, stats = {}, {}
-    for lo in first_rows:
-        loss, stats[lo] = loss_gradient(cfg, batch, slice(lo, lo + group), current_logp, old_logp, grad)
+    for lo, hi in row_ranges:
+        loss, stats[lo] = loss_gradient(cfg, data, slice(lo, hi), current_logp, grad)
         losses[lo] = float(loss)
     return GroupGradients(grad, current_lse, losses, stats)
 
 
-def loss_gradient(cfg: Config, batch, rows: slice, current_logp: torch.Tensor, old_logp: torch.Tensor,
-                  grad_out: torch.Tensor):
-    """The configured loss of ``rows`` (whole groups) on their current log-probs, and its gradient on each of
-    them, written into ``grad_out[rows]`` (0 off the mask). Returns (loss, stats)."""
+def loss_gradient(cfg: Config, data: UpdateBatch, rows: slice, current_logp: torch.Tensor, grad_out: torch.Tensor):
+    """The configured loss of ``rows`` (whole groups) of ``data`` on their current log-probs, as the loss engine
+    computes it on gathered log-probs (pacs_kernels.pieces.group_loss_on_rows, with the rows' validity in the
+    loss), and its gradient on each of them, written into ``grad_out[rows]`` (0 off the mask). Returns
+    (loss, stats)."""
+    batch, group = data.batch, cfg.rollout.group_size
+    valid = None if data.valid is None else data.valid[rows]
     logp = current_logp[rows].detach().clone().requires_grad_(True)
     with torch.enable_grad():
-        loss, stats = group_loss_on_logprobs(cfg, logp, old_logp[rows], batch.rewards[rows], batch.mask[rows],
-                                             None if getattr(batch, "valid", None) is None else batch.valid[rows])
+        loss, stats = group_loss_on_rows(loss_objective(cfg), logp, data.old_logp[rows], batch.rewards[rows],
+                                         batch.mask[rows], group_size=group, valid=valid)
         (g,) = torch.autograd.grad(loss, logp)
     grad_out[rows] = g.to(grad_out.dtype) * batch.mask[rows]
     return loss.detach(), stats
 
-
-def part_of_a_group(part, lo: int, gradients: GroupGradients, group_lo: int) -> KnownGradient:
-    """Phase 3 for the micro-batch ``part`` (rows [lo, ...) of a split group starting at ``group_lo``): the
-    loss engine's known-gradient piece (pacs_kernels.KnownGradient). Its surrogate sum_t g_t logp_t over the
-    part's response tokens (one vocabulary sweep) has as gradient the part's share of the group loss's; the
-    part reports the group's loss value, and the group's statistics on its first part only."""
-    return KnownGradient(to_layout(part, lo, gradients.grad_logp), to_layout(part, lo, gradients.lse),
-                         gradients.losses[group_lo], gradients.stats.pop(group_lo, {}))

@@ -1,10 +1,10 @@
 """A rollout step's policy update, top to bottom: the old policy's log-probs (pacs/train/old_policy.py: the
 batch from then on carried to the loss by one :class:`~pacs.train.update_batch.UpdateBatch`), the groups whose
-gradient is exactly 0 planned out; then, for each mini-batch of whole groups, its micro-batches (whole groups
-within the token budget; a group over it in parts, made exact by its known log-prob gradients:
-pacs/train/split_groups.py), each micro-batch's loss through the one call to the loss engine
-(:func:`policy_loss`), their gradients accumulated, clipped and applied by AdamW; a non-finite loss or gradient
-skips the update."""
+gradient is exactly 0 planned out; then, for each mini-batch of whole groups, its plan (:func:`plan_mini_batch`:
+its micro-batches, whole groups within the token budget, a group over it in parts made exact by its log-prob
+gradients known first, pacs/train/split_groups.py), each micro-batch cut from the batch in its layout
+(:func:`micro_batch`) and its loss taken through the one call to the loss engine (:func:`policy_loss`), their
+gradients accumulated, clipped and applied by AdamW; a non-finite loss or gradient skips the update."""
 
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ from pacs.model.packing import (
     is_part_of_a_group,
     micro_batch_ranges,
     same_count_on_every_rank,
-    to_layout,
+    slice_micro_batch,
 )
 from pacs.model.policy import DistInfo
-from pacs.model.sequence_parallel import reduce_over_group, slice_micro_batch, whole_micro_batch
+from pacs.model.sequence_parallel import reduce_over_group, whole_micro_batch
 from pacs.model.varlen_attention import new_decisions as new_attention_decisions
 from pacs.run import TrainingStopped
 from pacs.run.checkpoint import latest_checkpoint
@@ -35,9 +35,8 @@ from pacs.train.loss_objective import loss_objective, one_sweep_first_step, toke
 from pacs.train.loss_statistics import LossStatistics
 from pacs.train.old_policy import old_policy_logprobs, old_policy_pass, old_policy_ranges
 from pacs.train.preflight import TrainerSteps
-from pacs.train.rollout_correction import both_valid
-from pacs.train.single_label_groups import group_losses_at_zero, loss_valid, plan_group_skips, skip_rules
-from pacs.train.split_groups import GroupGradients, group_gradients, loss_gradient, part_of_a_group, split_group_rows
+from pacs.train.single_label_groups import group_losses_at_zero, plan_group_skips, skip_rules
+from pacs.train.split_groups import GroupGradients, group_gradients
 from pacs.train.training import Training
 from pacs.train.update_batch import UpdateBatch
 from pacs.train.weight_updates import UpdateMonitor
@@ -91,39 +90,45 @@ def update_step(t: Training, step: int, batch: Batch) -> tuple[UpdateResult, flo
     # groups whose gradient is exactly 0 this step (single-label ones after a reset) are not run:
     # moved behind the others within their mini-batch (pacs/train/single_label_groups.py)
     skip_first, skip_every = skip_rules(cfg, reference_is_current=data.rollout_logp is None)
-    groups_run = None
+    groups_run = at_zero = None
     if skip_first or skip_every:
         order, groups_run = plan_group_skips(data.batch.rewards, r.group_size, o.mini_batches_per_step,
                                              skip_first=skip_first, skip_every=skip_every)
         groups_run = most_on_any_rank(groups_run, dist_info)
         if order is not None:
             data = data.select(order)
+        # what a group not run counts in the metrics: its loss at psi = 0
+        at_zero = group_losses_at_zero(data.batch.rewards, data.valid, r.group_size, o.weighting).tolist()
     update = update_policy(cfg, t.policy, t.optimizer, t.scheduler, data, t.state, dist_info, step, t.say,
-                           groups_run=groups_run)
+                           groups_run=groups_run, losses_at_zero=at_zero)
     if t.packed and (attention := new_attention_decisions(dist_info.device)):  # once per configuration
         t.say(f"[train] packed attention: {attention}")
     return update, entropy
 
 
 def update_policy(cfg: Config, policy, optimizer, scheduler, data: UpdateBatch, state: dict, dist_info: DistInfo,
-                  step: int, say=print, *, groups_run: list[int] | None = None) -> UpdateResult:
+                  step: int, say=print, *, groups_run: list[int] | None = None,
+                  losses_at_zero: list[float] | None = None) -> UpdateResult:
     """For each mini-batch of whole groups of ``data``, its micro-batches' losses (each through
     :func:`micro_batch_loss`), their gradients accumulated, clipped and applied; a non-finite loss or gradient
     on any rank skips the update on every rank (:func:`skip_non_finite`). ``groups_run``: per mini-batch, the
-    groups that run (those after them: a gradient of exactly 0); None: all."""
+    groups that run (those after them: a gradient of exactly 0); None: all. ``losses_at_zero``: with
+    ``groups_run``, each group's loss at psi = 0, what a group not run counts in the metrics."""
     o, group, rows_per_mini = cfg.optim, cfg.rollout.group_size, mini_batch_rows(cfg, dist_info)
     skipped = None if groups_run is None else rows_per_mini // group * o.mini_batches_per_step - sum(groups_run)
     update = UpdateResult([], [], [], {}, float("nan"), skipped_groups=skipped, lr=optimizer.param_groups[0]["lr"])
-    statistics, at_zero = LossStatistics(), losses_at_zero(cfg, data.batch, groups_run)
+    statistics = LossStatistics()
+    if (groups_run is None) != (losses_at_zero is None):
+        raise ValueError("update_policy: groups_run and losses_at_zero go together (both None: every group runs)")
     # weights that a step leaves where they are, though they have a gradient: updates that rounded away
     monitor = UpdateMonitor(policy.parameters(), distributed=dist_info.world_size > 1)
     for m in range(o.mini_batches_per_step):
-        mini = plan_mini_batch(cfg, policy, data, m, dist_info, at_zero, groups_run)
+        mini = plan_mini_batch(cfg, policy, data, m, dist_info, losses_at_zero, groups_run)
         update.skipped_losses += mini.skipped_losses
-        update.split_groups += 0 if mini.split is None else len(mini.split.losses)
-        for lo, hi in mini.micro_batches:
+        update.split_groups += len(set(mini.part_of) - {None})
+        for i, (lo, hi) in enumerate(mini.micro_batches):
             with activation_offload(cfg.train.offload_activations, dist_info.device):
-                loss = micro_batch_loss(cfg, policy, data, mini, lo, hi)
+                loss = micro_batch_loss(cfg, policy, data, mini, i)
                 (loss.to_backward * loss_scale(loss, mini, rows_per_mini, dist_info)).backward()
             update.losses.append(loss.value)
             # its weight in the step's loss: the groups it held (a part: its share); a token mean: their tokens
@@ -147,15 +152,16 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, data: UpdateBatch, 
 
 @dataclass
 class MiniBatch:
-    """One mini-batch's plan: its micro-batches (row ranges, the same count on every rank), the log-prob
-    gradients of its groups that run in parts (None: no token budget, no parts), the loss values of its groups
-    not run (a gradient of exactly 0), ``first_step``: the one sweep on weights still the rollout's (logp =
-    old_logp), and
-    ``tokens``: the GRPO token mean's denominator, the response tokens of the mini-batch on every data rank
-    (None: the loss is a mean over responses)."""
+    """One mini-batch's plan: its micro-batches (row ranges, the same count on every rank), for each the first
+    row of the group it is a part of (None: it holds whole groups), the log-prob gradients known before they run
+    (:func:`known_gradients`; None: none), the loss values of its groups not run (a gradient of exactly 0),
+    ``first_step``: the one sweep on weights still the rollout's (logp = old_logp), and ``tokens``: the GRPO token
+    mean's denominator, the response tokens of the mini-batch on every data rank (None: the loss is a mean over
+    responses)."""
 
     micro_batches: list[tuple[int, int]]
-    split: GroupGradients | None
+    part_of: list[int | None]
+    known: GroupGradients | None
     skipped_losses: list[float]
     first_step: bool
     tokens: int | None = None
@@ -190,39 +196,47 @@ def plan_mini_batch(cfg: Config, policy, data: UpdateBatch, mini: int, dist_info
         data.batch.attention_mask.sum(1).tolist(), first, last, group_size=group,
         rows_per_micro=micro_batch_groups(cfg) * group, max_tokens=tr.max_tokens_per_micro_batch, packed=data.packed)
     micro_batches = same_count_on_every_rank(micro_batches, group, dist_info.world_size, dist_info.device)
-    split = None  # only token budgets cut groups
-    if tr.max_tokens_per_micro_batch is not None:
-        split = split_group_gradients(cfg, policy, data, micro_batches, dist_info, first_mini_batch=mini == 0)
+    part_of = [lo - lo % group if is_part_of_a_group(lo, hi, group) else None for lo, hi in micro_batches]
     # one vocabulary sweep needs every psi to be 0 on the first mini-batch: reference = current weights
     objective = loss_objective(cfg)
     first_step = (mini == 0 and one_sweep_first_step(objective) and o.one_sweep_first_step
                   and data.rollout_logp is None)
+    known = known_gradients(cfg, policy, data, micro_batches, part_of, dist_info, first_mini_batch=mini == 0,
+                            first_step=first_step)
     tokens = None
     if token_mean(objective):  # one token mean over the whole mini-batch (GRPO's token_mean, DAPO, CISPO, ...)
         tokens = mini_batch_tokens(data.batch.mask[first:first + rows_per_mini], dist_info)
-    return MiniBatch(micro_batches, split, skipped, first_step, tokens)
+    return MiniBatch(micro_batches, part_of, known, skipped, first_step, tokens)
 
 
-def split_group_gradients(cfg: Config, policy, data: UpdateBatch, micro_batches: list[tuple[int, int]],
-                          dist_info: DistInfo, *, first_mini_batch: bool) -> GroupGradients:
-    """Phases 1-2 of pacs/train/split_groups.py for the groups this mini-batch runs in parts: their
-    log-probs under the current weights (the rollout-time pass's on the first mini-batch after a
-    rollout: ``rollout_logp``, or ``old_logp`` itself when the reference is that policy; else a no-grad
-    pass over their parts, the same number of forwards on every rank), then each group's loss and
-    per-token gradient."""
-    group, batch = cfg.rollout.group_size, data.batch
-    parts = [(lo, hi) for lo, hi in micro_batches if is_part_of_a_group(lo, hi, group)]
+def known_gradients(cfg: Config, policy, data: UpdateBatch, micro_batches: list[tuple[int, int]],
+                    part_of: list[int | None], dist_info: DistInfo, *, first_mini_batch: bool,
+                    first_step: bool) -> GroupGradients | None:
+    """The per-token log-prob gradients of the mini-batch's loss known before its micro-batches run (phases 1-2
+    of pacs/train/split_groups.py), keyed by their rows' first row: each group it runs in parts (only token
+    budgets cut groups), on their log-probs under the current weights (the rollout-time pass's on the first
+    mini-batch after a rollout: ``rollout_logp``, or ``old_logp`` itself when the reference is that policy; else
+    a no-grad pass over their parts, the same number of forwards on every rank); and under sequence parallelism
+    on the first step each whole micro-batch (the weights are still the rollout's: from old_logp, psi = 0).
+    None: no token budget and no such first step."""
+    group, budget = cfg.rollout.group_size, cfg.train.max_tokens_per_micro_batch
+    sp_first = data.sp is not None and first_step
+    if budget is None and not sp_first:
+        return None
+    parts = [rows for rows, group_lo in zip(micro_batches, part_of) if group_lo is not None]
+    known = [(lo, lo + group) for lo in sorted({group_lo for group_lo in part_of if group_lo is not None})]
+    if sp_first:
+        known += [rows for rows, group_lo in zip(micro_batches, part_of) if group_lo is None]
     current_logp = data.old_logp if data.rollout_logp is None else data.rollout_logp
     current_lse = data.old_lse
-    if not first_mini_batch:
+    if budget is not None and not first_mini_batch:
         count = most_on_any_rank([len(parts)], dist_info)[0]  # FSDP: every rank runs as many no-grad forwards
         if count:
             first = micro_batches[0][0]  # a rank without (enough) parts repeats a one-row forward
-            current_logp, current_lse, _ = old_policy_logprobs(policy, batch, parts, cfg.rollout.temperature,
+            current_logp, current_lse, _ = old_policy_logprobs(policy, data.batch, parts, cfg.rollout.temperature,
                                                                cfg.optim.logprob_backend, data.packed, data.sp,
                                                                fillers=[(first, first + 1)] * (count - len(parts)))
-    return group_gradients(cfg, batch, split_group_rows(micro_batches, group), current_logp, current_lse,
-                           data.old_logp)
+    return group_gradients(cfg, data, known, current_logp, current_lse)
 
 
 def mini_batch_tokens(mask: torch.Tensor, dist_info: DistInfo) -> int:
@@ -234,17 +248,38 @@ def mini_batch_tokens(mask: torch.Tensor, dist_info: DistInfo) -> int:
     return int(tokens) // dist_info.sp_size
 
 
-def losses_at_zero(cfg: Config, batch: Batch, groups_run: list[int] | None) -> list[float] | None:
-    """Each group's loss value at psi = 0: what a group not run (a gradient of exactly 0) counts in the
-    metrics; None when every group runs."""
-    if groups_run is None:
-        return None
-    o, group = cfg.optim, cfg.rollout.group_size
-    valid = both_valid(loss_valid(batch.rewards, group, o.drop_single_label_groups), batch.valid)
-    return group_losses_at_zero(batch.rewards, valid, group, o.weighting).tolist()
-
-
 # --------------------------------------------------------- a micro-batch's loss
+
+
+@dataclass
+class MicroBatch:
+    """Rows ``[lo, hi)`` of an :class:`UpdateBatch` in its layout. part: the model's inputs (padded rows, trimmed to
+    the longest, or a :class:`~pacs.model.packing.PackedMicroBatch`, under sequence parallelism this rank's slice);
+    index: where its tokens sit in the whole batch, so that ``padded[index]`` is any (B, L) per-token tensor in the
+    layout of ``part`` ((N,) packed: the tokens' rows and columns; (b, T) padded: the rows and the first T columns);
+    old_logp, old_lse, token_weights (the rollout correction's; None: none): per token, in that layout; valid: (b,)
+    the rows' validity in the loss (None: all count)."""
+
+    part: Batch | PackedMicroBatch
+    lo: int
+    hi: int
+    index: tuple
+    old_logp: torch.Tensor
+    old_lse: torch.Tensor
+    token_weights: torch.Tensor | None
+    valid: torch.Tensor | None
+
+
+def micro_batch(data: UpdateBatch, lo: int, hi: int) -> MicroBatch:
+    """Rows ``[lo, hi)`` of ``data`` cut in the layout it carries, with their per-token inputs of the loss."""
+    part = slice_micro_batch(data.batch, lo, hi, data.packed, data.sp)
+    if isinstance(part, PackedMicroBatch):
+        index = (part.rows, part.cols)
+    else:
+        index = (slice(lo, hi), slice(0, part.targets.shape[1]))
+    weights = data.batch.token_weights
+    return MicroBatch(part, lo, hi, index, data.old_logp[index], data.old_lse[index],
+                      None if weights is None else weights[index], None if data.valid is None else data.valid[lo:hi])
 
 
 @dataclass
@@ -260,47 +295,46 @@ class MicroBatchLoss:
     tokens: int = 0
 
 
-def micro_batch_loss(cfg: Config, policy, data: UpdateBatch, mini: MiniBatch, lo: int, hi: int) -> MicroBatchLoss:
-    """The loss of micro-batch rows [lo, hi): one call to the loss engine (:func:`policy_loss`) with the piece of
-    the loss's batch it holds, if any (:func:`loss_piece`); on the first step without one, the one sweep
-    (an objective whose capabilities allow it: :func:`pacs.train.loss_objective.one_sweep_first_step`)."""
-    part = slice_micro_batch(data.batch, lo, hi, data.packed, data.sp)  # in the layout the batch carries
-    piece, rows = loss_piece(cfg, data, mini, part, lo, hi)
+def micro_batch_loss(cfg: Config, policy, data: UpdateBatch, mini: MiniBatch, i: int) -> MicroBatchLoss:
+    """The loss of the mini-batch's micro-batch ``i``: cut from ``data`` in its layout (:func:`micro_batch`), then
+    one call to the loss engine (:func:`policy_loss`) with the piece of the loss's batch it holds, if any
+    (:func:`loss_piece`); on the first step without one, the one sweep (an objective whose capabilities allow it:
+    :func:`pacs.train.loss_objective.one_sweep_first_step`)."""
+    (lo, hi), group_lo = mini.micro_batches[i], mini.part_of[i]
+    micro = micro_batch(data, lo, hi)
+    piece, rows = loss_piece(cfg, data, mini, micro, group_lo)
     # the first mini-batch still has the old-policy weights: one vocabulary sweep suffices
-    lse = to_layout(part, lo, data.old_lse) if mini.first_step and piece is None else None
-    valid_rows = None if data.batch.valid is None else data.batch.valid[lo:hi]
-    weights = None if data.batch.token_weights is None else to_layout(part, lo, data.batch.token_weights)
-    loss, stats = policy_loss(cfg, policy, part, to_layout(part, lo, data.old_logp), lse, piece, valid_rows, weights)
-    group = cfg.rollout.group_size
-    first = lo - lo % group if is_part_of_a_group(lo, hi, group) else lo  # a part of a group: the whole group's
+    lse = micro.old_lse if mini.first_step and piece is None else None
+    loss, stats = policy_loss(cfg, policy, micro.part, micro.old_logp, lse, piece, micro.valid, micro.token_weights)
+    first = lo if group_lo is None else group_lo  # a part of a group: the whole group's
     tokens = int(data.batch.mask[first:first + rows].sum())
     return MicroBatchLoss(loss, float(loss.detach()), rows, stats, tokens)
 
 
-def loss_piece(cfg: Config, data: UpdateBatch, mini: MiniBatch, part, lo: int, hi: int):
-    """What the loss engine needs beyond micro-batch rows [lo, hi)'s tokens, and the rows its loss is a mean
-    over: a part of a group over the token budget gets its group's known log-prob gradients
-    (pacs/train/split_groups.py); under sequence parallelism the first step's gradients are known from
-    old_logp (psi = 0: the whole micro-batch as the "group"), and later steps gather every rank's log-probs;
-    else nothing (None)."""
-    group, batch = cfg.rollout.group_size, data.batch
-    if is_part_of_a_group(lo, hi, group):  # a group over the token budget: its log-prob gradients are known
-        return part_of_a_group(part, lo, mini.split, lo - lo % group), group
+def loss_piece(cfg: Config, data: UpdateBatch, mini: MiniBatch, micro: MicroBatch, group_lo: int | None):
+    """What the loss engine needs beyond the micro-batch's tokens, and the rows its loss is a mean over: a part of
+    a group over the token budget (its group's first row: ``group_lo``) gets its group's known log-prob gradients
+    (pacs/train/split_groups.py); under sequence parallelism the first step's gradients are known from old_logp
+    (psi = 0: the whole micro-batch as the "group"), and later steps gather every rank's log-probs; else nothing
+    (None)."""
+    lo, hi, known = micro.lo, micro.hi, mini.known
+    if group_lo is not None:  # a group over the token budget: its log-prob gradients are known (phase 3 of
+        # pacs/train/split_groups.py): the group's loss value, its statistics on its first part only
+        return KnownGradient(known.grad_logp[micro.index], known.lse[micro.index], known.losses[group_lo],
+                             known.stats.pop(group_lo, {})), cfg.rollout.group_size
     if data.sp is None:
         return None, hi - lo
-    if mini.first_step:  # the weights are still the rollout's: the loss and its gradient from old_logp
-        grad_logp = torch.zeros_like(data.old_logp)
-        loss, stats = loss_gradient(cfg, batch, slice(lo, hi), data.old_logp, data.old_logp, grad_logp)
+    if mini.first_step:  # the weights are still the rollout's: the loss and its gradient known from old_logp
 
         def agree(drift):  # every rank of the group stops, or none
             reduce_over_group([drift], data.sp, op=dist.ReduceOp.MAX)
             return drift
 
-        return KnownGradient(to_layout(part, lo, grad_logp), to_layout(part, lo, data.old_lse), loss, stats,
-                             expected_logp=to_layout(part, lo, data.old_logp), agree=agree), hi - lo
+        return KnownGradient(known.grad_logp[micro.index], known.lse[micro.index], known.losses[lo],
+                             known.stats.pop(lo, {}), expected_logp=micro.old_logp, agree=agree), hi - lo
     width = data.old_logp.shape[1]  # the loss couples the tokens of a group: gathered over the group's ranks
-    return GatheredLogprobs(lambda logp: whole_micro_batch(part, logp, lo, width), data.old_logp[lo:hi],
-                            batch.mask[lo:hi], part.rewards), hi - lo
+    return GatheredLogprobs(lambda logp: whole_micro_batch(micro.part, logp, lo, width), data.old_logp[lo:hi],
+                            data.batch.mask[lo:hi], micro.part.rewards), hi - lo
 
 
 # statistics of the objectives' optional regularizers: NaN when their input is absent (pacs_kernels/objectives)
@@ -308,14 +342,14 @@ ABSENT_WHEN_NAN = frozenset({"kl_mean", "entropy_mean"})
 
 
 def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: torch.Tensor,
-                old_lse: torch.Tensor | None = None, piece=None, valid_rows: torch.Tensor | None = None,
+                old_lse: torch.Tensor | None = None, piece=None, valid: torch.Tensor | None = None,
                 token_weights: torch.Tensor | None = None):
     """The configured objective's loss (pacs/train/loss_objective.py) of one micro-batch (padded rows or packed),
     straight from hidden states; old_logp/old_lse in the micro-batch's layout. ``old_lse`` (weights unchanged
     since the old-policy pass, an objective whose capabilities allow it): the one-sweep first step. ``piece``
     (:func:`loss_piece`): the micro-batch holds a piece of the loss's batch (part of a group, or this rank's
-    tokens under sequence parallelism). ``valid_rows``: the micro-batch's rows of ``Batch.valid`` (responses the
-    rollout correction dropped; PACS's, None for any other objective). ``token_weights``: the rollout
+    tokens under sequence parallelism). ``valid``: the micro-batch's rows of ``UpdateBatch.valid``, the responses
+    that count in the loss (PACS's; None: all, and for any other objective). ``token_weights``: the rollout
     correction's truncated weights in the micro-batch's layout (None: none).
 
     The one call to the loss engine, the same for every objective (PACS, the GRPO family, a user's): the
@@ -331,7 +365,6 @@ def policy_loss(cfg: Config, policy, part: Batch | PackedMicroBatch, old_logp: t
         raise ValueError(f"advanced.rollout_correction.mode={cfg.rollout_correction.mode} needs whole groups in a "
                          "micro-batch: not yet with groups split over the token budget or sequence parallelism")
     packed = isinstance(part, PackedMicroBatch) and piece is None
-    valid = both_valid(loss_valid(part.rewards, group, o.drop_single_label_groups), valid_rows)  # (None: all count)
     loss, stats = fused_linear_objective_loss(hidden, weight, part.targets, part.mask, old_logp, part.rewards,
                                               objective=loss_objective(cfg), group_size=group, options=options,
                                               old_lse=old_lse, cu_seqlens=part.cu_seqlens if packed else None,
