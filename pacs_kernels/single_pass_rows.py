@@ -139,18 +139,14 @@ class EagerRows(_RowEngine):
 
     def kept(self, t0: int, t1: int, hold: bool = True):
         """Holds exp(z - max) with its row sum (and the slope); on the CPU without the entropy, exp(z) unshifted
-        where that is exact: two passes over the tile fewer (the max and the subtraction, a share of the loss's
-        time there). Exact wherever every row's sum of exp(z) is a finite normal number: softmax is
-        shift-invariant, and exp and the sum keep their relative precision at any scale in range; a tile with a
-        row outside (a logit near the exponent's limit, or a row of very negative logits) is redone shifted."""
+        where that is exact (:meth:`_unshifted`)."""
         z, slope = self._tempered(t0, t1)
         y = self.targets[t0:t1].long()
         target_logit = z.gather(1, y.unsqueeze(1)).squeeze(1)
         if self.entropy is None and z.device.type == "cpu":
-            row_sum = z.exp_().sum(1, keepdim=True)
-            if bool(((row_sum >= torch.finfo(z.dtype).tiny) & torch.isfinite(row_sum)).all()):
-                return self._held(t0, t1, z, row_sum, row_sum.squeeze(1).log(), target_logit, slope, hold)
-            self.tiles.give_back(z)
+            held = self._unshifted(z, target_logit, t0, t1, slope, hold)
+            if held is not False:
+                return held
             z, slope = self._tempered(t0, t1)  # a row over- or underflowed: the tile again, shifted by its max
         row_max = z.amax(1, keepdim=True)
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
@@ -159,11 +155,26 @@ class EagerRows(_RowEngine):
             self.entropy[t0:t1] = _entropy_rows(z)
         z.exp_()  # z now holds exp(z - max): probabilities up to the row sum
         row_sum = z.sum(1, keepdim=True)
-        return self._held(t0, t1, z, row_sum, row_max.squeeze(1) + row_sum.squeeze(1).log(), target_logit, slope,
-                          hold)
+        lse = row_max.squeeze(1) + row_sum.squeeze(1).log()
+        self.logp[t0:t1] = target_logit - lse
+        self.lse[t0:t1] = lse
+        if not hold:
+            self.tiles.give_back(z)
+            return None
+        return t0, t1, z, row_sum, slope
 
-    def _held(self, t0: int, t1: int, z, row_sum, lse, target_logit, slope, hold: bool):
-        """The rows' logp and lse written out; the tile held (or handed back without ``hold``)."""
+    def _unshifted(self, z, target_logit, t0: int, t1: int, slope, hold: bool):
+        """exp(z) and its row sum without the max shift: two passes over the tile fewer (the max and the subtraction;
+        on the CPU those passes are a share of the loss's time). Exact wherever every row's sum of exp(z) is a
+        finite normal number: softmax is shift-invariant, and exp and the sum keep their relative precision at any
+        scale in range. Otherwise (a logit near the exponent's limit, or a row of very negative logits) returns
+        False, the tile handed back, and :meth:`kept` redoes it shifted."""
+        z.exp_()
+        row_sum = z.sum(1, keepdim=True)
+        if not bool(((row_sum >= torch.finfo(z.dtype).tiny) & torch.isfinite(row_sum)).all()):
+            self.tiles.give_back(z)
+            return False
+        lse = row_sum.squeeze(1).log()
         self.logp[t0:t1] = target_logit - lse
         self.lse[t0:t1] = lse
         if not hold:
