@@ -16,10 +16,9 @@ Each engine adds the bias gradient (sum over tokens of dz) into ``d_bias`` itsel
 Two engines:
 
 * ``EagerRows``: eager PyTorch, in place over a float32 (float64) logits buffer: exp(z - max) and
-  its row sum are held (on the CPU, exp(z) unshifted where every row's sum is in range); a
-  low-precision copy of dz is made for the GEMMs on a GPU. Bytes per logit: 4 (+ 4 for the
-  soft-cap's slope, + 2 for the bf16 dz copy on a GPU). On the CPU the tiles of one call take
-  turns in one buffer (:class:`TileBuffer`).
+  its row sum are held; a low-precision copy of dz is made for the GEMMs on a GPU. Bytes per
+  logit: 4 (+ 4 for the soft-cap's slope, + 2 for the bf16 dz copy on a GPU). On the CPU the
+  tiles of one call take turns in one buffer (:class:`TileBuffer`).
 * ``TritonRows``: the row kernels of triton/softmax_rows.py. Where the GEMMs run in 16 bits (a
   GPU), the tile is held as bf16/fp16 probabilities relative to each vocabulary slice's max
   (float32 GEMM output only for a strip of ``strip_rows`` rows at a time), and dz is written over
@@ -138,16 +137,10 @@ class EagerRows(_RowEngine):
         return z, (softcap_slope(z, self.temperature, self.softcap) if self.softcap is not None else None)
 
     def kept(self, t0: int, t1: int, hold: bool = True):
-        """Holds exp(z - max) with its row sum (and the slope); on the CPU without the entropy, exp(z) unshifted
-        where that is exact (:meth:`_unshifted`)."""
+        """Holds exp(z - max) with its row sum (and the slope)."""
         z, slope = self._tempered(t0, t1)
         y = self.targets[t0:t1].long()
         target_logit = z.gather(1, y.unsqueeze(1)).squeeze(1)
-        if self.entropy is None and z.device.type == "cpu":
-            held = self._unshifted(z, target_logit, t0, t1, slope, hold)
-            if held is not False:
-                return held
-            z, slope = self._tempered(t0, t1)  # a row over- or underflowed: the tile again, shifted by its max
         row_max = z.amax(1, keepdim=True)
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
         z.sub_(row_max)
@@ -156,25 +149,6 @@ class EagerRows(_RowEngine):
         z.exp_()  # z now holds exp(z - max): probabilities up to the row sum
         row_sum = z.sum(1, keepdim=True)
         lse = row_max.squeeze(1) + row_sum.squeeze(1).log()
-        self.logp[t0:t1] = target_logit - lse
-        self.lse[t0:t1] = lse
-        if not hold:
-            self.tiles.give_back(z)
-            return None
-        return t0, t1, z, row_sum, slope
-
-    def _unshifted(self, z, target_logit, t0: int, t1: int, slope, hold: bool):
-        """exp(z) and its row sum without the max shift: two passes over the tile fewer (the max and the subtraction;
-        on the CPU those passes are a share of the loss's time). Exact wherever every row's sum of exp(z) is a
-        finite normal number: softmax is shift-invariant, and exp and the sum keep their relative precision at any
-        scale in range. Otherwise (a logit near the exponent's limit, or a row of very negative logits) returns
-        False, the tile handed back, and :meth:`kept` redoes it shifted."""
-        z.exp_()
-        row_sum = z.sum(1, keepdim=True)
-        if not bool(((row_sum >= torch.finfo(z.dtype).tiny) & torch.isfinite(row_sum)).all()):
-            self.tiles.give_back(z)
-            return False
-        lse = row_sum.squeeze(1).log()
         self.logp[t0:t1] = target_logit - lse
         self.lse[t0:t1] = lse
         if not hold:
