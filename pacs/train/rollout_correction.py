@@ -75,10 +75,14 @@ class Band:
         c = cfg.rollout_correction
         return cls(c.c_min, c.c_max, c.sequence_ratio)
 
+    def log_bounds(self) -> tuple[float, float]:
+        """[log c_min, log c_max] (-inf for c_min = 0)."""
+        return (math.log(self.c_min) if self.c_min > 0 else -math.inf,
+                math.log(self.c_max) if math.isfinite(self.c_max) else math.inf)
+
     def outside(self, log_ratio: torch.Tensor) -> torch.Tensor:
         """Where exp(log_ratio) lies outside [c_min, c_max] (compared in log space: no overflow)."""
-        low = math.log(self.c_min) if self.c_min > 0 else -math.inf
-        high = math.log(self.c_max) if math.isfinite(self.c_max) else math.inf
+        low, high = self.log_bounds()
         return (log_ratio < low) | (log_ratio > high)
 
 
@@ -97,6 +101,16 @@ def sequence_log_ratio(delta: torch.Tensor, mask: torch.Tensor, sequence_ratio: 
     if sequence_ratio == "geometric":
         return total / mask.sum(1).clamp(min=1).to(total.dtype)
     raise ValueError(f"sequence_ratio must be 'product' or 'geometric', got {sequence_ratio!r}")
+
+
+def mode_log_ratio(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, mode: str,
+                   band: Band) -> torch.Tensor:
+    """(B, L) float64 log-ratio at ``mode``'s level: each token's (token_*), or its response's broadcast over the
+    tokens (sequence_*); 0 off ``mask`` for token_*."""
+    delta = token_log_ratio(old_logp, sampler_logp, mask)
+    if mode.startswith("sequence_"):
+        return sequence_log_ratio(delta, mask, band.sequence_ratio)[:, None].expand_as(delta)
+    return delta
 
 
 @dataclass
@@ -155,16 +169,10 @@ def truncated_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: 
     """(B, L) float64 weights of ``mode`` (token_truncate / sequence_truncate): the token's or its response's
     ratio clamped to [c_min, c_max], 0 off ``mask``. Clamped in log space first (a long response's product never
     overflows), then exponentiated."""
-    delta = token_log_ratio(old_logp, sampler_logp, mask)
-    if mode == "token_truncate":
-        log_ratio = delta
-    elif mode == "sequence_truncate":
-        log_ratio = sequence_log_ratio(delta, mask, band.sequence_ratio)[:, None].expand_as(delta)
-    else:
+    if mode not in ("token_truncate", "sequence_truncate"):
         raise ValueError(f"truncated weights need mode token_truncate or sequence_truncate, got {mode!r}")
-    low = math.log(band.c_min) if band.c_min > 0 else -math.inf
-    high = math.log(band.c_max) if math.isfinite(band.c_max) else math.inf
-    weights = torch.exp(log_ratio.clamp(min=low, max=high))
+    low, high = band.log_bounds()
+    weights = torch.exp(mode_log_ratio(old_logp, sampler_logp, mask, mode, band).clamp(min=low, max=high))
     return torch.where(mask, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
 
 
@@ -180,9 +188,7 @@ def importance_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask:
         return truncated_weights(old_logp, sampler_logp, mask, mode, band)
     if mode not in MASK_MODES:
         raise ValueError(f"vllm_importance_sampling_mode must be one of {', '.join(TRL_MODES)}, got {mode!r}")
-    delta = token_log_ratio(old_logp, sampler_logp, mask)
-    if mode == "sequence_mask":
-        delta = sequence_log_ratio(delta, mask, band.sequence_ratio)[:, None].expand_as(mask)
+    delta = mode_log_ratio(old_logp, sampler_logp, mask, mode, band)
     inside = ~band.outside(delta) & mask
     weights = torch.exp(torch.where(inside, delta, torch.zeros((), dtype=delta.dtype, device=delta.device)))
     return torch.where(inside, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))

@@ -246,10 +246,12 @@ def plan_memory(inp: PlanInputs, levers: Levers = Levers(), tokens: int | None =
     comp["activations (saved for the backward)"] = saved
     logit_bytes = 2 if (inp.device == "cuda" and compute == 2) else 4
     beside_chunk = m.vocab * m.hidden * loss_head_bytes(inp, kind) + LOSS_HIDDEN_COPIES * tokens * m.hidden * stream
+    if inp.device == "cuda":
+        comp["CUDA context, workspaces (assumed)"] = CUDA_RESERVE_GIB * GiB
+    if inp.device == "cuda" and inp.gpu_memory_utilization > 0:
+        comp["vLLM engine"] = inp.gpu_memory_utilization * inp.gpu_gib * GiB
     # on CUDA the loss may raise its chunk to a share of the memory free then (all but the steady parts and its own)
-    reserved = (CUDA_RESERVE_GIB * GiB + max(inp.gpu_memory_utilization, 0) * inp.gpu_gib * GiB
-                if inp.device == "cuda" else 0.0)
-    free_at_loss = max(inp.gpu_gib * GiB - sum(comp.values()) - reserved - beside_chunk, 0.0)
+    free_at_loss = max(inp.gpu_gib * GiB - sum(comp.values()) - beside_chunk, 0.0)
     chunk = min(loss_chunk_budget(levers, inp, free_at_loss), tokens * m.vocab * logit_bytes)
     loss = chunk * LOSS_CHUNK_COPIES["16-bit" if logit_bytes == 2 else "float32"] + beside_chunk
     if autocast_copies and levers.gradient_checkpointing:
@@ -261,10 +263,6 @@ def plan_memory(inp: PlanInputs, levers: Levers = Levers(), tokens: int | None =
     old_tokens = old_policy_tokens(inp, levers)
     if old_tokens > tokens:  # the no-grad old-policy pass in larger chunks than the training micro-batches
         transient[OLD_POLICY_PASS] = old_policy_pass_bytes(inp, levers, kind, old_tokens)
-    if inp.device == "cuda":
-        comp["CUDA context, workspaces (assumed)"] = CUDA_RESERVE_GIB * GiB
-    if inp.device == "cuda" and inp.gpu_memory_utilization > 0:
-        comp["vLLM engine"] = inp.gpu_memory_utilization * inp.gpu_gib * GiB
     largest = max(transient, key=transient.get)
     phase = ("the loss" if largest.startswith("fused loss") else "the old-policy pass" if largest.startswith("old")
              else "the forward" if largest == FORWARD_COPIES else "a layer's backward")
