@@ -145,9 +145,10 @@ def run_loss(hidden, weight, targets, mask, old_logp, rewards, objective, *, gro
     if result is None:
         result = run_two_pass(batch, plan, engine, options)
     shape = batch.shape
+    bounded = (f", {plan.rebuilt:.0%} of the logits built twice (groups bigger than the budget)" if plan.rebuilt
+               else f", logits in chunks of {plan.chunk_elements} (the budget)" if plan.chunk_elements else "")
     logger.debug("fused loss: %s path, B=%d, %d response tokens%s", plan.path, len(shape.counts), shape.n_selected,
-                 f", {plan.rebuilt:.0%} of the logits built twice (groups bigger than the budget)"
-                 if plan.rebuilt else "")
+                 bounded)
     loss, stats = result
     return loss, stats, engine, plan.path
 

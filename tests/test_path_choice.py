@@ -79,14 +79,50 @@ def test_groups_too_big_for_the_budget_go_to_the_triton_two_passes_where_they_ru
 def test_the_choice_follows_the_constants():
     """Eager single-pass rows (5 passes over the logits) against the Triton two passes (2 passes, one GEMM
     more): where elementwise passes cost far more than GEMMs, the two passes; where GEMMs dominate, the
-    single pass. On the CPU (eager two passes, 7 passes) the single pass wins whatever the constants."""
+    single pass. On the CPU (eager two passes, 7 passes) the single pass wins at the CPU's constants even with
+    most of each group rebuilt, and whatever the constants where the groups fit the budget."""
     slow_passes = DeviceCosts(gemm_s_per_flop=1e-15, pass_s_per_element=1e-6)
     cheap_passes = DeviceCosts(gemm_s_per_flop=1e-9, pass_s_per_element=1e-15)
     assert model_paths(shape(), 4096.0, profile(slow_passes), triton_two_pass=True).path == "two_pass"
     assert model_paths(shape(), 4096.0, profile(cheap_passes), triton_two_pass=True).path == "single_pass"
     small = budget_mib_for_tokens(100, 151936, CPU, torch.float32)  # 8/9 of each group rebuilt
+    assert model_paths(shape(), small, profile()).path == "single_pass"
     for costs in (slow_passes, cheap_passes):
-        assert model_paths(shape(), small, profile(costs)).path == "single_pass"
+        assert model_paths(shape(), 4096.0, profile(costs)).path == "single_pass"
+
+
+def test_fewer_chunks_where_the_budget_allows_them():
+    """The CPU grid's point V = 128,256, d = 2,048, N = 1,024 (2 groups, 768 tokens): two chunks of one group
+    stream the weight and its gradient twice (about 0.25 s more than one chunk, measured on a 2-core Xeon), so
+    with room for every token the plan holds them in one chunk, for a group-coupled objective and a
+    token-separable one alike; with no room it stays at the default budget."""
+    counts = tuple(64 - 32 * i // 15 for i in range(16))
+    grid = shape(vocab=128256, d=2048, counts=counts, n_tokens=sum(counts))
+    for capabilities in (Capabilities(chunking="groups"), Capabilities(chunking="tokens")):
+        plan = plan_loss(grid, capabilities, LossOptions(), profile(DEFAULT_COSTS["cpu"]))
+        assert plan.path == "single_pass" and len(plan.chunks) == 1 and plan.rebuilt == 0
+        tight = plan_loss(grid, capabilities, LossOptions(), profile(DEFAULT_COSTS["cpu"], max_budget_mib=256.0))
+        assert tight.budget_mib is None and len(tight.chunks) == 2
+    choice = model_paths(grid, None, profile(DEFAULT_COSTS["cpu"]))
+    assert budget_mib_for_tokens(sum(counts[:8]), 128256, CPU, torch.float32) < 256  # the default holds a group
+    one_group = "single_pass@default"
+    every_token = f"single_pass@{budget_mib_for_tokens(sum(counts), 128256, CPU, torch.float32):.0f}MiB"
+    stream = 128256 * 2048 * DEFAULT_COSTS["cpu"].pass_s_per_element  # one more pass over V x d
+    assert choice.modelled_s[one_group] - choice.modelled_s[every_token] == pytest.approx(stream)
+
+
+def test_the_eager_two_passes_count_their_chunks():
+    """torch_chunked.py cuts the tokens into chunks of 4 M logits (27 tokens at V = 152k): each streams the
+    weight again, which the model counts against the eager two passes."""
+    from pacs_kernels.torch_chunked import token_chunk_count
+
+    assert token_chunk_count(1000, 151936) == 1  # a vocabulary split keeps 1,000 tokens in one chunk
+    assert token_chunk_count(5000, 151936) == 3  # at most 2,048 tokens a chunk
+    assert token_chunk_count(1000, 1000) == 1 and token_chunk_count(10_000, 1000) == 3  # 4,194 tokens a chunk
+    small_vocab = shape(vocab=1000, counts=(1250,) * 8, n_tokens=10_000)
+    coarse = model_paths(small_vocab, 4096.0, profile(), two_pass_chunk_elements=1 << 30).modelled_s["two_pass"]
+    fine = model_paths(small_vocab, 4096.0, profile()).modelled_s["two_pass"]
+    assert fine - coarse == pytest.approx(2 * 1000 * 896 * CPU_COSTS.pass_s_per_element)
 
 
 def test_the_plan_reads_the_capabilities_not_the_objective_type():

@@ -166,8 +166,9 @@ def test_two_fsdp_ranks_with_split_groups(tmp_path):
 
 
 def test_the_loss_chunk_setting_reaches_the_fused_loss(caplog):
-    """train.loss_chunk_mib is the fused loss's chunk budget: below one group, the single pass
-    rebuilds part of each group's logits (said in the kernels' debug log); same loss and gradients."""
+    """train.loss_chunk_mib is the fused loss's chunk budget: below one group, the single pass rebuilds part of
+    each group's logits or (at these toy shapes, auto's cost model) the eager two passes take chunks within it
+    (said in the kernels' debug log); same loss and gradients."""
     import logging
 
     from test_packing import loss_and_grads
@@ -185,8 +186,9 @@ def test_the_loss_chunk_setting_reaches_the_fused_loss(caplog):
         caplog.clear()
         with caplog.at_level(logging.DEBUG, logger="pacs_kernels"):
             results[chunk] = loss_and_grads(policy, batch, old_logp, False, cfg)
-        rebuilt = any("built twice" in record.getMessage() for record in caplog.records)
-        assert rebuilt == (chunk is not None)
+        bounded = any("built twice" in record.getMessage() or "(the budget)" in record.getMessage()
+                      for record in caplog.records)
+        assert bounded == (chunk is not None)
     torch.testing.assert_close(results[0.001][0], results[None][0], rtol=1e-10, atol=1e-12)
     for name, grad in results[None][1].items():
         torch.testing.assert_close(results[0.001][1][name], grad, rtol=1e-9, atol=1e-12, msg=name)

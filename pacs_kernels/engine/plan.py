@@ -15,13 +15,17 @@ A plan says:
 
 ``path="auto"`` over chunks of whole groups takes the path of least modelled time:
 
-    single pass, rebuilt share r:  (3 + r) G + (SINGLE_PASS_PASSES + r REBUILD_PASSES) P
-    two passes (eager torch):      4 G + TWO_PASS_PASSES P
-    two passes (Triton kernels):   4 G + TRITON_TWO_PASS_PASSES P
+    single pass, rebuilt share r, k chunks:  (3 + r) G + (SINGLE_PASS_PASSES + r REBUILD_PASSES) P + (k - 1) S
+    two passes (eager torch), k' chunks:     4 G + TWO_PASS_PASSES P + (k' - 1) S
+    two passes (Triton kernels):             4 G + TRITON_TWO_PASS_PASSES P
 
-with G = 2 N V d x (the profile's seconds per GEMM flop) and P = N V x (its seconds per float32 elementwise
-pass element); where the device profile holds a measured GPU table entry for the shape, the measurement
-decides. With no budget given, the budget may be raised from the device's default to hold the largest group
+with G = 2 N V d x (the profile's seconds per GEMM flop), P = N V x (its seconds per float32 elementwise
+pass element) and S = V d x the same: cutting the tokens into k chunks streams the weight and the weight
+gradient's accumulator once more per chunk (its three GEMMs over fewer rows; on a 2-core Xeon at V = 128,256,
+d = 2,048, two chunks of 384 tokens took about 0.25 s more than one of 768, one such pass at the CPU's default
+constants); where the device profile holds a measured GPU table entry for the shape, the measurement decides.
+Chunks of tokens (a token-separable objective) are modelled the same way (r = 0); the eager two passes' k'
+are torch_chunked.py's token chunks; the Triton two passes tile inside their kernels (in G). With no budget given, the budget may be raised from the device's default to hold the largest group
 (or all the tokens) whole, up to the profile's ``max_budget_mib`` (on the CPU 1/8 of the memory, on CUDA a
 share of the free memory): a group held whole is never built twice.
 """
@@ -36,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..logprobs import resolve_backend
+from ..torch_chunked import DEFAULT_CHUNK_ELEMENTS, token_chunk_count
 
 if TYPE_CHECKING:  # annotations only
     from ..objectives.protocol import Capabilities
@@ -291,9 +296,8 @@ def plan_loss(shape: BatchShape, capabilities: Capabilities, options: LossOption
 
 
 def usual_plan(shape: BatchShape, capabilities: Capabilities, options: LossOptions, profile: DeviceProfile) -> Plan:
-    """The single pass or the two passes (``options.path``; "auto": the cost model, over chunks of whole groups).
-
-    Chunks of tokens (a token-separable objective) take the single pass at the budget. Two passes always for
+    """The single pass or the two passes (``options.path``; "auto": the cost model, over chunks of whole groups,
+    or of tokens for a token-separable objective). Two passes always for
     ``path="two_pass"``, backend="naive" and an objective that uses the entropy. ``path="single_pass"``: a group
     bigger than the budget keeps part of its logits and rebuilds the rest."""
     path, softcap = options.path, options.logit_softcap is not None
@@ -307,13 +311,18 @@ def usual_plan(shape: BatchShape, capabilities: Capabilities, options: LossOptio
     row_kernels = row_kernels_for(options.backend, profile)
     whole_groups = capabilities.chunking != "tokens"
     budget_mib, modelled = options.chunk_budget_mib, ()
-    if path == "auto" and whole_groups:
+    if path == "auto":
         triton_two_pass = two_pass_runs_triton(options.backend, profile.device, profile.dtype, softcap=softcap)
+        # the eager two passes, if chosen, keep the caller's budget too (4 bytes a logit)
+        eager_elements = options.chunk_elements or (None if budget_mib is None else
+                                                    max(1, int(budget_mib * 2 ** 20) // 4))
         choice = model_paths(shape, budget_mib, profile, softcap=softcap, triton_two_pass=triton_two_pass,
-                             row_kernels=row_kernels)
+                             row_kernels=row_kernels, whole_groups=whole_groups,
+                             two_pass_chunk_elements=eager_elements)
         modelled = tuple(choice.modelled_s.items())
         if choice.path == "two_pass":
-            return Plan("two_pass", backend=two_pass_backend(shape, options, profile), modelled_s=modelled)
+            return Plan("two_pass", backend=two_pass_backend(shape, options, profile), modelled_s=modelled,
+                        chunk_elements=None if triton_two_pass else eager_elements)
         budget_mib = choice.budget_mib
     memory = tile_memory(budget_mib, shape.vocab, profile.device, shape.dtype, softcap=softcap,
                          row_kernels=row_kernels)
@@ -401,16 +410,17 @@ def measured_faster(profile: DeviceProfile, shape: BatchShape, among: tuple[str,
 
 
 def candidate_budgets(shape: BatchShape, budget_mib: float | None, profile: DeviceProfile, *, softcap: bool,
-                      row_kernels: str) -> list[float | None]:
+                      row_kernels: str, whole_groups: bool = True) -> list[float | None]:
     """The single pass's budgets worth modelling: the caller's; or, with none given, the device's default and
-    budgets holding the largest group and all tokens, up to the profile's ``max_budget_mib`` (the cap itself
-    where the largest group needs more: its tiles then rebuild the least)."""
+    budgets holding the largest group (``whole_groups``) and all tokens, up to the profile's ``max_budget_mib``
+    (the cap itself where the largest group needs more: its tiles then rebuild the least)."""
     if budget_mib is not None:
         return [budget_mib]
     default = default_chunk_budget_mib(profile.device)
     cap = max(default, profile.max_budget_mib)
     budgets: list[float | None] = [None]
-    for tokens in (largest_group_tokens(shape.counts, shape.group_size), shape.n_selected):
+    largest = (largest_group_tokens(shape.counts, shape.group_size),) if whole_groups else ()
+    for tokens in (*largest, shape.n_selected):
         mib = min(cap, budget_mib_for_tokens(tokens, shape.vocab, profile.device, shape.dtype, softcap=softcap,
                                              row_kernels=row_kernels))
         if mib > default and mib not in budgets:
@@ -419,30 +429,44 @@ def candidate_budgets(shape: BatchShape, budget_mib: float | None, profile: Devi
 
 
 def model_paths(shape: BatchShape, budget_mib: float | None, profile: DeviceProfile, *, softcap: bool = False,
-                triton_two_pass: bool = False, row_kernels: str = "torch") -> ModelledChoice:
-    """The path of least modelled time (module docstring) with the profile's costs. Deterministic: ties go to
-    the single pass and to the smaller budget. A measured GPU table entry for the shape decides first."""
+                triton_two_pass: bool = False, row_kernels: str = "torch", whole_groups: bool = True,
+                two_pass_chunk_elements: int | None = None) -> ModelledChoice:
+    """The path of least modelled time (module docstring) with the profile's costs, over chunks of whole groups
+    (``whole_groups``) or of tokens (never rebuilt); ``two_pass_chunk_elements``: the eager two passes' logits
+    chunk (None: torch_chunked.py's default). Deterministic: ties go to the single pass and to the smaller
+    budget. A measured GPU table entry for the shape decides first."""
     if triton_two_pass and measured_faster(profile, shape, ("single_pass", "triton")):
         return ModelledChoice("two_pass", None, {"two_pass": "measured faster (GPU table)"})
     costs = profile.costs
     n, v, d = shape.n_selected, shape.vocab, shape.d
     gemm = 2.0 * n * v * d * costs.gemm_s_per_flop
     passes = n * v * costs.pass_s_per_element
+    weight_stream = v * d * costs.pass_s_per_element  # S: once more per chunk past the first
     rows = "triton" if row_kernels == "triton" else "torch"
     modelled: dict = {}
     best: tuple[float, str, float | None] | None = None
-    for budget in candidate_budgets(shape, budget_mib, profile, softcap=softcap, row_kernels=row_kernels):
+    for budget in candidate_budgets(shape, budget_mib, profile, softcap=softcap, row_kernels=row_kernels,
+                                    whole_groups=whole_groups):
         memory = tile_memory(budget, v, profile.device, shape.dtype, softcap=softcap, row_kernels=row_kernels)
-        fits = plan_group_chunks(list(shape.counts), shape.group_size, memory.tokens) is not None
-        if not fits and triton_two_pass and not measured_faster(profile, shape, ("triton", "single_pass_lowmem")):
-            continue  # a group larger than the budget goes to the Triton two passes, unless measured otherwise
-        chunks = plan_group_chunks(list(shape.counts), shape.group_size, memory.tokens, oversized_alone=True)
-        rebuilt = recomputed_fraction(chunks, memory.tokens)
-        seconds = (3 + rebuilt) * gemm + (SINGLE_PASS_PASSES[rows] + rebuilt * REBUILD_PASSES[rows]) * passes
+        if whole_groups:
+            fits = plan_group_chunks(list(shape.counts), shape.group_size, memory.tokens) is not None
+            if not fits and triton_two_pass and not measured_faster(profile, shape,
+                                                                    ("triton", "single_pass_lowmem")):
+                continue  # a group larger than the budget goes to the Triton two passes, unless measured otherwise
+            chunks = plan_group_chunks(list(shape.counts), shape.group_size, memory.tokens, oversized_alone=True)
+            rebuilt = recomputed_fraction(chunks, memory.tokens)
+        else:
+            chunks, rebuilt = plan_token_chunks(list(shape.counts), memory.tokens), 0.0
+        seconds = ((3 + rebuilt) * gemm + (SINGLE_PASS_PASSES[rows] + rebuilt * REBUILD_PASSES[rows]) * passes
+                   + (len(chunks) - 1) * weight_stream)
         modelled[f"single_pass@{'default' if budget is None else f'{budget:.0f}MiB'}"] = seconds
         if best is None or seconds < best[0]:
             best = (seconds, "single_pass", budget)
-    two = 4 * gemm + (TRITON_TWO_PASS_PASSES if triton_two_pass else TWO_PASS_PASSES) * passes
+    if triton_two_pass:
+        two = 4 * gemm + TRITON_TWO_PASS_PASSES * passes
+    else:
+        eager_chunks = token_chunk_count(n, v, two_pass_chunk_elements or DEFAULT_CHUNK_ELEMENTS)
+        two = 4 * gemm + TWO_PASS_PASSES * passes + (eager_chunks - 1) * weight_stream
     modelled["two_pass"] = two
     if best is None or two < best[0]:
         best = (two, "two_pass", None)

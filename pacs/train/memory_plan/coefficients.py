@@ -42,9 +42,9 @@ OLD_POLICY_PASS = "old-policy pass (no grad)"
 FORWARD_COPIES = "forward (every layer's 16-bit copy, cached by autocast until its end)"
 # CUDA's context, cuBLAS/NCCL workspaces and the caching allocator's slack: assumed (not measured here)
 CUDA_RESERVE_GIB = 1.0
-# pacs_kernels.single_pass.DEFAULT_CHUNK_BUDGET_MIB (a test keeps them equal; this module imports no torch)
+# pacs_kernels.engine.plan.DEFAULT_CHUNK_BUDGET_MIB (a test keeps them equal; this module imports no torch)
 DEFAULT_LOSS_CHUNK_MIB = {"cuda": 2048.0, "cpu": 256.0}
-# pacs_kernels.path_choice.RAISED_BUDGET_SHARE (a test keeps them equal): on the CPU, with no
+# pacs_kernels.engine.device.RAISED_BUDGET_SHARE (a test keeps them equal): on the CPU, with no
 # train.loss_chunk_mib, path="auto" may raise the chunk to hold a whole group or every token, up to this
 # share of the memory; the plan counts that most (setting train.loss_chunk_mib pins the chunk)
 RAISED_LOSS_CHUNK_SHARE = 1 / 8
