@@ -19,7 +19,7 @@ trainer's switches; pacs/model/packing.py, pacs/model/memory.py):
                              tokens, only its input kept for the backward: pacs/model/tiled_mlp.py)
   packed_fused_ckpt_offload  + checkpointed activations offloaded to host (train.offload_activations)
   packed_fused_ckpt_split    + the group run in parts, one response each (a token budget below the
-                             group: pacs/train/split_groups.py): a no-grad pass over the parts (as on a
+                             group: pacs/train/update.py's known_gradients): a no-grad pass over the parts (as on a
                              later mini-batch; free on the first), then each part's forward and
                              backward with its tokens' gradients fixed: the peak is one response's
                              step, not the group's
@@ -202,26 +202,27 @@ def train_step(policy, optimizer, batch, levers: tuple[str, ...], device: torch.
     cfg.rollout.group_size = GROUP
     cfg.train.loss_chunk_mib = loss_chunk_mib
     if "split" in levers:  # one response per part; the group's per-token gradients first
+        from pacs.train.loss_objective import loss_objective
         from pacs.train.old_policy import old_policy_logprobs
-        from pacs.train.split_groups import group_gradients
         from pacs.train.update import micro_batch
         from pacs.train.update_batch import update_batch
-        from pacs_kernels import KnownGradient
+        from pacs_kernels import KnownGradient, known_gradient_on_rows
 
         parts = [(row, row + 1) for row in range(GROUP)]
         logp, lse, _ = old_policy_logprobs(policy, batch, parts, cfg.rollout.temperature, cfg.optim.logprob_backend,
                                            packed=packed)
         data = update_batch(cfg, batch, old_logp, lse, packed=packed)
-        gradients = group_gradients(cfg, data, [(0, GROUP)], logp, lse)
+        group_loss, grad_logp, stats = known_gradient_on_rows(  # the group is the whole batch
+            loss_objective(cfg), logp, data.old_logp, batch.rewards, batch.mask, group_size=GROUP, valid=data.valid)
         for lo, hi in parts:
             with activation_offload("offload" in levers, device):
                 micro = micro_batch(data, lo, hi)  # the part's piece, as the trainer's loss_piece builds it
-                piece = KnownGradient(gradients.grad_logp[micro.index], gradients.lse[micro.index],
-                                      gradients.losses[0], gradients.stats.pop(0, {}))
+                piece = KnownGradient(grad_logp[micro.index], lse[micro.index], float(group_loss),
+                                      stats if lo == 0 else {})
                 surrogate, _ = policy_loss(cfg, policy, micro.part, micro.old_logp, piece=piece)
             surrogate.backward()
             del surrogate
-        loss_value = gradients.losses[0]
+        loss_value = float(group_loss)
     else:
         part = slice_micro_batch(batch, 0, GROUP, packed)
         with activation_offload("offload" in levers, device):
@@ -540,7 +541,7 @@ def report(summary, args, name: str, date: str) -> str:
              f"one group of {GROUP} responses (lengths L, 3L/4, L/2, L/4) after a {args.prompt_len}-token prompt: "
              "forward, PACS loss, backward, AdamW step. The fused loss's logits working memory "
              "(train.loss_chunk_mib) is 1/64 of the budget; the split variants run the group one response "
-             "at a time (pacs/train/split_groups.py).", "",
+             "at a time (pacs/train/update.py's known_gradients).", "",
              "| budget | variant | longest response L that fits | smallest L tried that does not | vs padded_naive |",
              "|---:|---|---:|---:|---:|"]
     base = {b: lo for b, v, lo, _, _ in summary if v == "padded_naive"}

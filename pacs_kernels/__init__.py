@@ -7,7 +7,7 @@ from .objectives import CISPO, DAPO, GRPO, GSPO, PACS, Capabilities, DrGRPO, Obj
 from .objectives.grpo_math import GRPOStats, grpo_loss
 from .objectives.pacs_math import PACSStats, pacs_loss
 from .options import LossOptions
-from .pieces import GatheredLogprobs, KnownGradient
+from .pieces import GatheredLogprobs, KnownGradient, known_gradient_on_rows
 
 __all__ = [
     "linear_logprobs",
@@ -23,6 +23,7 @@ __all__ = [
     "LossOptions",
     "KnownGradient",
     "GatheredLogprobs",
+    "known_gradient_on_rows",
     "Objective",
     "GRPO",
     "DAPO",

@@ -41,9 +41,9 @@ class LossOptions:
             path of least time by the plan's cost model with this device's profile (pacs_kernels/engine/plan.py,
             device.py; on CUDA this device's GPU table where it measured the shape).
         chunk_budget_mib: working memory of the single pass's logits in MiB; None: the device's default
-            (256 MiB on the CPU, 2 GiB on CUDA), which ``path="auto"`` may raise to hold the largest group whole
-            (its logits are then built once, not twice): up to 1/8 of the memory on the CPU, a quarter of the
-            free memory on CUDA.
+            (256 MiB on the CPU, 2 GiB on CUDA), which ``path="auto"`` may raise to hold every token in one chunk
+            (the weight streamed once) or the largest group whole (its logits then built once, not twice): up to
+            1/8 of the memory on the CPU, a quarter of the free memory on CUDA.
         filter_eps: the two-pass path's ``linear_logprobs`` option (None: its default; checked there).
         chunk_elements: the two-pass path's ``linear_logprobs`` option (None: its default).
         vocab_splits: the two-pass path's ``linear_logprobs`` option (None: its default).

@@ -90,6 +90,19 @@ def group_loss_on_rows(objective, logp, old_logp, rewards, mask, *, group_size: 
     return objective(logp, old_logp, rewards, mask, group_size=group_size)
 
 
+def known_gradient_on_rows(objective, logp, old_logp, rewards, mask, *, group_size: int, valid=None):
+    """Phases 1-2 of a :class:`KnownGradient`, for whole groups: the objective's loss on their (B, T) log-prob rows
+    ``logp`` (under the current weights, no graph needed) and its gradient g = dloss/dlogp on every token, 0 off
+    ``mask`` -> ``(loss 0-d detached, g like logp, stats dict)``. Any slice of g's rows, with the matching
+    log-sum-exp, makes a piece of those rows (``KnownGradient(g[rows], lse[rows], loss, stats)``)."""
+    logp = logp.detach().clone().requires_grad_(True)
+    with torch.enable_grad():
+        loss, stats = group_loss_on_rows(objective, logp, old_logp, rewards, mask, group_size=group_size,
+                                         valid=valid)
+        (grad,) = torch.autograd.grad(loss, logp)
+    return loss.detach(), grad * mask.to(grad.dtype), stats
+
+
 def check_piece(piece, *, token_shape: tuple | None = None, **refused) -> None:
     """A piece of a batch: a :class:`KnownGradient` or a :class:`GatheredLogprobs`; the fused entries' inputs it
     has no use for (``refused``: cu_seqlens, group_ids, old_lse, ref_logp, with_entropy) refused by name (a piece

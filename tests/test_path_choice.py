@@ -209,8 +209,8 @@ def test_a_loss_call_writes_no_file(objective, path, monkeypatch, tmp_path):
     weight = torch.randn(32, 16, generator=gen, requires_grad=True)
     targets, mask = torch.randint(0, 32, (4, 6), generator=gen), torch.rand(4, 6, generator=gen) > 0.3
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
-    loss, _ = pacs_kernels.fused_linear_objective_loss(hidden, weight, targets, mask, None, rewards, objective=objective,
-                                                       group_size=2,
+    loss, _ = pacs_kernels.fused_linear_objective_loss(hidden, weight, targets, mask, None, rewards,
+                                                       objective=objective, group_size=2,
                                                        options=LossOptions(path=path))
     loss.backward()
     assert files_under(tmp_path) == []

@@ -15,6 +15,7 @@ from pacs_kernels import (
     fused_linear_objective_loss,
     fused_linear_pacs_loss,
     grpo_loss,
+    known_gradient_on_rows,
     pacs_loss,
 )
 
@@ -79,6 +80,42 @@ def test_known_gradient_parts_add_up_to_the_whole_group(objective):
         loss.backward()
     torch.testing.assert_close(h.grad, want_dh, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(w.grad, want_dw, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("objective", [PACS(beta=0.7), GRPO(clip_eps=0.2)], ids=["pacs", "grpo"])
+def test_known_gradient_on_rows_gives_phases_one_and_two(objective):
+    """pacs_kernels.known_gradient_on_rows: the loss of whole groups on their log-prob rows and g = dloss/dlogp
+    (0 off the mask, no graph left), which the parts' pieces turn into the whole group's gradient (float64)."""
+    hidden, weight, targets, mask, old_logp, rewards = inputs(3)
+    want_loss, want_dh, want_dw = whole_batch(objective, hidden, weight, targets, mask, old_logp, rewards)
+    with torch.no_grad():
+        current = logprobs(hidden, weight, targets) * mask
+        lse = torch.logsumexp(hidden @ weight.T / OPTIONS.temperature, -1)
+    loss, grad_logp, stats = known_gradient_on_rows(objective, current, old_logp, rewards, mask, group_size=G)
+    assert not loss.requires_grad and not grad_logp.requires_grad and not current.requires_grad
+    torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=1e-12)
+    assert grad_logp.shape == current.shape and bool((grad_logp[~mask] == 0).all())
+    assert float(stats["loss"]) == pytest.approx(float(want_loss))
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    for lo, hi in PARTS:
+        piece = KnownGradient(grad_logp[lo:hi], lse[lo:hi], loss, stats if lo == 0 else {})
+        FUSED[type(objective)](h[lo:hi], w, targets[lo:hi], mask[lo:hi], old_logp[lo:hi], rewards[lo:hi],
+                               group_size=G, objective=objective, options=OPTIONS, piece=piece).backward()
+    torch.testing.assert_close(h.grad, want_dh, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(w.grad, want_dw, rtol=1e-9, atol=1e-12)
+    if isinstance(objective, PACS):  # a response that does not count: PACS's valid= (weight 0, still in baselines)
+        valid = torch.tensor([True, False, True, True])
+        value, with_valid, _ = known_gradient_on_rows(objective, current, old_logp, rewards, mask, group_size=G,
+                                                      valid=valid)
+        at = current.clone().requires_grad_()
+        want = pacs_loss(at, old_logp, rewards, mask, group_size=G, **objective.group_settings(), valid=valid)
+        torch.testing.assert_close(value, want.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(with_valid, torch.autograd.grad(want, at)[0] * mask, rtol=1e-12, atol=1e-14)
+        assert not torch.equal(with_valid, grad_logp)
+    else:
+        with pytest.raises(ValueError, match="valid"):
+            known_gradient_on_rows(objective, current, old_logp, rewards, mask, group_size=G,
+                                   valid=torch.ones(B, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("objective", [PACS(beta=0.7), GRPO(clip_eps=0.2)], ids=["pacs", "grpo"])

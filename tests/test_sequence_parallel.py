@@ -88,8 +88,8 @@ def close(a: dict, b: dict, tol: float = 2e-5) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", [
     [],  # two mini-batches: the second one's psi is not 0
-    # every group in parts (pacs/train/split_groups.py), with the layers recomputed in the backward (collectives
-    # inside), after the preflight (which changes nothing)
+    # every group in parts (known_gradients in pacs/train/update.py), with the layers recomputed in the backward
+    # (collectives inside), after the preflight (which changes nothing)
     ["train.max_tokens_per_micro_batch=24", "rollout.max_prompt_len=16",
      "advanced.train.skip_zero_gradient_groups=false",
      "model.gradient_checkpointing=true", "train.tiled_mlp=true", "advanced.train.mlp_tile_tokens=5",

@@ -1,4 +1,4 @@
-"""Groups larger than the micro-batch token budget run in parts (pacs/train/split_groups.py) and train
+"""Groups larger than the micro-batch token budget run in parts (pacs/train/update.py, known_gradients) and train
 exactly like the whole group: same gradients, same weights, for PACS and GRPO, padded and packed,
 on the first mini-batch after a rollout (log-probs from the old-policy pass) and on later ones
 (a no-grad pass over the parts first)."""

@@ -25,9 +25,9 @@ next group would exceed the budget. A group larger than the budget is cut into p
 (``split_groups``), and only such a group: PACS's gradient for any token of a response depends, through the
 group's RLOO baseline and the BCE on psi, on the log-probs of every response of its group, so one backward over
 part of a group is not the gradient of anything by itself. The trainer makes it exact in two phases
-(pacs/train/split_groups.py): the group's log-probs first, without gradient, give every token's gradient; then
-each part's backward carries those fixed gradients. A single sequence larger than the budget is an error that
-names the setting and the sequence's token count (its forward cannot be cut).
+(known_gradients in pacs/train/update.py): the group's log-probs first, without gradient, give every token's
+gradient; then each part's backward carries those fixed gradients. A single sequence larger than the budget is an
+error that names the setting and the sequence's token count (its forward cannot be cut).
 """
 
 from __future__ import annotations
@@ -460,7 +460,7 @@ def response_positions(part, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
 def split_to_count(plan: list[tuple[int, int]], count: int, group_size: int) -> list[tuple[int, int]]:
     """Split micro-batches of ``plan`` until there are ``count`` of them: the one with the most rows
     first, at the group boundary nearest its middle when it holds two groups or more, else between
-    rows (a group then runs in parts, which the trainer makes exact: pacs/train/split_groups.py). Each part
+    rows (a group then runs in parts, which the trainer makes exact: pacs/train/update.py, known_gradients). Each part
     costs no more than the micro-batch it came from, so a plan within a token budget stays within it.
     Raises ValueError when ``count`` exceeds the number of rows."""
     plan = list(plan)

@@ -3,7 +3,7 @@
 
 Built in one place for every route a micro-batch's loss takes (pacs/train/update.py's ``policy_loss``):
 the fused loss straight from hidden states, and the group loss on log-probs known or gathered first (groups
-run in parts, pacs/train/split_groups.py; sequence parallelism).
+run in parts, pacs/train/update.py's known_gradients; sequence parallelism).
 
 Each built-in objective's settings come from the config (pacs_kernels/objectives/*.py has their math):
 

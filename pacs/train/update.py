@@ -2,7 +2,7 @@
 batch from then on carried to the loss by one :class:`~pacs.train.update_batch.UpdateBatch`), the groups whose
 gradient is exactly 0 planned out; then, for each mini-batch of whole groups, its plan (:func:`plan_mini_batch`:
 its micro-batches, whole groups within the token budget, a group over it in parts made exact by its log-prob
-gradients known first, pacs/train/split_groups.py), each micro-batch cut from the batch in its layout
+gradients known first: :func:`known_gradients`), each micro-batch cut from the batch in its layout
 (:func:`micro_batch`) and its loss taken through the one call to the loss engine (:func:`policy_loss`), their
 gradients accumulated, clipped and applied by AdamW; a non-finite loss or gradient skips the update."""
 
@@ -36,11 +36,11 @@ from pacs.train.loss_statistics import LossStatistics
 from pacs.train.old_policy import old_policy_logprobs, old_policy_pass, old_policy_ranges
 from pacs.train.preflight import TrainerSteps
 from pacs.train.single_label_groups import group_losses_at_zero, plan_group_skips, skip_rules
-from pacs.train.split_groups import GroupGradients, group_gradients
 from pacs.train.training import Training
 from pacs.train.update_batch import UpdateBatch
 from pacs.train.weight_updates import UpdateMonitor
 from pacs_kernels import GatheredLogprobs, KnownGradient, LossOptions, fused_linear_objective_loss
+from pacs_kernels.pieces import known_gradient_on_rows
 
 
 @dataclass
@@ -57,7 +57,7 @@ class UpdateResult:
     grad_norms: list[float]
     stats: dict[str, float]
     last_loss: float
-    split_groups: int = 0  # groups larger than the token budget, run in parts (pacs/train/split_groups.py)
+    split_groups: int = 0  # groups larger than the token budget, run in parts (:func:`known_gradients`)
     skipped_groups: int | None = None  # groups whose gradient is exactly 0, not run (None: not planned)
     skipped_losses: list[float] = dataclasses.field(default_factory=list)  # their loss values, one per group
     # per applied update: the share of (sampled) weights with a gradient that the step changed (weight_updates.py)
@@ -148,6 +148,29 @@ def update_policy(cfg: Config, policy, optimizer, scheduler, data: UpdateBatch, 
 
 
 # ----------------------------------------------------------------- mini-batches
+#
+# A group larger than the micro-batch token budget is trained exactly in parts. PACS couples the responses of a
+# group (the RLOO baseline, the class-weighted BCE on psi), and GRPO's token terms depend on the group through
+# the advantages, so a backward over part of a group is not the gradient of anything by itself; but the
+# gradient splits exactly in phases (pacs_kernels/pieces.py, KnownGradient):
+#   1. the group's log-probs under the current weights, without gradient: from the old-policy pass on the first
+#      mini-batch after a rollout (the weights have not moved), else one more no-grad pass over its parts;
+#   2. the group's loss L on them and g_t = dL/dlogp_t on every token (pacs_kernels.known_gradient_on_rows);
+#   3. each part: forward with gradient and one vocabulary sweep of sum_t g_t logp_t (g held fixed), whose
+#      gradient in the weights is the part's share of dL/dweights (a KnownGradient piece: loss_piece below).
+# Under FSDP every rank runs as many no-grad forwards (those with fewer repeat a small one).
+
+
+@dataclass
+class GroupGradients:
+    """Phases 1-2 for the split groups of one mini-batch (or the micro-batches of a sequence-parallel first step):
+    per token (the whole batch's padded layout, 0 elsewhere) the gradient g of their loss and the log-sum-exp of
+    the current weights; per group (its first row), the loss value and its statistics."""
+
+    grad_logp: torch.Tensor
+    lse: torch.Tensor
+    losses: dict[int, float]
+    stats: dict[int, dict[str, float]]
 
 
 @dataclass
@@ -186,7 +209,7 @@ def plan_mini_batch(cfg: Config, policy, data: UpdateBatch, mini: int, dist_info
     """Mini-batch ``mini``: the rows of its groups that run (those not run, a gradient of exactly 0, sit behind
     them: pacs/train/single_label_groups.py) cut into micro-batches of whole groups (at most
     ``micro_batch_groups`` groups and ``train.max_tokens_per_micro_batch`` tokens; a group larger than that in
-    parts, made exact by its log-prob gradients, known first: pacs/train/split_groups.py)."""
+    parts, made exact by its log-prob gradients, known first: :func:`known_gradients`)."""
     o, tr, group = cfg.optim, cfg.train, cfg.rollout.group_size
     rows_per_mini = mini_batch_rows(cfg, dist_info)
     first = mini * rows_per_mini
@@ -213,7 +236,7 @@ def known_gradients(cfg: Config, policy, data: UpdateBatch, micro_batches: list[
                     part_of: list[int | None], dist_info: DistInfo, *, first_mini_batch: bool,
                     first_step: bool) -> GroupGradients | None:
     """The per-token log-prob gradients of the mini-batch's loss known before its micro-batches run (phases 1-2
-    of pacs/train/split_groups.py), keyed by their rows' first row: each group it runs in parts (only token
+    above), keyed by their rows' first row: each group it runs in parts (only token
     budgets cut groups), on their log-probs under the current weights (the rollout-time pass's on the first
     mini-batch after a rollout: ``rollout_logp``, or ``old_logp`` itself when the reference is that policy; else
     a no-grad pass over their parts, the same number of forwards on every rank); and under sequence parallelism
@@ -236,7 +259,15 @@ def known_gradients(cfg: Config, policy, data: UpdateBatch, micro_batches: list[
             current_logp, current_lse, _ = old_policy_logprobs(policy, data.batch, parts, cfg.rollout.temperature,
                                                                cfg.optim.logprob_backend, data.packed, data.sp,
                                                                fillers=[(first, first + 1)] * (count - len(parts)))
-    return group_gradients(cfg, data, known, current_logp, current_lse)
+    batch, objective, grad = data.batch, loss_objective(cfg), torch.zeros_like(current_logp)
+    losses, stats = {}, {}
+    for lo, hi in known:  # phase 2: each whole group's (or micro-batch's) loss and g, as the loss engine takes them
+        valid = None if data.valid is None else data.valid[lo:hi]
+        loss, g, stats[lo] = known_gradient_on_rows(objective, current_logp[lo:hi], data.old_logp[lo:hi],
+                                                    batch.rewards[lo:hi], batch.mask[lo:hi], group_size=group,
+                                                    valid=valid)
+        grad[lo:hi], losses[lo] = g.to(grad.dtype), float(loss)
+    return GroupGradients(grad, current_lse, losses, stats)
 
 
 def mini_batch_tokens(mask: torch.Tensor, dist_info: DistInfo) -> int:
@@ -314,12 +345,12 @@ def micro_batch_loss(cfg: Config, policy, data: UpdateBatch, mini: MiniBatch, i:
 def loss_piece(cfg: Config, data: UpdateBatch, mini: MiniBatch, micro: MicroBatch, group_lo: int | None):
     """What the loss engine needs beyond the micro-batch's tokens, and the rows its loss is a mean over: a part of
     a group over the token budget (its group's first row: ``group_lo``) gets its group's known log-prob gradients
-    (pacs/train/split_groups.py); under sequence parallelism the first step's gradients are known from old_logp
+    (phase 3 of the split groups, above); under sequence parallelism the first step's gradients are known from old_logp
     (psi = 0: the whole micro-batch as the "group"), and later steps gather every rank's log-probs; else nothing
     (None)."""
     lo, hi, known = micro.lo, micro.hi, mini.known
-    if group_lo is not None:  # a group over the token budget: its log-prob gradients are known (phase 3 of
-        # pacs/train/split_groups.py): the group's loss value, its statistics on its first part only
+    if group_lo is not None:  # a group over the token budget: its log-prob gradients are known (phase 3,
+        # above): the group's loss value, its statistics on its first part only
         return KnownGradient(known.grad_logp[micro.index], known.lse[micro.index], known.losses[group_lo],
                              known.stats.pop(group_lo, {})), cfg.rollout.group_size
     if data.sp is None:

@@ -25,9 +25,11 @@ gradient's accumulator once more per chunk (its three GEMMs over fewer rows; on 
 d = 2,048, two chunks of 384 tokens took about 0.25 s more than one of 768, one such pass at the CPU's default
 constants); where the device profile holds a measured GPU table entry for the shape, the measurement decides.
 Chunks of tokens (a token-separable objective) are modelled the same way (r = 0); the eager two passes' k'
-are torch_chunked.py's token chunks; the Triton two passes tile inside their kernels (in G). With no budget given, the budget may be raised from the device's default to hold the largest group
-(or all the tokens) whole, up to the profile's ``max_budget_mib`` (on the CPU 1/8 of the memory, on CUDA a
-share of the free memory): a group held whole is never built twice.
+are torch_chunked.py's token chunks; the Triton two passes tile inside their kernels (in G).
+
+With no budget given, the budget may be raised from the device's default to hold the largest group (or all the
+tokens) whole, up to the profile's ``max_budget_mib`` (on the CPU 1/8 of the memory, on CUDA a share of the
+free memory): a group held whole is never built twice, and one chunk streams the weight once.
 """
 
 from __future__ import annotations
