@@ -58,13 +58,6 @@ def _chunk_sizes(n_tokens: int, vocab: int, chunk_elements: int) -> tuple[int, i
     return token_chunk, max(1, min(vocab, chunk_elements // token_chunk))
 
 
-def token_chunk_count(n_tokens: int, vocab: int, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> int:
-    """How many token chunks the two passes cut ``n_tokens`` into (each streams the whole weight once per pass;
-    engine/plan.py's cost model counts them)."""
-    token_chunk, _ = _chunk_sizes(n_tokens, vocab, chunk_elements)
-    return max(1, -(-n_tokens // token_chunk))
-
-
 def _logits(h, weight, bias, v0, v1, inv_tau, cdt, softcap=None):
     """(tokens, v1 - v0) float32 logits of a chunk, soft-capped (``c * tanh(z / c)``) when ``softcap``
     is set, then tempered; h and weight already GEMM operands (``operand``)."""

@@ -111,20 +111,6 @@ def test_fewer_chunks_where_the_budget_allows_them():
     assert choice.modelled_s[one_group] - choice.modelled_s[every_token] == pytest.approx(stream)
 
 
-def test_the_eager_two_passes_count_their_chunks():
-    """torch_chunked.py cuts the tokens into chunks of 4 M logits (27 tokens at V = 152k): each streams the
-    weight again, which the model counts against the eager two passes."""
-    from pacs_kernels.torch_chunked import token_chunk_count
-
-    assert token_chunk_count(1000, 151936) == 1  # a vocabulary split keeps 1,000 tokens in one chunk
-    assert token_chunk_count(5000, 151936) == 3  # at most 2,048 tokens a chunk
-    assert token_chunk_count(1000, 1000) == 1 and token_chunk_count(10_000, 1000) == 3  # 4,194 tokens a chunk
-    small_vocab = shape(vocab=1000, counts=(1250,) * 8, n_tokens=10_000)
-    coarse = model_paths(small_vocab, 4096.0, profile(), two_pass_chunk_elements=1 << 30).modelled_s["two_pass"]
-    fine = model_paths(small_vocab, 4096.0, profile()).modelled_s["two_pass"]
-    assert fine - coarse == pytest.approx(2 * 1000 * 896 * CPU_COSTS.pass_s_per_element)
-
-
 def test_the_plan_reads_the_capabilities_not_the_objective_type():
     groups, tokens = Capabilities(chunking="groups"), Capabilities(chunking="tokens")
     budget = budget_mib_for_tokens(100, 151936, CPU, torch.float32)

@@ -16,7 +16,7 @@ A plan says:
 ``path="auto"`` over chunks of whole groups takes the path of least modelled time:
 
     single pass, rebuilt share r, k chunks:  (3 + r) G + (SINGLE_PASS_PASSES + r REBUILD_PASSES) P + (k - 1) S
-    two passes (eager torch), k' chunks:     4 G + TWO_PASS_PASSES P + (k' - 1) S
+    two passes (eager torch):                4 G + TWO_PASS_PASSES P
     two passes (Triton kernels):             4 G + TRITON_TWO_PASS_PASSES P
 
 with G = 2 N V d x (the profile's seconds per GEMM flop), P = N V x (its seconds per float32 elementwise
@@ -24,8 +24,9 @@ pass element) and S = V d x the same: cutting the tokens into k chunks streams t
 gradient's accumulator once more per chunk (its three GEMMs over fewer rows; on a 2-core Xeon at V = 128,256,
 d = 2,048, two chunks of 384 tokens took about 0.25 s more than one of 768, one such pass at the CPU's default
 constants); where the device profile holds a measured GPU table entry for the shape, the measurement decides.
-Chunks of tokens (a token-separable objective) are modelled the same way (r = 0); the eager two passes' k'
-are torch_chunked.py's token chunks; the Triton two passes tile inside their kernels (in G).
+Chunks of tokens (a token-separable objective) are modelled the same way (r = 0). The two passes' own chunks
+are not counted: the eager ones (torch_chunked.py) stream the weight once per 2,048 tokens, so at most as often as
+a single pass at the default budget; the Triton ones tile inside their kernels (in G).
 
 With no budget given, the budget may be raised from the device's default to hold the largest group (or all the
 tokens) whole, up to the profile's ``max_budget_mib`` (on the CPU 1/8 of the memory, on CUDA a share of the
@@ -42,7 +43,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..logprobs import resolve_backend
-from ..torch_chunked import DEFAULT_CHUNK_ELEMENTS, token_chunk_count
 
 if TYPE_CHECKING:  # annotations only
     from ..objectives.protocol import Capabilities
@@ -315,16 +315,14 @@ def usual_plan(shape: BatchShape, capabilities: Capabilities, options: LossOptio
     budget_mib, modelled = options.chunk_budget_mib, ()
     if path == "auto":
         triton_two_pass = two_pass_runs_triton(options.backend, profile.device, profile.dtype, softcap=softcap)
-        # the eager two passes, if chosen, keep the caller's budget too (4 bytes a logit)
-        eager_elements = options.chunk_elements or (None if budget_mib is None else
-                                                    max(1, int(budget_mib * 2 ** 20) // 4))
         choice = model_paths(shape, budget_mib, profile, softcap=softcap, triton_two_pass=triton_two_pass,
-                             row_kernels=row_kernels, whole_groups=whole_groups,
-                             two_pass_chunk_elements=eager_elements)
+                             row_kernels=row_kernels, whole_groups=whole_groups)
         modelled = tuple(choice.modelled_s.items())
-        if choice.path == "two_pass":
+        if choice.path == "two_pass":  # the eager two passes keep the caller's budget too (4 bytes a logit)
+            eager_elements = options.chunk_elements or (None if budget_mib is None or triton_two_pass else
+                                                        max(1, int(budget_mib * 2 ** 20) // 4))
             return Plan("two_pass", backend=two_pass_backend(shape, options, profile), modelled_s=modelled,
-                        chunk_elements=None if triton_two_pass else eager_elements)
+                        chunk_elements=eager_elements)
         budget_mib = choice.budget_mib
     memory = tile_memory(budget_mib, shape.vocab, profile.device, shape.dtype, softcap=softcap,
                          row_kernels=row_kernels)
@@ -431,11 +429,9 @@ def candidate_budgets(shape: BatchShape, budget_mib: float | None, profile: Devi
 
 
 def model_paths(shape: BatchShape, budget_mib: float | None, profile: DeviceProfile, *, softcap: bool = False,
-                triton_two_pass: bool = False, row_kernels: str = "torch", whole_groups: bool = True,
-                two_pass_chunk_elements: int | None = None) -> ModelledChoice:
+                triton_two_pass: bool = False, row_kernels: str = "torch", whole_groups: bool = True) -> ModelledChoice:
     """The path of least modelled time (module docstring) with the profile's costs, over chunks of whole groups
-    (``whole_groups``) or of tokens (never rebuilt); ``two_pass_chunk_elements``: the eager two passes' logits
-    chunk (None: torch_chunked.py's default). Deterministic: ties go to the single pass and to the smaller
+    (``whole_groups``) or of tokens (never rebuilt). Deterministic: ties go to the single pass and to the smaller
     budget. A measured GPU table entry for the shape decides first."""
     if triton_two_pass and measured_faster(profile, shape, ("single_pass", "triton")):
         return ModelledChoice("two_pass", None, {"two_pass": "measured faster (GPU table)"})
@@ -464,11 +460,7 @@ def model_paths(shape: BatchShape, budget_mib: float | None, profile: DeviceProf
         modelled[f"single_pass@{'default' if budget is None else f'{budget:.0f}MiB'}"] = seconds
         if best is None or seconds < best[0]:
             best = (seconds, "single_pass", budget)
-    if triton_two_pass:
-        two = 4 * gemm + TRITON_TWO_PASS_PASSES * passes
-    else:
-        eager_chunks = token_chunk_count(n, v, two_pass_chunk_elements or DEFAULT_CHUNK_ELEMENTS)
-        two = 4 * gemm + TWO_PASS_PASSES * passes + (eager_chunks - 1) * weight_stream
+    two = 4 * gemm + (TRITON_TWO_PASS_PASSES if triton_two_pass else TWO_PASS_PASSES) * passes
     modelled["two_pass"] = two
     if best is None or two < best[0]:
         best = (two, "two_pass", None)
