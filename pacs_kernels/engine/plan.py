@@ -273,11 +273,7 @@ def plan_loss(shape: BatchShape, capabilities: Capabilities, options: LossOption
             if backend == "naive":
                 raise ValueError("backend='naive' has no known-gradient fast path; use 'auto', 'triton' or 'torch'")
             return Plan("one_sweep", backend=backend)
-        # the user's budget bounds the torch backend's logits chunk here too (4 bytes a logit)
-        chunk_elements = options.chunk_elements
-        if chunk_elements is None and options.chunk_budget_mib is not None:
-            chunk_elements = max(1, int(options.chunk_budget_mib * 2**20) // 4)
-        return Plan("two_pass", backend=backend, chunk_elements=chunk_elements)
+        return Plan("two_pass", backend=backend, chunk_elements=eager_chunk_elements(options))
     if shape.has_token_weights and not capabilities.token_weights:
         raise ValueError("token_weights= needs an objective that takes per-token weights (it declares "
                          "Capabilities(token_weights=True) and accepts token_weights= in its __call__); this one "
@@ -295,6 +291,14 @@ def plan_loss(shape: BatchShape, capabilities: Capabilities, options: LossOption
         raise ValueError("old_lse (the one-sweep first step) needs backend 'auto', 'torch' or 'triton', got 'naive'")
     backend = resolve_backend(options.backend, profile.device, profile.dtype, softcap=softcap, matmul_kernels=True)
     return Plan("one_sweep", backend=backend, fallback=usual)
+
+
+def eager_chunk_elements(options: LossOptions) -> int | None:
+    """The eager two passes' logits chunk: ``options.chunk_elements``, else the caller's budget (4 bytes a logit),
+    else None (torch_chunked.py's default)."""
+    if options.chunk_elements is not None or options.chunk_budget_mib is None:
+        return options.chunk_elements
+    return max(1, int(options.chunk_budget_mib * 2 ** 20) // 4)
 
 
 def usual_plan(shape: BatchShape, capabilities: Capabilities, options: LossOptions, profile: DeviceProfile) -> Plan:
@@ -318,11 +322,9 @@ def usual_plan(shape: BatchShape, capabilities: Capabilities, options: LossOptio
         choice = model_paths(shape, budget_mib, profile, softcap=softcap, triton_two_pass=triton_two_pass,
                              row_kernels=row_kernels, whole_groups=whole_groups)
         modelled = tuple(choice.modelled_s.items())
-        if choice.path == "two_pass":  # the eager two passes keep the caller's budget too (4 bytes a logit)
-            eager_elements = options.chunk_elements or (None if budget_mib is None or triton_two_pass else
-                                                        max(1, int(budget_mib * 2 ** 20) // 4))
+        if choice.path == "two_pass":
             return Plan("two_pass", backend=two_pass_backend(shape, options, profile), modelled_s=modelled,
-                        chunk_elements=eager_elements)
+                        chunk_elements=None if triton_two_pass else eager_chunk_elements(options))
         budget_mib = choice.budget_mib
     memory = tile_memory(budget_mib, shape.vocab, profile.device, shape.dtype, softcap=softcap,
                          row_kernels=row_kernels)
